@@ -1,0 +1,168 @@
+"""Functional autodiff over shardwise Tensors: grad, value_and_grad, vjp, jvp.
+
+Built on torch's autograd (reverse mode) and forward-mode AD. Every op of
+shardwise is made of differentiable torch ops applied once per distinct
+buffer, so derivatives are those of the single-device computation.
+Gradients and tangents come back as Tensors in the layout of their inputs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.autograd.forward_ad as fwAD
+
+from shardwise.creation import as_layout_of
+from shardwise.sharding.errors import ShardingError, ShardingTypeError
+from shardwise.tensors import Tensor
+
+__all__ = ["grad", "jvp", "value_and_grad", "vjp"]
+
+
+def _argnums(argnums: int | Sequence[int], n: int) -> tuple[int, ...]:
+    nums = (argnums,) if isinstance(argnums, int) else tuple(argnums)
+    for i in nums:
+        if not -n <= i < n:
+            raise ShardingError(f"argnums {argnums!r} is out of range for {n} arguments.")
+    return tuple(i % n for i in nums)
+
+
+def _fresh(t: Any, where: str) -> Tensor:
+    if not isinstance(t, Tensor):
+        raise ShardingTypeError(
+            f"{where} must be a shardwise.Tensor to differentiate with respect to it; got "
+            f"{type(t).__name__}. Wrap it with shardwise.tensor(...)."
+        )
+    return t._map_unique(lambda s: s.detach().requires_grad_(True))
+
+
+def _scalar_roots(out: Any, what: str) -> Tensor:
+    if not isinstance(out, Tensor):
+        raise ShardingTypeError(f"{what}: the function must return a shardwise.Tensor, got "
+                                f"{type(out).__name__}.")
+    if out.shape:
+        raise ShardingError(
+            f"{what} needs a function with a scalar output; it returned {out!r}. "
+            "Reduce it (e.g. .sum()) or use vjp."
+        )
+    return out._roots()
+
+
+def _grads_for(inputs: Sequence[Tensor], outs: Tensor, cot: Tensor | None,
+               retain: bool) -> list[Tensor]:
+    reps, roots = outs.unique_shards()
+    seeds = ([torch.ones_like(r) for r in roots] if cot is None
+             else [cot.shards[k] for k in reps])
+    leaves: dict[int, torch.Tensor] = {}
+    for t in inputs:
+        for s in t.shards:
+            leaves[id(s)] = s
+    needed = [r for r in roots if r.requires_grad]
+    if not needed:
+        grads: Sequence[torch.Tensor | None] = [None] * len(leaves)
+    else:
+        grads = torch.autograd.grad(
+            [r for r in roots if r.requires_grad],
+            list(leaves.values()),
+            [g for r, g in zip(roots, seeds) if r.requires_grad],
+            retain_graph=retain, allow_unused=True,
+        )
+    by_id = dict(zip(leaves.keys(), grads))
+    return [t._wrap_grads(by_id) for t in inputs]
+
+
+def value_and_grad(fn: Callable[..., Any], argnums: int | Sequence[int] = 0,
+                   has_aux: bool = False) -> Callable[..., Any]:
+    """``fn``'s value and its gradient w.r.t. the arguments ``argnums``.
+
+    >>> f = lambda w: shardwise.all_reduce(w * w).sum()       # doctest: +SKIP
+    >>> value, g = value_and_grad(f)(w)                       # g in w's layout
+    """
+    def wrapped(*args: Any) -> Any:
+        nums = _argnums(argnums, len(args))
+        inputs = list(args)
+        for i in nums:
+            inputs[i] = _fresh(args[i], f"argument {i}")
+        with torch.enable_grad():
+            res = fn(*inputs)
+        out, aux = res if has_aux else (res, None)
+        roots = _scalar_roots(out, "value_and_grad")
+        gs = _grads_for([inputs[i] for i in nums], roots, None, retain=False)
+        g: Any = gs[0] if isinstance(argnums, int) else tuple(gs)
+        value = out.detach()
+        return ((value, aux), g) if has_aux else (value, g)
+
+    return wrapped
+
+
+def grad(fn: Callable[..., Any], argnums: int | Sequence[int] = 0,
+         has_aux: bool = False) -> Callable[..., Any]:
+    """The gradient of scalar-valued ``fn`` w.r.t. ``argnums``, in each input's layout.
+
+    >>> dw = grad(lambda w: (w * w).sum())(w)                 # doctest: +SKIP
+    """
+    vg = value_and_grad(fn, argnums, has_aux)
+
+    def wrapped(*args: Any) -> Any:
+        (value, aux), g = vg(*args) if has_aux else ((None, None), vg(*args)[1])
+        return (g, aux) if has_aux else g
+
+    return wrapped
+
+
+def vjp(fn: Callable[..., Any], *primals: Any) -> tuple[Any, Callable[[Any], tuple[Tensor, ...]]]:
+    """``(fn(*primals), vjp_fn)``: ``vjp_fn(cotangent)`` gives one Tensor per primal.
+
+    The cotangent may be a Tensor in any layout (or data) of the output's global shape.
+    """
+    inputs = [_fresh(p, f"primal {i}") for i, p in enumerate(primals)]
+    with torch.enable_grad():
+        out = fn(*inputs)
+    if not isinstance(out, Tensor):
+        raise ShardingTypeError(f"vjp: the function must return a shardwise.Tensor, got "
+                                f"{type(out).__name__}.")
+    roots = out._roots()
+
+    def vjp_fn(cotangent: Any) -> tuple[Tensor, ...]:
+        cot = as_layout_of(cotangent, roots)
+        return tuple(_grads_for(inputs, roots, cot, retain=True))
+
+    return out.detach(), vjp_fn
+
+
+def jvp(fn: Callable[..., Any], primals: Sequence[Any],
+        tangents: Sequence[Any]) -> tuple[Tensor, Tensor]:
+    """Forward mode: ``(fn(*primals), J @ tangents)``; the output tangent is in the
+    output's layout. Each tangent may be a Tensor in any layout, or data, of its
+    primal's global shape.
+    """
+    primals, tangents = tuple(primals), tuple(tangents)
+    if len(primals) != len(tangents):
+        raise ShardingError(
+            f"jvp got {len(primals)} primals and {len(tangents)} tangents: give one tangent "
+            "per primal."
+        )
+    with fwAD.dual_level():
+        duals = []
+        for i, (p, tan) in enumerate(zip(primals, tangents)):
+            if not isinstance(p, Tensor):
+                raise ShardingTypeError(f"jvp primal {i} must be a shardwise.Tensor, got "
+                                        f"{type(p).__name__}.")
+            tl = as_layout_of(tan, p)
+            pairs = dict(zip((id(s) for s in p.shards), tl.shards))
+            duals.append(p._map_unique(
+                lambda s, pairs=pairs: fwAD.make_dual(s.detach(), pairs[id(s)].detach())))
+        out = fn(*duals)
+        if not isinstance(out, Tensor):
+            raise ShardingTypeError(f"jvp: the function must return a shardwise.Tensor, got "
+                                    f"{type(out).__name__}.")
+        primal_out = out._map_unique(lambda s: fwAD.unpack_dual(s).primal.detach())
+        tangent_out = out._map_unique(lambda s: _tangent(s))
+    return primal_out, tangent_out
+
+
+def _tangent(s: torch.Tensor) -> torch.Tensor:
+    tan = fwAD.unpack_dual(s).tangent
+    return torch.zeros_like(s).detach() if tan is None else tan.detach()

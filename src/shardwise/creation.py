@@ -1,0 +1,274 @@
+"""Building Tensors: from data, from per-device pieces, and filled directly per shard.
+
+Invariants:
+- ``tensor(data)`` copies host data once (like ``torch.tensor``): later writes to
+  the caller's array never show through. Shards are views of that copy.
+- ``zeros/ones/full/arange/randn`` build each distinct shard directly at its
+  local shape: no full-size host tensor is made.
+- Partial targets are built from the replicated value (identity elements off
+  the root for SUM/PROD), so the global value is what was asked for.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from shardwise.devices import Device, DeviceError, default_device
+from shardwise.runtime import backend_for
+from shardwise.runtime.simulated import rep_indices
+from shardwise.sharding.errors import ShardingError
+from shardwise.sharding.layout import Layout
+from shardwise.sharding.mappings import as_layout
+from shardwise.sharding.mesh import DeviceMesh
+from shardwise.sharding.shapes import local_bounds, local_shape
+from shardwise.tensors import Tensor
+
+__all__ = [
+    "arange",
+    "as_layout_of",
+    "from_local",
+    "full",
+    "ones",
+    "place",
+    "randn",
+    "tensor",
+    "zeros",
+    "zeros_like",
+]
+
+
+def _target(device: Any, sharding: Any, ndim: int) -> Layout:
+    if device is not None and sharding is not None:
+        raise ShardingError(
+            f"Give device= or sharding=, not both (got device={device!r} and "
+            f"sharding={sharding!r}): a sharding already names its devices."
+        )
+    if sharding is not None:
+        return as_layout(sharding, ndim)
+    device = default_device() if device is None else device
+    if not isinstance(device, Device):
+        raise DeviceError(
+            f"device must be a shardwise device such as CPU(0) or Accelerator(0). "
+            f"Got {device!r} ({type(device).__name__})."
+        )
+    return Layout.replicated(DeviceMesh.single(device), ndim)
+
+
+def place(value: torch.Tensor, layout: Layout) -> Tensor:
+    """A Tensor whose global value is ``value`` (not copied: shards are views of it
+    where the devices share memory), laid out as ``layout``."""
+    mesh = layout.mesh
+    shape = tuple(value.shape)
+    first = mesh.devices[0].to_torch()
+    if value.device != first:
+        value = value.to(first)
+    backend = backend_for(mesh)
+    repl = Layout.replicated(mesh, len(shape))
+    plain = layout.with_partial((None,) * mesh.ndim)
+    shards = backend.assemble([value] * mesh.num_devices, repl, plain, shape)
+    t = Tensor(shards, plain, shape)
+    return _make_partial_like(t, layout) if layout.is_partial else t
+
+
+def _as_torch(data: Any, dtype: torch.dtype | None) -> torch.Tensor:
+    if isinstance(data, torch.Tensor):
+        out = data.detach().clone()
+        return out if dtype is None else out.to(dtype)
+    if isinstance(data, Tensor):
+        raise AssertionError("handled by the caller")
+    try:
+        return torch.tensor(data, dtype=dtype)
+    except (TypeError, ValueError, RuntimeError) as err:
+        raise ShardingError(
+            f"Cannot make a tensor from {type(data).__name__} {data!r:.80}: {err}. "
+            "Pass a torch.Tensor, numpy array, Python number or nested list."
+        ) from None
+
+
+def _leafify(t: Tensor, requires_grad: bool) -> Tensor:
+    if not requires_grad:
+        return t
+    return t._map_unique(lambda s: s.detach().requires_grad_(True))
+
+
+def tensor(data: Any, device: Any = None, sharding: Any = None, *,
+           dtype: torch.dtype | None = None, requires_grad: bool = False) -> Tensor:
+    """A Tensor holding a copy of ``data``, on ``device`` or laid out by ``sharding``.
+
+    >>> mesh = DeviceMesh.cpu(2, "x")
+    >>> t = shardwise.tensor([[1., 2.], [3., 4.], [5., 6.]],
+    ...                      sharding=PlacementMapping(mesh, [Sharded(0)]))
+    >>> [s.tolist() for s in t.shards]
+    [[[1.0, 2.0], [3.0, 4.0]], [[5.0, 6.0]]]
+    """
+    if isinstance(data, Tensor):
+        from shardwise.ops.communication import to_device
+
+        out = to_device(data, device, sharding=sharding)
+        if dtype is not None and out.dtype != dtype:
+            out = out._map_unique(lambda s: s.to(dtype))
+        return _leafify(out.detach(), requires_grad) if requires_grad else out
+    value = _as_torch(data, dtype)
+    layout = _target(device, sharding, value.ndim)
+    return _leafify(place(value, layout), requires_grad)
+
+
+def from_local(shards: Sequence[Any], sharding: Any, shape: Sequence[int] | None = None, *,
+               requires_grad: bool = False) -> Tensor:
+    """A Tensor from one local value per mesh device (row-major), laid out by ``sharding``.
+
+    Replicas (devices differing only on replicated axes) must hold equal
+    values; the first one along each replicated axis is used. ``shape`` is the
+    global shape; if omitted it is derived, assuming an even split.
+
+    >>> mesh = DeviceMesh.cpu(2, "x")
+    >>> t = from_local([torch.ones(2), torch.zeros(1)], PlacementMapping(mesh, [Sharded(0)]),
+    ...                shape=(3,))
+    >>> t.to_torch().tolist()
+    [1.0, 1.0, 0.0]
+    """
+    items = list(shards)
+    if not items:
+        raise ShardingError("from_local needs one local value per mesh device; got none.")
+    locals_ = [s if isinstance(s, torch.Tensor) else _as_torch(s, None) for s in items]
+    ndim = locals_[0].ndim
+    layout = as_layout(sharding, ndim)
+    mesh = layout.mesh
+    if len(locals_) != mesh.num_devices:
+        raise ShardingError(
+            f"from_local got {len(locals_)} local values for {mesh!r} with "
+            f"{mesh.num_devices} devices: give one per device, row-major."
+        )
+    if shape is None:
+        full_shape = list(locals_[0].shape)
+        for d, axes in enumerate(layout.dims):
+            for a in axes:
+                full_shape[d] *= mesh.mesh_shape[a]
+        shape = tuple(full_shape)
+    shape = tuple(shape)
+    reps = rep_indices(layout)
+    dtype = locals_[0].dtype
+    out = []
+    for k, (dev, r) in enumerate(zip(mesh.devices, reps)):
+        t = locals_[r]
+        want = local_shape(shape, layout, mesh.coord_of(k))
+        if tuple(t.shape) != want or t.dtype != dtype:
+            raise ShardingError(
+                f"from_local: device {dev!r} (coordinate {mesh.coord_of(k)}) holds shape "
+                f"{tuple(t.shape)} dtype {t.dtype}, but global shape {shape} laid out as "
+                f"{layout} puts shape {want} dtype {dtype} there (split rule: "
+                "g // n + (1 if k < g % n else 0))."
+            )
+        target = dev.to_torch()
+        out.append(t if t.device == target else t.to(target))
+    return _leafify(Tensor(out, layout, shape), requires_grad)
+
+
+def _filled(shape: Sequence[int] | int, make: Callable[[tuple[int, ...], Any, tuple[
+        tuple[int, int], ...], int], torch.Tensor], device: Any, sharding: Any,
+            requires_grad: bool) -> Tensor:
+    shape = (shape,) if isinstance(shape, int) else tuple(shape)
+    layout = _target(device, sharding, len(shape))
+    mesh = layout.mesh
+    plain = layout.with_partial((None,) * mesh.ndim)
+    reps = rep_indices(plain)
+    built: dict[int, torch.Tensor] = {}
+    for r in sorted(set(reps)):
+        coord = mesh.coord_of(r)
+        built[r] = make(local_shape(shape, plain, coord), mesh.devices[r].to_torch(),
+                        local_bounds(shape, plain, coord), r)
+    t = Tensor([built[r] for r in reps], plain, shape)
+    if layout.is_partial:
+        t = _make_partial_like(t, layout)
+    return _leafify(t, requires_grad)
+
+
+def _make_partial_like(t: Tensor, layout: Layout) -> Tensor:
+    backend = backend_for(layout.mesh)
+    shards = list(t.shards)
+    cur = t.layout
+    for op in {op for op in layout.partial if op is not None}:
+        axes = tuple(a for a, o in enumerate(layout.partial) if o == op)
+        shards = backend.make_partial(shards, cur, axes, op)
+        cur = cur.with_partial(tuple(op if a in axes else o for a, o in enumerate(cur.partial)))
+    return Tensor(shards, layout, t.shape)
+
+
+def full(shape: Sequence[int] | int, fill_value: Any, *, dtype: torch.dtype | None = None,
+         device: Any = None, sharding: Any = None, requires_grad: bool = False) -> Tensor:
+    """A Tensor of ``shape`` filled with ``fill_value``, each shard made in place.
+
+    >>> full((4,), 7.0, sharding=PlacementMapping(DeviceMesh.cpu(2, "x"), [Sharded(0)]))
+    Tensor(shape=(4,), dtype=float32, layout=DeviceMesh(x=2)[S(x)])
+    """
+    return _filled(shape, lambda s, dev, b, r: torch.full(s, fill_value, dtype=dtype,
+                                                           device=dev),
+                   device, sharding, requires_grad)
+
+
+def zeros(shape: Sequence[int] | int, *, dtype: torch.dtype | None = None, device: Any = None,
+          sharding: Any = None, requires_grad: bool = False) -> Tensor:
+    """A Tensor of zeros; see :func:`full`."""
+    return _filled(shape, lambda s, dev, b, r: torch.zeros(s, dtype=dtype, device=dev),
+                   device, sharding, requires_grad)
+
+
+def ones(shape: Sequence[int] | int, *, dtype: torch.dtype | None = None, device: Any = None,
+         sharding: Any = None, requires_grad: bool = False) -> Tensor:
+    """A Tensor of ones; see :func:`full`."""
+    return _filled(shape, lambda s, dev, b, r: torch.ones(s, dtype=dtype, device=dev),
+                   device, sharding, requires_grad)
+
+
+def arange(end: int, *, dtype: torch.dtype | None = None, device: Any = None,
+           sharding: Any = None, requires_grad: bool = False) -> Tensor:
+    """``[0, 1, ..., end - 1]``; each shard computes only its own range.
+
+    >>> arange(5, sharding=PlacementMapping(DeviceMesh.cpu(2, "x"), [Sharded(0)])).shards
+    (tensor([0, 1, 2]), tensor([3, 4]))
+    """
+    return _filled((end,), lambda s, dev, b, r: torch.arange(b[0][0], b[0][1], dtype=dtype,
+                                                             device=dev),
+                   device, sharding, requires_grad)
+
+
+def randn(shape: Sequence[int] | int, *, seed: int = 0, dtype: torch.dtype | None = None,
+          device: Any = None, sharding: Any = None, requires_grad: bool = False) -> Tensor:
+    """Standard normal values; each distinct block is drawn from its own generator
+    seeded by ``(seed, device index)``, so values depend on the layout. For
+    values independent of the layout use ``tensor(torch.randn(...), sharding=...)``.
+    """
+    def make(s: tuple[int, ...], dev: Any, b: Any, r: int) -> torch.Tensor:
+        gen = torch.Generator(device=dev).manual_seed(hash((seed, r)) & 0x7FFF_FFFF)
+        return torch.randn(s, generator=gen, dtype=dtype, device=dev)
+
+    return _filled(shape, make, device, sharding, requires_grad)
+
+
+def zeros_like(t: Tensor) -> Tensor:
+    """Zeros in ``t``'s layout (no Partial axes: zeros reduce to zeros by SUM)."""
+    return t._map_unique(torch.zeros_like)
+
+
+def as_layout_of(value: Any, like: Tensor) -> Tensor:
+    """``value`` (a Tensor or data of ``like``'s global shape) in ``like``'s layout."""
+    if isinstance(value, Tensor):
+        if value.shape != like.shape:
+            raise ShardingError(
+                f"Expected a value of global shape {like.shape}, got {value!r}."
+            )
+        if value.mesh != like.mesh:
+            from shardwise.ops.communication import to_device
+
+            value = to_device(value, sharding=like.layout)
+        return value.relayout(like.layout)
+    t = value if isinstance(value, torch.Tensor) else _as_torch(value, like.dtype)
+    if tuple(t.shape) != like.shape:
+        raise ShardingError(
+            f"Expected a value of global shape {like.shape}, got shape {tuple(t.shape)}."
+        )
+    return place(t.to(like.dtype), like.layout)
+

@@ -1,0 +1,46 @@
+"""Runtime backends: where a Tensor's shards live and how plan steps execute.
+
+One protocol (:class:`Backend`), two backends: the simulated backend (every
+device of the mesh in this process) and, for meshes over processes, the
+``torch.distributed`` backend. Ops pick the backend from the mesh.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Protocol
+
+import torch
+
+from shardwise.planner import Plan, Step
+from shardwise.sharding.layout import Layout
+from shardwise.sharding.mesh import DeviceMesh
+from shardwise.sharding.placements import ReduceOp
+
+__all__ = ["Backend", "backend_for"]
+
+
+class Backend(Protocol):
+    """What a runtime provides. ``shards`` is one entry per mesh device (row-major);
+    a backend may hold ``None`` for devices this process cannot address."""
+
+    def execute_plan(self, plan: Plan, shards: Sequence[torch.Tensor]) -> list[torch.Tensor]: ...
+
+    def run_step(self, step: Step, shards: Sequence[torch.Tensor],
+                 shape: tuple[int, ...]) -> list[torch.Tensor]: ...
+
+    def assemble(self, shards: Sequence[torch.Tensor], src: Layout, dst: Layout,
+                 shape: tuple[int, ...]) -> list[torch.Tensor]: ...
+
+    def reduce(self, shards: Sequence[torch.Tensor], layout: Layout, axes: tuple[int, ...],
+               op: ReduceOp) -> list[torch.Tensor]: ...
+
+    def make_partial(self, shards: Sequence[torch.Tensor], layout: Layout,
+                     axes: tuple[int, ...], op: ReduceOp) -> list[torch.Tensor]: ...
+
+
+def backend_for(mesh: DeviceMesh) -> Backend:
+    """The backend that executes ops on ``mesh``."""
+    from shardwise.runtime import simulated
+
+    return simulated  # type: ignore[return-value]

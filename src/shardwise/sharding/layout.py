@@ -1,0 +1,206 @@
+"""Layout: the canonical, lossless form of "where a tensor of known rank lives".
+
+The three public sharding forms (PlacementMapping, NamedMapping,
+ShardingSpec) each describe a subset of layouts; :class:`Layout` describes
+them all, so the runtime and the planner work on one form only.
+
+Invariants:
+- ``dims[d]`` lists the mesh axes (indices) that split tensor dim ``d``,
+  major to minor; ``partial[a]`` is the reduce op of mesh axis ``a`` or None.
+- Each mesh axis appears at most once across ``dims`` and ``partial``; an axis
+  that appears nowhere is replicated.
+- A dim split over axes ``(a, b)`` is split once into ``size(a) * size(b)``
+  pieces; device coordinate ``(i, j)`` holds piece ``i * size(b) + j``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from shardwise.sharding.errors import ConversionError, ShardingError
+from shardwise.sharding.mesh import DeviceMesh
+from shardwise.sharding.placements import Partial, Placement, ReduceOp, Replicated, Sharded
+
+__all__ = ["Layout", "normalize_dim"]
+
+
+def normalize_dim(dim: int, ndim: int, what: str = "tensor dim") -> int:
+    """``dim`` as a non-negative index into a rank-``ndim`` tensor, or a clear error."""
+    if isinstance(dim, bool) or not isinstance(dim, int):
+        raise ShardingError(f"A {what} must be an int. Got {dim!r} ({type(dim).__name__}).")
+    if not -ndim <= dim < ndim:
+        raise ShardingError(
+            f"{what.capitalize()} {dim} is out of range for a tensor of rank {ndim}: "
+            f"use -{ndim} <= dim < {ndim}."
+        )
+    return dim % ndim
+
+
+@dataclass(frozen=True, slots=True)
+class Layout:
+    """Canonical layout of a rank-``len(dims)`` tensor on ``mesh``."""
+
+    mesh: DeviceMesh
+    dims: tuple[tuple[int, ...], ...]
+    partial: tuple[ReduceOp | None, ...]
+    _hash: int = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        if len(self.partial) != self.mesh.ndim:
+            raise ShardingError(
+                f"Layout.partial needs one entry per mesh axis ({self.mesh.ndim}). "
+                f"Got {len(self.partial)}."
+            )
+        seen: dict[int, str] = {}
+        for d, axes in enumerate(self.dims):
+            for a in axes:
+                if not 0 <= a < self.mesh.ndim:
+                    raise ShardingError(f"Layout dim {d}: mesh axis {a} out of range.")
+                if a in seen:
+                    name = self.mesh.axis_names[a]
+                    raise ShardingError(
+                        f"Mesh axis {name!r} is used twice (by {seen[a]} and tensor dim {d}): "
+                        "a mesh axis can shard at most one tensor dim, once."
+                    )
+                seen[a] = f"tensor dim {d}"
+        for a, op in enumerate(self.partial):
+            if op is not None and a in seen:
+                name = self.mesh.axis_names[a]
+                raise ShardingError(
+                    f"Mesh axis {name!r} cannot both shard {seen[a]} and be Partial."
+                )
+        object.__setattr__(self, "_hash", hash((self.mesh, self.dims, self.partial)))
+
+    def __hash__(self) -> int:
+        return self._hash
+
+    # --- constructors -------------------------------------------------------------
+    @classmethod
+    def replicated(cls, mesh: DeviceMesh, ndim: int) -> Layout:
+        return cls(mesh, ((),) * ndim, (None,) * mesh.ndim)
+
+    @classmethod
+    def from_placements(
+        cls, mesh: DeviceMesh, placements: tuple[Placement, ...] | list[Placement], ndim: int
+    ) -> Layout:
+        """From one placement per mesh axis; several axes on one dim go in mesh order."""
+        if len(placements) != mesh.ndim:
+            raise ShardingError(
+                f"{mesh!r} has {mesh.ndim} axes but {len(placements)} placements were given "
+                f"({list(placements)}): give exactly one placement per mesh axis."
+            )
+        dims: list[list[int]] = [[] for _ in range(ndim)]
+        partial: list[ReduceOp | None] = [None] * mesh.ndim
+        for a, p in enumerate(placements):
+            match p:
+                case Sharded(axis=axis):
+                    what = f"Sharded axis on mesh axis {mesh.axis_names[a]!r}"
+                    dims[normalize_dim(axis, ndim, what)].append(a)
+                case Partial(reduce_op=op):
+                    partial[a] = op
+                case Replicated():
+                    pass
+                case _:
+                    raise ShardingError(
+                        f"Placement {p!r} on mesh axis {mesh.axis_names[a]!r} is not a "
+                        "Placement: use Replicated(), Sharded(axis) or Partial(op)."
+                    )
+        return cls(mesh, tuple(tuple(d) for d in dims), tuple(partial))
+
+    # --- queries ------------------------------------------------------------------
+    @property
+    def ndim(self) -> int:
+        return len(self.dims)
+
+    def dim_of_axis(self, axis: int) -> int | None:
+        """The tensor dim that mesh axis ``axis`` shards, or None."""
+        for d, axes in enumerate(self.dims):
+            if axis in axes:
+                return d
+        return None
+
+    @property
+    def sharded_axes(self) -> tuple[int, ...]:
+        return tuple(a for axes in self.dims for a in axes)
+
+    @property
+    def partial_axes(self) -> tuple[int, ...]:
+        return tuple(a for a, op in enumerate(self.partial) if op is not None)
+
+    @property
+    def is_partial(self) -> bool:
+        return any(op is not None for op in self.partial)
+
+    @property
+    def is_fully_replicated(self) -> bool:
+        return not self.is_partial and not any(self.dims)
+
+    def placement(self, axis: int) -> Placement:
+        op = self.partial[axis]
+        if op is not None:
+            return Partial(op)
+        d = self.dim_of_axis(axis)
+        return Replicated() if d is None else Sharded(d)
+
+    def with_dims(self, dims: tuple[tuple[int, ...], ...]) -> Layout:
+        return Layout(self.mesh, dims, self.partial)
+
+    def with_partial(self, partial: tuple[ReduceOp | None, ...]) -> Layout:
+        return Layout(self.mesh, self.dims, partial)
+
+    # --- conversions --------------------------------------------------------------
+    def to_placements(self) -> tuple[Placement, ...]:
+        """One placement per mesh axis; raises ConversionError when a dim is split
+        over several mesh axes in an order other than the mesh's."""
+        for d, axes in enumerate(self.dims):
+            if list(axes) != sorted(axes):
+                names = tuple(self.mesh.axis_names[a] for a in axes)
+                raise ConversionError(
+                    f"Tensor dim {d} is split over mesh axes {names} (major to minor), which "
+                    f"is not mesh order {self.mesh.axis_names}: placements always split in "
+                    "mesh order, so this layout has no PlacementMapping. Use NamedMapping."
+                )
+        return tuple(self.placement(a) for a in range(self.mesh.ndim))
+
+    def spec_entries(self) -> tuple[str | tuple[str, ...] | None, ...]:
+        names = self.mesh.axis_names
+        out: list[str | tuple[str, ...] | None] = []
+        for axes in self.dims:
+            if not axes:
+                out.append(None)
+            elif len(axes) == 1:
+                out.append(names[axes[0]])
+            else:
+                out.append(tuple(names[a] for a in axes))
+        return tuple(out)
+
+    def single_reduce_op(self, target: str) -> ReduceOp:
+        """The one reduce op of all Partial axes (SUM when none); ConversionError if mixed."""
+        ops = {op for op in self.partial if op is not None}
+        if len(ops) > 1:
+            detail = {
+                self.mesh.axis_names[a]: op.value
+                for a, op in enumerate(self.partial)
+                if op is not None
+            }
+            raise ConversionError(
+                f"Partial axes use different reduce ops {detail}, but {target} holds one "
+                "reduce op for all unreduced axes: converting would drop an op. Use "
+                "PlacementMapping, or resolve the Partial axes first (all_reduce)."
+            )
+        return ops.pop() if ops else ReduceOp.SUM
+
+    def __str__(self) -> str:
+        parts = []
+        for axes in self.dims:
+            if not axes:
+                parts.append("R")
+            else:
+                parts.append("S(" + ",".join(self.mesh.axis_names[a] for a in axes) + ")")
+        text = "[" + ", ".join(parts) + "]"
+        partial = {
+            self.mesh.axis_names[a]: op.value for a, op in enumerate(self.partial) if op
+        }
+        if partial:
+            text += " partial " + ", ".join(f"{k}:{v}" for k, v in partial.items())
+        return f"{self.mesh!r}{text}"

@@ -1,0 +1,297 @@
+"""DeviceMesh: an N-dimensional grid of devices with named axes.
+
+Invariants:
+- Frozen and validated at construction: ``prod(mesh_shape) == len(devices)``,
+  one unique, non-empty string name per axis, no device twice.
+- Devices are laid out row-major: device ``k`` has coordinate
+  ``unravel(k, mesh_shape)``.
+- Constructing a mesh has no side effects; ``with mesh:`` makes it the
+  current mesh for ops called with ``mesh=None``.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import math
+from collections.abc import Hashable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from shardwise.sharding.errors import ShardingError
+
+__all__ = ["DeviceMesh", "current_mesh"]
+
+_CURRENT: contextvars.ContextVar[tuple[DeviceMesh, ...]] = contextvars.ContextVar(
+    "shardwise_mesh_stack", default=()
+)
+
+
+def current_mesh() -> DeviceMesh | None:
+    """The innermost mesh entered with ``with mesh:``, or None."""
+    stack = _CURRENT.get()
+    return stack[-1] if stack else None
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class DeviceMesh:
+    """An N-dimensional logical grid of devices.
+
+    >>> mesh = DeviceMesh.cpu((2, 2), ("dp", "tp"))
+    >>> mesh
+    DeviceMesh(dp=2, tp=2)
+    >>> mesh.device_coord(mesh.devices[3])
+    (1, 1)
+
+    ::
+
+        device   CPU(0)  CPU(1)  CPU(2)  CPU(3)
+        (dp,tp)  (0,0)   (0,1)   (1,0)   (1,1)
+    """
+
+    devices: tuple[Any, ...]
+    mesh_shape: tuple[int, ...]
+    axis_names: tuple[str, ...]
+    _index: dict[Any, int] = field(init=False, repr=False, compare=False)
+    _hash: int = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        devices = tuple(self.devices)
+        shape = tuple(self.mesh_shape) if not isinstance(self.mesh_shape, int) else (
+            self.mesh_shape,
+        )
+        names = (self.axis_names,) if isinstance(self.axis_names, str) else tuple(
+            self.axis_names
+        )
+        if not devices:
+            raise ShardingError("DeviceMesh needs at least one device. Got devices=().")
+        for size in shape:
+            if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+                raise ShardingError(
+                    f"DeviceMesh mesh_shape={shape}: every axis size must be an int >= 1. "
+                    f"Got {size!r}."
+                )
+        if math.prod(shape) != len(devices):
+            raise ShardingError(
+                f"DeviceMesh mesh_shape={shape} holds {math.prod(shape)} devices but "
+                f"{len(devices)} were given: prod(mesh_shape) must equal len(devices). "
+                "Pass one device per grid cell."
+            )
+        if len(names) != len(shape):
+            raise ShardingError(
+                f"DeviceMesh has {len(shape)} axes (mesh_shape={shape}) but "
+                f"{len(names)} names {names}: give exactly one name per axis."
+            )
+        for name in names:
+            if not isinstance(name, str) or not name:
+                raise ShardingError(
+                    f"DeviceMesh axis names must be non-empty strings. Got {name!r} "
+                    f"in {names}."
+                )
+        dupes = sorted({n for n in names if names.count(n) > 1})
+        if dupes:
+            raise ShardingError(
+                f"DeviceMesh axis names must be unique. Got {names}: {dupes} repeated. "
+                "Rename the axes."
+            )
+        for dev in devices:
+            if not isinstance(dev, Hashable):
+                raise ShardingError(f"DeviceMesh devices must be hashable values. Got {dev!r}.")
+        index = {dev: k for k, dev in enumerate(devices)}
+        if len(index) != len(devices):
+            seen = sorted({repr(d) for d in devices if devices.count(d) > 1})
+            raise ShardingError(
+                f"DeviceMesh devices must be unique. Got {', '.join(seen)} more than once."
+            )
+        object.__setattr__(self, "devices", devices)
+        object.__setattr__(self, "mesh_shape", shape)
+        object.__setattr__(self, "axis_names", names)
+        object.__setattr__(self, "_index", index)
+        object.__setattr__(self, "_hash", hash((devices, shape, names)))
+
+    # --- construction helpers -------------------------------------------------
+    @classmethod
+    def cpu(
+        cls, mesh_shape: Sequence[int] | int, axis_names: Sequence[str] | str
+    ) -> DeviceMesh:
+        """A simulated mesh of virtual CPU devices ``CPU(0) .. CPU(n-1)``."""
+        from shardwise.devices import CPU
+
+        shape = (mesh_shape,) if isinstance(mesh_shape, int) else tuple(mesh_shape)
+        return cls(tuple(CPU(i) for i in range(math.prod(shape))), shape, tuple(axis_names)
+                   if not isinstance(axis_names, str) else (axis_names,))
+
+    @classmethod
+    def single(cls, device: Any, axis_name: str = "_") -> DeviceMesh:
+        """The one-device mesh a single-device tensor lives on."""
+        return cls((device,), (1,), (axis_name,))
+
+    # --- value semantics ----------------------------------------------------
+    def __eq__(self, other: object) -> bool:
+        if self is other:
+            return True
+        if not isinstance(other, DeviceMesh):
+            return NotImplemented
+        return (
+            self._hash == other._hash
+            and self.mesh_shape == other.mesh_shape
+            and self.axis_names == other.axis_names
+            and self.devices == other.devices
+        )
+
+    def __hash__(self) -> int:
+        return self._hash
+
+    def __repr__(self) -> str:
+        axes = ", ".join(f"{n}={s}" for n, s in zip(self.axis_names, self.mesh_shape, strict=True))
+        return f"DeviceMesh({axes})"
+
+    # --- shape queries ----------------------------------------------------------
+    @property
+    def ndim(self) -> int:
+        return len(self.mesh_shape)
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.mesh_shape
+
+    @property
+    def num_devices(self) -> int:
+        return len(self.devices)
+
+    @property
+    def is_single(self) -> bool:
+        return len(self.devices) == 1
+
+    @property
+    def is_simulated(self) -> bool:
+        """True when its devices are virtual devices sharing one process's memory."""
+        from shardwise.devices import CPU
+
+        return all(isinstance(d, CPU) for d in self.devices)
+
+    def axis_index(self, axis: str | int) -> int:
+        """The position of mesh axis ``axis`` (a name, or an index that may be negative)."""
+        if isinstance(axis, str):
+            try:
+                return self.axis_names.index(axis)
+            except ValueError:
+                raise ShardingError(
+                    f"Unknown mesh axis {axis!r}: {self!r} has axes {list(self.axis_names)}. "
+                    "Use one of those names."
+                ) from None
+        if isinstance(axis, bool) or not isinstance(axis, int):
+            raise ShardingError(
+                f"A mesh axis is named by a str or an int index. Got {axis!r} "
+                f"({type(axis).__name__}); {self!r} has axes {list(self.axis_names)}."
+            )
+        if not -self.ndim <= axis < self.ndim:
+            raise ShardingError(
+                f"Mesh axis index {axis} is out of range for {self!r} with {self.ndim} "
+                f"axes: use -{self.ndim} <= axis < {self.ndim} or an axis name."
+            )
+        return axis % self.ndim
+
+    def axis_size(self, axis: str | int) -> int:
+        return self.mesh_shape[self.axis_index(axis)]
+
+    def device_index(self, device: Any) -> int:
+        """The row-major position of ``device`` in the mesh."""
+        try:
+            return self._index[device]
+        except KeyError:
+            raise ShardingError(
+                f"{device!r} is not in {self!r}; its devices are {list(self.devices)}."
+            ) from None
+
+    def coord_of(self, index: int) -> tuple[int, ...]:
+        """Row-major coordinate of flat device index ``index``."""
+        if isinstance(index, bool) or not isinstance(index, int):
+            raise ShardingError(
+                f"A flat device index must be an int. Got {index!r} ({type(index).__name__})."
+            )
+        if not 0 <= index < self.num_devices:
+            raise ShardingError(
+                f"Device index {index} is out of range for {self!r} with {self.num_devices} "
+                f"devices: use 0 <= index < {self.num_devices}."
+            )
+        return tuple(_unravel(index, self.mesh_shape))
+
+    def index_of(self, coord: Sequence[int]) -> int:
+        """Flat device index of coordinate ``coord``."""
+        coord = tuple(coord)
+        if len(coord) != self.ndim:
+            raise ShardingError(
+                f"Coordinate {coord} has {len(coord)} entries but {self!r} has {self.ndim} "
+                "axes: give one coordinate per mesh axis."
+            )
+        index = 0
+        for c, size in zip(coord, self.mesh_shape, strict=True):
+            if isinstance(c, bool) or not isinstance(c, int) or not 0 <= c < size:
+                raise ShardingError(
+                    f"Coordinate {coord} is out of range for {self!r}: entry {c!r} must be an "
+                    f"int with 0 <= c < {size}."
+                )
+            index = index * size + c
+        return index
+
+    def device_coord(self, device: Any) -> tuple[int, ...]:
+        return self.coord_of(self.device_index(device))
+
+    def devices_along(self, axis: str | int, coord: Sequence[int]) -> tuple[Any, ...]:
+        """The devices that share ``coord`` on every axis but ``axis``, in axis order."""
+        a = self.axis_index(axis)
+        base = list(coord)
+        self.index_of(base)  # validates the coordinate
+        out = []
+        for i in range(self.mesh_shape[a]):
+            base[a] = i
+            out.append(self.devices[self.index_of(base)])
+        return tuple(out)
+
+    def groups(self, axes: Sequence[str | int]) -> list[list[int]]:
+        """Flat device indices grouped so that each group varies only over ``axes``.
+
+        ``axes`` are mesh axis names or indices (negative counts from the end).
+        Within a group the order is row-major over ``axes`` (in the given order).
+        """
+        idx = [self.axis_index(a) for a in axes]
+        if len(set(idx)) != len(idx):
+            raise ShardingError(
+                f"groups({list(axes)!r}) names a mesh axis twice; {self!r} has axes "
+                f"{list(self.axis_names)}. Name each axis once."
+            )
+        rest = [a for a in range(self.ndim) if a not in idx]
+        out: list[list[int]] = []
+        for rest_idx in range(math.prod(self.mesh_shape[a] for a in rest)):
+            rest_coord = _unravel(rest_idx, [self.mesh_shape[a] for a in rest])
+            group = []
+            for k in range(math.prod(self.mesh_shape[a] for a in idx)):
+                sub = _unravel(k, [self.mesh_shape[a] for a in idx])
+                coord = [0] * self.ndim
+                for a, c in zip(rest, rest_coord, strict=True):
+                    coord[a] = c
+                for a, c in zip(idx, sub, strict=True):
+                    coord[a] = c
+                group.append(self.index_of(coord))
+            out.append(group)
+        return out
+
+    # --- current-mesh context -------------------------------------------------
+    def __enter__(self) -> DeviceMesh:
+        _CURRENT.set((*_CURRENT.get(), self))
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        stack = _CURRENT.get()
+        _CURRENT.set(stack[:-1])
+
+    def __iter__(self) -> Iterator[Any]:
+        return iter(self.devices)
+
+
+def _unravel(index: int, shape: Sequence[int]) -> list[int]:
+    coord = []
+    for size in reversed(shape):
+        index, rem = divmod(index, size)
+        coord.append(rem)
+    return list(reversed(coord))

@@ -1,0 +1,293 @@
+"""The distributed Tensor: one global value laid out on a device mesh.
+
+Invariants:
+- A Tensor has a global ``shape`` and ``dtype``, a :class:`Layout` (mesh +
+  where each dim and each Partial axis lives) and one local ``torch.Tensor``
+  per mesh device (row-major). A single-device tensor is a one-device mesh.
+- The global value is defined by the layout: sharded dims concatenate their
+  shards (split rule of :mod:`shardwise.sharding.shapes`), replicated axes hold
+  equal copies, Partial axes hold values whose reduction is the global value.
+- Values are immutable: no shardwise op mutates a Tensor or its shards, so
+  replicas share one buffer and shards may be views of a larger buffer.
+  ``local()``/``shards`` expose those buffers: read them, never write them.
+- Gradients: ``.grad`` is in the tensor's own layout; the Partial(SUM) axes of
+  a tensor hold equal gradients and come back Replicated, other Partial ops
+  come back as per-device derivatives under Partial(SUM).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from shardwise.devices import Device
+from shardwise.planner import Plan, make_plan
+from shardwise.runtime import backend_for
+from shardwise.runtime.simulated import rep_indices
+from shardwise.sharding.errors import ConversionError, ShardingError
+from shardwise.sharding.layout import Layout
+from shardwise.sharding.mappings import DeviceMapping, NamedMapping, PlacementMapping
+from shardwise.sharding.mesh import DeviceMesh
+from shardwise.sharding.placements import Placement, ReduceOp
+from shardwise.sharding.shapes import local_shape
+from shardwise.sharding.types import DistributedTensorType, dtype_name
+
+__all__ = ["Tensor"]
+
+
+class Tensor:
+    """A global value laid out on a :class:`DeviceMesh`.
+
+    >>> mesh = DeviceMesh.cpu((2, 2), ("dp", "tp"))
+    >>> x = shardwise.tensor(torch.arange(8.).reshape(4, 2),
+    ...                      sharding=PlacementMapping(mesh, [Sharded(0), Replicated()]))
+    >>> x
+    Tensor(shape=(4, 2), dtype=float32, layout=DeviceMesh(dp=2, tp=2)[S(dp), R])
+
+    ::
+
+        device   (dp,tp)   local block
+        CPU(0)   (0,0)     x[0:2]   (same buffer as CPU(1))
+        CPU(1)   (0,1)     x[0:2]
+        CPU(2)   (1,0)     x[2:4]   (same buffer as CPU(3))
+        CPU(3)   (1,1)     x[2:4]
+    """
+
+    __slots__ = ("__weakref__", "_dtype", "_layout", "_shape", "_shards")
+
+    def __init__(self, shards: Sequence[torch.Tensor], layout: Layout,
+                 shape: Sequence[int]) -> None:
+        """Internal: build from per-device shards that already follow ``layout``.
+        Users build Tensors with ``shardwise.tensor``/``zeros``/``from_local``."""
+        self._shards = tuple(shards)
+        self._layout = layout
+        self._shape = tuple(shape)
+        self._dtype = self._shards[0].dtype
+
+    # --- inspection -----------------------------------------------------------------
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self._shape
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self._dtype
+
+    @property
+    def ndim(self) -> int:
+        return len(self._shape)
+
+    def dim(self) -> int:
+        return len(self._shape)
+
+    def size(self, dim: int | None = None) -> Any:
+        return self._shape if dim is None else self._shape[dim]
+
+    def numel(self) -> int:
+        return math.prod(self._shape)
+
+    @property
+    def layout(self) -> Layout:
+        """The canonical layout (mesh, per-dim mesh axes, Partial ops)."""
+        return self._layout
+
+    @property
+    def mesh(self) -> DeviceMesh:
+        return self._layout.mesh
+
+    @property
+    def placements(self) -> tuple[Placement, ...]:
+        return self._layout.to_placements()
+
+    @property
+    def sharding(self) -> DeviceMapping:
+        """A PlacementMapping when the layout has one, else a NamedMapping."""
+        try:
+            return PlacementMapping(self.mesh, self._layout.to_placements())
+        except ConversionError:
+            return NamedMapping.from_layout(self._layout)
+
+    @property
+    def device(self) -> Device:
+        """The device of a single-device tensor."""
+        mesh = self.mesh
+        if not mesh.is_single:
+            raise ShardingError(
+                f"{self!r} lives on {mesh.num_devices} devices, so it has no single .device. "
+                "Use .mesh.devices, .sharding, or gather it with to_device(x, device)."
+            )
+        return mesh.devices[0]  # type: ignore[no-any-return]
+
+    @property
+    def shards(self) -> tuple[torch.Tensor, ...]:
+        """Per-device local tensors, row-major over the mesh (shared buffers: read only)."""
+        return self._shards
+
+    def local(self, device: Any) -> torch.Tensor:
+        """The local tensor ``device`` holds (shares memory with the Tensor: read only)."""
+        return self._shards[self.mesh.device_index(device)]
+
+    @property
+    def local_shapes(self) -> list[tuple[int, ...]]:
+        mesh = self.mesh
+        return [local_shape(self._shape, self._layout, mesh.coord_of(k))
+                for k in range(mesh.num_devices)]
+
+    @property
+    def type(self) -> DistributedTensorType:
+        """The symbolic type of this tensor (no data)."""
+        return DistributedTensorType(self._dtype, self._shape, self.mesh, self.placements)
+
+    def __repr__(self) -> str:
+        grad = ", requires_grad=True" if self.requires_grad else ""
+        return (f"Tensor(shape={self._shape}, dtype={dtype_name(self._dtype)}, "
+                f"layout={self._layout}{grad})")
+
+    def __len__(self) -> int:
+        if not self._shape:
+            raise TypeError("len() of a 0-d Tensor")
+        return self._shape[0]
+
+    # --- values -------------------------------------------------------------------------
+    def _global(self) -> torch.Tensor:
+        """The global value as one torch tensor (differentiable; may alias a shard)."""
+        target = Layout.replicated(self.mesh, self.ndim)
+        if self._layout == target:
+            return self._shards[0]
+        return self.relayout(target)._shards[0]
+
+    def to_torch(self) -> torch.Tensor:
+        """The global value as a new torch tensor (Partial axes reduced), on the
+        first device of the mesh. Differentiable."""
+        out = self._global()
+        storages = {s.untyped_storage().data_ptr() for s in self._shards}
+        if out.untyped_storage().data_ptr() in storages:
+            out = out.clone()
+        return out
+
+    def numpy(self) -> Any:
+        return self.to_torch().detach().cpu().numpy()
+
+    def tolist(self) -> Any:
+        return self.to_torch().tolist()
+
+    def item(self) -> Any:
+        return self._global().item()
+
+    def relayout(self, target: Layout) -> Tensor:
+        """This value in layout ``target`` (same mesh), through the planner."""
+        if target == self._layout:
+            return self
+        plan = self.plan_to(target)
+        shards = backend_for(self.mesh).execute_plan(plan, self._shards)
+        return Tensor(shards, target, self._shape)
+
+    def plan_to(self, target: Layout) -> Plan:
+        if target.mesh != self.mesh:
+            raise ShardingError(
+                f"Cannot plan from {self.mesh!r} to {target.mesh!r}: a plan stays on one mesh. "
+                "Use to_device(x, sharding=...) to move between meshes."
+            )
+        return make_plan(self._layout, target, self._shape, self._dtype.itemsize)
+
+    def unique_shards(self) -> tuple[list[int], list[torch.Tensor]]:
+        """Representative device indices and their (distinct) local tensors."""
+        reps = sorted(set(rep_indices(self._layout)))
+        return reps, [self._shards[k] for k in reps]
+
+    def _map_unique(self, fn: Any, layout: Layout | None = None) -> Tensor:
+        """Apply ``fn`` once per distinct local tensor, keeping the sharing pattern."""
+        layout = layout or self._layout
+        done: dict[int, torch.Tensor] = {}
+        out = []
+        for s in self._shards:
+            r = done.get(id(s))
+            if r is None:
+                r = done[id(s)] = fn(s)
+            out.append(r)
+        return Tensor(out, layout, self._shape)
+
+    # --- autograd ----------------------------------------------------------------------
+    @property
+    def requires_grad(self) -> bool:
+        return any(s.requires_grad for s in self._shards)
+
+    @property
+    def is_leaf(self) -> bool:
+        return all(s.is_leaf for s in self._shards)
+
+    def requires_grad_(self, requires_grad: bool = True) -> Tensor:
+        """Make this tensor a leaf that records gradients (in place on the flag only)."""
+        if not self.is_leaf:
+            raise ShardingError(
+                "requires_grad_() is for leaf tensors; this one is the result of an op. "
+                "Use x.detach().requires_grad_()."
+            )
+        for s in {id(s): s for s in self._shards}.values():
+            s.requires_grad_(requires_grad)
+        return self
+
+    def detach(self) -> Tensor:
+        """The same value, cut from the autograd graph (shares memory)."""
+        return self._map_unique(lambda s: s.detach())
+
+    def _grad_layout(self) -> Layout:
+        partial = tuple(
+            None if op is None or op is ReduceOp.SUM else ReduceOp.SUM
+            for op in self._layout.partial
+        )
+        return self._layout.with_partial(partial)
+
+    def _wrap_grads(self, grads: dict[int, torch.Tensor | None]) -> Tensor:
+        """Gradients keyed by id() of this tensor's shard objects -> a Tensor."""
+        layout = self._grad_layout()
+        reps = rep_indices(layout)
+        zeros: dict[int, torch.Tensor] = {}
+        out = []
+        for k in range(len(self._shards)):
+            s = self._shards[reps[k]]
+            g = grads.get(id(s))
+            if g is None:
+                g = zeros.get(id(s))
+                if g is None:
+                    g = zeros[id(s)] = torch.zeros_like(s)
+            out.append(g)
+        return Tensor(out, layout, self._shape)
+
+    @property
+    def grad(self) -> Tensor | None:
+        """Accumulated gradient, in this tensor's layout; None before any backward."""
+        if not any(s.grad is not None for s in self._shards):
+            return None
+        return self._wrap_grads({id(s): s.grad for s in self._shards})
+
+    def _roots(self) -> Tensor:
+        """This value with Partial axes reduced (the differentiable global)."""
+        if not self._layout.is_partial:
+            return self
+        return self.relayout(self._layout.with_partial((None,) * self.mesh.ndim))
+
+    def backward(self, gradient: Any = None) -> None:
+        """Accumulate d(self)/d(leaf) into the ``.grad`` of every leaf it depends on."""
+        if not self.requires_grad:
+            raise ShardingError(
+                f"backward() on {self!r}, which does not require grad: no leaf it depends on "
+                "has requires_grad. Call x.requires_grad_() on the inputs first."
+            )
+        roots = self._roots()
+        if gradient is None:
+            if self._shape:
+                raise ShardingError(
+                    f"backward() without a gradient needs a scalar; {self!r} has shape "
+                    f"{self._shape}. Pass gradient= (same global shape) or reduce first."
+                )
+            gradient = torch.ones((), dtype=self._dtype, device=roots._shards[0].device)
+        from shardwise.creation import as_layout_of
+
+        g = as_layout_of(gradient, roots)
+        reps, outs = roots.unique_shards()
+        torch.autograd.backward(outs, [g._shards[k] for k in reps])
+
