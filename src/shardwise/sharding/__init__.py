@@ -10,7 +10,7 @@ Invariants:
   ``g // n + (1 if k < g % n else 0)`` elements, contiguous and in order.
 """
 
-from shardwise.sharding.errors import ConversionError, ShardingError
+from shardwise.sharding.errors import ConversionError, ShardingError, ShardingTypeError
 from shardwise.sharding.layout import Layout
 from shardwise.sharding.mappings import (
     DeviceMapping,
@@ -56,6 +56,7 @@ __all__ = [
     "Sharded",
     "ShardingError",
     "ShardingSpec",
+    "ShardingTypeError",
     "SpecEntry",
     "TensorLayout",
     "TensorType",
