@@ -62,6 +62,7 @@ _LAZY: dict[str, str] = {
     "jvp": "shardwise.autodiff",
     "value_and_grad": "shardwise.autodiff",
     "vjp": "shardwise.autodiff",
+    "eval_shape": "shardwise.abstract",
 }
 
 __all__ = [

@@ -1,0 +1,102 @@
+"""Signals and signal buffers: validation, values, and how the ops accept them."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+import shardwise
+from shardwise.devices import CPU, Accelerator, DeviceError
+from shardwise.graph import SIGNAL_BUFFER_BYTES, SignalBuffer, Signals, ops
+from shardwise.sharding import BufferType, DeviceMesh, ShardingError
+from shardwise.sharding.errors import ShardingTypeError
+
+
+def test_signals_hold_devices_and_give_one_buffer_per_device() -> None:
+    signals = Signals([CPU(0), CPU(1), CPU(2)])
+    assert signals.devices == (CPU(0), CPU(1), CPU(2))
+    assert len(signals) == 3
+    buffers = signals.buffers()
+    assert buffers == (SignalBuffer(CPU(0)), SignalBuffer(CPU(1)), SignalBuffer(CPU(2)))
+    assert tuple(signals) == buffers
+    assert [b.device for b in buffers] == [CPU(0), CPU(1), CPU(2)]
+    assert buffers[1].type == BufferType(torch.uint8, (SIGNAL_BUFFER_BYTES,), CPU(1))
+    assert repr(signals) == "Signals([CPU(0), CPU(1), CPU(2)])"
+    assert repr(buffers[0]) == "SignalBuffer(CPU(0))"
+
+
+def test_signals_are_frozen_hashable_values() -> None:
+    a, b = Signals((CPU(0), CPU(1))), Signals([CPU(0), CPU(1)])
+    assert a == b and hash(a) == hash(b)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        a.devices = (CPU(2), CPU(3))  # type: ignore[misc]
+
+
+def test_signals_from_a_mesh_and_mixed_device_kinds() -> None:
+    assert Signals(DeviceMesh.cpu(2, "x")).devices == (CPU(0), CPU(1))
+    # Constructing accelerator devices touches no hardware.
+    assert Signals([CPU(0), Accelerator(0)]).devices == (CPU(0), Accelerator(0))
+
+
+@pytest.mark.parametrize("devices", [[], [CPU(0)]])
+def test_signals_need_two_devices(devices: list[CPU]) -> None:
+    with pytest.raises(ShardingError, match=r"at least 2 participating devices, got \d") as err:
+        Signals(devices)
+    assert isinstance(err.value, ValueError)
+    assert str(devices) in str(err.value)
+
+
+def test_signals_reject_repeated_devices() -> None:
+    with pytest.raises(ShardingError, match=r"CPU\(1\) 2 times"):
+        Signals([CPU(0), CPU(1), CPU(1)])
+
+
+@pytest.mark.parametrize("bad", ["cpu:0", 0, torch.device("cpu")])
+def test_signals_reject_non_devices(bad: object) -> None:
+    with pytest.raises(DeviceError, match=r"entry 1 is .*not a shardwise device"):
+        Signals([CPU(0), bad])  # type: ignore[list-item]
+
+
+def test_signals_reject_non_iterables() -> None:
+    with pytest.raises(ShardingTypeError, match="iterable of devices"):
+        Signals(3)  # type: ignore[arg-type]
+
+
+def test_signal_buffer_needs_a_device() -> None:
+    with pytest.raises(DeviceError, match="'cpu'"):
+        SignalBuffer("cpu")  # type: ignore[arg-type]
+
+
+def _inputs() -> list[shardwise.Tensor]:
+    return [shardwise.tensor([float(i)], device=CPU(i)) for i in range(2)]
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda s: s,
+        lambda s: s.buffers(),
+        lambda s: list(s.buffers()),
+        lambda s: (b for b in s.buffers()),
+        lambda s: [b.type for b in s.buffers()],
+    ],
+    ids=["Signals", "tuple", "list", "generator", "BufferTypes"],
+)
+def test_ops_accept_any_iterable_of_buffers(make: object) -> None:
+    signals = Signals([CPU(0), CPU(1)])
+    outs = ops.allgather(_inputs(), make(signals))  # type: ignore[operator]
+    assert [o.to_torch().tolist() for o in outs] == [[0.0, 1.0], [0.0, 1.0]]
+
+
+def test_ops_reject_bad_buffers() -> None:
+    with pytest.raises(ShardingTypeError, match=r"signal_buffers\[1\] is CPU\(1\)"):
+        ops.allgather(_inputs(), [SignalBuffer(CPU(0)), CPU(1)])
+    with pytest.raises(ShardingTypeError, match="iterable of signal buffers"):
+        ops.allgather(_inputs(), 2)  # type: ignore[arg-type]
+
+
+def test_ops_reject_a_single_buffer() -> None:
+    with pytest.raises(ShardingError, match=r"at least 2 participating devices, got 1"):
+        ops.allgather(_inputs()[:1], SignalBuffer(CPU(0)))
