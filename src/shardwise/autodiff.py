@@ -16,6 +16,7 @@ import torch.autograd.forward_ad as fwAD
 
 from shardwise.creation import as_layout_of
 from shardwise.sharding.errors import ShardingError, ShardingTypeError
+from shardwise.sharding.placements import ReduceOp
 from shardwise.tensors import Tensor
 
 __all__ = ["grad", "jvp", "value_and_grad", "vjp"]
@@ -150,7 +151,7 @@ def jvp(fn: Callable[..., Any], primals: Sequence[Any],
             if not isinstance(p, Tensor):
                 raise ShardingTypeError(f"jvp primal {i} must be a shardwise.Tensor, got "
                                         f"{type(p).__name__}.")
-            tl = as_layout_of(tan, p)
+            tl = as_layout_of(tan, _tangent_like(p))
             pairs = dict(zip((id(s) for s in p.shards), tl.shards))
             duals.append(p._map_unique(
                 lambda s, pairs=pairs: fwAD.make_dual(s.detach(), pairs[id(s)].detach())))
@@ -159,8 +160,21 @@ def jvp(fn: Callable[..., Any], primals: Sequence[Any],
             raise ShardingTypeError(f"jvp: the function must return a shardwise.Tensor, got "
                                     f"{type(out).__name__}.")
         primal_out = out._map_unique(lambda s: fwAD.unpack_dual(s).primal.detach())
-        tangent_out = out._map_unique(lambda s: _tangent(s))
+        tangent_out = out._map_unique(lambda s: _tangent(s),
+                                      _tangent_like(out).layout)
     return primal_out, tangent_out
+
+
+def _tangent_like(t: Tensor) -> Tensor:
+    """``t`` relabelled with the layout its tangents take: a Partial(PROD) axis
+    linearises to a sum (off-root factors are the identity 1, whose tangent is 0, not
+    1), so its tangents are Partial(SUM); every other axis keeps ``t``'s layout."""
+    partial = t.layout.partial
+    if ReduceOp.PROD not in partial:
+        return t
+    layout = t.layout.with_partial(
+        tuple(ReduceOp.SUM if op is ReduceOp.PROD else op for op in partial))
+    return Tensor(t.shards, layout, t.shape)
 
 
 def _tangent(s: torch.Tensor) -> torch.Tensor:

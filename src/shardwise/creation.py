@@ -187,14 +187,9 @@ def _filled(shape: Sequence[int] | int, make: Callable[[tuple[int, ...], Any, tu
 
 
 def _make_partial_like(t: Tensor, layout: Layout) -> Tensor:
-    backend = backend_for(layout.mesh)
-    shards = list(t.shards)
-    cur = t.layout
-    for op in {op for op in layout.partial if op is not None}:
-        axes = tuple(a for a, o in enumerate(layout.partial) if o == op)
-        shards = backend.make_partial(shards, cur, axes, op)
-        cur = cur.with_partial(tuple(op if a in axes else o for a, o in enumerate(cur.partial)))
-    return Tensor(shards, layout, t.shape)
+    # The planner's make_partial steps lay identities down outer axis first, which
+    # keeps the value for mixed reduce ops (a set of ops iterated here did not).
+    return t.relayout(layout)
 
 
 def full(shape: Sequence[int] | int, fill_value: Any, *, dtype: torch.dtype | None = None,

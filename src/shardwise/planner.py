@@ -18,7 +18,9 @@ Transition table (per mesh axis ``a``; ``S(d)`` = shards tensor dim ``d``):
 
 Order: all_to_all moves first, then slices (shrink the data), then partial
 resolution on the smallest data (reduce_scatter where the target shards the
-axis, else all_reduce), then all_gathers, the remaining slices, and make_partial.
+axis, else all_reduce), then all_gathers, the remaining slices, and make_partial
+(outer mesh axes first: Partial axes reduce last axis first, so with mixed ops the
+outer identities must be laid down before inner axes split them).
 Steps over several axes of the same kind are merged into one collective over
 the product group. When uneven pieces do not nest (e.g. 6 rows: 2-way
 [3, 3] vs 4-way [2, 2, 1, 1]), a dim is gathered whole and re-sliced.
@@ -240,6 +242,13 @@ def make_plan(src: Layout, dst: Layout, shape: tuple[int, ...], itemsize: int) -
     # 3. partial resolution on the smallest data.
     todo = [a for a in range(b.cur.mesh.ndim)
             if b.cur.partial[a] is not None and b.cur.partial[a] != dst.partial[a]]
+    # Partial axes reduce last mesh axis first, so a PROD made on axis ``a`` puts its
+    # identity (1) on every device of an inner SUM axis ``c > a``, which would sum to
+    # size(c). Resolve such inner SUM axes first; step 6 makes them again afterwards.
+    for a in range(b.cur.mesh.ndim):
+        if dst.partial[a] is ReduceOp.PROD and b.cur.partial[a] is not ReduceOp.PROD:
+            todo += [c for c in range(a + 1, b.cur.mesh.ndim)
+                     if b.cur.partial[c] is ReduceOp.SUM and c not in todo]
     mixed = len({op for op in b.cur.partial if op is not None}) > 1
     if mixed and todo:
         # Ops that do not commute (sum vs max) reduce in a fixed order: the last
@@ -307,15 +316,20 @@ def make_plan(src: Layout, dst: Layout, shape: tuple[int, ...], itemsize: int) -
             after = b.cur.with_dims(_replace_dim(b.cur, d, dst.dims[d]))
             b.add("slice", dst.dims[d], after, d)
 
-    # 6. make_partial: replicated axes the target holds as Partial.
-    for op in ReduceOp:
-        group = tuple(a for a in range(b.cur.mesh.ndim)
-                      if dst.partial[a] == op and b.cur.partial[a] is None)
-        if group:
-            partial = list(b.cur.partial)
-            for a in group:
-                partial[a] = op
-            b.add("make_partial", group, b.cur.with_partial(tuple(partial)), op=op)
+    # 6. make_partial: replicated axes the target holds as Partial, outer (lower) mesh
+    # axes first: reduction runs last axis first, so an outer axis's identity elements
+    # must be laid down before inner axes split them. Neighbours of one op are merged.
+    make = [a for a in range(b.cur.mesh.ndim)
+            if dst.partial[a] is not None and b.cur.partial[a] is None]
+    while make:
+        op = dst.partial[make[0]]
+        same: list[int] = []
+        while make and dst.partial[make[0]] == op:
+            same.append(make.pop(0))
+        partial = list(b.cur.partial)
+        for a in same:
+            partial[a] = op
+        b.add("make_partial", tuple(same), b.cur.with_partial(tuple(partial)), op=op)
 
     assert b.cur == dst, f"planner did not reach the target: {b.cur} != {dst}"
     return Plan(src, dst, shape, itemsize, tuple(b.steps))

@@ -246,10 +246,15 @@ class Tensor:
         layout = self._grad_layout()
         reps = rep_indices(layout)
         zeros: dict[int, torch.Tensor] = {}
+        owner: dict[int, int] = {}  # buffer id -> the one rep device its gradient lands on
         out = []
         for k in range(len(self._shards)):
             s = self._shards[reps[k]]
-            g = grads.get(id(s))
+            # A buffer shared along a Partial axis (MIN/MAX/AVG hold the value on every
+            # device) got one summed gradient: it lands once, the other devices get zeros,
+            # so the Partial(SUM) gradient is not counted twice.
+            first = owner.setdefault(id(s), reps[k])
+            g = grads.get(id(s)) if first == reps[k] else None
             if g is None:
                 g = zeros.get(id(s))
                 if g is None:

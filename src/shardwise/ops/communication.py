@@ -311,11 +311,13 @@ def _as_partial(t: Tensor, axes: tuple[int, ...], op: ReduceOp | None, what: str
             pieces = 1
             for x in layout.dims[d]:
                 pieces *= t.mesh.mesh_shape[x]
-            if shape[d] % pieces:
+            # the input's split (not ``shape``, already shrunk by earlier axes of this dim)
+            if t.shape[d] % pieces:
                 raise ShardingError(
                     f"{what} over mesh axis {names[a]!r} combines the local blocks of dim {d}, "
-                    f"but dim {d} (size {shape[d]}) is split unevenly into {pieces} pieces, so "
-                    "the blocks differ in shape. Make the dim divisible, or all_gather it first."
+                    f"but dim {d} (size {t.shape[d]}) is split unevenly into {pieces} pieces, "
+                    "so the blocks differ in shape. Make the dim divisible, or all_gather it "
+                    "first."
                 )
             shape[d] //= t.mesh.mesh_shape[a]
             dims[d].remove(a)

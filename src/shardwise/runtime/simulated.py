@@ -82,8 +82,11 @@ def _assemble_recipe(src: Layout, dst: Layout, shape: tuple[int, ...]) -> tuple[
                 per_dim.append([(0, lo, hi - lo, size)])
                 continue
             if hi == lo:
+                # An empty block: narrow any source piece to length 0 (piece_len is that
+                # piece's real length, so the narrow is not skipped).
                 p = _piece_of(size, pieces, min(lo, size - 1)) if size else 0
-                per_dim.append([(p, 0, 0, 0)])
+                plo, phi = split_bounds(size, pieces, p)
+                per_dim.append([(p, 0, 0, phi - plo)])
                 continue
             entries = []
             for p in range(_piece_of(size, pieces, lo), _piece_of(size, pieces, hi - 1) + 1):
