@@ -59,7 +59,8 @@ def _grads_for(inputs: Sequence[Tensor], outs: Tensor, cot: Tensor | None,
     leaves: dict[int, torch.Tensor] = {}
     for t in inputs:
         for s in t.shards:
-            leaves[id(s)] = s
+            if s is not None:
+                leaves[id(s)] = s
     needed = [r for r in roots if r.requires_grad]
     if not needed:
         grads: Sequence[torch.Tensor | None] = [None] * len(leaves)

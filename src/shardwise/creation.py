@@ -62,14 +62,15 @@ def place(value: torch.Tensor, layout: Layout) -> Tensor:
     where the devices share memory), laid out as ``layout``."""
     mesh = layout.mesh
     shape = tuple(value.shape)
-    first = mesh.devices[0].to_torch()
+    backend = backend_for(mesh)
+    mine = backend.owned(mesh)
+    first = backend.device_of(mesh, mine[0]) if len(mine) else value.device
     if value.device != first:
         value = value.to(first)
-    backend = backend_for(mesh)
     repl = Layout.replicated(mesh, len(shape))
     plain = layout.with_partial((None,) * mesh.ndim)
     shards = backend.assemble([value] * mesh.num_devices, repl, plain, shape)
-    t = Tensor(shards, plain, shape)
+    t = Tensor(shards, plain, shape, value.dtype)
     return _make_partial_like(t, layout) if layout.is_partial else t
 
 
@@ -131,10 +132,12 @@ def from_local(shards: Sequence[Any], sharding: Any, shape: Sequence[int] | None
     [1.0, 1.0, 0.0]
     """
     items = list(shards)
-    if not items:
+    if not any(s is not None for s in items):
         raise ShardingError("from_local needs one local value per mesh device; got none.")
-    locals_ = [s if isinstance(s, torch.Tensor) else _as_torch(s, None) for s in items]
-    ndim = locals_[0].ndim
+    locals_ = [s if isinstance(s, torch.Tensor) or s is None else _as_torch(s, None)
+               for s in items]
+    present = [s for s in locals_ if s is not None]
+    ndim = present[0].ndim
     layout = as_layout(sharding, ndim)
     mesh = layout.mesh
     if len(locals_) != mesh.num_devices:
@@ -143,17 +146,27 @@ def from_local(shards: Sequence[Any], sharding: Any, shape: Sequence[int] | None
             f"{mesh.num_devices} devices: give one per device, row-major."
         )
     if shape is None:
-        full_shape = list(locals_[0].shape)
+        full_shape = list(present[0].shape)
         for d, axes in enumerate(layout.dims):
             for a in axes:
                 full_shape[d] *= mesh.mesh_shape[a]
         shape = tuple(full_shape)
     shape = tuple(shape)
     reps = rep_indices(layout)
-    dtype = locals_[0].dtype
-    out = []
+    dtype = present[0].dtype
+    backend = backend_for(mesh)
+    mine = set(backend.owned(mesh))
+    out: list[torch.Tensor | None] = []
     for k, (dev, r) in enumerate(zip(mesh.devices, reps)):
-        t = locals_[r]
+        t = locals_[r] if locals_[r] is not None else locals_[k]
+        if k not in mine:
+            out.append(None)
+            continue
+        if t is None:
+            raise ShardingError(
+                f"from_local: no local value for {dev!r}, which this process holds. Pass a "
+                "tensor for every device this process owns (None only for the others)."
+            )
         want = local_shape(shape, layout, mesh.coord_of(k))
         if tuple(t.shape) != want or t.dtype != dtype:
             raise ShardingError(
@@ -162,9 +175,9 @@ def from_local(shards: Sequence[Any], sharding: Any, shape: Sequence[int] | None
                 f"{layout} puts shape {want} dtype {dtype} there (split rule: "
                 "g // n + (1 if k < g % n else 0))."
             )
-        target = dev.to_torch()
+        target = backend.device_of(mesh, k)
         out.append(t if t.device == target else t.to(target))
-    return _leafify(Tensor(out, layout, shape), requires_grad)
+    return _leafify(Tensor(out, layout, shape, dtype), requires_grad)
 
 
 def _filled(shape: Sequence[int] | int, make: Callable[[tuple[int, ...], Any, tuple[
@@ -175,12 +188,18 @@ def _filled(shape: Sequence[int] | int, make: Callable[[tuple[int, ...], Any, tu
     mesh = layout.mesh
     plain = layout.with_partial((None,) * mesh.ndim)
     reps = rep_indices(plain)
+    backend = backend_for(mesh)
+    mine = set(backend.owned(mesh))
     built: dict[int, torch.Tensor] = {}
-    for r in sorted(set(reps)):
-        coord = mesh.coord_of(r)
-        built[r] = make(local_shape(shape, plain, coord), mesh.devices[r].to_torch(),
-                        local_bounds(shape, plain, coord), r)
-    t = Tensor([built[r] for r in reps], plain, shape)
+    for k in sorted(mine):
+        r = reps[k]
+        if r not in built:
+            coord = mesh.coord_of(r)
+            built[r] = make(local_shape(shape, plain, coord), backend.device_of(mesh, k),
+                            local_bounds(shape, plain, coord), r)
+    t = Tensor([built[reps[k]] if k in mine else None for k in range(mesh.num_devices)],
+               plain, shape,
+               next(iter(built.values())).dtype if built else torch.get_default_dtype())
     if layout.is_partial:
         t = _make_partial_like(t, layout)
     return _leafify(t, requires_grad)

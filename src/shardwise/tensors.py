@@ -58,14 +58,17 @@ class Tensor:
 
     __slots__ = ("__weakref__", "_dtype", "_layout", "_shape", "_shards")
 
-    def __init__(self, shards: Sequence[torch.Tensor], layout: Layout,
-                 shape: Sequence[int]) -> None:
-        """Internal: build from per-device shards that already follow ``layout``.
-        Users build Tensors with ``shardwise.tensor``/``zeros``/``from_local``."""
-        self._shards = tuple(shards)
+    def __init__(self, shards: Sequence[torch.Tensor | None], layout: Layout,
+                 shape: Sequence[int], dtype: torch.dtype | None = None) -> None:
+        """Internal: build from per-device shards that already follow ``layout``
+        (None for devices another process owns). Users build Tensors with
+        ``shardwise.tensor``/``zeros``/``from_local``."""
+        self._shards: tuple[torch.Tensor, ...] = tuple(shards)  # type: ignore[arg-type]
         self._layout = layout
         self._shape = tuple(shape)
-        self._dtype = self._shards[0].dtype
+        if dtype is None:
+            dtype = next(s.dtype for s in self._shards if s is not None)
+        self._dtype = dtype
 
     # --- inspection -----------------------------------------------------------------
     @property
@@ -128,7 +131,18 @@ class Tensor:
 
     def local(self, device: Any) -> torch.Tensor:
         """The local tensor ``device`` holds (shares memory with the Tensor: read only)."""
-        return self._shards[self.mesh.device_index(device)]
+        shard = self._shards[self.mesh.device_index(device)]
+        if shard is None:
+            raise ShardingError(
+                f"{device!r} is owned by another process, so its shard of {self!r} is not "
+                "addressable here. Use .addressable_shards or .to_torch()."
+            )
+        return shard
+
+    @property
+    def addressable_shards(self) -> dict[Any, torch.Tensor]:
+        """``{device: local tensor}`` for the devices this process holds."""
+        return {d: s for d, s in zip(self.mesh.devices, self._shards) if s is not None}
 
     @property
     def local_shapes(self) -> list[tuple[int, ...]]:
@@ -155,16 +169,16 @@ class Tensor:
     def _global(self) -> torch.Tensor:
         """The global value as one torch tensor (differentiable; may alias a shard)."""
         target = Layout.replicated(self.mesh, self.ndim)
-        if self._layout == target:
-            return self._shards[0]
-        return self.relayout(target)._shards[0]
+        full = self if self._layout == target else self.relayout(target)
+        return backend_for(self.mesh).global_value(full._shards, full._layout, full._shape,
+                                                    full._dtype)
 
     def to_torch(self) -> torch.Tensor:
         """The global value as a new torch tensor (Partial axes reduced), on the
         first device of the mesh. Differentiable."""
         out = self._global()
-        storages = {s.untyped_storage().data_ptr() for s in self._shards}
-        if out.untyped_storage().data_ptr() in storages:
+        storages = {s.untyped_storage()._cdata for s in self._shards if s is not None}
+        if out.untyped_storage()._cdata in storages:
             out = out.clone()
         return out
 
@@ -183,7 +197,7 @@ class Tensor:
             return self
         plan = self.plan_to(target)
         shards = backend_for(self.mesh).execute_plan(plan, self._shards)
-        return Tensor(shards, target, self._shape)
+        return Tensor(shards, target, self._shape, self._dtype)
 
     def plan_to(self, target: Layout) -> Plan:
         if target.mesh != self.mesh:
@@ -195,29 +209,38 @@ class Tensor:
 
     def unique_shards(self) -> tuple[list[int], list[torch.Tensor]]:
         """Representative device indices and their (distinct) local tensors."""
-        reps = sorted(set(rep_indices(self._layout)))
+        reps: list[int] = []
+        seen: set[int] = set()
+        for k, s in enumerate(self._shards):
+            if s is not None and id(s) not in seen:
+                seen.add(id(s))
+                reps.append(k)
         return reps, [self._shards[k] for k in reps]
 
     def _map_unique(self, fn: Any, layout: Layout | None = None) -> Tensor:
         """Apply ``fn`` once per distinct local tensor, keeping the sharing pattern."""
         layout = layout or self._layout
         done: dict[int, torch.Tensor] = {}
-        out = []
+        out: list[torch.Tensor | None] = []
         for s in self._shards:
+            if s is None:
+                out.append(None)
+                continue
             r = done.get(id(s))
             if r is None:
                 r = done[id(s)] = fn(s)
             out.append(r)
-        return Tensor(out, layout, self._shape)
+        present = any(o is not None for o in out)
+        return Tensor(out, layout, self._shape, None if present else self._dtype)
 
     # --- autograd ----------------------------------------------------------------------
     @property
     def requires_grad(self) -> bool:
-        return any(s.requires_grad for s in self._shards)
+        return any(s.requires_grad for s in self._shards if s is not None)
 
     @property
     def is_leaf(self) -> bool:
-        return all(s.is_leaf for s in self._shards)
+        return all(s.is_leaf for s in self._shards if s is not None)
 
     def requires_grad_(self, requires_grad: bool = True) -> Tensor:
         """Make this tensor a leaf that records gradients (in place on the flag only)."""
@@ -226,7 +249,7 @@ class Tensor:
                 "requires_grad_() is for leaf tensors; this one is the result of an op. "
                 "Use x.detach().requires_grad_()."
             )
-        for s in {id(s): s for s in self._shards}.values():
+        for s in {id(s): s for s in self._shards if s is not None}.values():
             s.requires_grad_(requires_grad)
         return self
 
@@ -247,9 +270,14 @@ class Tensor:
         reps = rep_indices(layout)
         zeros: dict[int, torch.Tensor] = {}
         owner: dict[int, int] = {}  # buffer id -> the one rep device its gradient lands on
-        out = []
+        out: list[torch.Tensor | None] = []
         for k in range(len(self._shards)):
+            if self._shards[k] is None:
+                out.append(None)
+                continue
             s = self._shards[reps[k]]
+            if s is None:  # the representative lives in another process
+                s = self._shards[k]
             # A buffer shared along a Partial axis (MIN/MAX/AVG hold the value on every
             # device) got one summed gradient: it lands once, the other devices get zeros,
             # so the Partial(SUM) gradient is not counted twice.
@@ -260,14 +288,14 @@ class Tensor:
                 if g is None:
                     g = zeros[id(s)] = torch.zeros_like(s)
             out.append(g)
-        return Tensor(out, layout, self._shape)
+        return Tensor(out, layout, self._shape, self._dtype)
 
     @property
     def grad(self) -> Tensor | None:
         """Accumulated gradient, in this tensor's layout; None before any backward."""
-        if not any(s.grad is not None for s in self._shards):
+        if not any(s.grad is not None for s in self._shards if s is not None):
             return None
-        return self._wrap_grads({id(s): s.grad for s in self._shards})
+        return self._wrap_grads({id(s): s.grad for s in self._shards if s is not None})
 
     def _roots(self) -> Tensor:
         """This value with Partial axes reduced (the differentiable global)."""
@@ -289,7 +317,8 @@ class Tensor:
                     f"backward() without a gradient needs a scalar; {self!r} has shape "
                     f"{self._shape}. Pass gradient= (same global shape) or reduce first."
                 )
-            gradient = torch.ones((), dtype=self._dtype, device=roots._shards[0].device)
+            first = next(s for s in roots._shards if s is not None)
+            gradient = torch.ones((), dtype=self._dtype, device=first.device)
         from shardwise.creation import as_layout_of
 
         g = as_layout_of(gradient, roots)

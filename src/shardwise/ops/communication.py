@@ -27,6 +27,7 @@ import torch
 from shardwise.creation import place, tensor
 from shardwise.devices import CPU, Accelerator, Device, DeviceError
 from shardwise.planner import Plan
+from shardwise.runtime import backend_for
 from shardwise.runtime.simulated import rep_indices
 from shardwise.sharding.errors import ShardingError, ShardingTypeError
 from shardwise.sharding.layout import Layout, normalize_dim
@@ -323,7 +324,14 @@ def _as_partial(t: Tensor, axes: tuple[int, ...], op: ReduceOp | None, what: str
             dims[d].remove(a)
         partial[a] = op or ReduceOp.SUM
     new = Layout(t.mesh, tuple(tuple(d) for d in dims), tuple(partial))
-    return Tensor(t.shards, new, shape)
+    # Replicated axes split into independent partials: their gradient is the sum
+    # over the replicas, which the backend installs here.
+    split = tuple(a for a in axes if layout.partial[a] is None and layout.dim_of_axis(a) is None)
+    shards = t.shards
+    if split:
+        shards = tuple(backend_for(t.mesh).relabel(t.shards, layout, split,
+                                                   op or ReduceOp.SUM))
+    return Tensor(shards, new, shape, t.dtype)
 
 
 def _reduce_args(t: Tensor, reduce_axes: Any, reduce_op: Any,
@@ -456,39 +464,29 @@ def ppermute(sharded_tensor: Tensor, permutation: Sequence[tuple[int, int]],
                 coord[a] = s
                 source.append(mesh.index_of(coord))
     reps = rep_indices(layout)
-    out: list[torch.Tensor] = []
-    zeros: dict[tuple[int, ...], torch.Tensor] = {}
-    for k, s in enumerate(source):
+    for k, src in enumerate(source):
         want = local_shape(t.shape, layout, mesh.coord_of(k))
         r = reps[k]
         if r != k:
             rs = source[r]
-            if (s is None) != (rs is None) or (s is not None and reps[s] != reps[rs]):  # type: ignore[index]
+            if (src is None) != (rs is None) or (
+                    src is not None and rs is not None and reps[src] != reps[rs]):
                 axes = [mesh.axis_names[x] for x in range(mesh.ndim)
                         if mesh.coord_of(k)[x] != mesh.coord_of(r)[x]]
                 raise ShardingError(
                     f"ppermute {list(permutation)!r} would give replicas along mesh axes "
                     f"{axes} different values (device {r} receives from {rs}, device {k} from "
-                    f"{s}), but the layout {layout} holds them Replicated. Permute along a "
+                    f"{src}), but the layout {layout} holds them Replicated. Permute along a "
                     "sharded axis, or use a permutation that keeps replicas equal."
                 )
-            out.append(out[r])
             continue
-        if s is None:
-            key = want
-            z = zeros.get(key)
-            if z is None:
-                z = zeros[key] = torch.zeros((), dtype=t.dtype,
-                                             device=mesh.devices[k].to_torch()).expand(want)
-            out.append(z)
-            continue
-        got = t.shards[s]
-        if tuple(got.shape) != want:
-            raise ShardingError(
-                f"ppermute sends device {s}'s block of shape {tuple(got.shape)} to device {k}, "
-                f"whose block in layout {layout} has shape {want}: uneven shards cannot trade "
-                "places. Make the sharded dims divisible by the mesh axis sizes."
-            )
-        dev = mesh.devices[k].to_torch()
-        out.append(got if got.device == dev else got.to(dev))
-    return Tensor(out, layout, t.shape)
+        if src is not None:
+            got = local_shape(t.shape, layout, mesh.coord_of(src))
+            if got != want:
+                raise ShardingError(
+                    f"ppermute sends device {src}'s block of shape {got} to device {k}, "
+                    f"whose block in layout {layout} has shape {want}: uneven shards cannot "
+                    "trade places. Make the sharded dims divisible by the mesh axis sizes."
+                )
+    out = backend_for(mesh).permute(t.shards, layout, source, t.shape)
+    return Tensor(out, layout, t.shape, t.dtype)

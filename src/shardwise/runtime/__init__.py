@@ -32,15 +32,32 @@ class Backend(Protocol):
     def assemble(self, shards: Sequence[torch.Tensor], src: Layout, dst: Layout,
                  shape: tuple[int, ...]) -> list[torch.Tensor]: ...
 
-    def reduce(self, shards: Sequence[torch.Tensor], layout: Layout, axes: tuple[int, ...],
-               op: ReduceOp) -> list[torch.Tensor]: ...
-
     def make_partial(self, shards: Sequence[torch.Tensor], layout: Layout,
                      axes: tuple[int, ...], op: ReduceOp) -> list[torch.Tensor]: ...
 
+    def relabel(self, shards: Sequence[torch.Tensor], layout: Layout,
+                axes: tuple[int, ...], op: ReduceOp) -> list[torch.Tensor]: ...
+
+    def permute(self, shards: Sequence[torch.Tensor], layout: Layout,
+                source: Sequence[int | None], shape: tuple[int, ...]) -> list[torch.Tensor]: ...
+
+    def global_value(self, shards: Sequence[torch.Tensor], layout: Layout,
+                     shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor: ...
+
+    def device_of(self, mesh: DeviceMesh, k: int) -> torch.device: ...
+
+    def owned(self, mesh: DeviceMesh) -> Sequence[int]: ...
+
 
 def backend_for(mesh: DeviceMesh) -> Backend:
-    """The backend that executes ops on ``mesh``."""
+    """The backend that executes ops on ``mesh``: the torch.distributed backend when
+    the mesh's devices are processes of an initialized world, else the simulated one."""
+    from shardwise.runtime import collectives
+
+    if collectives.is_process_mesh(mesh):
+        from shardwise.runtime import multiprocess
+
+        return multiprocess  # type: ignore[return-value]
     from shardwise.runtime import simulated
 
     return simulated  # type: ignore[return-value]

@@ -26,9 +26,22 @@ from shardwise.planner import Plan, Step
 from shardwise.sharding.errors import ShardingError
 from shardwise.sharding.layout import Layout
 from shardwise.sharding.placements import ReduceOp
-from shardwise.sharding.shapes import local_bounds, piece_index, split_bounds
+from shardwise.sharding.mesh import DeviceMesh
+from shardwise.sharding.shapes import local_bounds, local_shape, piece_index, split_bounds
 
-__all__ = ["assemble", "execute_plan", "make_partial", "reduce", "rep_indices", "run_step"]
+__all__ = [
+    "assemble",
+    "device_of",
+    "execute_plan",
+    "global_value",
+    "make_partial",
+    "owned",
+    "permute",
+    "reduce",
+    "relabel",
+    "rep_indices",
+    "run_step",
+]
 
 Shards: TypeAlias = "list[torch.Tensor]"
 # A recipe node: ("leaf", src_device, ((dim, start, length), ...), move_to | None)
@@ -68,7 +81,9 @@ def _assemble_recipe(src: Layout, dst: Layout, shape: tuple[int, ...]) -> tuple[
                                                                               dict[int, Node]]:
     mesh = src.mesh
     rep_src, rep_dst = rep_indices(src), rep_indices(dst)
-    torch_dev = [d.to_torch() for d in mesh.devices]
+    # Virtual CPUs share host memory: blocks never move between torch devices.
+    torch_dev = [None] * mesh.num_devices if mesh.is_simulated else [
+        d.to_torch() for d in mesh.devices]
     nodes: dict[int, Node] = {}
     for k in sorted(set(rep_dst)):
         coord = mesh.coord_of(k)
@@ -242,3 +257,50 @@ def execute_plan(plan: Plan, shards: Sequence[torch.Tensor]) -> Shards:
     for step in plan.steps:
         out = run_step(step, out, plan.shape)
     return out
+
+
+def global_value(shards: Sequence[torch.Tensor], layout: Layout, shape: tuple[int, ...],
+                 dtype: torch.dtype) -> torch.Tensor:
+    """The global value of a fully replicated tensor."""
+    return shards[0]
+
+
+def relabel(shards: Sequence[torch.Tensor], layout: Layout, axes: tuple[int, ...],
+            op: ReduceOp) -> Shards:
+    """Replicated ``axes`` become Partial(op) holding the same local values. Nothing
+    to do here: replicas already share one buffer, so torch sums its gradient."""
+    return list(shards)
+
+
+def permute(shards: Sequence[torch.Tensor], layout: Layout, source: Sequence[int | None],
+            shape: tuple[int, ...]) -> Shards:
+    """Device ``k`` receives device ``source[k]``'s block (zeros when None); replicas
+    keep sharing one object."""
+    mesh = layout.mesh
+    reps = rep_indices(layout)
+    out: list[torch.Tensor] = []
+    zeros: dict[tuple[int, ...], torch.Tensor] = {}
+    for k, s in enumerate(source):
+        if reps[k] != k:
+            out.append(out[reps[k]])
+            continue
+        dev = device_of(mesh, k)
+        if s is None:
+            want = local_shape(shape, layout, mesh.coord_of(k))
+            z = zeros.get(want)
+            if z is None:
+                z = zeros[want] = torch.zeros((), dtype=shards[0].dtype, device=dev).expand(want)
+            out.append(z)
+        else:
+            got = shards[s]
+            out.append(got if got.device == dev else got.to(dev))
+    return out
+
+
+def device_of(mesh: DeviceMesh, k: int) -> torch.device:
+    return mesh.devices[k].to_torch()  # type: ignore[no-any-return]
+
+
+def owned(mesh: DeviceMesh) -> range:
+    """The mesh devices this process holds: all of them."""
+    return range(mesh.num_devices)

@@ -1,0 +1,127 @@
+"""Multi-process runtime control: one process per device through torch.distributed.
+
+Launch with ``torchrun --nproc-per-node N program.py`` and call
+:func:`initialize` first; the same program then runs unchanged: a
+``DeviceMesh.cpu((2, 2), ...)`` built in a 4-process run is a mesh over the 4
+processes (device ``CPU(i)`` / ``Accelerator(i)`` is process ``i``'s device),
+each process holds only its own shards, and every op runs the native
+collective of its step on per-mesh-axis process groups.
+
+Invariants:
+- Process ``i`` owns the mesh devices whose id is ``i``.
+- Process groups are created once per (mesh, axes) and reused; creation is a
+  collective call that every process makes in the same order (SPMD).
+- Every collective has a timeout; a dead or mismatched peer raises
+  :class:`CollectiveError` within it instead of hanging.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from typing import Any
+
+from shardwise.sharding.errors import ShardingError
+
+__all__ = [
+    "CollectiveError",
+    "initialize",
+    "is_initialized",
+    "process_count",
+    "process_index",
+    "shutdown",
+]
+
+DEFAULT_TIMEOUT_S = 60.0
+
+
+class CollectiveError(ShardingError, RuntimeError):
+    """A collective failed: a peer died, timed out, or called a different collective."""
+
+
+def is_initialized() -> bool:
+    """True when this process runs the torch.distributed runtime."""
+    import torch.distributed as dist
+
+    return bool(dist.is_available() and dist.is_initialized())
+
+
+def initialize(backend: str | None = None, *, rank: int | None = None,
+               world_size: int | None = None, master_addr: str | None = None,
+               master_port: int | None = None, timeout_s: float = DEFAULT_TIMEOUT_S,
+               init_method: str | None = None) -> None:
+    """Start the multi-process runtime.
+
+    Reads the torchrun environment (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``,
+    ``MASTER_PORT``, ``LOCAL_RANK``); explicit arguments override it.
+    ``backend`` defaults to ``"nccl"`` when an accelerator is present and
+    ``"gloo"`` otherwise. ``timeout_s`` bounds every collective.
+
+    >>> shardwise.distributed.initialize()          # under torchrun  # doctest: +SKIP
+    >>> mesh = DeviceMesh.cpu((2, 2), ("dp", "tp")) # 4 processes as 2x2
+    """
+    import torch
+    import torch.distributed as dist
+
+    if not dist.is_available():
+        raise ShardingError("torch.distributed is not available in this torch build.")
+    if dist.is_initialized():
+        raise ShardingError(
+            "shardwise.distributed.initialize() was already called in this process; call "
+            "shutdown() first to start again."
+        )
+    env = os.environ
+    rank = int(env.get("RANK", "-1")) if rank is None else rank
+    world_size = int(env.get("WORLD_SIZE", "-1")) if world_size is None else world_size
+    if init_method is None and (rank < 0 or world_size < 1):
+        raise ShardingError(
+            f"initialize() needs rank and world_size (got rank={rank}, "
+            f"world_size={world_size}): launch with torchrun, or pass rank=, world_size=, "
+            "master_addr= and master_port=."
+        )
+    if master_addr is not None:
+        env["MASTER_ADDR"] = master_addr
+    if master_port is not None:
+        env["MASTER_PORT"] = str(master_port)
+    env.setdefault("MASTER_ADDR", "127.0.0.1")
+    if init_method is None and "MASTER_PORT" not in env:
+        raise ShardingError("initialize() needs MASTER_PORT (or master_port=) to rendezvous.")
+    from shardwise.devices import accelerator_type
+
+    acc = accelerator_type()
+    if backend is None:
+        backend = "nccl" if acc == "cuda" else "gloo"
+    kwargs: dict[str, Any] = {}
+    if backend == "nccl":
+        local = int(env.get("LOCAL_RANK", "0"))
+        torch.cuda.set_device(local)
+        kwargs["device_id"] = torch.device("cuda", local)
+    dist.init_process_group(
+        backend, init_method=init_method, rank=rank, world_size=world_size,
+        timeout=datetime.timedelta(seconds=timeout_s), **kwargs,
+    )
+
+
+def process_index() -> int:
+    """This process's rank (0 when not initialized: the simulated runtime)."""
+    import torch.distributed as dist
+
+    return int(dist.get_rank()) if is_initialized() else 0
+
+
+def process_count() -> int:
+    """How many processes run the program (1 when not initialized)."""
+    import torch.distributed as dist
+
+    return int(dist.get_world_size()) if is_initialized() else 1
+
+
+def shutdown() -> None:
+    """Tear down the process groups (safe to call twice)."""
+    import torch.distributed as dist
+
+    from shardwise.runtime import collectives as backend
+
+    backend.reset_groups()
+    if is_initialized():
+        dist.destroy_process_group()

@@ -1,0 +1,223 @@
+"""The torch.distributed runtime: each process holds only its own shards.
+
+Invariants:
+- ``shards[k]`` is present only for the mesh devices this process owns
+  (device id == rank); the others are None.
+- Each planner step runs one native collective on the process group of its
+  mesh axes (groups are created once per (mesh, axes) and cached).
+- Gradients follow one convention, so that they equal the simulated
+  runtime's (which are the exact derivatives of the global computation):
+  on Replicated axes every replica holds the full gradient; on Sharded axes
+  each device holds its piece; on Partial axes device ``i`` holds dL/dp_i.
+  Each step's backward maps that convention through it (see ``multiprocess.py``).
+- Inputs are never mutated: collectives run on fresh buffers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from shardwise.distributed import CollectiveError
+from shardwise.sharding.errors import ShardingError
+from shardwise.sharding.layout import Layout
+from shardwise.sharding.mesh import DeviceMesh
+from shardwise.sharding.placements import ReduceOp
+from shardwise.sharding.shapes import local_shape
+
+__all__ = ["Group", "group", "is_process_mesh", "my_index", "reset_groups"]
+
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+_TORCH_OP = {
+    ReduceOp.SUM: dist.ReduceOp.SUM, ReduceOp.AVG: dist.ReduceOp.AVG,
+    ReduceOp.MIN: dist.ReduceOp.MIN, ReduceOp.MAX: dist.ReduceOp.MAX,
+    ReduceOp.PROD: dist.ReduceOp.PRODUCT,
+}
+
+
+class Group:
+    """A process group over mesh axes, as seen from this process."""
+
+    __slots__ = ("members", "pg", "pos", "ranks")
+
+    def __init__(self, pg: Any, members: tuple[int, ...], ranks: tuple[int, ...],
+                 pos: int) -> None:
+        self.pg = pg            # torch ProcessGroup (None when this process is not a member)
+        self.members = members  # flat mesh indices, row-major over the axes
+        self.ranks = ranks
+        self.pos = pos          # this process's position among the members
+
+    @property
+    def size(self) -> int:
+        return len(self.members)
+
+
+_GROUPS: dict[tuple[DeviceMesh, tuple[int, ...]], Group] = {}
+
+
+def reset_groups() -> None:
+    _GROUPS.clear()
+
+
+def rank() -> int:
+    return int(dist.get_rank())
+
+
+def is_process_mesh(mesh: DeviceMesh) -> bool:
+    """True when the mesh's devices are processes of the initialized world."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return False
+    world = dist.get_world_size()
+    big = [d for d in mesh.devices if getattr(d, "id", -1) >= world]
+    if big:
+        raise ShardingError(
+            f"{mesh!r} names devices {big[:4]} but this run has {world} processes (device i "
+            f"is process i): build meshes of at most {world} devices, or launch more "
+            "processes (torchrun --nproc-per-node)."
+        )
+    return True
+
+
+def my_index(mesh: DeviceMesh) -> int | None:
+    me = rank()
+    for k, d in enumerate(mesh.devices):
+        if d.id == me:
+            return k
+    return None
+
+
+def group(mesh: DeviceMesh, axes: tuple[int, ...]) -> Group:
+    """This process's group over ``axes`` of ``mesh`` (created once, collectively)."""
+    key = (mesh, axes)
+    hit = _GROUPS.get(key)
+    if hit is not None:
+        return hit
+    me = my_index(mesh)
+    world = dist.get_world_size()
+    found: Group | None = None
+    for members in mesh.groups(axes):
+        ranks = tuple(mesh.devices[k].id for k in members)
+        if ranks == tuple(range(world)):
+            pg: Any = dist.group.WORLD
+        elif len(ranks) == 1:
+            pg = None
+        else:
+            pg = dist.new_group(list(ranks))  # every process calls this, member or not
+        if me is not None and me in members:
+            found = Group(pg, tuple(members), ranks, members.index(me))
+    result = found or Group(None, (), (), -1)
+    _GROUPS[key] = result
+    return result
+
+
+def world_group() -> Group:
+    world = dist.get_world_size()
+    return Group(dist.group.WORLD, tuple(range(world)), tuple(range(world)), rank())
+
+
+def sizes_along(shape: tuple[int, ...], layout: Layout, members: Sequence[int], dim: int,
+                mesh: DeviceMesh) -> list[int]:
+    return [local_shape(shape, layout, mesh.coord_of(m))[dim] for m in members]
+
+
+def _call(what: str, g: Group, fn: Callable[[], Any]) -> None:
+    try:
+        fn()
+    except (RuntimeError, ValueError) as err:  # DistBackendError is a RuntimeError
+        raise CollectiveError(
+            f"{what} over ranks {list(g.ranks)} failed on rank {rank()}: a peer died, timed "
+            "out, or called a different collective (every process must run the same ops in "
+            f"the same order). Underlying error: {err}"
+        ) from err
+
+
+# --- primitives on local tensors (no autograd) -------------------------------------------
+def all_gather(x: torch.Tensor, dim: int, g: Group, sizes: Sequence[int]) -> torch.Tensor:
+    """Concatenate the members' blocks along ``dim`` (uneven sizes padded in transit)."""
+    if g.size == 1:
+        return x
+    m = max(sizes)
+    xm = x.movedim(dim, 0)
+    if xm.shape[0] < m:
+        xm = torch.cat([xm, xm.new_zeros((m - xm.shape[0], *xm.shape[1:]))])
+    xm = xm.contiguous()
+    out = xm.new_empty((g.size * m, *xm.shape[1:]))
+    _call("all_gather", g, lambda: _all_gather(out, xm, group=g.pg))
+    if any(s != m for s in sizes):
+        out = torch.cat([out.narrow(0, i * m, s) for i, s in enumerate(sizes)])
+    return out.movedim(0, dim)
+
+
+def all_reduce(x: torch.Tensor, g: Group, op: ReduceOp) -> torch.Tensor:
+    out = x.clone(memory_format=torch.contiguous_format)
+    if g.size > 1:
+        _call("all_reduce", g, lambda: dist.all_reduce(out, _TORCH_OP[op], group=g.pg))
+    return out
+
+
+def reduce_scatter(x: torch.Tensor, dim: int, g: Group, sizes: Sequence[int],
+                   op: ReduceOp) -> torch.Tensor:
+    """Reduce the members' full blocks and keep this member's piece along ``dim``."""
+    if g.size == 1:
+        return x.clone()
+    m = max(sizes)
+    xm = x.movedim(dim, 0)
+    if all(s == m for s in sizes):
+        inp = xm.contiguous()
+    else:
+        parts, off = [], 0
+        for s in sizes:
+            piece = xm.narrow(0, off, s)
+            off += s
+            parts.append(torch.cat([piece, piece.new_zeros((m - s, *piece.shape[1:]))]))
+        inp = torch.cat(parts)
+    out = inp.new_empty((m, *inp.shape[1:]))
+    _call("reduce_scatter", g, lambda: _reduce_scatter(out, inp, _TORCH_OP[op], group=g.pg))
+    return out.narrow(0, 0, sizes[g.pos]).movedim(0, dim)
+
+
+def all_to_all(x: torch.Tensor, dim: int, dim2: int, g: Group, send: Sequence[int],
+               recv: Sequence[int]) -> torch.Tensor:
+    """Split ``x`` along ``dim2`` (``send[j]`` to member j); concatenate what
+    arrives along ``dim`` (``recv[i]`` from member i)."""
+    if g.size == 1:
+        return x
+    chunks = x.split(list(send), dim2)
+    flat_in = torch.cat([c.reshape(-1) for c in chunks])
+    shapes = []
+    for s in recv:
+        shp = list(x.shape)
+        shp[dim2] = send[g.pos]
+        shp[dim] = s
+        shapes.append(shp)
+    out_splits = [int(torch.Size(s).numel()) for s in shapes]
+    flat_out = flat_in.new_empty(sum(out_splits))
+    _call("all_to_all", g, lambda: dist.all_to_all_single(
+        flat_out, flat_in, out_splits, [c.numel() for c in chunks], group=g.pg))
+    return torch.cat([p.view(s) for p, s in zip(flat_out.split(out_splits), shapes)], dim)
+
+
+def permute(x: torch.Tensor | None, send_to: int | None, recv_from: int | None,
+            like: torch.Tensor) -> torch.Tensor:
+    """Send ``x`` to rank ``send_to`` and receive from ``recv_from`` (zeros if None)."""
+    ops = []
+    out = torch.zeros_like(like, memory_format=torch.contiguous_format)
+    if send_to is not None and x is not None:
+        ops.append(dist.P2POp(dist.isend, x.contiguous(), send_to))
+    if recv_from is not None:
+        ops.append(dist.P2POp(dist.irecv, out, recv_from))
+    if ops:
+        g = Group(None, (), (send_to or 0, recv_from or 0), 0)
+        _call("ppermute", g, lambda: [r.wait() for r in dist.batch_isend_irecv(ops)])
+    return out
+
+
+def broadcast(x: torch.Tensor, src_rank: int, g: Group) -> torch.Tensor:
+    out = x.clone(memory_format=torch.contiguous_format)
+    if g.size > 1:
+        _call("broadcast", g, lambda: dist.broadcast(out, src_rank, group=g.pg))
+    return out

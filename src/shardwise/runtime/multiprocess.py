@@ -1,0 +1,440 @@
+"""Planner steps on the torch.distributed runtime, each with its gradient beside it.
+
+Every step is a tiny autograd Function with a one-line contract. Gradient
+convention (see ``collectives.py``): Replicated axes hold the full gradient on
+every replica, Sharded axes their piece, Partial axes dL/dp_i.
+
+    slice            narrow in forward,            all_gather in backward
+    all_gather       all_gather in forward,        narrow in backward
+    all_to_all       all_to_all in forward,        inverse all_to_all in backward
+    all_reduce       all_reduce in forward,        dG/dp_i (sum: identity) in backward
+    reduce_scatter   reduce_scatter in forward,    all_gather (then dG/dp_i) in backward
+    make_partial     identity/identity-element,    identity (sum) or sum over replicas
+    relabel          identity (psum prelude),      sum over the replicas it splits
+    permute          send/recv in forward,         inverse send/recv in backward
+Forward-mode tangents apply the same (linear) forward to the tangent.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch.autograd import Function
+
+from shardwise.planner import Plan, Step
+from shardwise.runtime import collectives as D
+from shardwise.sharding.layout import Layout
+from shardwise.sharding.placements import ReduceOp
+from shardwise.sharding.shapes import local_bounds
+
+__all__ = [
+    "assemble",
+    "device_of",
+    "execute_plan",
+    "global_value",
+    "make_partial",
+    "owned",
+    "permute",
+    "relabel",
+    "run_step",
+]
+
+Shards = list  # list[torch.Tensor | None]
+
+
+def _reduce_grad(g: torch.Tensor, x: torch.Tensor, out: torch.Tensor, grp: D.Group,
+                 op: ReduceOp) -> torch.Tensor:
+    """dL/dx for out = op over the group of x, given dL/dout = g (same on every member)."""
+    if op is ReduceOp.SUM:
+        return g
+    if op is ReduceOp.AVG:
+        return g / grp.size
+    if op is ReduceOp.PROD:
+        return g * out / x
+    mask = (x == out).to(g.dtype)
+    count = D.all_reduce(mask, grp, ReduceOp.SUM)
+    return g * mask / count
+
+
+def _reduce_tangent(t: torch.Tensor, x: torch.Tensor, out: torch.Tensor, grp: D.Group,
+                    op: ReduceOp) -> torch.Tensor:
+    if op in (ReduceOp.SUM, ReduceOp.AVG):
+        return D.all_reduce(t, grp, op)
+    if op is ReduceOp.PROD:
+        return out * D.all_reduce(t / x, grp, ReduceOp.SUM)
+    mask = (x == out).to(t.dtype)
+    return D.all_reduce(t * mask, grp, ReduceOp.SUM) / D.all_reduce(mask, grp, ReduceOp.SUM)
+
+
+class _Slice(Function):
+    """narrow in forward, all_gather in backward."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, spec: tuple[Any, ...]) -> torch.Tensor:  # type: ignore[override]
+        dim, start, length, grp, sizes = spec
+        ctx.spec = spec
+        return x.narrow(dim, start, length)
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> Any:  # type: ignore[override]
+        dim, _, _, grp, sizes = ctx.spec
+        return D.all_gather(g, dim, grp, sizes), None
+
+    @staticmethod
+    def jvp(ctx: Any, t: torch.Tensor, _: Any) -> torch.Tensor:  # type: ignore[override]
+        dim, start, length, _, _ = ctx.spec
+        return t.narrow(dim, start, length)
+
+
+class _AllGather(Function):
+    """all_gather in forward, narrow in backward."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, spec: tuple[Any, ...]) -> torch.Tensor:  # type: ignore[override]
+        ctx.spec = spec
+        dim, grp, sizes = spec
+        return D.all_gather(x, dim, grp, sizes)
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> Any:  # type: ignore[override]
+        dim, grp, sizes = ctx.spec
+        return g.narrow(dim, sum(sizes[: grp.pos]), sizes[grp.pos]), None
+
+    @staticmethod
+    def jvp(ctx: Any, t: torch.Tensor, _: Any) -> torch.Tensor:  # type: ignore[override]
+        dim, grp, sizes = ctx.spec
+        return D.all_gather(t, dim, grp, sizes)
+
+
+class _AllToAll(Function):
+    """all_to_all dim->dim2 in forward, the inverse all_to_all in backward."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, spec: tuple[Any, ...]) -> torch.Tensor:  # type: ignore[override]
+        ctx.spec = spec
+        dim, dim2, grp, send, recv = spec
+        return D.all_to_all(x, dim, dim2, grp, send, recv)
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> Any:  # type: ignore[override]
+        dim, dim2, grp, send, recv = ctx.spec
+        return D.all_to_all(g, dim2, dim, grp, recv, send), None
+
+    @staticmethod
+    def jvp(ctx: Any, t: torch.Tensor, _: Any) -> torch.Tensor:  # type: ignore[override]
+        dim, dim2, grp, send, recv = ctx.spec
+        return D.all_to_all(t, dim, dim2, grp, send, recv)
+
+
+class _AllReduce(Function):
+    """all_reduce in forward; dG/dp_i (identity for sum) in backward."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, spec: tuple[Any, ...]) -> torch.Tensor:  # type: ignore[override]
+        grp, op = spec
+        out = D.all_reduce(x, grp, op)
+        ctx.spec = spec
+        ctx.save_for_backward(x, out)
+        ctx.fw = (x, out)
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> Any:  # type: ignore[override]
+        x, out = ctx.saved_tensors
+        grp, op = ctx.spec
+        return _reduce_grad(g, x, out, grp, op), None
+
+    @staticmethod
+    def jvp(ctx: Any, t: torch.Tensor, _: Any) -> torch.Tensor:  # type: ignore[override]
+        grp, op = ctx.spec
+        x, out = ctx.fw
+        return _reduce_tangent(t, x, out, grp, op)
+
+
+class _ReduceScatter(Function):
+    """reduce_scatter in forward; all_gather, then dG/dp_i, in backward."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, spec: tuple[Any, ...]) -> torch.Tensor:  # type: ignore[override]
+        dim, grp, sizes, op = spec
+        ctx.spec = spec
+        out = D.reduce_scatter(x, dim, grp, sizes, op)
+        ctx.save_for_backward(x, out)
+        ctx.fw = (x,)
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> Any:  # type: ignore[override]
+        x, out = ctx.saved_tensors
+        dim, grp, sizes, op = ctx.spec
+        g_full = D.all_gather(g, dim, grp, sizes)
+        if op is ReduceOp.SUM:
+            return g_full, None
+        out_full = D.all_gather(out, dim, grp, sizes)
+        return _reduce_grad(g_full, x, out_full, grp, op), None
+
+    @staticmethod
+    def jvp(ctx: Any, t: torch.Tensor, _: Any) -> torch.Tensor:  # type: ignore[override]
+        dim, grp, sizes, op = ctx.spec
+        (x,) = ctx.fw
+        full = D.all_reduce(x, grp, op)
+        tan = _reduce_tangent(t, x, full, grp, op)
+        start = sum(sizes[: grp.pos])
+        return tan.narrow(dim, start, sizes[grp.pos])
+
+
+class _MakePartial(Function):
+    """identity (root) or identity element (others) in forward; identity for sum,
+    a sum over the replicas otherwise, in backward."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, spec: tuple[Any, ...]) -> torch.Tensor:  # type: ignore[override]
+        grp, op, root = spec
+        ctx.spec = spec
+        if op in (ReduceOp.SUM, ReduceOp.PROD) and not root:
+            value = 1 if op is ReduceOp.PROD else 0
+            return torch.full_like(x, value)
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> Any:  # type: ignore[override]
+        grp, op, root = ctx.spec
+        if op is ReduceOp.SUM:
+            return g, None
+        if op is ReduceOp.AVG:
+            return g * grp.size, None
+        if op is ReduceOp.PROD:
+            return D.all_reduce(g if root else torch.zeros_like(g), grp, ReduceOp.SUM), None
+        return D.all_reduce(g, grp, ReduceOp.SUM), None
+
+    @staticmethod
+    def jvp(ctx: Any, t: torch.Tensor, _: Any) -> torch.Tensor:  # type: ignore[override]
+        grp, op, root = ctx.spec
+        if op in (ReduceOp.SUM, ReduceOp.PROD) and not root:
+            return torch.zeros_like(t)
+        return t.view_as(t)
+
+
+class _Relabel(Function):
+    """identity in forward (local values become partials); in backward the sum of
+    the partials' gradients over the replicas that were split."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, spec: tuple[Any, ...]) -> torch.Tensor:  # type: ignore[override]
+        ctx.spec = spec
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> Any:  # type: ignore[override]
+        grp, op = ctx.spec
+        if grp is None or grp.size == 1:
+            return g, None
+        if op is ReduceOp.SUM:
+            return g * grp.size, None
+        if op is ReduceOp.AVG:
+            return g, None
+        return D.all_reduce(g, grp, ReduceOp.SUM), None
+
+    @staticmethod
+    def jvp(ctx: Any, t: torch.Tensor, _: Any) -> torch.Tensor:  # type: ignore[override]
+        return t.view_as(t)
+
+
+class _Permute(Function):
+    """send/recv in forward, the inverse send/recv in backward."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, spec: tuple[Any, ...]) -> torch.Tensor:  # type: ignore[override]
+        ctx.spec = spec
+        send_to, recv_from = spec
+        return D.permute(x, send_to, recv_from, x)
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> Any:  # type: ignore[override]
+        send_to, recv_from = ctx.spec
+        return D.permute(g, recv_from, send_to, g), None
+
+    @staticmethod
+    def jvp(ctx: Any, t: torch.Tensor, _: Any) -> torch.Tensor:  # type: ignore[override]
+        send_to, recv_from = ctx.spec
+        return D.permute(t, send_to, recv_from, t)
+
+
+def _sizes(step: Step, layout: Layout, grp: D.Group, dim: int, shape: tuple[int, ...]
+           ) -> list[int]:
+    return D.sizes_along(shape, layout, grp.members, dim, layout.mesh)
+
+
+def _one(step: Step, x: torch.Tensor, shape: tuple[int, ...], k: int) -> torch.Tensor:
+    mesh = step.before.mesh
+    kind = step.kind
+    if kind == "make_partial":
+        grp = D.group(mesh, step.axes)
+        coord = mesh.coord_of(k)
+        root = all(coord[a] == 0 for a in step.axes)
+        return _MakePartial.apply(x, (grp, step.reduce_op, root))  # type: ignore[no-any-return]
+    grp = D.group(mesh, step.axes)
+    if kind == "slice":
+        assert step.dim is not None
+        d = step.dim
+        coord = mesh.coord_of(k)
+        lo_before = local_bounds(shape, step.before, coord)[d][0]
+        lo, hi = local_bounds(shape, step.after, coord)[d]
+        sizes = _sizes(step, step.after, grp, d, shape)
+        return _Slice.apply(x, (d, lo - lo_before, hi - lo, grp, sizes))  # type: ignore[no-any-return]
+    if kind == "all_gather":
+        assert step.dim is not None
+        sizes = _sizes(step, step.before, grp, step.dim, shape)
+        return _AllGather.apply(x, (step.dim, grp, sizes))  # type: ignore[no-any-return]
+    if kind == "all_to_all":
+        assert step.dim is not None and step.dim2 is not None
+        send = _sizes(step, step.after, grp, step.dim2, shape)
+        recv = _sizes(step, step.before, grp, step.dim, shape)
+        return _AllToAll.apply(x, (step.dim, step.dim2, grp, send, recv))  # type: ignore[no-any-return]
+    if kind == "all_reduce":
+        return _AllReduce.apply(x, (grp, step.reduce_op))  # type: ignore[no-any-return]
+    if kind == "reduce_scatter":
+        assert step.dim is not None
+        sizes = _sizes(step, step.after, grp, step.dim, shape)
+        return _ReduceScatter.apply(x, (step.dim, grp, sizes, step.reduce_op))  # type: ignore[no-any-return]
+    raise AssertionError(f"unknown step kind {kind!r}")
+
+
+def run_step(step: Step, shards: Sequence[torch.Tensor | None], shape: tuple[int, ...]
+             ) -> Shards:
+    mesh = step.before.mesh
+    out: list[torch.Tensor | None] = [None] * mesh.num_devices
+    k = D.my_index(mesh)
+    if k is not None:
+        x = shards[k]
+        assert x is not None, "a process must hold its own shard"
+        out[k] = _one(step, x, shape, k)
+    else:  # not in this mesh, but group creation is collective: take part in it
+        D.group(mesh, step.axes)
+    return out
+
+
+def execute_plan(plan: Plan, shards: Sequence[torch.Tensor | None]) -> Shards:
+    out = list(shards)
+    for step in plan.steps:
+        out = run_step(step, out, plan.shape)
+    return out
+
+
+def relabel(shards: Sequence[torch.Tensor | None], layout: Layout, axes: tuple[int, ...],
+            op: ReduceOp) -> Shards:
+    """Replicated ``axes`` become Partial(op) holding the same local values."""
+    mesh = layout.mesh
+    grp = D.group(mesh, axes) if axes else None
+    k = D.my_index(mesh)
+    out: list[torch.Tensor | None] = [None] * mesh.num_devices
+    if k is not None:
+        x = shards[k]
+        assert x is not None
+        out[k] = _Relabel.apply(x, (grp, op))
+    return out
+
+
+def make_partial(shards: Sequence[torch.Tensor | None], layout: Layout, axes: tuple[int, ...],
+                 op: ReduceOp) -> Shards:
+    mesh = layout.mesh
+    k = D.my_index(mesh)
+    out: list[torch.Tensor | None] = [None] * mesh.num_devices
+    grp = D.group(mesh, axes)
+    if k is not None:
+        x = shards[k]
+        assert x is not None
+        coord = mesh.coord_of(k)
+        out[k] = _MakePartial.apply(x, (grp, op, all(coord[a] == 0 for a in axes)))
+    return out
+
+
+def permute(shards: Sequence[torch.Tensor | None], layout: Layout, source: Sequence[int | None],
+            shape: tuple[int, ...]) -> Shards:
+    """Device k receives device source[k]'s block (zeros when None)."""
+    mesh = layout.mesh
+    k = D.my_index(mesh)
+    out: list[torch.Tensor | None] = [None] * mesh.num_devices
+    if k is None:
+        return out
+    x = shards[k]
+    assert x is not None
+    dest = [j for j, s in enumerate(source) if s == k]
+    send_to = mesh.devices[dest[0]].id if dest else None
+    src = source[k]
+    recv_from = mesh.devices[src].id if src is not None else None
+    if send_to == D.rank() and recv_from == D.rank():
+        out[k] = x
+        return out
+    out[k] = _Permute.apply(x, (send_to, recv_from))
+    return out
+
+
+
+
+class _Broadcast(Function):
+    """broadcast from the owner in forward; the owner's own gradient in backward
+    (every process holds the same replicated gradient)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, spec: tuple[Any, ...]) -> torch.Tensor:  # type: ignore[override]
+        src, grp = spec
+        return D.broadcast(x, src, grp)
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> Any:  # type: ignore[override]
+        return g, None
+
+
+def global_value(shards: Sequence[torch.Tensor | None], layout: Layout, shape: tuple[int, ...],
+                 dtype: torch.dtype) -> torch.Tensor:
+    """The global value of a fully replicated tensor, on every process."""
+    mesh = layout.mesh
+    k = D.my_index(mesh)
+    owners = {d.id for d in mesh.devices}
+    world = D.world_group()
+    if len(owners) == world.size:
+        assert k is not None
+        return shards[k]  # type: ignore[return-value]
+    src = mesh.devices[0].id
+    if k is not None and mesh.devices[k].id == src:
+        return _Broadcast.apply(shards[k], (src, world))  # type: ignore[no-any-return]
+    buf = torch.empty(shape, dtype=dtype, device=device_of(mesh, 0))
+    return D.broadcast(buf, src, world)
+
+
+def device_of(mesh: Any, k: int) -> torch.device:
+    """This process's torch device for mesh device ``k``."""
+    dev = mesh.devices[k]
+    if dev.kind == "cpu":
+        return torch.device("cpu")
+    import os
+
+    from shardwise.devices import accelerator_type
+
+    return torch.device(accelerator_type() or "cuda", int(os.environ.get("LOCAL_RANK", "0")))
+
+
+def owned(mesh: Any) -> list[int]:
+    k = D.my_index(mesh)
+    return [] if k is None else [k]
+
+
+def assemble(shards: Sequence[torch.Tensor | None], src: Layout, dst: Layout,
+             shape: tuple[int, ...]) -> Shards:
+    """Local re-blocking only (every needed source block is present here), e.g.
+    slicing this process's block out of a value every process holds."""
+    from shardwise.runtime import simulated
+
+    mesh = dst.mesh
+    out: list[torch.Tensor | None] = [None] * mesh.num_devices
+    k = D.my_index(mesh)
+    if k is None:
+        return out
+    rep_dst, nodes = simulated._assemble_recipe(src, dst, shape)
+    block = simulated._run(nodes[rep_dst[k]], shards)  # type: ignore[arg-type]
+    dev = device_of(mesh, k)
+    out[k] = block if block.device == dev else block.to(dev)
+    return out

@@ -1,0 +1,177 @@
+"""Test bodies shared by both runtimes: each takes the number of devices ``n``.
+
+Run directly, they use a simulated mesh of ``n`` virtual CPU devices; run on
+every rank of an ``n``-process Gloo group (see ``harness.py``), the same code
+builds meshes over the processes. Data is deterministic, so every rank checks
+the same global values.
+"""
+
+from __future__ import annotations
+
+import torch
+
+import shardwise as sw
+from shardwise import DeviceMesh, Partial, PlacementMapping, Replicated, Sharded
+
+OPS = ["sum", "avg", "min", "max", "prod"]
+
+
+def meshes(n: int) -> list[DeviceMesh]:
+    out = [DeviceMesh.cpu((n,), ("x",))]
+    if n == 4:
+        out.append(DeviceMesh.cpu((2, 2), ("dp", "tp")))
+    return out
+
+
+def data(*shape: int) -> torch.Tensor:
+    numel = 1
+    for s in shape:
+        numel *= s
+    return (torch.arange(numel, dtype=torch.float32) % 7 - 3).reshape(shape)
+
+
+def layouts(mesh: DeviceMesh, ndim: int) -> list[PlacementMapping]:
+    opts = [Replicated(), Sharded(0), Sharded(ndim - 1), Partial()]
+    if mesh.ndim == 1:
+        return [PlacementMapping(mesh, [p]) for p in opts]
+    return [PlacementMapping(mesh, [a, b]) for a in opts for b in opts[:3]]
+
+
+def body_reshard_values(n: int) -> None:
+    """Every source layout to every target layout keeps the global value."""
+    for mesh in meshes(n):
+        for shape in [(5, 3), (8, 4), (2, 6), (0, 4)]:
+            x = data(*shape)
+            for src in layouts(mesh, 2):
+                t = sw.tensor(x, sharding=src)
+                assert torch.equal(t.to_torch(), x), (src, shape)
+                for dst in layouts(mesh, 2):
+                    out = sw.shard(t, dim_specs=dst)
+                    assert torch.equal(out.to_torch(), x), (src, dst, shape)
+
+
+def body_collectives(n: int) -> None:
+    mesh = DeviceMesh.cpu((n,), ("x",))
+    x = data(7, 5)
+
+    def pm(*p: object) -> PlacementMapping:
+        return PlacementMapping(mesh, list(p))
+
+    s0 = sw.tensor(x, sharding=pm(Sharded(0)))
+    assert torch.equal(sw.all_gather(s0).to_torch(), x)
+    a2a = sw.all_to_all(s0, 1, 0)
+    assert a2a.placements == (Sharded(1),)
+    assert torch.equal(a2a.to_torch(), x)
+    for op in OPS:
+        p = sw.tensor(x, sharding=pm(Partial(op)))
+        assert torch.allclose(sw.all_reduce(p).to_torch(), x), op
+        rs = sw.reduce_scatter(p, 0)
+        assert rs.placements == (Sharded(0),)
+        assert torch.allclose(rs.to_torch(), x), op
+    # psum of a replicated value: n copies summed
+    r = sw.tensor(x, sharding=pm(Replicated()))
+    assert torch.equal(sw.all_reduce(r).to_torch(), n * x)
+    # ppermute ring on an evenly sharded tensor
+    y = data(4 * n, 2)
+    ys = sw.tensor(y, sharding=pm(Sharded(0)))
+    ring = sw.ppermute(ys, [(i, (i + 1) % n) for i in range(n)])
+    expect = torch.cat([y[4 * ((i - 1) % n): 4 * ((i - 1) % n) + 4] for i in range(n)])
+    assert torch.equal(ring.to_torch(), expect)
+    partial_perm = sw.ppermute(ys, [(0, 1)])
+    expect2 = torch.zeros_like(y)
+    expect2[4:8] = y[0:4]
+    assert torch.equal(partial_perm.to_torch(), expect2)
+    b = sw.distributed_broadcast(sw.tensor(x), mesh)
+    assert b.placements == (Replicated(),)
+    assert torch.equal(b.to_torch(), x)
+
+
+def _check_grad(fn, x: torch.Tensor, src: PlacementMapping) -> None:  # type: ignore[no-untyped-def]
+    w = sw.tensor(x, sharding=src, requires_grad=True)
+    out = fn(w)
+    loss = (out.to_torch() * data(*out.shape)).sum()
+    loss.backward()
+    ref = x.clone().requires_grad_(True)
+    (ref_fn(fn, ref) * data(*out.shape)).sum().backward()
+    assert w.grad is not None
+    got = w.grad.to_torch()
+    assert torch.allclose(got, ref.grad), (src, got, ref.grad)  # type: ignore[arg-type]
+
+
+def ref_fn(fn, x: torch.Tensor) -> torch.Tensor:  # type: ignore[no-untyped-def]
+    """The single-device meaning of the layout ops used below: the identity."""
+    return x
+
+
+def body_gradients(n: int) -> None:
+    for mesh in meshes(n):
+        x = data(6, 4)
+        for src in layouts(mesh, 2):
+            for dst in layouts(mesh, 2):
+                _check_grad(lambda t, dst=dst: sw.shard(t, dim_specs=dst), x, src)
+        _check_grad(sw.all_gather, x, PlacementMapping(mesh, [Sharded(1)] * mesh.ndim
+                                                       if mesh.ndim == 1 else
+                                                       [Sharded(0), Sharded(1)]))
+    mesh = DeviceMesh.cpu((n,), ("x",))
+    # psum of a replicated value: d(n * x)/dx = n
+    w = sw.tensor(data(3, 2), sharding=PlacementMapping(mesh, [Replicated()]),
+                  requires_grad=True)
+    sw.all_reduce(w).to_torch().sum().backward()
+    assert w.grad is not None
+    assert torch.equal(w.grad.to_torch(), torch.full((3, 2), float(n)))
+
+
+def body_functional(n: int) -> None:
+    mesh = DeviceMesh.cpu((n,), ("x",))
+    x = data(5, 3)
+    t = sw.tensor(x, sharding=PlacementMapping(mesh, [Sharded(0)]))
+
+    def f(a: sw.Tensor) -> torch.Tensor:
+        return sw.all_gather(sw.shard(a, dim_specs=PlacementMapping(mesh, [Sharded(1)])))
+
+    value, g = sw.value_and_grad(lambda a: _sumsq(f(a)))(t)
+    assert torch.allclose(value.to_torch(), (x * x).sum())
+    assert g.placements == (Sharded(0),)
+    assert torch.allclose(g.to_torch(), 2 * x)
+    out, tan = sw.jvp(f, (t,), (torch.ones_like(x),))
+    assert torch.equal(out.to_torch(), x)
+    assert torch.equal(tan.to_torch(), torch.ones_like(x))
+
+
+def _sumsq(t: sw.Tensor) -> sw.Tensor:
+    """sum(t * t) as a replicated scalar Tensor on t's mesh (no compute ops needed)."""
+    value = (t.to_torch() ** 2).sum()
+    mesh = t.mesh
+    return sw.from_local([value] * mesh.num_devices if not _is_dist() else
+                         [value if k == _me(mesh) else None for k in range(mesh.num_devices)],
+                         PlacementMapping(mesh, [Replicated()] * mesh.ndim), ())
+
+
+def _is_dist() -> bool:
+    import shardwise.distributed as sd
+
+    return sd.is_initialized()
+
+
+def _me(mesh: DeviceMesh) -> int:
+    import shardwise.distributed as sd
+
+    return [d.id for d in mesh.devices].index(sd.process_index())
+
+
+BODIES = ["body_reshard_values", "body_collectives", "body_gradients", "body_functional"]
+
+
+def body_holds_own_shards(n: int) -> None:
+    """Under torch.distributed each process holds only its own shard."""
+    mesh = DeviceMesh.cpu((n,), ("x",))
+    t = sw.tensor(data(2 * n, 3), sharding=PlacementMapping(mesh, [Sharded(0)]))
+    held = [k for k, s in enumerate(t.shards) if s is not None]
+    if _is_dist():
+        assert held == [_me(mesh)], held
+        assert t.local(mesh.devices[held[0]]).shape == (2, 3)
+    else:
+        assert held == list(range(n))
+
+
+BODIES.append("body_holds_own_shards")

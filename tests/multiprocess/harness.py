@@ -1,0 +1,77 @@
+"""Spawn real Gloo process groups on 127.0.0.1 and run test bodies on every rank.
+
+Bounded: every run has a wall-clock limit; stragglers are killed; a failure on
+any rank is reported with its traceback.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import socket
+import traceback
+from typing import Any
+
+import torch.multiprocessing as mp
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _worker(rank: int, world: int, port: int, target: str, names: list[str], queue: Any,
+            timeout_s: float) -> None:
+    os.environ["OMP_NUM_THREADS"] = "1"
+    import torch
+
+    torch.set_num_threads(1)
+    import shardwise.distributed as sd
+
+    results: dict[str, str | None] = {}
+    try:
+        sd.initialize("gloo", rank=rank, world_size=world, master_addr="127.0.0.1",
+                      master_port=port, timeout_s=timeout_s)
+        module = importlib.import_module(target)
+        for name in names:
+            try:
+                getattr(module, name)(world)
+                results[name] = None
+            except BaseException:  # noqa: BLE001 - report every failure to the parent
+                results[name] = traceback.format_exc()
+    except BaseException:  # noqa: BLE001
+        results["<setup>"] = traceback.format_exc()
+    finally:
+        queue.put((rank, results))
+        try:
+            sd.shutdown()
+        except Exception:  # noqa: BLE001, S110 - best effort at teardown
+            pass
+
+
+def run_on_ranks(target: str, names: list[str], world: int, *, limit_s: float = 240.0,
+                 timeout_s: float = 30.0) -> dict[int, dict[str, str | None]]:
+    """Run ``target.<name>(world)`` for each name on ``world`` Gloo ranks.
+
+    Returns ``{rank: {name: None | traceback}}``; raises if a rank never reports.
+    """
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_worker, args=(r, world, port, target, names, queue, timeout_s),
+                         daemon=True) for r in range(world)]
+    for p in procs:
+        p.start()
+    out: dict[int, dict[str, str | None]] = {}
+    try:
+        for _ in range(world):
+            rank, res = queue.get(timeout=limit_s)
+            out[rank] = res
+    finally:
+        for p in procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
+                p.join(timeout=5)
+    return out

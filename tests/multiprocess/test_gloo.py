@@ -1,0 +1,33 @@
+"""The shared test bodies on real Gloo process groups (2 and 4 ranks on 127.0.0.1)."""
+
+from __future__ import annotations
+
+import pytest
+
+from harness import run_on_ranks
+
+import bodies
+
+_RESULTS: dict[int, dict[int, dict[str, str | None]]] = {}
+
+
+def _results(world: int) -> dict[int, dict[str, str | None]]:
+    if world not in _RESULTS:
+        _RESULTS[world] = run_on_ranks("bodies", bodies.BODIES, world)
+    return _RESULTS[world]
+
+
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("name", bodies.BODIES)
+def test_body_on_gloo(world: int, name: str) -> None:
+    results = _results(world)
+    assert sorted(results) == list(range(world)), f"ranks that reported: {sorted(results)}"
+    failures = {r: res.get("<setup>") or res.get(name) for r, res in results.items()}
+    failures = {r: tb for r, tb in failures.items() if tb}
+    assert not failures, "\n".join(f"--- rank {r}\n{tb}" for r, tb in failures.items())
+
+
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("name", bodies.BODIES)
+def test_body_simulated(world: int, name: str) -> None:
+    getattr(bodies, name)(world)
