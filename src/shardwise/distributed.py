@@ -27,6 +27,7 @@ __all__ = [
     "CollectiveError",
     "initialize",
     "is_initialized",
+    "maybe_initialize",
     "process_count",
     "process_index",
     "shutdown",
@@ -100,6 +101,20 @@ def initialize(backend: str | None = None, *, rank: int | None = None,
         backend, init_method=init_method, rank=rank, world_size=world_size,
         timeout=datetime.timedelta(seconds=timeout_s), **kwargs,
     )
+
+
+def maybe_initialize(**kwargs: Any) -> bool:
+    """Initialize when launched by torchrun (``RANK`` is set); otherwise leave the
+    program on the simulated runtime. Returns True when multi-process.
+
+    This is what lets one program run unchanged under ``python`` and ``torchrun``.
+    """
+    if is_initialized():
+        return True
+    if "RANK" not in os.environ:
+        return False
+    initialize(**kwargs)
+    return True
 
 
 def process_index() -> int:

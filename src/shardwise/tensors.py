@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+from shardwise.debug import comm
 from shardwise.devices import Device
 from shardwise.planner import Plan, make_plan
 from shardwise.runtime import backend_for
@@ -196,6 +197,9 @@ class Tensor:
         if target == self._layout:
             return self
         plan = self.plan_to(target)
+        if comm.active():
+            for step in plan.collectives:
+                comm.record(step.kind, step.bytes_per_device, step)
         shards = backend_for(self.mesh).execute_plan(plan, self._shards)
         return Tensor(shards, target, self._shape, self._dtype)
 

@@ -175,3 +175,51 @@ def body_holds_own_shards(n: int) -> None:
 
 
 BODIES.append("body_holds_own_shards")
+
+
+def body_comm_counts(n: int) -> None:
+    """The same plan, and so the same collective counts, on both runtimes; data
+    every process has is sliced locally with no communication at all."""
+    from shardwise.debug import CommCounter
+    from shardwise.runtime import collectives
+
+    calls: list[str] = []
+    original = collectives._call
+
+    def counting(what, g, fn):  # type: ignore[no-untyped-def]
+        calls.append(what)
+        return original(what, g, fn)
+
+    collectives._call = counting  # type: ignore[assignment]
+    try:
+        mesh = DeviceMesh.cpu((n,), ("x",))
+        x = data(4 * n, 3)
+        t = sw.tensor(x, sharding=PlacementMapping(mesh, [Sharded(0)]))
+        assert calls == [], calls
+        with CommCounter() as cc:
+            sw.all_to_all(t, 1, 0)
+            sw.all_reduce(sw.tensor(x, sharding=PlacementMapping(mesh, [Partial()])))
+            sw.shard(sw.tensor(x, sharding=PlacementMapping(mesh, [Replicated()])),
+                     dim_specs=PlacementMapping(mesh, [Sharded(1)]))
+        assert dict(cc.counts) == {"all_to_all": 1, "all_reduce": 1}, cc.counts
+        if _is_dist():
+            assert calls == ["all_to_all", "all_reduce"], calls
+    finally:
+        collectives._call = original  # type: ignore[assignment]
+
+
+def body_mesh_too_big(n: int) -> None:
+    """A mesh with more devices than processes is an error, not a silent simulation."""
+    if not _is_dist():
+        return
+    try:
+        DeviceMesh.cpu((2 * n,), ("x",))
+        sw.tensor(torch.ones(2 * n), sharding=PlacementMapping(
+            DeviceMesh.cpu((2 * n,), ("x",)), [Sharded(0)]))
+    except sw.ShardingError as err:
+        assert "processes" in str(err), err
+        return
+    raise AssertionError("a mesh larger than the world was accepted")
+
+
+BODIES += ["body_comm_counts", "body_mesh_too_big"]

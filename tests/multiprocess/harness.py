@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import importlib
 import os
+import queue as queue_mod
 import socket
+import time
 import traceback
 from typing import Any
 
@@ -54,7 +56,8 @@ def run_on_ranks(target: str, names: list[str], world: int, *, limit_s: float = 
                  timeout_s: float = 30.0) -> dict[int, dict[str, str | None]]:
     """Run ``target.<name>(world)`` for each name on ``world`` Gloo ranks.
 
-    Returns ``{rank: {name: None | traceback}}``; raises if a rank never reports.
+    Returns ``{rank: {name: None | traceback}}``; a rank that died without
+    reporting maps to ``{"<exit>": ...}``; ranks missing after ``limit_s`` are absent.
     """
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
@@ -64,10 +67,18 @@ def run_on_ranks(target: str, names: list[str], world: int, *, limit_s: float = 
     for p in procs:
         p.start()
     out: dict[int, dict[str, str | None]] = {}
+    deadline = time.monotonic() + limit_s
     try:
-        for _ in range(world):
-            rank, res = queue.get(timeout=limit_s)
-            out[rank] = res
+        while len(out) < world and time.monotonic() < deadline:
+            try:
+                rank, res = queue.get(timeout=0.2)
+                out[rank] = res
+            except queue_mod.Empty:
+                pass
+            for r, p in enumerate(procs):
+                if r not in out and p.exitcode is not None and p.exitcode != 0:
+                    # A rank that died without reporting (e.g. killed on purpose).
+                    out[r] = {"<exit>": f"exit code {p.exitcode}"}
     finally:
         for p in procs:
             p.join(timeout=10)

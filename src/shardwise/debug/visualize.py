@@ -7,12 +7,16 @@ Invariants:
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
 from shardwise.sharding.shapes import local_bounds
-from shardwise.tensors import Tensor
+
+if TYPE_CHECKING:
+    from shardwise.tensors import Tensor
 
 __all__ = ["visualize"]
 

@@ -18,6 +18,7 @@ transfer back.
 
 from __future__ import annotations
 
+import math
 import warnings
 from collections.abc import Sequence
 from typing import Any
@@ -25,6 +26,7 @@ from typing import Any
 import torch
 
 from shardwise.creation import place, tensor
+from shardwise.debug import comm
 from shardwise.devices import CPU, Accelerator, Device, DeviceError
 from shardwise.planner import Plan
 from shardwise.runtime import backend_for
@@ -488,5 +490,9 @@ def ppermute(sharded_tensor: Tensor, permutation: Sequence[tuple[int, int]],
                     f"whose block in layout {layout} has shape {want}: uneven shards cannot "
                     "trade places. Make the sharded dims divisible by the mesh axis sizes."
                 )
+    if comm.active():
+        moved = max((math.prod(local_shape(t.shape, layout, mesh.coord_of(k)))
+                     for k, s in enumerate(source) if s is not None and s != k), default=0)
+        comm.record("ppermute", moved * t.dtype.itemsize)
     out = backend_for(mesh).permute(t.shards, layout, source, t.shape)
     return Tensor(out, layout, t.shape, t.dtype)

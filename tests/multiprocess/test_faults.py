@@ -1,0 +1,29 @@
+"""A dead or mismatched rank makes the others raise CollectiveError, not hang."""
+
+from __future__ import annotations
+
+import time
+
+from harness import run_on_ranks
+
+import faults
+
+
+def test_dead_rank_makes_others_raise() -> None:
+    start = time.monotonic()
+    results = run_on_ranks("faults", ["body_dead_rank"], 3, limit_s=120,
+                           timeout_s=faults.TIMEOUT_S)
+    assert results[2] == {"<exit>": "exit code 17"}, results.get(2)
+    for r in (0, 1):
+        assert results[r].get("<setup>") is None, results[r]
+        assert results[r]["body_dead_rank"] is None, results[r]["body_dead_rank"]
+    assert time.monotonic() - start < 120
+
+
+def test_mismatched_collective_raises_within_timeout() -> None:
+    results = run_on_ranks("faults", ["body_mismatched_collective"], 2, limit_s=120,
+                           timeout_s=faults.TIMEOUT_S)
+    for r in (0, 1):
+        assert results[r].get("<setup>") is None, results[r]
+        assert results[r]["body_mismatched_collective"] is None, \
+            results[r]["body_mismatched_collective"]
