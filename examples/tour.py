@@ -22,7 +22,8 @@ def say(*args: object) -> None:
 
 def main() -> int:
     multi = maybe_initialize()
-    say(f"runtime: {'torch.distributed, ' + str(process_count()) + ' processes' if multi else 'simulated'}")
+    runtime = f"torch.distributed, {process_count()} processes" if multi else "simulated"
+    say(f"runtime: {runtime}")
     mesh = DeviceMesh.cpu((2, 2), ("dp", "tp"))
     x = torch.arange(8 * 6, dtype=torch.float32).reshape(8, 6)
 

@@ -108,7 +108,7 @@ def grad(fn: Callable[..., Any], argnums: int | Sequence[int] = 0,
     vg = value_and_grad(fn, argnums, has_aux)
 
     def wrapped(*args: Any) -> Any:
-        (value, aux), g = vg(*args) if has_aux else ((None, None), vg(*args)[1])
+        (_value, aux), g = vg(*args) if has_aux else ((None, None), vg(*args)[1])
         return (g, aux) if has_aux else g
 
     return wrapped

@@ -34,7 +34,7 @@ def _demo(args: argparse.Namespace) -> int:
         same = torch.equal(out.to_torch(), x)
         ok &= same
         console.print(f"global value unchanged: {same}")
-    p = sw.tensor(x, sharding=sw.PlacementMapping(mesh, [sw.Partial(), sw.Replicated()]))
+    p = sw.tensor(x, sharding=sw.PlacementMapping(mesh, (sw.Partial(), sw.Replicated())))
     r = sw.reduce_scatter(p, 0, reduce_axes="dp")
     console.print("\nreduce_scatter(Partial('sum') over dp, axis=0)")
     console.print(str(sw.plan(p, r.layout)))
@@ -53,7 +53,8 @@ def _info(args: argparse.Namespace) -> int:
     import shardwise as sw
     from shardwise.devices import accelerator_type, available_devices
 
-    print(f"shardwise {sw.__version__}  torch {torch.__version__}  python {platform.python_version()}")
+    print(f"shardwise {sw.__version__}  torch {torch.__version__}  "
+          f"python {platform.python_version()}")
     print(f"accelerator: {accelerator_type() or 'none'}")
     print(f"devices: {available_devices()}")
     import torch.distributed as dist

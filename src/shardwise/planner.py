@@ -124,7 +124,8 @@ def _nests(size: int, outer: int, inner: int) -> bool:
     n = outer * inner
     for p in range(outer):
         lo, hi = split_bounds(size, outer, p)
-        if split_bounds(size, n, p * inner)[0] != lo or split_bounds(size, n, p * inner + inner - 1)[1] != hi:
+        first, last = p * inner, p * inner + inner - 1
+        if split_bounds(size, n, first)[0] != lo or split_bounds(size, n, last)[1] != hi:
             return False
     return True
 
@@ -199,8 +200,9 @@ def make_plan(src: Layout, dst: Layout, shape: tuple[int, ...], itemsize: int) -
         return want[: len(cur)] == cur
 
     def can_append(d: int, axes: tuple[int, ...]) -> bool:
-        return prefix(d) and dst.dims[d][len(b.cur.dims[d]): len(b.cur.dims[d]) + len(axes)] == axes \
-            and _nests(shape[d], b.pieces(d), b.sizes(axes))
+        have = len(b.cur.dims[d])
+        return (prefix(d) and dst.dims[d][have: have + len(axes)] == axes
+                and _nests(shape[d], b.pieces(d), b.sizes(axes)))
 
     # 1. all_to_all: move an axis that must leave dim d to the dim that needs it next.
     changed = True

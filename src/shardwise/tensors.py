@@ -123,7 +123,7 @@ class Tensor:
                 f"{self!r} lives on {mesh.num_devices} devices, so it has no single .device. "
                 "Use .mesh.devices, .sharding, or gather it with to_device(x, device)."
             )
-        return mesh.devices[0]  # type: ignore[no-any-return]
+        return mesh.devices[0]
 
     @property
     def shards(self) -> tuple[torch.Tensor, ...]:

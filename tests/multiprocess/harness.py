@@ -6,6 +6,7 @@ any rank is reported with its traceback.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import os
 import queue as queue_mod
@@ -40,16 +41,14 @@ def _worker(rank: int, world: int, port: int, target: str, names: list[str], que
             try:
                 getattr(module, name)(world)
                 results[name] = None
-            except BaseException:  # noqa: BLE001 - report every failure to the parent
+            except BaseException:
                 results[name] = traceback.format_exc()
-    except BaseException:  # noqa: BLE001
+    except BaseException:
         results["<setup>"] = traceback.format_exc()
     finally:
         queue.put((rank, results))
-        try:
+        with contextlib.suppress(Exception):
             sd.shutdown()
-        except Exception:  # noqa: BLE001, S110 - best effort at teardown
-            pass
 
 
 def run_on_ranks(target: str, names: list[str], world: int, *, limit_s: float = 240.0,

@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import time
 
-from harness import run_on_ranks
-
 import faults
+from harness import run_on_ranks
 
 
 def test_dead_rank_makes_others_raise() -> None:

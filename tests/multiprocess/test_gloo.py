@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-import pytest
-
-from harness import run_on_ranks
-
 import bodies
+import pytest
+from harness import run_on_ranks
 
 _RESULTS: dict[int, dict[int, dict[str, str | None]]] = {}
 

@@ -9,10 +9,10 @@ import sys
 from pathlib import Path
 
 import pytest
+from harness import free_port
 
 import shardwise as sw
 import shardwise.distributed as sd
-from harness import free_port
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "tour.py"
 

@@ -7,6 +7,7 @@ Invariants:
 
 from __future__ import annotations
 
+import io
 from typing import TYPE_CHECKING
 
 from rich.console import Console
@@ -78,18 +79,8 @@ def visualize(t: Tensor, *, console: Console | None = None, color: bool = True) 
             span = "[" + ", ".join(f"{a}:{b}" for a, b in bounds) + "]"
             table.add_row(span, _label(t, devs))
     out = Console(record=True, width=120, color_system="truecolor" if color else None,
-                  force_terminal=color, file=_Null())
+                  force_terminal=color, file=io.StringIO())
     out.print(table)
     text = out.export_text()
     (console or Console()).print(table)
     return text
-
-
-class _Null:
-    def write(self, s: str) -> int:
-        return len(s)
-
-    def flush(self) -> None:
-        pass
-
-

@@ -23,8 +23,6 @@ import warnings
 from collections.abc import Sequence
 from typing import Any
 
-import torch
-
 from shardwise.creation import place, tensor
 from shardwise.debug import comm
 from shardwise.devices import CPU, Accelerator, Device, DeviceError

@@ -57,7 +57,7 @@ def backend_for(mesh: DeviceMesh) -> Backend:
     if collectives.is_process_mesh(mesh):
         from shardwise.runtime import multiprocess
 
-        return multiprocess  # type: ignore[return-value]
+        return multiprocess
     from shardwise.runtime import simulated
 
-    return simulated  # type: ignore[return-value]
+    return simulated

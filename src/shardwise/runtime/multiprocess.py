@@ -72,18 +72,18 @@ class _Slice(Function):
     """narrow in forward, all_gather in backward."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, spec: tuple[Any, ...]) -> torch.Tensor:  # type: ignore[override]
-        dim, start, length, grp, sizes = spec
+    def forward(ctx: Any, x: torch.Tensor, spec: tuple[Any, ...]) -> torch.Tensor:
+        dim, start, length, _grp, _sizes = spec
         ctx.spec = spec
         return x.narrow(dim, start, length)
 
     @staticmethod
-    def backward(ctx: Any, g: torch.Tensor) -> Any:  # type: ignore[override]
+    def backward(ctx: Any, g: torch.Tensor) -> Any:
         dim, _, _, grp, sizes = ctx.spec
         return D.all_gather(g, dim, grp, sizes), None
 
     @staticmethod
-    def jvp(ctx: Any, t: torch.Tensor, _: Any) -> torch.Tensor:  # type: ignore[override]
+    def jvp(ctx: Any, t: torch.Tensor, _: Any) -> torch.Tensor:
         dim, start, length, _, _ = ctx.spec
         return t.narrow(dim, start, length)
 
@@ -92,18 +92,18 @@ class _AllGather(Function):
     """all_gather in forward, narrow in backward."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, spec: tuple[Any, ...]) -> torch.Tensor:  # type: ignore[override]
+    def forward(ctx: Any, x: torch.Tensor, spec: tuple[Any, ...]) -> torch.Tensor:
         ctx.spec = spec
         dim, grp, sizes = spec
         return D.all_gather(x, dim, grp, sizes)
 
     @staticmethod
-    def backward(ctx: Any, g: torch.Tensor) -> Any:  # type: ignore[override]
+    def backward(ctx: Any, g: torch.Tensor) -> Any:
         dim, grp, sizes = ctx.spec
         return g.narrow(dim, sum(sizes[: grp.pos]), sizes[grp.pos]), None
 
     @staticmethod
-    def jvp(ctx: Any, t: torch.Tensor, _: Any) -> torch.Tensor:  # type: ignore[override]
+    def jvp(ctx: Any, t: torch.Tensor, _: Any) -> torch.Tensor:
         dim, grp, sizes = ctx.spec
         return D.all_gather(t, dim, grp, sizes)
 
@@ -112,18 +112,18 @@ class _AllToAll(Function):
     """all_to_all dim->dim2 in forward, the inverse all_to_all in backward."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, spec: tuple[Any, ...]) -> torch.Tensor:  # type: ignore[override]
+    def forward(ctx: Any, x: torch.Tensor, spec: tuple[Any, ...]) -> torch.Tensor:
         ctx.spec = spec
         dim, dim2, grp, send, recv = spec
         return D.all_to_all(x, dim, dim2, grp, send, recv)
 
     @staticmethod
-    def backward(ctx: Any, g: torch.Tensor) -> Any:  # type: ignore[override]
+    def backward(ctx: Any, g: torch.Tensor) -> Any:
         dim, dim2, grp, send, recv = ctx.spec
         return D.all_to_all(g, dim2, dim, grp, recv, send), None
 
     @staticmethod
-    def jvp(ctx: Any, t: torch.Tensor, _: Any) -> torch.Tensor:  # type: ignore[override]
+    def jvp(ctx: Any, t: torch.Tensor, _: Any) -> torch.Tensor:
         dim, dim2, grp, send, recv = ctx.spec
         return D.all_to_all(t, dim, dim2, grp, send, recv)
 
@@ -132,7 +132,7 @@ class _AllReduce(Function):
     """all_reduce in forward; dG/dp_i (identity for sum) in backward."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, spec: tuple[Any, ...]) -> torch.Tensor:  # type: ignore[override]
+    def forward(ctx: Any, x: torch.Tensor, spec: tuple[Any, ...]) -> torch.Tensor:
         grp, op = spec
         out = D.all_reduce(x, grp, op)
         ctx.spec = spec
@@ -141,13 +141,13 @@ class _AllReduce(Function):
         return out
 
     @staticmethod
-    def backward(ctx: Any, g: torch.Tensor) -> Any:  # type: ignore[override]
+    def backward(ctx: Any, g: torch.Tensor) -> Any:
         x, out = ctx.saved_tensors
         grp, op = ctx.spec
         return _reduce_grad(g, x, out, grp, op), None
 
     @staticmethod
-    def jvp(ctx: Any, t: torch.Tensor, _: Any) -> torch.Tensor:  # type: ignore[override]
+    def jvp(ctx: Any, t: torch.Tensor, _: Any) -> torch.Tensor:
         grp, op = ctx.spec
         x, out = ctx.fw
         return _reduce_tangent(t, x, out, grp, op)
@@ -157,7 +157,7 @@ class _ReduceScatter(Function):
     """reduce_scatter in forward; all_gather, then dG/dp_i, in backward."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, spec: tuple[Any, ...]) -> torch.Tensor:  # type: ignore[override]
+    def forward(ctx: Any, x: torch.Tensor, spec: tuple[Any, ...]) -> torch.Tensor:
         dim, grp, sizes, op = spec
         ctx.spec = spec
         out = D.reduce_scatter(x, dim, grp, sizes, op)
@@ -166,7 +166,7 @@ class _ReduceScatter(Function):
         return out
 
     @staticmethod
-    def backward(ctx: Any, g: torch.Tensor) -> Any:  # type: ignore[override]
+    def backward(ctx: Any, g: torch.Tensor) -> Any:
         x, out = ctx.saved_tensors
         dim, grp, sizes, op = ctx.spec
         g_full = D.all_gather(g, dim, grp, sizes)
@@ -176,7 +176,7 @@ class _ReduceScatter(Function):
         return _reduce_grad(g_full, x, out_full, grp, op), None
 
     @staticmethod
-    def jvp(ctx: Any, t: torch.Tensor, _: Any) -> torch.Tensor:  # type: ignore[override]
+    def jvp(ctx: Any, t: torch.Tensor, _: Any) -> torch.Tensor:
         dim, grp, sizes, op = ctx.spec
         (x,) = ctx.fw
         full = D.all_reduce(x, grp, op)
@@ -190,8 +190,8 @@ class _MakePartial(Function):
     a sum over the replicas otherwise, in backward."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, spec: tuple[Any, ...]) -> torch.Tensor:  # type: ignore[override]
-        grp, op, root = spec
+    def forward(ctx: Any, x: torch.Tensor, spec: tuple[Any, ...]) -> torch.Tensor:
+        _grp, op, root = spec
         ctx.spec = spec
         if op in (ReduceOp.SUM, ReduceOp.PROD) and not root:
             value = 1 if op is ReduceOp.PROD else 0
@@ -199,7 +199,7 @@ class _MakePartial(Function):
         return x.view_as(x)
 
     @staticmethod
-    def backward(ctx: Any, g: torch.Tensor) -> Any:  # type: ignore[override]
+    def backward(ctx: Any, g: torch.Tensor) -> Any:
         grp, op, root = ctx.spec
         if op is ReduceOp.SUM:
             return g, None
@@ -210,8 +210,8 @@ class _MakePartial(Function):
         return D.all_reduce(g, grp, ReduceOp.SUM), None
 
     @staticmethod
-    def jvp(ctx: Any, t: torch.Tensor, _: Any) -> torch.Tensor:  # type: ignore[override]
-        grp, op, root = ctx.spec
+    def jvp(ctx: Any, t: torch.Tensor, _: Any) -> torch.Tensor:
+        _grp, op, root = ctx.spec
         if op in (ReduceOp.SUM, ReduceOp.PROD) and not root:
             return torch.zeros_like(t)
         return t.view_as(t)
@@ -222,12 +222,12 @@ class _Relabel(Function):
     the partials' gradients over the replicas that were split."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, spec: tuple[Any, ...]) -> torch.Tensor:  # type: ignore[override]
+    def forward(ctx: Any, x: torch.Tensor, spec: tuple[Any, ...]) -> torch.Tensor:
         ctx.spec = spec
         return x.view_as(x)
 
     @staticmethod
-    def backward(ctx: Any, g: torch.Tensor) -> Any:  # type: ignore[override]
+    def backward(ctx: Any, g: torch.Tensor) -> Any:
         grp, op = ctx.spec
         if grp is None or grp.size == 1:
             return g, None
@@ -238,7 +238,7 @@ class _Relabel(Function):
         return D.all_reduce(g, grp, ReduceOp.SUM), None
 
     @staticmethod
-    def jvp(ctx: Any, t: torch.Tensor, _: Any) -> torch.Tensor:  # type: ignore[override]
+    def jvp(ctx: Any, t: torch.Tensor, _: Any) -> torch.Tensor:
         return t.view_as(t)
 
 
@@ -246,18 +246,18 @@ class _Permute(Function):
     """send/recv in forward, the inverse send/recv in backward."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, spec: tuple[Any, ...]) -> torch.Tensor:  # type: ignore[override]
+    def forward(ctx: Any, x: torch.Tensor, spec: tuple[Any, ...]) -> torch.Tensor:
         ctx.spec = spec
         send_to, recv_from = spec
         return D.permute(x, send_to, recv_from, x)
 
     @staticmethod
-    def backward(ctx: Any, g: torch.Tensor) -> Any:  # type: ignore[override]
+    def backward(ctx: Any, g: torch.Tensor) -> Any:
         send_to, recv_from = ctx.spec
         return D.permute(g, recv_from, send_to, g), None
 
     @staticmethod
-    def jvp(ctx: Any, t: torch.Tensor, _: Any) -> torch.Tensor:  # type: ignore[override]
+    def jvp(ctx: Any, t: torch.Tensor, _: Any) -> torch.Tensor:
         send_to, recv_from = ctx.spec
         return D.permute(t, send_to, recv_from, t)
 
@@ -274,7 +274,7 @@ def _one(step: Step, x: torch.Tensor, shape: tuple[int, ...], k: int) -> torch.T
         grp = D.group(mesh, step.axes)
         coord = mesh.coord_of(k)
         root = all(coord[a] == 0 for a in step.axes)
-        return _MakePartial.apply(x, (grp, step.reduce_op, root))  # type: ignore[no-any-return]
+        return _MakePartial.apply(x, (grp, step.reduce_op, root))
     grp = D.group(mesh, step.axes)
     if kind == "slice":
         assert step.dim is not None
@@ -283,22 +283,22 @@ def _one(step: Step, x: torch.Tensor, shape: tuple[int, ...], k: int) -> torch.T
         lo_before = local_bounds(shape, step.before, coord)[d][0]
         lo, hi = local_bounds(shape, step.after, coord)[d]
         sizes = _sizes(step, step.after, grp, d, shape)
-        return _Slice.apply(x, (d, lo - lo_before, hi - lo, grp, sizes))  # type: ignore[no-any-return]
+        return _Slice.apply(x, (d, lo - lo_before, hi - lo, grp, sizes))
     if kind == "all_gather":
         assert step.dim is not None
         sizes = _sizes(step, step.before, grp, step.dim, shape)
-        return _AllGather.apply(x, (step.dim, grp, sizes))  # type: ignore[no-any-return]
+        return _AllGather.apply(x, (step.dim, grp, sizes))
     if kind == "all_to_all":
         assert step.dim is not None and step.dim2 is not None
         send = _sizes(step, step.after, grp, step.dim2, shape)
         recv = _sizes(step, step.before, grp, step.dim, shape)
-        return _AllToAll.apply(x, (step.dim, step.dim2, grp, send, recv))  # type: ignore[no-any-return]
+        return _AllToAll.apply(x, (step.dim, step.dim2, grp, send, recv))
     if kind == "all_reduce":
-        return _AllReduce.apply(x, (grp, step.reduce_op))  # type: ignore[no-any-return]
+        return _AllReduce.apply(x, (grp, step.reduce_op))
     if kind == "reduce_scatter":
         assert step.dim is not None
         sizes = _sizes(step, step.after, grp, step.dim, shape)
-        return _ReduceScatter.apply(x, (step.dim, grp, sizes, step.reduce_op))  # type: ignore[no-any-return]
+        return _ReduceScatter.apply(x, (step.dim, grp, sizes, step.reduce_op))
     raise AssertionError(f"unknown step kind {kind!r}")
 
 
@@ -379,12 +379,12 @@ class _Broadcast(Function):
     (every process holds the same replicated gradient)."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, spec: tuple[Any, ...]) -> torch.Tensor:  # type: ignore[override]
+    def forward(ctx: Any, x: torch.Tensor, spec: tuple[Any, ...]) -> torch.Tensor:
         src, grp = spec
         return D.broadcast(x, src, grp)
 
     @staticmethod
-    def backward(ctx: Any, g: torch.Tensor) -> Any:  # type: ignore[override]
+    def backward(ctx: Any, g: torch.Tensor) -> Any:
         return g, None
 
 
@@ -400,7 +400,7 @@ def global_value(shards: Sequence[torch.Tensor | None], layout: Layout, shape: t
         return shards[k]  # type: ignore[return-value]
     src = mesh.devices[0].id
     if k is not None and mesh.devices[k].id == src:
-        return _Broadcast.apply(shards[k], (src, world))  # type: ignore[no-any-return]
+        return _Broadcast.apply(shards[k], (src, world))
     buf = torch.empty(shape, dtype=dtype, device=device_of(mesh, 0))
     return D.broadcast(buf, src, world)
 

@@ -25,9 +25,9 @@ import torch
 from shardwise.planner import Plan, Step
 from shardwise.sharding.errors import ShardingError
 from shardwise.sharding.layout import Layout
-from shardwise.sharding.placements import ReduceOp
 from shardwise.sharding.mesh import DeviceMesh
-from shardwise.sharding.shapes import local_bounds, local_shape, piece_index, split_bounds
+from shardwise.sharding.placements import ReduceOp
+from shardwise.sharding.shapes import local_bounds, local_shape, split_bounds
 
 __all__ = [
     "assemble",
@@ -298,7 +298,7 @@ def permute(shards: Sequence[torch.Tensor], layout: Layout, source: Sequence[int
 
 
 def device_of(mesh: DeviceMesh, k: int) -> torch.device:
-    return mesh.devices[k].to_torch()  # type: ignore[no-any-return]
+    return mesh.devices[k].to_torch()
 
 
 def owned(mesh: DeviceMesh) -> range:
