@@ -133,13 +133,59 @@ def _assemble_recipe(src: Layout, dst: Layout, shape: tuple[int, ...]) -> tuple[
     return rep_dst, nodes
 
 
-def _run(node: Node, shards: Sequence[torch.Tensor]) -> torch.Tensor:
+@functools.lru_cache(maxsize=4096)
+def _splits(src: Layout, dst: Layout, shape: tuple[int, ...]) -> tuple[
+        tuple[int, int, tuple[int, ...], tuple[tuple[int, tuple[tuple[int, int, int], ...]],
+                                              ...]], ...]:
+    """Sources cut into several pieces along one dim that tile it exactly: one
+    ``torch.split`` per source instead of one ``narrow`` per piece (all_to_all
+    cuts every source into one piece per peer)."""
+    _, nodes = _assemble_recipe(src, dst, shape)
+    leaves: dict[int, set[tuple[tuple[int, int, int], ...]]] = {}
+
+    def walk(node: Node) -> None:
+        if node[0] == "leaf":
+            leaves.setdefault(node[1], set()).add(node[2])
+        else:
+            for child in node[2]:
+                walk(child)
+
+    for node in nodes.values():
+        walk(node)
+    out = []
+    mesh = src.mesh
+    for j, cuts in leaves.items():
+        if len(cuts) < 2 or any(len(c) != 1 for c in cuts):
+            continue
+        dims = {c[0][0] for c in cuts}
+        if len(dims) != 1:
+            continue
+        d = dims.pop()
+        ordered = sorted(cuts, key=lambda c: c[0][1])
+        size = local_shape(shape, src, mesh.coord_of(j))[d]
+        pos = 0
+        for c in ordered:
+            if c[0][1] != pos:
+                break
+            pos += c[0][2]
+        else:
+            if pos == size:
+                out.append((j, d, tuple(c[0][2] for c in ordered),
+                            tuple((j, c) for c in ordered)))
+    return tuple(out)
+
+
+def _run(node: Node, shards: Sequence[torch.Tensor],
+         pieces: dict[tuple[int, tuple[tuple[int, int, int], ...]], torch.Tensor] | None = None
+         ) -> torch.Tensor:
     if node[0] == "leaf":
-        t = shards[node[1]]
-        for dim, start, length in node[2]:
-            t = t.narrow(dim, start, length)
+        t = pieces.get((node[1], node[2])) if pieces else None
+        if t is None:
+            t = shards[node[1]]
+            for dim, start, length in node[2]:
+                t = t.narrow(dim, start, length)
         return t if node[3] is None else t.to(node[3])
-    return torch.cat([_run(child, shards) for child in node[2]], dim=node[1])
+    return torch.cat([_run(child, shards, pieces) for child in node[2]], dim=node[1])
 
 
 def assemble(shards: Sequence[torch.Tensor], src: Layout, dst: Layout,
@@ -147,7 +193,10 @@ def assemble(shards: Sequence[torch.Tensor], src: Layout, dst: Layout,
     """Move blocks from layout ``src`` to ``dst`` (same Partial axes): views where a
     target block lies in one source block, one ``cat`` copy otherwise."""
     rep_dst, nodes = _assemble_recipe(src, dst, shape)
-    built = {k: _run(node, shards) for k, node in nodes.items()}
+    pieces: dict[tuple[int, tuple[tuple[int, int, int], ...]], torch.Tensor] = {}
+    for j, d, sizes, keys in _splits(src, dst, shape):
+        pieces.update(zip(keys, shards[j].split_with_sizes(list(sizes), d)))
+    built = {k: _run(node, shards, pieces) for k, node in nodes.items()}
     return [built[r] for r in rep_dst]
 
 
