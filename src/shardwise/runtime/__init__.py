@@ -38,6 +38,9 @@ class Backend(Protocol):
     def relabel(self, shards: Sequence[torch.Tensor], layout: Layout,
                 axes: tuple[int, ...], op: ReduceOp) -> list[torch.Tensor]: ...
 
+    def diverge(self, shards: Sequence[torch.Tensor], layout: Layout,
+                axes: tuple[int, ...]) -> list[torch.Tensor]: ...
+
     def permute(self, shards: Sequence[torch.Tensor], layout: Layout,
                 source: Sequence[int | None], shape: tuple[int, ...]) -> list[torch.Tensor]: ...
 

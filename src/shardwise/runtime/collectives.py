@@ -61,6 +61,9 @@ _GROUPS: dict[tuple[DeviceMesh, tuple[int, ...]], Group] = {}
 
 def reset_groups() -> None:
     _GROUPS.clear()
+    from shardwise.runtime import multiprocess
+
+    multiprocess._SPECS.clear()
 
 
 def rank() -> int:
@@ -183,29 +186,40 @@ def reduce_scatter(x: torch.Tensor, dim: int, g: Group, sizes: Sequence[int],
 def all_to_all(x: torch.Tensor, dim: int, dim2: int, g: Group, send: Sequence[int],
                recv: Sequence[int]) -> torch.Tensor:
     """Split ``x`` along ``dim2`` (``send[j]`` to member j); concatenate what
-    arrives along ``dim`` (``recv[i]`` from member i)."""
+    arrives along ``dim`` (``recv[i]`` from member i).
+
+    Each chunk is packed with ``dim`` outermost, in one copy into one buffer, so
+    what arrives is already the concatenation along ``dim``: no unpack copy."""
     if g.size == 1:
         return x
-    chunks = x.split(list(send), dim2)
-    flat_in = torch.cat([c.reshape(-1) for c in chunks])
-    shapes = []
-    for s in recv:
-        shp = list(x.shape)
-        shp[dim2] = send[g.pos]
-        shp[dim] = s
-        shapes.append(shp)
-    out_splits = [int(torch.Size(s).numel()) for s in shapes]
-    flat_out = flat_in.new_empty(sum(out_splits))
+    chunks = [c.movedim(dim, 0) for c in x.split(list(send), dim2)]
+    in_splits = [c.numel() for c in chunks]
+    flat_in = x.new_empty(sum(in_splits))
+    off = 0
+    for c, n in zip(chunks, in_splits):
+        flat_in[off: off + n].view(c.shape).copy_(c)
+        off += n
+    moved = list(chunks[0].shape) if chunks else list(x.movedim(dim, 0).shape)
+    # chunk shapes with dim outermost; ``dim2`` may have shifted by the move
+    d2 = dim2 + 1 if dim2 < dim else dim2
+    moved[d2] = send[g.pos]
+    rest = 1
+    for v in moved[1:]:
+        rest *= v
+    out_splits = [s * rest for s in recv]
+    flat_out = x.new_empty(sum(out_splits))
     _call("all_to_all", g, lambda: dist.all_to_all_single(
-        flat_out, flat_in, out_splits, [c.numel() for c in chunks], group=g.pg))
-    return torch.cat([p.view(s) for p, s in zip(flat_out.split(out_splits), shapes)], dim)
+        flat_out, flat_in, out_splits, in_splits, group=g.pg))
+    return flat_out.view(sum(recv), *moved[1:]).movedim(0, dim)
 
 
 def permute(x: torch.Tensor | None, send_to: int | None, recv_from: int | None,
             like: torch.Tensor) -> torch.Tensor:
     """Send ``x`` to rank ``send_to`` and receive from ``recv_from`` (zeros if None)."""
     ops = []
-    out = torch.zeros_like(like, memory_format=torch.contiguous_format)
+    # Receivers are overwritten whole; only a device that receives nothing holds zeros.
+    out = (torch.zeros_like(like, memory_format=torch.contiguous_format) if recv_from is None
+           else torch.empty_like(like, memory_format=torch.contiguous_format))
     if send_to is not None and x is not None:
         ops.append(dist.P2POp(dist.isend, x.contiguous(), send_to))
     if recv_from is not None:

@@ -11,6 +11,7 @@ every replica, Sharded axes their piece, Partial axes dL/dp_i.
     reduce_scatter   reduce_scatter in forward,    all_gather (then dG/dp_i) in backward
     make_partial     identity/identity-element,    identity (sum) or sum over replicas
     relabel          identity (psum prelude),      sum over the replicas it splits
+    diverge          identity (compute prelude),   sum over the replicas it splits
     permute          send/recv in forward,         inverse send/recv in backward
 Forward-mode tangents apply the same (linear) forward to the tangent.
 """
@@ -32,6 +33,7 @@ from shardwise.sharding.shapes import local_bounds
 __all__ = [
     "assemble",
     "device_of",
+    "diverge",
     "execute_plan",
     "global_value",
     "make_partial",
@@ -262,44 +264,73 @@ class _Permute(Function):
         return D.permute(t, send_to, recv_from, t)
 
 
-def _sizes(step: Step, layout: Layout, grp: D.Group, dim: int, shape: tuple[int, ...]
-           ) -> list[int]:
+class _Diverge(Function):
+    """identity in forward, all_reduce(SUM) of the gradient over the replicas in backward."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, grp: D.Group) -> torch.Tensor:
+        ctx.grp = grp
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> Any:
+        return D.all_reduce(g, ctx.grp, ReduceOp.SUM), None
+
+    @staticmethod
+    def jvp(ctx: Any, t: torch.Tensor, _: Any) -> torch.Tensor:
+        return t.view_as(t)
+
+
+def _sizes(layout: Layout, grp: D.Group, dim: int, shape: tuple[int, ...]) -> list[int]:
     return D.sizes_along(shape, layout, grp.members, dim, layout.mesh)
 
 
-def _one(step: Step, x: torch.Tensor, shape: tuple[int, ...], k: int) -> torch.Tensor:
+_SPECS: dict[tuple[Step, tuple[int, ...], int], tuple[Any, tuple[Any, ...]]] = {}
+
+
+def _spec(step: Step, shape: tuple[int, ...], k: int) -> tuple[Any, tuple[Any, ...]]:
+    """The autograd Function and its arguments for ``step`` on mesh device ``k``
+    (computed once: per-op overhead is then one dict lookup)."""
+    key = (step, shape, k)
+    hit = _SPECS.get(key)
+    if hit is not None:
+        return hit
     mesh = step.before.mesh
     kind = step.kind
-    if kind == "make_partial":
-        grp = D.group(mesh, step.axes)
-        coord = mesh.coord_of(k)
-        root = all(coord[a] == 0 for a in step.axes)
-        return _MakePartial.apply(x, (grp, step.reduce_op, root))
     grp = D.group(mesh, step.axes)
-    if kind == "slice":
+    coord = mesh.coord_of(k)
+    out: tuple[Any, tuple[Any, ...]]
+    if kind == "make_partial":
+        out = _MakePartial, (grp, step.reduce_op, all(coord[a] == 0 for a in step.axes))
+    elif kind == "slice":
         assert step.dim is not None
         d = step.dim
-        coord = mesh.coord_of(k)
         lo_before = local_bounds(shape, step.before, coord)[d][0]
         lo, hi = local_bounds(shape, step.after, coord)[d]
-        sizes = _sizes(step, step.after, grp, d, shape)
-        return _Slice.apply(x, (d, lo - lo_before, hi - lo, grp, sizes))
-    if kind == "all_gather":
+        out = _Slice, (d, lo - lo_before, hi - lo, grp, _sizes(step.after, grp, d, shape))
+    elif kind == "all_gather":
         assert step.dim is not None
-        sizes = _sizes(step, step.before, grp, step.dim, shape)
-        return _AllGather.apply(x, (step.dim, grp, sizes))
-    if kind == "all_to_all":
+        out = _AllGather, (step.dim, grp, _sizes(step.before, grp, step.dim, shape))
+    elif kind == "all_to_all":
         assert step.dim is not None and step.dim2 is not None
-        send = _sizes(step, step.after, grp, step.dim2, shape)
-        recv = _sizes(step, step.before, grp, step.dim, shape)
-        return _AllToAll.apply(x, (step.dim, step.dim2, grp, send, recv))
-    if kind == "all_reduce":
-        return _AllReduce.apply(x, (grp, step.reduce_op))
-    if kind == "reduce_scatter":
+        send = _sizes(step.after, grp, step.dim2, shape)
+        recv = _sizes(step.before, grp, step.dim, shape)
+        out = _AllToAll, (step.dim, step.dim2, grp, send, recv)
+    elif kind == "all_reduce":
+        out = _AllReduce, (grp, step.reduce_op)
+    elif kind == "reduce_scatter":
         assert step.dim is not None
-        sizes = _sizes(step, step.after, grp, step.dim, shape)
-        return _ReduceScatter.apply(x, (step.dim, grp, sizes, step.reduce_op))
-    raise AssertionError(f"unknown step kind {kind!r}")
+        out = _ReduceScatter, (step.dim, grp, _sizes(step.after, grp, step.dim, shape),
+                               step.reduce_op)
+    else:
+        raise AssertionError(f"unknown step kind {kind!r}")
+    _SPECS[key] = out
+    return out
+
+
+def _one(step: Step, x: torch.Tensor, shape: tuple[int, ...], k: int) -> torch.Tensor:
+    fn, args = _spec(step, shape, k)
+    return fn.apply(x, args)
 
 
 def run_step(step: Step, shards: Sequence[torch.Tensor | None], shape: tuple[int, ...]
@@ -334,6 +365,21 @@ def relabel(shards: Sequence[torch.Tensor | None], layout: Layout, axes: tuple[i
         x = shards[k]
         assert x is not None
         out[k] = _Relabel.apply(x, (grp, op))
+    return out
+
+
+def diverge(shards: Sequence[torch.Tensor | None], layout: Layout, axes: tuple[int, ...]
+            ) -> Shards:
+    """A value replicated over ``axes`` feeds a local op whose output is not (sharded or
+    Partial there), so each process's gradient is only its share: sum the shares."""
+    mesh = layout.mesh
+    grp = D.group(mesh, axes)  # group creation is collective: every process takes part
+    k = D.my_index(mesh)
+    out: list[torch.Tensor | None] = [None] * mesh.num_devices
+    if k is not None:
+        x = shards[k]
+        assert x is not None
+        out[k] = _Diverge.apply(x, grp)
     return out
 
 

@@ -33,6 +33,7 @@ from shardwise.sharding.shapes import local_bounds, local_shape, split_bounds
 __all__ = [
     "assemble",
     "device_of",
+    "diverge",
     "execute_plan",
     "global_value",
     "make_partial",
@@ -325,6 +326,13 @@ def relabel(shards: Sequence[torch.Tensor], layout: Layout, axes: tuple[int, ...
             op: ReduceOp) -> Shards:
     """Replicated ``axes`` become Partial(op) holding the same local values. Nothing
     to do here: replicas already share one buffer, so torch sums its gradient."""
+    return list(shards)
+
+
+def diverge(shards: Sequence[torch.Tensor], layout: Layout, axes: tuple[int, ...]) -> Shards:
+    """A value replicated over ``axes`` feeds an op whose output is not (sharded or
+    Partial there). Nothing to do here: the replicas share one buffer, so torch
+    already sums the devices' shares of its gradient."""
     return list(shards)
 
 

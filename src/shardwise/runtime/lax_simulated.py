@@ -1,0 +1,309 @@
+"""shard_map on the simulated runtime: one thread per device, collectives by rendezvous.
+
+Invariants:
+- ``fn`` runs once per mesh device, each in its own thread (device 0 on the
+  caller's, the others on a pool of reused daemon threads), under the caller's
+  grad mode, inference mode and contextvars.
+- Every collective is one rendezvous of *all* devices: each deposits its local
+  value, meets the others at one ``threading.Barrier`` (whose action checks, once,
+  that every device called the same op with the same arguments and compatible
+  shapes), then computes its own result from its group's values. Deposits
+  alternate between two buffers, so one barrier per collective is enough: a
+  device can only overwrite a buffer after everyone has passed the next barrier.
+- Results are computed with differentiable torch ops (add, stack, amax, cat,
+  narrow, clone) into fresh tensors, so the one autograd graph spanning the
+  threads gives the exact gradient of the global computation.
+- Returning from ``fn`` is a rendezvous too, so a device that skips a collective
+  is reported at once. Barriers time out; an exception in any device aborts the
+  barrier, and the caller re-raises the first real exception. Nothing hangs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import functools
+import queue
+import threading
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from shardwise import lax
+from shardwise.debug import comm
+from shardwise.sharding.errors import ShardingError
+from shardwise.sharding.mesh import DeviceMesh
+from shardwise.sharding.shapes import split_bounds
+
+__all__ = ["SimEnv", "run"]
+
+KIND = {"psum": "all_reduce", "pmax": "all_reduce", "pmin": "all_reduce",
+        "all_gather": "all_gather", "psum_scatter": "reduce_scatter",
+        "ppermute": "ppermute", "all_to_all": "all_to_all"}
+
+
+@functools.lru_cache(maxsize=1024)
+def _group_of(mesh: DeviceMesh, axes: tuple[int, ...]) -> tuple[tuple[tuple[int, ...], int], ...]:
+    """For each device: (its group's members in axis order, its position there)."""
+    out: list[Any] = [None] * mesh.num_devices
+    for members in mesh.groups(axes):
+        for pos, k in enumerate(members):
+            out[k] = (tuple(members), pos)
+    return tuple(out)
+
+
+def _describe(mesh: DeviceMesh, op: str, axes: tuple[int, ...], params: tuple[Any, ...]) -> str:
+    if op == "return":
+        return "returned from fn"
+    names = tuple(mesh.axis_names[a] for a in axes)
+    return f"{op} over {names} with {params}"
+
+
+def _check_shapes(mesh: DeviceMesh, op: str, axes: tuple[int, ...],
+                  values: Sequence[torch.Tensor], free: Sequence[int]) -> None:
+    """Within each group: same dtype and rank, same shape except in the dims ``free``."""
+    names = tuple(mesh.axis_names[a] for a in axes)
+    for members in mesh.groups(axes):
+        first = values[members[0]]
+        for k in members[1:]:
+            v = values[k]
+            same = v.dtype == first.dtype and v.ndim == first.ndim and all(
+                a == b for d, (a, b) in enumerate(zip(v.shape, first.shape)) if d not in free)
+            if not same:
+                rule = ("the same rank" if len(free) == v.ndim else
+                        f"the same shape except dim {free[0]}" if free else "the same shape")
+                raise ShardingError(
+                    f"lax.{op} over {names}: the devices of a group need {rule} and dtype. "
+                    f"{mesh.devices[members[0]]!r} has {tuple(first.shape)} {first.dtype}, "
+                    f"{mesh.devices[k]!r} has {tuple(v.shape)} {v.dtype}."
+                    + (" Uneven blocks can be gathered with all_gather(tiled=True)."
+                       if op in ("psum", "pmax", "pmin", "psum_scatter") else "")
+                )
+
+
+class Rendezvous:
+    """Where the device threads of one shard_map call meet for each collective."""
+
+    def __init__(self, mesh: DeviceMesh, timeout_s: float) -> None:
+        n = mesh.num_devices
+        self.mesh = mesh
+        self.timeout_s = timeout_s
+        self._bufs: tuple[list[Any], list[Any]] = ([None] * n, [None] * n)
+        self._seq = [0] * n
+        self._checked = 0
+        self.doing: list[Any] = [None] * n  # (seq, op, axes, params) while waiting
+        self.errors: list[tuple[int, BaseException]] = []
+        self.action_error: BaseException | None = None
+        self.snapshot: list[Any] | None = None
+        self._lock = threading.Lock()
+        self.barrier = threading.Barrier(n, action=self._check, timeout=timeout_s)
+
+    def exchange(self, k: int, op: str, x: Any, axes: tuple[int, ...],
+                 params: tuple[Any, ...]) -> Any:
+        s = self._seq[k]
+        self._seq[k] = s + 1
+        buf = self._bufs[s % 2]
+        buf[k] = (op, axes, params, x)
+        self.doing[k] = (s, op, axes, params)
+        self.barrier.wait()
+        self.doing[k] = None
+        if op == "return":
+            return None
+        members, pos = _group_of(self.mesh, axes)[k]
+        dev = x.device
+        vals = [buf[m][3] if buf[m][3].device == dev else buf[m][3].to(dev) for m in members]
+        return RULES[op](vals, pos, params)
+
+    def _check(self) -> None:
+        """Barrier action (one thread, all deposits in): same op everywhere, and shapes
+        that fit together."""
+        s = self._checked
+        self._checked = s + 1
+        buf = self._bufs[s % 2]
+        keys = [entry[:3] for entry in buf]
+        try:
+            if any(key != keys[0] for key in keys):
+                calls: dict[Any, list[str]] = {}
+                for dev, key in zip(self.mesh.devices, keys):
+                    calls.setdefault(key, []).append(repr(dev))
+                detail = "; ".join(f"{', '.join(devs)}: {_describe(self.mesh, *key)}"
+                                   for key, devs in calls.items())
+                raise ShardingError(
+                    f"shard_map: the devices made different calls at collective #{s}: "
+                    f"{detail}. Every device must call the same lax collectives, in the same "
+                    "order, with the same arguments (no device-dependent control flow "
+                    "around collectives)."
+                )
+            op, axes, params = keys[0]
+            if op == "return":
+                return
+            values = [entry[3] for entry in buf]
+            free: tuple[int, ...] = (
+                (params[0],) if op == "all_gather" else (params[1],) if op == "all_to_all"
+                else tuple(range(values[0].ndim)) if op == "ppermute" else ())
+            _check_shapes(self.mesh, op, axes, values, free)
+            if comm.active():
+                comm.record(KIND[op], values[0].numel() * values[0].element_size())
+        except BaseException as err:
+            self.action_error = err
+            raise
+
+    def fail(self, k: int, err: BaseException) -> None:
+        with self._lock:
+            if self.snapshot is None:
+                self.snapshot = list(self.doing)
+            self.errors.append((k, err))
+        self.barrier.abort()
+
+    def first_error(self) -> BaseException | None:
+        if self.action_error is not None:
+            return self.action_error
+        for k, err in self.errors:
+            if not isinstance(err, threading.BrokenBarrierError):
+                _note(err, f"raised by shard_map's fn on device {self.mesh.devices[k]!r} "
+                           f"(mesh coordinate {self.mesh.coord_of(k)})")
+                return err
+        if self.errors:
+            doing = self.snapshot or self.doing
+            status = "; ".join(
+                f"{d!r}: " + ("running fn" if w is None else
+                              f"waiting at collective #{w[0]} ({_describe(self.mesh, *w[1:])})")
+                for d, w in zip(self.mesh.devices, doing))
+            return ShardingError(
+                f"shard_map: the devices did not all reach the next collective within "
+                f"timeout_s={self.timeout_s:g} s ({status}). A device is stuck or much slower "
+                "between two collectives; raise timeout_s= if the work is just long."
+            )
+        return None
+
+
+def _note(err: BaseException, text: str) -> None:
+    add = getattr(err, "add_note", None)
+    if add is not None and text not in getattr(err, "__notes__", ()):
+        add(text)
+
+
+# --- per-device results from the group's values (differentiable, fresh tensors) ----------
+def _sum(vals: Sequence[torch.Tensor]) -> torch.Tensor:
+    if len(vals) == 2:
+        return vals[0] + vals[1]
+    return torch.stack(list(vals)).sum(0, dtype=vals[0].dtype)
+
+
+def _psum_scatter(vals: Sequence[torch.Tensor], pos: int, params: tuple[Any, ...]
+                  ) -> torch.Tensor:
+    (dim,) = params
+    lo, hi = split_bounds(vals[0].shape[dim], len(vals), pos)
+    return _sum([v.narrow(dim, lo, hi - lo) for v in vals])
+
+
+def _ppermute(vals: Sequence[torch.Tensor], pos: int, params: tuple[Any, ...]) -> torch.Tensor:
+    src = {d: s for s, d in params[0]}.get(pos)
+    if src is None:
+        return torch.zeros_like(vals[pos])
+    return vals[src] if src == pos else vals[src].clone()
+
+
+def _all_to_all(vals: Sequence[torch.Tensor], pos: int, params: tuple[Any, ...]
+                ) -> torch.Tensor:
+    split, concat, _even = params
+    pieces = []
+    for v in vals:
+        lo, hi = split_bounds(v.shape[split], len(vals), pos)
+        pieces.append(v.narrow(split, lo, hi - lo))
+    return torch.cat(pieces, concat)
+
+
+RULES: dict[str, Callable[[Sequence[torch.Tensor], int, tuple[Any, ...]], torch.Tensor]] = {
+    "psum": lambda vals, pos, p: _sum(vals),
+    "pmax": lambda vals, pos, p: torch.stack(list(vals)).amax(0),
+    "pmin": lambda vals, pos, p: torch.stack(list(vals)).amin(0),
+    "all_gather": lambda vals, pos, p: torch.cat(list(vals), p[0]),
+    "psum_scatter": _psum_scatter,
+    "ppermute": _ppermute,
+    "all_to_all": _all_to_all,
+}
+
+
+class SimEnv:
+    """The axis environment of one device thread."""
+
+    __slots__ = ("coord", "index", "mesh", "rdv")
+
+    def __init__(self, mesh: DeviceMesh, index: int, rdv: Rendezvous) -> None:
+        self.mesh = mesh
+        self.index = index
+        self.coord = mesh.coord_of(index)
+        self.rdv = rdv
+
+    def collective(self, op: str, x: torch.Tensor, axes: tuple[int, ...],
+                   params: tuple[Any, ...]) -> torch.Tensor:
+        out: torch.Tensor = self.rdv.exchange(self.index, op, x, axes, params)
+        return out
+
+
+_IDLE: list[_Worker] = []
+_IDLE_LOCK = threading.Lock()
+
+
+class _Worker:
+    """A daemon thread that runs one task at a time, then waits for the next."""
+
+    __slots__ = ("tasks",)
+
+    def __init__(self) -> None:
+        self.tasks: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
+        threading.Thread(target=self._loop, name="shardwise-device", daemon=True).start()
+
+    def _loop(self) -> None:
+        while True:
+            self.tasks.get()()
+            with _IDLE_LOCK:
+                _IDLE.append(self)
+
+    @staticmethod
+    def submit(task: Callable[[], None]) -> None:
+        with _IDLE_LOCK:
+            worker = _IDLE.pop() if _IDLE else None
+        (worker or _Worker()).tasks.put(task)
+
+
+def run(fn: Callable[..., Any], mesh: DeviceMesh, args: Sequence[Sequence[Any]],
+        timeout_s: float) -> list[Any]:
+    """``[fn(*args[k]) for every device k]``, device 0 on this thread and the others
+    on pooled worker threads, with the lax collectives meeting across the threads.
+    Re-raises the first failure."""
+    n = mesh.num_devices
+    rdv = Rendezvous(mesh, timeout_s)
+    results: list[Any] = [None] * n
+    grad = torch.is_grad_enabled()
+    inference = torch.is_inference_mode_enabled()
+    done = threading.Semaphore(0)
+
+    def work(k: int) -> None:
+        prev = lax.enter(SimEnv(mesh, k, rdv))
+        try:
+            with torch.set_grad_enabled(grad), (
+                    torch.inference_mode() if inference else contextlib.nullcontext()):
+                out = fn(*args[k])
+                if n > 1:
+                    rdv.exchange(k, "return", None, (), ())
+            results[k] = out
+        except BaseException as err:
+            rdv.fail(k, err)
+        finally:
+            lax.enter(prev)
+            if k:
+                done.release()
+
+    for k in range(1, n):
+        _Worker.submit(functools.partial(contextvars.copy_context().run, work, k))
+    work(0)
+    for _ in range(1, n):
+        if not done.acquire(timeout=None if not rdv.errors else timeout_s):
+            break  # a device is stuck in fn after a failure: report what we have
+    err = rdv.first_error()
+    if err is not None:
+        raise err
+    return results
