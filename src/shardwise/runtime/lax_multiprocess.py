@@ -112,6 +112,8 @@ def exchange(x: torch.Tensor, split: int, concat: int, og: OrderedGroup, send: S
              recv: Sequence[int]) -> torch.Tensor:
     """all_to_all: ``send[j]`` of dim ``split`` to member j; concatenate ``recv[i]``
     from member i along ``concat`` (all in axis order)."""
+    if split == concat != 0:  # one dim both ways: exchange it outermost
+        return exchange(x.movedim(split, 0), 0, 0, og, send, recv).movedim(0, split)
     if og.to_pg is None:
         return D.all_to_all(x, concat, split, og.grp, send, recv)
     x = torch.cat(og.pg_order(x.split(list(send), split)), split)

@@ -3,7 +3,7 @@
 Invariants:
 - ``fn`` runs once per mesh device, each in its own thread (device 0 on the
   caller's, the others on a pool of reused daemon threads), under the caller's
-  grad mode, inference mode and contextvars.
+  grad mode, inference mode, autocast and contextvars.
 - Every collective is one rendezvous of *all* devices: each deposits its local
   value, meets the others at one ``threading.Barrier`` (whose action checks, once,
   that every device called the same op with the same arguments and compatible
@@ -44,10 +44,16 @@ KIND = {"psum": "all_reduce", "pmax": "all_reduce", "pmin": "all_reduce",
 
 
 @functools.lru_cache(maxsize=1024)
+def _groups(mesh: DeviceMesh, axes: tuple[int, ...]) -> tuple[tuple[int, ...], ...]:
+    """The groups of devices varying only along ``axes``, members in axis order."""
+    return tuple(tuple(g) for g in mesh.groups(axes))
+
+
+@functools.lru_cache(maxsize=1024)
 def _group_of(mesh: DeviceMesh, axes: tuple[int, ...]) -> tuple[tuple[tuple[int, ...], int], ...]:
     """For each device: (its group's members in axis order, its position there)."""
     out: list[Any] = [None] * mesh.num_devices
-    for members in mesh.groups(axes):
+    for members in _groups(mesh, axes):
         for pos, k in enumerate(members):
             out[k] = (tuple(members), pos)
     return tuple(out)
@@ -63,14 +69,14 @@ def _describe(mesh: DeviceMesh, op: str, axes: tuple[int, ...], params: tuple[An
 def _check_shapes(mesh: DeviceMesh, op: str, axes: tuple[int, ...],
                   values: Sequence[torch.Tensor], free: Sequence[int]) -> None:
     """Within each group: same dtype and rank, same shape except in the dims ``free``."""
-    names = tuple(mesh.axis_names[a] for a in axes)
-    for members in mesh.groups(axes):
+    for members in _groups(mesh, axes):
         first = values[members[0]]
         for k in members[1:]:
             v = values[k]
             same = v.dtype == first.dtype and v.ndim == first.ndim and all(
                 a == b for d, (a, b) in enumerate(zip(v.shape, first.shape)) if d not in free)
             if not same:
+                names = tuple(mesh.axis_names[a] for a in axes)
                 rule = ("the same rank" if len(free) == v.ndim else
                         f"the same shape except dim {free[0]}" if free else "the same shape")
                 raise ShardingError(
@@ -269,6 +275,20 @@ class _Worker:
         (worker or _Worker()).tasks.put(task)
 
 
+def _thread_modes() -> list[Callable[[], Any]]:
+    """Makers of context managers that recreate this thread's torch modes (grad,
+    inference, autocast: all thread-local) in another thread."""
+    grad = torch.is_grad_enabled()
+    modes: list[Callable[[], Any]] = [lambda: torch.set_grad_enabled(grad)]
+    if torch.is_inference_mode_enabled():
+        modes.append(torch.inference_mode)
+    for dev in ("cpu", "cuda"):
+        if torch.is_autocast_enabled(dev):
+            dtype = torch.get_autocast_dtype(dev)
+            modes.append(functools.partial(torch.autocast, dev, dtype=dtype))
+    return modes
+
+
 def run(fn: Callable[..., Any], mesh: DeviceMesh, args: Sequence[Sequence[Any]],
         timeout_s: float) -> list[Any]:
     """``[fn(*args[k]) for every device k]``, device 0 on this thread and the others
@@ -277,15 +297,16 @@ def run(fn: Callable[..., Any], mesh: DeviceMesh, args: Sequence[Sequence[Any]],
     n = mesh.num_devices
     rdv = Rendezvous(mesh, timeout_s)
     results: list[Any] = [None] * n
-    grad = torch.is_grad_enabled()
-    inference = torch.is_inference_mode_enabled()
     done = threading.Semaphore(0)
+    modes = _thread_modes()
 
     def work(k: int) -> None:
         prev = lax.enter(SimEnv(mesh, k, rdv))
         try:
-            with torch.set_grad_enabled(grad), (
-                    torch.inference_mode() if inference else contextlib.nullcontext()):
+            with contextlib.ExitStack() as stack:
+                if k:
+                    for mode in modes:
+                        stack.enter_context(mode())
                 out = fn(*args[k])
                 if n > 1:
                     rdv.exchange(k, "return", None, (), ())

@@ -1,0 +1,234 @@
+"""shard_map: per-device torch code on the local blocks of sharded values (JAX semantics).
+
+``shard_map(fn, mesh, in_specs, out_specs)(*args)`` lays each argument out as its
+in_spec, calls ``fn`` once per device on that device's local blocks (plain
+``torch.Tensor``s; ``shardwise.lax`` collectives talk across devices by mesh-axis
+name), and assembles the returned blocks into ``shardwise.Tensor``s laid out as
+the out_specs.
+
+Invariants:
+- A spec is a tuple of per-dim entries (None, an axis name, or a tuple of names;
+  dims past its end are not sharded), ``None`` or ``()`` for replicated, or any
+  sharding form (PlacementMapping, NamedMapping, ShardingSpec). ``in_specs`` has
+  one spec per positional argument; ``out_specs`` is one spec for a single output
+  or one per output when fn returns a tuple/list. A sharding-form spec (or None)
+  given alone applies to every argument/output.
+- Output global shapes come from the returned blocks: sharded dims concatenate,
+  and must follow the split rule (piece k of g over n has g // n + (1 if k < g %
+  n else 0)); other dims must agree.
+- Mesh axes an out_spec does not name are replicated. As in JAX, fn must return
+  equal values along them; shardwise takes coordinate 0's block
+  (``check_replicated=True`` checks the others are close to it).
+- Gradients are those of the global computation, on both runtimes: a replicated
+  input is one value every device uses (its gradient sums theirs); a replicated
+  output is coordinate 0's block (the other devices' blocks get no gradient).
+- fn must not modify its inputs in place (they share memory with the caller's
+  values and, simulated, with other devices' blocks); this is checked.
+
+On ``DeviceMesh(dp=2, tp=2)``, ``shard_map(f, mesh, in_specs=(("dp", None),),
+out_specs=("dp", None))(x)`` for a 4-row ``x``::
+
+    device (dp,tp)   (0,0)       (0,1)       (1,0)       (1,1)
+    fn gets          x[0:2]      x[0:2]      x[2:4]      x[2:4]
+    output block     f(x[0:2])   (ignored)   f(x[2:4])   (ignored)
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import sys
+import types
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from shardwise import lax
+from shardwise import shard_map_io as io
+from shardwise.creation import place
+from shardwise.runtime import collectives as D
+from shardwise.runtime import lax_multiprocess as dist_rt
+from shardwise.runtime import lax_simulated as sim_rt
+from shardwise.sharding.errors import ShardingError, ShardingTypeError
+from shardwise.sharding.layout import Layout
+from shardwise.sharding.mesh import DeviceMesh, current_mesh
+from shardwise.tensors import Tensor
+
+__all__ = ["shard_map"]
+
+_MISSING: Any = type("_Missing", (), {"__repr__": lambda self: "<missing>"})()
+
+
+def shard_map(fn: Callable[..., Any] | None = None, mesh: DeviceMesh | None = None,
+              in_specs: Any = _MISSING, out_specs: Any = _MISSING, *,
+              check_replicated: bool = False, timeout_s: float | None = None) -> Any:
+    """``fn`` mapped over the devices of ``mesh``: returns a function of the global
+    arguments (shardwise Tensors, torch tensors or data) that gives shardwise Tensors.
+
+    Args:
+        fn: plain torch code on local blocks; may call ``shardwise.lax`` collectives.
+        mesh: the mesh (default: the one entered with ``with mesh:``).
+        in_specs: one spec per positional argument (see the module doc).
+        out_specs: the spec of fn's single output, or one per output.
+        check_replicated: check that outputs agree along the mesh axes their spec
+            leaves replicated (costs one comparison, or collective, per output).
+        timeout_s: simulated runtime: how long devices wait for each other at a
+            collective before giving up (default ``distributed.DEFAULT_TIMEOUT_S``).
+
+    >>> mesh = DeviceMesh.cpu(4, "x")
+    >>> def f(a, w):                                  # a: this device's rows, w: all of w
+    ...     return lax.psum(a @ w, "x")
+    >>> y = shard_map(f, mesh, in_specs=(("x", None), None), out_specs=None)(x, w)
+
+    Can be used as a decorator: ``@shard_map(mesh=mesh, in_specs=..., out_specs=...)``.
+    """
+    if fn is None:
+        return functools.partial(shard_map, mesh=mesh, in_specs=in_specs, out_specs=out_specs,
+                                 check_replicated=check_replicated, timeout_s=timeout_s)
+    if not callable(fn):
+        raise ShardingTypeError(f"shard_map needs a function fn. Got {fn!r}.")
+    mesh = mesh if mesh is not None else current_mesh()
+    if not isinstance(mesh, DeviceMesh):
+        raise ShardingError(
+            f"shard_map needs a DeviceMesh: pass mesh= or call it inside `with mesh:`. "
+            f"Got {mesh!r}."
+        )
+    if in_specs is _MISSING or out_specs is _MISSING:
+        raise ShardingError(
+            "shard_map needs in_specs (one spec per argument) and out_specs (one spec per "
+            f"output). Got in_specs={in_specs!r}, out_specs={out_specs!r}. {io.HINT}"
+        )
+    io.check_names(in_specs, mesh, "in_specs")
+    io.check_names(out_specs, mesh, "out_specs")
+    if timeout_s is None:
+        from shardwise.distributed import DEFAULT_TIMEOUT_S
+
+        timeout_s = DEFAULT_TIMEOUT_S
+
+    @functools.wraps(fn)
+    def mapped(*args: Any, **kwargs: Any) -> Any:
+        if kwargs:
+            raise ShardingTypeError(
+                f"A shard_map'd function takes positional arguments only (each gets an "
+                f"in_spec). Got keywords {sorted(kwargs)}; bind them with functools.partial."
+            )
+        return _call(fn, mesh, in_specs, out_specs, args, check_replicated, float(timeout_s))
+
+    return mapped
+
+
+# --- inputs ---------------------------------------------------------------------------------
+def _inputs(mesh: DeviceMesh, in_specs: Any, args: Sequence[Any]) -> list[Tensor]:
+    if io.is_leaf(in_specs):
+        specs = [in_specs] * len(args)
+    elif isinstance(in_specs, (tuple, list)):
+        specs = list(in_specs)
+        if len(specs) != len(args):
+            raise ShardingError(
+                f"shard_map got {len(args)} argument(s) but in_specs has {len(specs)} "
+                f"spec(s): {in_specs!r}. Give one spec per positional argument, e.g. "
+                "in_specs=(('x', None),) for one argument split over 'x' on dim 0."
+            )
+    else:
+        raise ShardingError(f"in_specs is {in_specs!r}: give a tuple with one spec per "
+                            f"argument. {io.HINT}")
+    placed = []
+    for i, (x, spec) in enumerate(zip(args, specs)):
+        if isinstance(x, Tensor):
+            from shardwise.ops.communication import shard
+
+            layout = io.layout_of(spec, x.ndim, mesh, f"in_specs[{i}]")
+            placed.append(shard(x, dim_specs=layout))
+            continue
+        if not isinstance(x, torch.Tensor):
+            try:
+                x = torch.as_tensor(x)
+            except (TypeError, ValueError, RuntimeError) as err:
+                raise ShardingTypeError(
+                    f"shard_map argument {i} is a {type(x).__name__}, not a tensor ({err}). "
+                    "Pass shardwise Tensors, torch tensors or array data."
+                ) from None
+        layout = io.layout_of(spec, x.ndim, mesh, f"in_specs[{i}]")
+        # Replicated first, then the planner's local slices: differentiable, and on
+        # every process the gradient comes back whole.
+        placed.append(place(x, Layout.replicated(mesh, x.ndim)).relayout(layout))
+    return placed
+
+
+def _versions(placed: Sequence[Tensor]) -> list[tuple[int, torch.Tensor, int]]:
+    out = {}
+    for i, t in enumerate(placed):
+        for s in t.shards:
+            if s is not None and not s.is_inference():
+                out[id(s)] = (i, s, s._version)
+    return list(out.values())
+
+
+def _check_unmodified(versions: Sequence[tuple[int, torch.Tensor, int]]) -> None:
+    for i, s, v in versions:
+        if s._version != v:
+            raise ShardingError(
+                f"shard_map: fn modified argument {i}'s local block in place. Blocks share "
+                "memory with the caller's values (and, on the simulated runtime, with other "
+                "devices' blocks), so fn must not write to them: use out-of-place ops "
+                "(x = x + 1, not x += 1) or clone first."
+            )
+
+
+# --- running ------------------------------------------------------------------------------
+def _call(fn: Callable[..., Any], mesh: DeviceMesh, in_specs: Any, out_specs: Any,
+          args: Sequence[Any], check: bool, timeout_s: float) -> Any:
+    if lax.current_env() is not None:
+        raise ShardingError(
+            "shard_map was called inside the fn of another shard_map: nesting is not "
+            "supported. Call the inner function directly on the local blocks."
+        )
+    placed = _inputs(mesh, in_specs, args)
+    versions = _versions(placed)
+    if D.is_process_mesh(mesh):
+        k = _process_index(mesh)
+        blocks = [dist_rt.replicate(t.shards[k], mesh, io.replicated_axes(t.layout))
+                  for t in placed]
+        prev = lax.enter(dist_rt.DistEnv(mesh, k))
+        try:
+            out = fn(*blocks)
+        finally:
+            lax.enter(prev)
+        _check_unmodified(versions)
+        outs: list[Any] = [None] * mesh.num_devices
+        outs[k] = out
+        return io.outputs(outs, k, mesh, out_specs, check)
+    blocks_per_device = [[t.shards[k] for t in placed] for k in range(mesh.num_devices)]
+    results = sim_rt.run(fn, mesh, blocks_per_device, timeout_s)
+    _check_unmodified(versions)
+    return io.outputs(results, None, mesh, out_specs, check)
+
+
+def _process_index(mesh: DeviceMesh) -> int:
+    # Group creation is collective over every process: make all the groups fn may
+    # use now, on every process, in one order.
+    for r in range(1, mesh.ndim + 1):
+        for axes in itertools.combinations(range(mesh.ndim), r):
+            D.group(mesh, axes)
+    k = D.my_index(mesh)
+    if k is None:
+        raise ShardingError(
+            f"shard_map on {mesh!r} in process {D.rank()}, which holds none of its devices: "
+            "fn has no block to run on here (this process did take part in creating the "
+            "mesh's process groups, which every process must). Build the mesh over every "
+            "process, or skip this call where D.my_index(mesh) is None after that."
+        )
+    return k
+
+
+class _CallableModule(types.ModuleType):
+    """``import shardwise.shard_map`` binds the package attribute ``shardwise.shard_map``
+    to this module instead of the function; calling the module calls the function,
+    so ``shardwise.shard_map(...)`` works however it was first imported."""
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return shard_map(*args, **kwargs)
+
+
+sys.modules[__name__].__class__ = _CallableModule
