@@ -42,7 +42,7 @@ _TORCH_OP = {
 class Group:
     """A process group over mesh axes, as seen from this process."""
 
-    __slots__ = ("members", "pg", "pos", "ranks")
+    __slots__ = ("members", "pg", "pos", "ranks", "slot")
 
     def __init__(self, pg: Any, members: tuple[int, ...], ranks: tuple[int, ...],
                  pos: int) -> None:
@@ -50,6 +50,24 @@ class Group:
         self.members = members  # flat mesh indices, row-major over the axes
         self.ranks = ranks
         self.pos = pos          # this process's position among the members
+        # torch orders a group's members by global rank; slot[p] is member p's place
+        # in that order (None when it is the members' own order).
+        order = sorted(ranks)
+        slot = tuple(order.index(r) for r in ranks)
+        self.slot = None if slot == tuple(range(len(ranks))) else slot
+
+    def by_slot(self, items: Sequence[Any]) -> list[Any]:
+        """Per-member items -> the order torch's collective uses."""
+        if self.slot is None:
+            return list(items)
+        out: list[Any] = [None] * len(items)
+        for p, item in enumerate(items):
+            out[self.slot[p]] = item
+        return out
+
+    def by_member(self, items: Sequence[Any]) -> list[Any]:
+        """Items in torch's order -> per-member order."""
+        return list(items) if self.slot is None else [items[j] for j in self.slot]
 
     @property
     def size(self) -> int:
@@ -150,8 +168,9 @@ def all_gather(x: torch.Tensor, dim: int, g: Group, sizes: Sequence[int]) -> tor
     xm = xm.contiguous()
     out = xm.new_empty((g.size * m, *xm.shape[1:]))
     _call("all_gather", g, lambda: _all_gather(out, xm, group=g.pg))
-    if any(s != m for s in sizes):
-        out = torch.cat([out.narrow(0, i * m, s) for i, s in enumerate(sizes)])
+    if g.slot is not None or any(s != m for s in sizes):
+        slots = g.slot or range(g.size)
+        out = torch.cat([out.narrow(0, slots[p] * m, s) for p, s in enumerate(sizes)])
     return out.movedim(0, dim)
 
 
@@ -169,15 +188,17 @@ def reduce_scatter(x: torch.Tensor, dim: int, g: Group, sizes: Sequence[int],
         return x.clone()
     m = max(sizes)
     xm = x.movedim(dim, 0)
-    if all(s == m for s in sizes):
+    if g.slot is None and all(s == m for s in sizes):
         inp = xm.contiguous()
     else:
         parts, off = [], 0
         for s in sizes:
             piece = xm.narrow(0, off, s)
             off += s
-            parts.append(torch.cat([piece, piece.new_zeros((m - s, *piece.shape[1:]))]))
-        inp = torch.cat(parts)
+            if s < m:
+                piece = torch.cat([piece, piece.new_zeros((m - s, *piece.shape[1:]))])
+            parts.append(piece)
+        inp = torch.cat(g.by_slot(parts))
     out = inp.new_empty((m, *inp.shape[1:]))
     _call("reduce_scatter", g, lambda: _reduce_scatter(out, inp, _TORCH_OP[op], group=g.pg))
     return out.narrow(0, 0, sizes[g.pos]).movedim(0, dim)
@@ -192,7 +213,8 @@ def all_to_all(x: torch.Tensor, dim: int, dim2: int, g: Group, send: Sequence[in
     what arrives is already the concatenation along ``dim``: no unpack copy."""
     if g.size == 1:
         return x
-    chunks = [c.movedim(dim, 0) for c in x.split(list(send), dim2)]
+    assert dim != dim2, "all_to_all moves mesh axes between two different dims"
+    chunks = g.by_slot([c.movedim(dim, 0) for c in x.split(list(send), dim2)])
     in_splits = [c.numel() for c in chunks]
     flat_in = x.new_empty(sum(in_splits))
     off = 0
@@ -206,11 +228,14 @@ def all_to_all(x: torch.Tensor, dim: int, dim2: int, g: Group, send: Sequence[in
     rest = 1
     for v in moved[1:]:
         rest *= v
-    out_splits = [s * rest for s in recv]
+    out_splits = g.by_slot([s * rest for s in recv])
     flat_out = x.new_empty(sum(out_splits))
     _call("all_to_all", g, lambda: dist.all_to_all_single(
         flat_out, flat_in, out_splits, in_splits, group=g.pg))
-    return flat_out.view(sum(recv), *moved[1:]).movedim(0, dim)
+    if g.slot is None:
+        return flat_out.view(sum(recv), *moved[1:]).movedim(0, dim)
+    pieces = g.by_member(list(flat_out.split(out_splits)))
+    return torch.cat([p.view(r, *moved[1:]) for p, r in zip(pieces, recv)]).movedim(0, dim)
 
 
 def permute(x: torch.Tensor | None, send_to: int | None, recv_from: int | None,
