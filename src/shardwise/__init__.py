@@ -58,11 +58,48 @@ _LAZY: dict[str, str] = {
     "shard": "shardwise.ops",
     "to_device": "shardwise.ops",
     "transfer_to": "shardwise.ops",
+    "add": "shardwise.ops",
+    "sub": "shardwise.ops",
+    "mul": "shardwise.ops",
+    "div": "shardwise.ops",
+    "neg": "shardwise.ops",
+    "pow": "shardwise.ops",
+    "matmul": "shardwise.ops",
+    "einsum": "shardwise.ops",
+    "sum": "shardwise.ops",
+    "mean": "shardwise.ops",
+    "amax": "shardwise.ops",
+    "amin": "shardwise.ops",
+    "transpose": "shardwise.ops",
+    "permute": "shardwise.ops",
+    "reshape": "shardwise.ops",
+    "cat": "shardwise.ops",
+    "softmax": "shardwise.ops",
+    "relu": "shardwise.ops",
+    "gelu": "shardwise.ops",
+    "silu": "shardwise.ops",
+    "sigmoid": "shardwise.ops",
+    "tanh": "shardwise.ops",
+    "exp": "shardwise.ops",
+    "log": "shardwise.ops",
+    "sqrt": "shardwise.ops",
+    "maximum": "shardwise.ops",
+    "minimum": "shardwise.ops",
+    "eq": "shardwise.ops",
+    "ne": "shardwise.ops",
+    "lt": "shardwise.ops",
+    "le": "shardwise.ops",
+    "gt": "shardwise.ops",
+    "ge": "shardwise.ops",
+    "where": "shardwise.ops",
+    "getitem": "shardwise.ops",
     "grad": "shardwise.autodiff",
     "jvp": "shardwise.autodiff",
     "value_and_grad": "shardwise.autodiff",
     "vjp": "shardwise.autodiff",
     "eval_shape": "shardwise.abstract",
+    "shard_map": "shardwise.shard_map",
+    "lax": "shardwise.lax",  # a module: ``from shardwise import lax``
 }
 
 __all__ = [
@@ -90,7 +127,10 @@ def __getattr__(name: str) -> Any:
     module = _LAZY.get(name)
     if module is None:
         raise AttributeError(f"module 'shardwise' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
+    mod = importlib.import_module(module)
+    # An entry naming a submodule itself (``lax``) resolves to that module.
+    value = mod if module == f"{__name__}.{name}" and not hasattr(mod, name) else getattr(
+        mod, name)
     globals()[name] = value
     return value
 

@@ -23,6 +23,7 @@ from typing import Any
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
+import shardwise.ops  # noqa: F401  (installs the Tensor operators: x + y, x @ w)
 from shardwise.devices import Device, DeviceError, from_torch
 from shardwise.runtime.simulated import rep_indices
 from shardwise.sharding.errors import ShardingTypeError

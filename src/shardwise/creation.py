@@ -24,7 +24,7 @@ from shardwise.sharding.layout import Layout
 from shardwise.sharding.mappings import as_layout
 from shardwise.sharding.mesh import DeviceMesh
 from shardwise.sharding.shapes import local_bounds, local_shape
-from shardwise.tensors import Tensor
+from shardwise.tensors import Tensor, with_open_dims
 
 __all__ = [
     "arange",
@@ -114,7 +114,7 @@ def tensor(data: Any, device: Any = None, sharding: Any = None, *,
         return _leafify(out.detach(), requires_grad) if requires_grad else out
     value = _as_torch(data, dtype)
     layout = _target(device, sharding, value.ndim)
-    return _leafify(place(value, layout), requires_grad)
+    return with_open_dims(_leafify(place(value, layout), requires_grad), sharding)
 
 
 def from_local(shards: Sequence[Any], sharding: Any, shape: Sequence[int] | None = None, *,
@@ -177,7 +177,7 @@ def from_local(shards: Sequence[Any], sharding: Any, shape: Sequence[int] | None
             )
         target = backend.device_of(mesh, k)
         out.append(t if t.device == target else t.to(target))
-    return _leafify(Tensor(out, layout, shape, dtype), requires_grad)
+    return with_open_dims(_leafify(Tensor(out, layout, shape, dtype), requires_grad), sharding)
 
 
 def _filled(shape: Sequence[int] | int, make: Callable[[tuple[int, ...], Any, tuple[
@@ -202,7 +202,7 @@ def _filled(shape: Sequence[int] | int, make: Callable[[tuple[int, ...], Any, tu
                next(iter(built.values())).dtype if built else torch.get_default_dtype())
     if layout.is_partial:
         t = _make_partial_like(t, layout)
-    return _leafify(t, requires_grad)
+    return with_open_dims(_leafify(t, requires_grad), sharding)
 
 
 def _make_partial_like(t: Tensor, layout: Layout) -> Tensor:
@@ -286,3 +286,5 @@ def as_layout_of(value: Any, like: Tensor) -> Tensor:
         )
     return place(t.to(like.dtype), like.layout)
 
+
+import shardwise.ops  # noqa: E402, F401  (installs the Tensor operators: x + y, x @ w, x[i])

@@ -57,10 +57,11 @@ class Tensor:
         CPU(3)   (1,1)     x[2:4]
     """
 
-    __slots__ = ("__weakref__", "_dtype", "_layout", "_shape", "_shards")
+    __slots__ = ("__weakref__", "_dtype", "_layout", "_open", "_shape", "_shards")
 
     def __init__(self, shards: Sequence[torch.Tensor | None], layout: Layout,
-                 shape: Sequence[int], dtype: torch.dtype | None = None) -> None:
+                 shape: Sequence[int], dtype: torch.dtype | None = None, *,
+                 open_dims: tuple[bool, ...] | None = None) -> None:
         """Internal: build from per-device shards that already follow ``layout``
         (None for devices another process owns). Users build Tensors with
         ``shardwise.tensor``/``zeros``/``from_local``."""
@@ -70,6 +71,16 @@ class Tensor:
         if dtype is None:
             dtype = next(s.dtype for s in self._shards if s is not None)
         self._dtype = dtype
+        self._open = open_dims
+
+    # --- open / closed dims (sharding propagation) -------------------------------------
+    @property
+    def open_dims(self) -> tuple[bool, ...]:
+        """Per dim: True when compute ops may reshard it freely (open), False when
+        they change its sharding only if unavoidable (closed). Dims are closed when
+        the Tensor was made from a ShardingSpec whose DimSpec is closed; every
+        other Tensor (other sharding forms, results of ops) has open dims."""
+        return (True,) * len(self._shape) if self._open is None else self._open
 
     # --- inspection -----------------------------------------------------------------
     @property
@@ -235,7 +246,8 @@ class Tensor:
                 r = done[id(s)] = fn(s)
             out.append(r)
         present = any(o is not None for o in out)
-        return Tensor(out, layout, self._shape, None if present else self._dtype)
+        return Tensor(out, layout, self._shape, None if present else self._dtype,
+                      open_dims=self._open)
 
     # --- autograd ----------------------------------------------------------------------
     @property
@@ -329,3 +341,15 @@ class Tensor:
         reps, outs = roots.unique_shards()
         torch.autograd.backward(outs, [g._shards[k] for k in reps])
 
+
+def with_open_dims(t: Tensor, sharding: object) -> Tensor:
+    """``t`` with the open/closed dims ``sharding`` gives (a ShardingSpec's DimSpecs;
+    any other form: all open). Shares ``t``'s shards; ``t`` itself is unchanged."""
+    from shardwise.sharding.mappings import ShardingSpec
+
+    want = sharding.open_dims if isinstance(sharding, ShardingSpec) else None
+    if want is not None and all(want):
+        want = None
+    if want == t._open or (want is not None and len(want) != t.ndim):
+        return t
+    return Tensor(t._shards, t._layout, t._shape, t._dtype, open_dims=want)

@@ -223,3 +223,125 @@ def body_mesh_too_big(n: int) -> None:
 
 
 BODIES += ["body_comm_counts", "body_mesh_too_big"]
+
+
+def body_megatron(n: int) -> None:
+    """Megatron MLP: x[S(0) on dp] @ W1[S(1) on tp] -> gelu -> @ W2[S(0) on tp] is
+    Partial(SUM) over tp with no collectives; one all_reduce in the whole forward.
+    Values and the gradients of x, W1, W2 equal single-device torch."""
+    from shardwise.debug import CommCounter
+
+    if n == 4:
+        mesh = DeviceMesh.cpu((2, 2), ("dp", "tp"))
+        px, p1, p2 = [Sharded(0), Replicated()], [Replicated(), Sharded(1)], [Replicated(),
+                                                                              Sharded(0)]
+    else:
+        mesh = DeviceMesh.cpu((n,), ("tp",))
+        px, p1, p2 = [Replicated()], [Sharded(1)], [Sharded(0)]
+    tp = mesh.axis_index("tp")
+    xv, av, bv = data(6, 5) / 4, data(5, 2 * n + 1) / 5, data(2 * n + 1, 3) / 5
+
+    def model() -> tuple[sw.Tensor, list[sw.Tensor]]:
+        x = sw.tensor(xv, sharding=PlacementMapping(mesh, px), requires_grad=True)
+        w1 = sw.tensor(av, sharding=PlacementMapping(mesh, p1), requires_grad=True)
+        w2 = sw.tensor(bv, sharding=PlacementMapping(mesh, p2), requires_grad=True)
+        with CommCounter() as cc:
+            partial = sw.gelu(x @ w1) @ w2
+            assert cc.total == 0, cc
+            assert partial.layout.partial[tp] is sw.ReduceOp.SUM, partial.layout
+            out = sw.all_reduce(partial)
+        assert dict(cc.counts) == {"all_reduce": 1}, cc
+        return out, [x, w1, w2]
+
+    refs = [v.clone().requires_grad_(True) for v in (xv, av, bv)]
+    expect = torch.nn.functional.gelu(refs[0] @ refs[1]) @ refs[2]
+    (expect ** 2).sum().backward()
+    # loss from the global torch value
+    out, params = model()
+    assert torch.allclose(out.to_torch(), expect, atol=1e-6)
+    (out.to_torch() ** 2).sum().backward()
+    for p, r in zip(params, refs):
+        assert p.grad is not None and r.grad is not None
+        assert torch.allclose(p.grad.to_torch(), r.grad, atol=1e-5), (p.grad.to_torch(), r.grad)
+    # loss as a shardwise scalar
+    out, params = model()
+    loss = (out * out).sum()
+    assert torch.allclose(loss.to_torch(), (expect ** 2).sum(), atol=1e-5)
+    loss.backward()
+    for p, r in zip(params, refs):
+        assert p.grad is not None and r.grad is not None
+        assert torch.allclose(p.grad.to_torch(), r.grad, atol=1e-5), (p.grad.to_torch(), r.grad)
+
+
+BODIES.append("body_megatron")
+
+
+def body_compute_grads(n: int) -> None:
+    """Compute ops (with reshards, Partial pass-through and resolution, replicated
+    operands of sharded outputs) give torch's values and gradients on both runtimes."""
+    import operator
+
+    for mesh in meshes(n):
+        a = mesh.axis_names[-1]
+        axis = mesh.axis_index(a)
+
+        def pm(*dims: object, partial: bool = False, mesh: DeviceMesh = mesh,
+               a: str = a) -> sw.NamedMapping:
+            return sw.NamedMapping(mesh, dims, unreduced={a} if partial else frozenset())
+
+        x, y, v = data(4, 6) / 3, data(4, 6).flip(0) / 5 + 1, data(6) / 4
+        cases = [
+            (operator.add, [(x, pm(a, None)), (y, pm(None, a))]),
+            (operator.sub, [(x, pm(None, None, partial=True)), (y, pm(None, None))]),
+            (operator.mul, [(x, pm(None, a)), (v, pm(None))]),
+            (lambda p, q: (p * 3.0 - q).relu() / q, [(x, pm(None, None, partial=True)),
+                                                     (y, pm(a, None))]),
+            (lambda p, q: p @ q.T, [(x, pm(None, a)), (y, pm(None, a))]),
+            (lambda p, q: p.T @ q, [(x, pm(a, None)), (y, pm(None, None))]),
+            (lambda p: p.sum(0) * p.amax(0), [(x, pm(a, None))]),
+            (lambda p: p.mean(1, keepdim=True) + p.softmax(1), [(x, pm(a, None))]),
+            (lambda p: p.reshape(2, 12)[:, 1:5].exp(), [(x, pm(None, a))]),
+            ((lambda p, q: sw.cat([p, q], 0).tanh(), lambda p, q: torch.cat([p, q], 0).tanh()),
+             [(x, pm(None, a)), (y, pm(a, None))]),
+            ((lambda p, q: sw.einsum("ij,ij->i", p, q),
+              lambda p, q: torch.einsum("ij,ij->i", p, q)), [(x, pm(a, None)), (y, pm(None, a))]),
+        ]
+        for fns, inputs in cases:
+            fn, ref_fn = fns if isinstance(fns, tuple) else (fns, fns)
+            ts = [sw.tensor(val, sharding=s, requires_grad=True) for val, s in inputs]
+            refs = [val.clone().requires_grad_(True) for val, _ in inputs]
+            out, expect = fn(*ts), ref_fn(*refs)
+            assert torch.allclose(out.to_torch(), expect, atol=1e-5), (fn, out, expect)
+            weight = data(*expect.shape) / 7
+            (out.to_torch() * weight).sum().backward()
+            (expect * weight).sum().backward()
+            for t, r in zip(ts, refs):
+                assert t.grad is not None and r.grad is not None
+                assert torch.allclose(t.grad.to_torch(), r.grad, atol=1e-5), (fn, axis)
+
+
+BODIES.append("body_compute_grads")
+
+
+def body_non_mesh_order(n: int) -> None:
+    """Dims split over mesh axes in non-mesh order: torch orders group members by
+    rank, shardwise by mesh coordinate; the values must not care."""
+    if n != 4:
+        return
+    from shardwise import NamedMapping
+
+    mesh = DeviceMesh.cpu((2, 2), ("dp", "tp"))
+    x = data(9, 6)
+    specs = [(("tp", "dp"), None), (None, ("tp", "dp")), (("dp", "tp"), None), ("tp", "dp"),
+             ("dp", "tp"), (None, None)]
+    for src in specs:
+        t = sw.tensor(x, sharding=NamedMapping(mesh, src))
+        for dst in specs:
+            out = sw.shard(t, dim_specs=NamedMapping(mesh, dst))
+            assert torch.equal(out.to_torch(), x), (src, dst)
+        p = sw.tensor(x, sharding=NamedMapping(mesh, (None, None), unreduced={"dp", "tp"}))
+        rs = sw.shard(p, dim_specs=NamedMapping(mesh, src))
+        assert torch.allclose(rs.to_torch(), x), src
+
+
+BODIES.append("body_non_mesh_order")

@@ -22,6 +22,7 @@ from typing import Any, TypeAlias
 
 import torch
 
+import shardwise.ops  # noqa: F401  (installs the Tensor operators: x + y, x @ w)
 from shardwise.devices import Device, DeviceError
 from shardwise.graph.signals import participants
 from shardwise.sharding.errors import ShardingError, ShardingTypeError

@@ -35,7 +35,7 @@ from shardwise.sharding.mappings import DeviceMapping, ShardingSpec, as_layout
 from shardwise.sharding.mesh import DeviceMesh, current_mesh
 from shardwise.sharding.placements import ReduceOp
 from shardwise.sharding.shapes import local_shape
-from shardwise.tensors import Tensor
+from shardwise.tensors import Tensor, with_open_dims
 
 __all__ = [
     "accelerator",
@@ -125,7 +125,7 @@ def shard(x: Any, mesh: DeviceMesh | None = None, dim_specs: Any = None,
                             frozenset(partial_sum_axes or ()))
     if not isinstance(x, Tensor):
         return tensor(x, sharding=spec)
-    return _to_layout(x, as_layout(spec, x.ndim))
+    return with_open_dims(_to_layout(x, as_layout(spec, x.ndim)), spec)
 
 
 def reshard(*args: Any, **kwargs: Any) -> Tensor:
@@ -255,7 +255,7 @@ def to_device(x: Any, device: Device | Any = None, *, sharding: Any = None) -> T
         if x.mesh.is_single and x.mesh.devices[0] == device:
             return x
         return _to_layout(x, layout)
-    return _to_layout(x, as_layout(sharding, x.ndim))
+    return with_open_dims(_to_layout(x, as_layout(sharding, x.ndim)), sharding)
 
 
 def transfer_to(x: Any, device: Device | Any = None, *, sharding: Any = None) -> Tensor:

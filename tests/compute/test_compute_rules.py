@@ -1,0 +1,161 @@
+"""The rule table (pure data) bound to shapes, and the errors users see."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+import torch
+from computecheck import LINE, MESH, lay, values
+
+import shardwise as sw
+from shardwise.ops.binding import bind, normalize_index
+from shardwise.ops.rules import MATMUL, RULES, Passes
+from shardwise.sharding import DeviceMesh, ReduceOp
+
+
+def text(op: str, shapes: tuple[tuple[int, ...], ...], *params: object) -> str:
+    f = bind(op, shapes, *params)
+    full = sorted(f.full)
+    return f"{f.text} {list(f.out_shape)} full={full}"
+
+
+@pytest.mark.parametrize("op,shapes,params,want", [
+    ("add", ((4, 8), (8,)), (), "#0 #1, #1 -> #0 #1 [4, 8] full=[]"),
+    ("add", ((4, 1), (1, 8)), (), "#0 #1'0!, #0'1! #1 -> #0 #1 [4, 8] full=[1, 2]"),
+    ("add", ((3, 0), (1, 0)), (), "#0 #1, #0'1! #1 -> #0 #1 [3, 0] full=[2]"),
+    ("mul", ((), (3,)), (), ", #0 -> #0 [3] full=[]"),
+    ("relu", ((2, 3),), (), "#0 #1 -> #0 #1 [2, 3] full=[]"),
+    ("matmul", ((4, 8), (8, 2)), (), "i k, k j -> i j [4, 2] full=[]"),
+    ("matmul", ((8,), (2, 8, 3)), (), "k, #0 k j -> #0 j [2, 3] full=[]"),
+    ("matmul", ((5, 8), (8,)), (), "i k, k -> i [5] full=[]"),
+    ("matmul", ((8,), (8,)), (), "k, k -> [] full=[]"),
+    ("matmul", ((5, 2, 8, 3), (2, 3, 4)), (),
+     "#0 #1 i k, #1 k j -> #0 #1 i j [5, 2, 8, 4] full=[]"),
+    ("einsum", ((2, 3, 4), (2, 4, 5)), ("bij,bjk->bik",),
+     "b i j, b j k -> b i k [2, 3, 5] full=[]"),
+    ("einsum", ((3, 4), (4,)), ("ij,j",), "i j, j -> i [3] full=[]"),
+    ("einsum", ((3, 3),), ("ii->i",), "i! i! -> i! [3] full=[0]"),
+    ("sum", ((4, 8, 3),), ((1,), False), "d0 d1 d2 -> d0 d2 [4, 3] full=[]"),
+    ("amax", ((4, 8, 3),), ((0, 2), True), "d0 d1 d2 -> k0 d1 k2 [1, 8, 1] full=[]"),
+    ("permute", ((4, 8, 3),), ((2, 0, 1),), "d0 d1 d2 -> d2 d0 d1 [3, 4, 8] full=[]"),
+    ("softmax", ((4, 8),), (1,), "d0 d1! -> d0 d1! [4, 8] full=[1]"),
+    ("cat", ((4, 8), (2, 8)), (0,), "c0! d1, c1! d1 -> c! d1 [6, 8] full=[0, 2, 3]"),
+    ("reshape", ((4, 6, 8),), ((4, 48),), "d0 d1! d2! -> d0 o1! [4, 48] full=[1, 2, 3]"),
+    ("reshape", ((4, 1, 6),), ((4, 6),), "d0 d1! d2 -> d0 d2 [4, 6] full=[1]"),
+    ("reshape", ((4, 6),), ((4, 1, 6),), "d0 d1 -> d0 o1 d1 [4, 1, 6] full=[]"),
+    ("reshape", ((4, 6),), ((2, 2, -1),), "d0! d1 -> o0! o1! d1 [2, 2, 6] full=[0, 2, 3]"),
+    ("getitem", ((4, 8, 3),), ((("slice", None, None, None), 1),),
+     "d0 d1! d2 -> d0 d2 [4, 3] full=[1]"),
+    ("getitem", ((4, 8, 3),), ((Ellipsis, ("slice", 1, 3, None), None),),
+     "d0 d1 d2! -> d0 d1 s2 n3 [4, 8, 2, 1] full=[2]"),
+])
+def test_bound_rules(op: str, shapes: tuple[tuple[int, ...], ...], params: tuple[object, ...],
+                     want: str) -> None:
+    assert text(op, shapes, *params) == want
+
+
+def test_the_table_flags() -> None:
+    assert RULES["add"].passes is Passes.LINEAR and RULES["neg"].passes is Passes.LINEAR
+    assert RULES["mul"].passes is Passes.MULTILINEAR
+    assert RULES["div"].carriers == (0,)
+    for op in ("relu", "gelu", "tanh", "exp", "softmax", "eq", "lt", "maximum", "amax", "pow"):
+        assert RULES[op].passes is Passes.NONLINEAR, op
+    for op in ("sum", "mean", "permute", "reshape", "getitem", "cat"):
+        assert RULES[op].passes is Passes.LINEAR, op
+    assert RULES["matmul"].reduce is ReduceOp.SUM and RULES["amax"].reduce is ReduceOp.MAX
+    assert RULES["amin"].reduce is ReduceOp.MIN and RULES["relu"].reduce is None
+    assert set(MATMUL) == {(True, True), (True, False), (False, True), (False, False)}
+
+
+@pytest.mark.parametrize("module", ["rules", "binding"])
+def test_rules_are_pure_python(module: str) -> None:
+    import importlib
+
+    mod = importlib.import_module(f"shardwise.ops.{module}")
+    tree = ast.parse(Path(mod.__file__).read_text())
+    imported = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
+    imported |= {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+    assert not any(m and m.split(".")[0] == "torch" for m in imported), imported
+    assert {m for m in imported if m and m.startswith("shardwise")} <= {
+        "shardwise.sharding.errors", "shardwise.sharding.placements", "shardwise.ops.rules"}
+
+
+def test_normalize_index() -> None:
+    full, s = ("slice", None, None, None), ("slice", 1, None, 2)
+    assert normalize_index((1, full), (4, 5)) == (("int", 1), ("full",))
+    assert normalize_index((Ellipsis, s, None), (4, 5)) == (("full",), ("slice", 1, 5, 2),
+                                                            ("new",))
+    assert normalize_index((-1,), (4, 5)) == (("int", 3), ("full",))
+    assert normalize_index((("slice", 0, 9, None),), (4,)) == (("full",),)
+    with pytest.raises(IndexError, match="out of bounds"):
+        normalize_index((4,), (4,))
+    with pytest.raises(IndexError, match="too many"):
+        normalize_index((0, 0), (4,))
+
+
+# --- errors --------------------------------------------------------------------------------
+def test_shape_errors_name_the_op_and_shapes() -> None:
+    a = sw.tensor(values(4, 5), sharding=lay(LINE, "x", None))
+    b = sw.tensor(values(4, 5), sharding=lay(LINE, None, None))
+    with pytest.raises(sw.ShardingError, match=r"matmul: operands of shapes \[4, 5\], \[4, 5\]"):
+        a @ b
+    with pytest.raises(sw.ShardingError, match=r"add: .*\[4, 5\], \[3\]"):
+        a + sw.tensor(values(3), sharding=lay(LINE, None))
+    with pytest.raises(sw.ShardingError, match="matmul: both operands need at least one dim"):
+        sw.matmul(a.sum(), a)
+    with pytest.raises(sw.ShardingError, match="reshape: shape \\[4, 5\\]"):
+        a.reshape(3, 7)
+    with pytest.raises(sw.ShardingError, match="cat: every tensor needs rank 2"):
+        sw.cat([a, a.sum(0)])
+    with pytest.raises(sw.ShardingError, match="permute"):
+        a.permute(0, 0)
+    with pytest.raises(sw.ShardingError, match="out of range"):
+        a.sum(2)
+
+
+def test_mesh_mismatch_names_both_meshes() -> None:
+    a = sw.tensor(values(4, 4), sharding=lay(LINE, "x", None))
+    b = sw.tensor(values(4, 4), sharding=lay(MESH, None, None))
+    with pytest.raises(sw.ShardingError, match=r"DeviceMesh\(dp=2, tp=4\).*DeviceMesh\(x=4\)"):
+        a + b
+
+
+def test_operand_kinds() -> None:
+    a = sw.tensor(values(4, 4), sharding=lay(LINE, "x", None))
+    with pytest.raises(sw.ShardingError, match="0-d torch tensors"):
+        sw.add(a, torch.ones(4, 4))
+    with pytest.raises(TypeError):
+        a + "text"
+    with pytest.raises(sw.ShardingError, match=r"at least one shardwise\.Tensor"):
+        sw.add(1, 2)
+    assert (a == None) is False  # noqa: E711
+    assert a != "text"
+
+
+def test_advanced_indexing_is_refused() -> None:
+    a = sw.tensor(values(4, 4), sharding=lay(LINE, "x", None))
+    with pytest.raises(sw.ShardingError, match="basic indexing"):
+        a[torch.tensor([0, 1])]
+    with pytest.raises(sw.ShardingError, match="basic indexing"):
+        a[[0, 1]]
+    with pytest.raises(IndexError, match="out of bounds"):
+        a[4]
+    assert [row.to_torch().tolist() for row in a] == a.to_torch().tolist()
+
+
+def test_bool_and_hash() -> None:
+    a = sw.tensor(values(4), sharding=lay(LINE, "x"))
+    with pytest.raises(sw.ShardingError, match="ambiguous"):
+        bool(a == a)
+    assert bool((a == a).sum() == 4)
+    assert len({a, a}) == 1
+
+
+def test_errors_from_torch_say_op_and_shapes() -> None:
+    mesh = DeviceMesh.cpu((2,), ("x",))
+    a = sw.tensor(torch.ones(4, dtype=torch.int64), sharding=lay(mesh, "x"))
+    with pytest.raises(sw.ShardingError, match=r"softmax failed on the local blocks .* global "
+                                               r"shapes \[\[4\]\]"):
+        a.softmax(0)
