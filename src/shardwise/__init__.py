@@ -98,6 +98,8 @@ _LAZY: dict[str, str] = {
     "value_and_grad": "shardwise.autodiff",
     "vjp": "shardwise.autodiff",
     "eval_shape": "shardwise.abstract",
+    "visualize": "shardwise.debug",
+    "CommCounter": "shardwise.debug",
     "shard_map": "shardwise.shard_map",
     "lax": "shardwise.lax",  # a module: ``from shardwise import lax``
 }

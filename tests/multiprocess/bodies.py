@@ -345,3 +345,14 @@ def body_non_mesh_order(n: int) -> None:
 
 
 BODIES.append("body_non_mesh_order")
+
+
+def body_demo_parity(n: int) -> None:
+    """The demo script's training matches single-device torch on both runtimes."""
+    from shardwise import demo
+
+    shape = (2, n // 2) if n % 2 == 0 and n > 1 else (1, n)
+    assert demo.run(demo.Config(steps=10), shape, show=False) == 0
+
+
+BODIES.append("body_demo_parity")
