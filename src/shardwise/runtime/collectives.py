@@ -213,7 +213,6 @@ def all_to_all(x: torch.Tensor, dim: int, dim2: int, g: Group, send: Sequence[in
     what arrives is already the concatenation along ``dim``: no unpack copy."""
     if g.size == 1:
         return x
-    assert dim != dim2, "all_to_all moves mesh axes between two different dims"
     chunks = g.by_slot([c.movedim(dim, 0) for c in x.split(list(send), dim2)])
     in_splits = [c.numel() for c in chunks]
     flat_in = x.new_empty(sum(in_splits))
@@ -221,10 +220,12 @@ def all_to_all(x: torch.Tensor, dim: int, dim2: int, g: Group, send: Sequence[in
     for c, n in zip(chunks, in_splits):
         flat_in[off: off + n].view(c.shape).copy_(c)
         off += n
-    moved = list(chunks[0].shape) if chunks else list(x.movedim(dim, 0).shape)
-    # chunk shapes with dim outermost; ``dim2`` may have shifted by the move
-    d2 = dim2 + 1 if dim2 < dim else dim2
-    moved[d2] = send[g.pos]
+    # A received piece: ``dim`` outermost (recv[i] long), ``dim2`` is my own chunk's
+    # length (``dim2`` may have shifted by the move; when dim == dim2 the received
+    # length is recv[i] alone).
+    moved = list(x.movedim(dim, 0).shape)
+    if dim2 != dim:
+        moved[dim2 + 1 if dim2 < dim else dim2] = send[g.pos]
     rest = 1
     for v in moved[1:]:
         rest *= v
