@@ -50,13 +50,17 @@ def is_initialized() -> bool:
 def initialize(backend: str | None = None, *, rank: int | None = None,
                world_size: int | None = None, master_addr: str | None = None,
                master_port: int | None = None, timeout_s: float = DEFAULT_TIMEOUT_S,
-               init_method: str | None = None) -> None:
+               init_method: str | None = None, check_collectives: bool | None = None) -> None:
     """Start the multi-process runtime.
 
     Reads the torchrun environment (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``,
     ``MASTER_PORT``, ``LOCAL_RANK``); explicit arguments override it.
     ``backend`` defaults to ``"nccl"`` when an accelerator is present and
     ``"gloo"`` otherwise. ``timeout_s`` bounds every collective.
+    ``check_collectives=True`` (or ``SHARDWISE_CHECK_COLLECTIVES=1``) compares a
+    fingerprint of every collective across its group first (one tiny extra
+    all_gather each): processes that call different collectives of the same size
+    then raise :class:`CollectiveError` instead of exchanging the wrong data.
 
     >>> shardwise.distributed.initialize()          # under torchrun  # doctest: +SKIP
     >>> mesh = DeviceMesh.cpu((2, 2), ("dp", "tp")) # 4 processes as 2x2
@@ -101,6 +105,10 @@ def initialize(backend: str | None = None, *, rank: int | None = None,
         backend, init_method=init_method, rank=rank, world_size=world_size,
         timeout=datetime.timedelta(seconds=timeout_s), **kwargs,
     )
+    if check_collectives is not None:
+        from shardwise.runtime import collectives
+
+        collectives.CHECK["enabled"] = check_collectives
 
 
 def maybe_initialize(**kwargs: Any) -> bool:

@@ -186,9 +186,9 @@ def body_comm_counts(n: int) -> None:
     calls: list[str] = []
     original = collectives._call
 
-    def counting(what, g, fn):  # type: ignore[no-untyped-def]
+    def counting(what, g, fn, sig=""):  # type: ignore[no-untyped-def]
         calls.append(what)
-        return original(what, g, fn)
+        return original(what, g, fn, sig)
 
     collectives._call = counting  # type: ignore[assignment]
     try:

@@ -45,3 +45,18 @@ def body_mismatched_collective(n: int) -> None:
     else:
         _expect_error(lambda: sw.all_reduce(sw.tensor(torch.ones(3), sharding=PlacementMapping(
             mesh, [sw.Partial()]))))
+
+
+def body_same_size_mismatch_checked(n: int) -> None:
+    """Two different collectives of the same size would exchange data silently;
+    with collective checking on, both sides raise instead."""
+    from shardwise.runtime import collectives
+
+    collectives.CHECK["enabled"] = True
+    mesh = DeviceMesh.cpu((n,), ("x",))
+    p = sw.tensor(torch.ones(4, 2), sharding=PlacementMapping(mesh, [sw.Partial()]))
+    sw.all_reduce(p)
+    if process_index() == 0:
+        _expect_error(lambda: sw.all_reduce(p, reduce_op="max"))
+    else:
+        _expect_error(lambda: sw.all_reduce(p))

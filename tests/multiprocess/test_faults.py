@@ -26,3 +26,12 @@ def test_mismatched_collective_raises_within_timeout() -> None:
         assert results[r].get("<setup>") is None, results[r]
         assert results[r]["body_mismatched_collective"] is None, \
             results[r]["body_mismatched_collective"]
+
+
+def test_same_size_mismatch_is_caught_when_checking() -> None:
+    results = run_on_ranks("faults", ["body_same_size_mismatch_checked"], 2, limit_s=120,
+                           timeout_s=faults.TIMEOUT_S)
+    for r in (0, 1):
+        assert results[r].get("<setup>") is None, results[r]
+        assert results[r]["body_same_size_mismatch_checked"] is None, \
+            results[r]["body_same_size_mismatch_checked"]

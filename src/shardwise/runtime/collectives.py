@@ -15,6 +15,8 @@ Invariants:
 
 from __future__ import annotations
 
+import os
+import zlib
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -145,10 +147,35 @@ def sizes_along(shape: tuple[int, ...], layout: Layout, members: Sequence[int], 
     return [local_shape(shape, layout, mesh.coord_of(m))[dim] for m in members]
 
 
-def _call(what: str, g: Group, fn: Callable[[], Any]) -> None:
+CHECK = {"enabled": os.environ.get("SHARDWISE_CHECK_COLLECTIVES", "") == "1"}
+
+
+def _check(what: str, g: Group, sig: str) -> None:
+    """Compare a fingerprint of the collective across the group (one tiny all_gather):
+    two processes that call different collectives of the same size would otherwise
+    exchange data silently and produce wrong values."""
+    code = zlib.crc32(f"{what}|{sig}".encode())
+    mine = torch.tensor([code], dtype=torch.int64)
+    got = torch.empty(g.size, dtype=torch.int64)
+    _all_gather(got, mine, group=g.pg)
+    codes = got.tolist()
+    if any(c != code for c in codes):
+        others = [g.ranks[p] for p in range(g.size) if codes[g.slot[p] if g.slot else p] != code]
+        raise CollectiveError(
+            f"Collective mismatch: rank {rank()} called {what} {sig} over ranks "
+            f"{list(g.ranks)}, but ranks {others} called a different collective. Every "
+            "process must run the same ops in the same order (check rank-dependent code)."
+        )
+
+
+def _call(what: str, g: Group, fn: Callable[[], Any], sig: str = "") -> None:
     try:
+        if CHECK["enabled"] and g.pg is not None:
+            _check(what, g, sig)
         fn()
     except (RuntimeError, ValueError) as err:  # DistBackendError is a RuntimeError
+        if isinstance(err, CollectiveError):
+            raise
         raise CollectiveError(
             f"{what} over ranks {list(g.ranks)} failed on rank {rank()}: a peer died, timed "
             "out, or called a different collective (every process must run the same ops in "
@@ -167,7 +194,7 @@ def all_gather(x: torch.Tensor, dim: int, g: Group, sizes: Sequence[int]) -> tor
         xm = torch.cat([xm, xm.new_zeros((m - xm.shape[0], *xm.shape[1:]))])
     xm = xm.contiguous()
     out = xm.new_empty((g.size * m, *xm.shape[1:]))
-    _call("all_gather", g, lambda: _all_gather(out, xm, group=g.pg))
+    _call("all_gather", g, lambda: _all_gather(out, xm, group=g.pg), f"{tuple(xm.shape)}")
     if g.slot is not None or any(s != m for s in sizes):
         slots = g.slot or range(g.size)
         out = torch.cat([out.narrow(0, slots[p] * m, s) for p, s in enumerate(sizes)])
@@ -177,7 +204,8 @@ def all_gather(x: torch.Tensor, dim: int, g: Group, sizes: Sequence[int]) -> tor
 def all_reduce(x: torch.Tensor, g: Group, op: ReduceOp) -> torch.Tensor:
     out = x.clone(memory_format=torch.contiguous_format)
     if g.size > 1:
-        _call("all_reduce", g, lambda: dist.all_reduce(out, _TORCH_OP[op], group=g.pg))
+        _call("all_reduce", g, lambda: dist.all_reduce(out, _TORCH_OP[op], group=g.pg),
+              f"{tuple(out.shape)} {op.value}")
     return out
 
 
@@ -200,7 +228,8 @@ def reduce_scatter(x: torch.Tensor, dim: int, g: Group, sizes: Sequence[int],
             parts.append(piece)
         inp = torch.cat(g.by_slot(parts))
     out = inp.new_empty((m, *inp.shape[1:]))
-    _call("reduce_scatter", g, lambda: _reduce_scatter(out, inp, _TORCH_OP[op], group=g.pg))
+    _call("reduce_scatter", g, lambda: _reduce_scatter(out, inp, _TORCH_OP[op], group=g.pg),
+          f"{tuple(inp.shape)} {op.value}")
     return out.narrow(0, 0, sizes[g.pos]).movedim(0, dim)
 
 
@@ -232,7 +261,7 @@ def all_to_all(x: torch.Tensor, dim: int, dim2: int, g: Group, send: Sequence[in
     out_splits = g.by_slot([s * rest for s in recv])
     flat_out = x.new_empty(sum(out_splits))
     _call("all_to_all", g, lambda: dist.all_to_all_single(
-        flat_out, flat_in, out_splits, in_splits, group=g.pg))
+        flat_out, flat_in, out_splits, in_splits, group=g.pg), f"{sum(in_splits)}")
     if g.slot is None:
         return flat_out.view(sum(recv), *moved[1:]).movedim(0, dim)
     pieces = g.by_member(list(flat_out.split(out_splits)))
