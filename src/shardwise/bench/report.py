@@ -1,0 +1,158 @@
+"""The suite's text tables and its target checks (issue 7), from the JSON result."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from shardwise.bench.common import fmt
+
+__all__ = ["TARGETS", "check_targets", "simulated_tables", "tables"]
+
+MiB = 2**20
+TRANSITIONS = ("S(0)->R", "S(0)->S(1)", "P->R", "P->S(0)")
+SMALL_OPS = ("S(0)->R", "S(0)->S(1)", "P->R", "P->S(0)", "R->S(0)", "ppermute")
+TARGETS = {
+    "copy": "simulated S(0)->R, S(0)->S(1), P->R, P->S(0): <= 2x the copy ceiling of the "
+            "bytes that must move",
+    "free": "simulated ppermute and Replicated->Shard(0): <= 1 ms (views / relabelling)",
+    "overhead": "per-op overhead of an 8x8 op on the simulated mesh: <= 20 us",
+    "dtensor": "simulated: >= 10x faster than DTensor LocalTensorMode on every transition",
+    "memory": "a Replicated tensor on 8 virtual devices costs ~1 tensor (<= 1.25x), not 8",
+    "gloo_raw": "Gloo: shardwise within 1.1x of raw torch.distributed on every transition",
+    "gloo_dtensor": "Gloo: shardwise ahead of DTensor on every transition",
+}
+
+
+def _t(key: str, scope: str, value: float | None, limit: float, unit: str, le: bool = True
+       ) -> dict[str, Any]:
+    met = None if value is None else (value <= limit if le else value >= limit)
+    return {"target": key, "scope": scope, "value": value, "limit": limit, "unit": unit,
+            "met": met}
+
+
+def check_targets(res: dict[str, Any]) -> list[dict[str, Any]]:
+    """One entry per (target, case, configuration); ``met`` is None when not measured."""
+    out: list[dict[str, Any]] = []
+    sim = res.get("simulated") or {}
+    for block in sim.get("large", []):
+        if "rows" not in block:
+            continue
+        where = f"{block['devices']} devices, {block['mode']} allocator"
+        for r in block["rows"]:
+            case = r["case"]
+            if case in TRANSITIONS:
+                out.append(_t("copy", f"{case}, {where}", r["x_copy"], 2.0, "x copy ceiling"))
+            if case in ("ppermute", "R->S(0)"):
+                out.append(_t("free", f"{case}, {where}", r["time"], 1.0, "ms"))
+            if case in (*TRANSITIONS, "R->S(0)") and r["dtensor"] is not None:
+                out.append(_t("dtensor", f"{case}, {where}", r["dtensor_over_shardwise"], 10.0,
+                              "x faster", le=False))
+    for block in sim.get("small", []):
+        for r in block["rows"]:
+            if r["case"] in SMALL_OPS:
+                out.append(_t("overhead", f"{r['case']}, {block['devices']} devices", r["us"],
+                              20.0, "us"))
+    mem = res.get("memory") or {}
+    for r in mem.get("rows", []):
+        if r["case"].startswith("shardwise.tensor(x, Replicated)") and r[
+                "rss_growth_mib"] is not None:
+            out.append(_t("memory", f"{mem['devices']} devices", r["rss_growth_mib"] / mem[
+                "tensor_mib"], 1.25, "x tensor bytes"))
+    gloo = res.get("gloo") or {}
+    for r in gloo.get("large", []):
+        out.append(_t("gloo_raw", r["case"], r["shardwise_over_raw"], 1.1, "x raw"))
+        if r["dtensor_over_shardwise"] is not None:
+            out.append(_t("gloo_dtensor", r["case"], r["dtensor_over_shardwise"], 1.0,
+                          "x (DTensor / shardwise)", le=False))
+    return out
+
+
+def simulated_tables(sim: dict[str, Any]) -> list[str]:
+    """The simulated section as text lines."""
+    lines = []
+    size = sim["tensor"]
+    dt = sim["dtensor"]
+    if not dt["available"]:
+        lines.append(f"DTensor LocalTensorMode: not measured ({dt['why_not']})")
+    for block in sim["large"]:
+        if "rows" not in block:
+            lines.append(f"\nallocator {block['mode']}: skipped ({block['skipped']})")
+            continue
+        c = block["ceilings"]
+        lines += [
+            f"\nsimulated mesh, {block['devices']} virtual devices, {size[0]}x{size[1]} float32 "
+            f"({block['bytes'] / MiB:.0f} MiB), allocator: {block['mode']}; median of "
+            f"{sim['repeat']}",
+            f"  copy ceiling: dst.copy_(x) {c['copy_']['ms']:.2f} ms, x.clone() "
+            f"{c['clone']['ms']:.2f} ms ({c['clone']['faults_per_call']:.0f} page faults)",
+            f"  {'case':20} {'op':19} {'ms':>8} {'must-move':>9} {'x copy':>7} {'x clone':>7} "
+            f"{'faults':>7} {'DTensor ms':>10} {'DT/sw':>7}",
+        ]
+        for r in block["rows"]:
+            lines.append(
+                f"  {r['case']:20} {r['op']:19} {r['time']:8.2f} "
+                f"{r['must_move_bytes'] / MiB:6.0f}MiB {fmt(r['x_copy'], 7)} "
+                f"{fmt(r['x_clone'], 7)} {r['faults_per_call']:7.0f} {fmt(r['dtensor'], 10)} "
+                f"{fmt(r['dtensor_over_shardwise'], 7, 1)}")
+    for block in sim["small"]:
+        lines += [f"\nper-op overhead, {block['shape']} float32 on {block['devices']} virtual "
+                  "devices (median / min over rounds)",
+                  f"  {'case':38} {'us':>8} {'min us':>8} {'DTensor us':>11} {'DT/sw':>7}"]
+        for r in block["rows"]:
+            lines.append(f"  {r['case']:38} {r['us']:8.1f} {r['min_us']:8.1f} "
+                         f"{fmt(r['dtensor_us'], 11, 1)} {fmt(r['dtensor_over_shardwise'], 7, 1)}")
+    return lines
+
+
+def _memory(mem: dict[str, Any]) -> list[str]:
+    if "error" in mem:
+        return [f"\npeak memory: failed ({mem['error']})"]
+    lines = [f"\npeak memory: RSS growth while the result is alive, {mem['tensor'][0]}x"
+             f"{mem['tensor'][1]} float32 ({mem['tensor_mib']:.0f} MiB), fresh process"]
+    for r in mem["rows"]:
+        mib = fmt(r["rss_growth_mib"], 8, 1)
+        lines.append(f"  {r['case']:58} {mib} MiB  {r['note']}")
+    return lines
+
+
+def _profile(prof: dict[str, Any], top: int = 5) -> list[str]:
+    lines = [f"\nprofile (cProfile, {prof['shape']} float32 on {prof['devices']} devices; "
+             "own time per op call, profiled)"]
+    for op, p in prof["ops"].items():
+        lines.append(f"  {op}: {p['profiled_us_per_op']:.1f} us/op under the profiler")
+        for f in p["top"][:top]:
+            lines.append(f"    {f['tottime_us']:7.2f} us  x{f['ncalls_per_op']:<4.0f} "
+                         f"{f['function']}")
+    return lines
+
+
+def tables(res: dict[str, Any]) -> str:
+    m = res["meta"]
+    lines = [f"shardwise bench ({m['preset']}): torch {m['torch']}, python {m['python']}, "
+             f"{m['cpu_count']} CPUs, {m['threads']} torch threads, load average "
+             f"{m['loadavg_start']} -> {m['loadavg_end']}, {m['seconds']:.0f} s"]
+    if res.get("simulated"):
+        lines += simulated_tables(res["simulated"])
+    if res.get("memory"):
+        lines += _memory(res["memory"])
+    if res.get("profile"):
+        lines += _profile(res["profile"])
+    if res.get("gloo"):
+        from shardwise.bench.gloo import tables as gloo_tables
+
+        lines += ["", *gloo_tables(res["gloo"])]
+    elif res.get("gloo_skipped"):
+        lines.append(f"\nGloo: {res['gloo_skipped']}")
+    lines.append("\ntargets (issue 7):")
+    for key, text in TARGETS.items():
+        rows = [t for t in res["targets"] if t["target"] == key]
+        if not rows:
+            lines.append(f"  {text}: not measured")
+            continue
+        met = sum(1 for t in rows if t["met"])
+        lines.append(f"  {text}: {met}/{len(rows)} met")
+        for t in rows:
+            if t["met"] is False:
+                lines.append(f"      missed: {t['scope']}: {fmt(t['value'], 0)} {t['unit']} "
+                             f"(limit {t['limit']:g})")
+    return "\n".join(lines)

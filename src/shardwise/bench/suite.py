@@ -1,0 +1,145 @@
+"""``shardwise bench``: the whole suite in one go, JSON + a table.
+
+Sections (each documented in its module):
+- ``simulated``: every reshard transition and collective on 4 and 8 virtual
+  devices, 64 MiB and 8x8, beside the copy ceiling and DTensor LocalTensorMode,
+  under glibc's default allocator and with buffer reuse;
+- ``memory``: what a Replicated tensor costs on 8 virtual devices (fresh process);
+- ``profile``: cProfile of the 8x8 hot path;
+- ``gloo``: 4 Gloo ranks, shardwise beside raw torch.distributed and DTensor.
+
+Presets: ``full`` (about 2-3 minutes on 2 cores) and ``quick`` (about 30 s; 4 MiB
+tensors, fewer repeats). Timings are medians of interleaved runs; on a shared
+machine compare the ratios within one run (the table header shows the load).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+__all__ = ["PRESETS", "main", "run_suite"]
+
+PRESETS: dict[str, dict[str, Any]] = {
+    "full": {"size": 4096, "small": 8, "repeat": 7, "small_repeat": 15, "small_inner": 200,
+             "profile_calls": 2000, "gloo": {"size": 4096, "repeat": 5, "small_repeat": 100,
+                                             "choices": True}},
+    "quick": {"size": 1024, "small": 8, "repeat": 3, "small_repeat": 6, "small_inner": 50,
+              "profile_calls": 300, "gloo": {"size": 1024, "repeat": 3, "small_repeat": 20,
+                                             "choices": False}},
+}
+
+
+def _loadavg() -> list[float] | None:
+    try:
+        return [round(v, 2) for v in os.getloadavg()]
+    except OSError:
+        return None
+
+
+def run_suite(preset: str = "full", *, devices: tuple[int, ...] = (4, 8), gloo: bool = True,
+              dtensor: bool = True, memory: bool = True, profile: bool = True,
+              modes: tuple[str, ...] = ("default", "reuse"), world: int = 4,
+              log: Any = None, **overrides: Any) -> dict[str, Any]:
+    """Run the sections and return the JSON-ready result (with ``targets``).
+
+    ``overrides`` replace preset entries (``size``, ``repeat``, ``small_repeat``,
+    ``small_inner``, ``profile_calls``, ``gloo`` (a dict of Gloo options)).
+    """
+    import torch
+
+    from shardwise.bench import memory as memory_mod
+    from shardwise.bench import simulated
+    from shardwise.bench.report import check_targets
+
+    cfg = {**PRESETS[preset], **overrides}
+    say = log or (lambda msg: None)
+    start, t0 = _loadavg(), time.perf_counter()
+    res: dict[str, Any] = {"meta": {
+        "preset": preset, "torch": torch.__version__, "python": platform.python_version(),
+        "machine": platform.machine(), "cpu_count": os.cpu_count(),
+        "threads": torch.get_num_threads(), "config": {k: v for k, v in cfg.items()},
+        "loadavg_start": start,
+    }}
+    say(f"simulated suite ({', '.join(map(str, devices))} devices, {cfg['size']}^2 and "
+        f"{cfg['small']}^2 float32) ...")
+    res["simulated"] = simulated.run(
+        devices=devices, size=cfg["size"], small=cfg["small"], repeat=cfg["repeat"],
+        small_repeat=cfg["small_repeat"], small_inner=cfg["small_inner"], modes=modes,
+        dtensor=dtensor)
+    if memory:
+        say("peak memory (fresh process) ...")
+        res["memory"] = memory_mod.run(size=cfg["size"], n=max(devices), dtensor=dtensor)
+    if profile:
+        from shardwise.bench.profile import profile_small
+
+        say("profile of the 8x8 hot path ...")
+        res["profile"] = profile_small(n=max(devices), size=cfg["small"],
+                                       calls=cfg["profile_calls"])
+    if gloo:
+        from shardwise.bench import gloo as gloo_mod
+
+        say(f"Gloo suite ({world} ranks) ...")
+        res["gloo"] = gloo_mod.run(world=world, **cfg["gloo"])
+    else:
+        res["gloo_skipped"] = "skipped (--no-gloo)"
+    res["meta"]["loadavg_end"] = _loadavg()
+    res["meta"]["seconds"] = time.perf_counter() - t0
+    res["targets"] = check_targets(res)
+    return res
+
+
+def write(res: dict[str, Any], out: str | Path) -> tuple[Path, Path]:
+    """``bench.json`` and ``bench.txt`` (the table) under ``out``."""
+    from shardwise.bench.common import write_json
+    from shardwise.bench.report import tables
+
+    folder = Path(out)
+    path = write_json(folder / "bench.json", res)
+    text = folder / "bench.txt"
+    text.write_text(tables(res) + "\n")
+    return path, text
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="shardwise bench", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_arguments(p)
+    return p
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--quick", action="store_true",
+                   help="4 MiB tensors and fewer repeats (about 30 s)")
+    p.add_argument("--out", default="bench-results", metavar="DIR",
+                   help="folder for bench.json and bench.txt (default: ./bench-results)")
+    p.add_argument("--no-gloo", action="store_true", help="skip the multi-process Gloo suite")
+    p.add_argument("--no-dtensor", action="store_true",
+                   help="skip DTensor LocalTensorMode on the simulated mesh")
+    p.add_argument("--devices", type=int, nargs="+", default=[4, 8], metavar="N",
+                   help="virtual device counts of the simulated suite (default: 4 8)")
+
+
+def run_from_args(args: argparse.Namespace) -> int:
+    from shardwise.bench.report import tables
+
+    res = run_suite("quick" if args.quick else "full", devices=tuple(args.devices),
+                    gloo=not args.no_gloo, dtensor=not args.no_dtensor,
+                    log=lambda msg: print(msg, file=sys.stderr, flush=True))
+    path, text = write(res, args.out)
+    print(tables(res))
+    print(f"\nJSON: {path}\ntable: {text}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run_from_args(parser().parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

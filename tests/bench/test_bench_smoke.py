@@ -1,0 +1,104 @@
+"""Smoke tests of the benchmark suite: tiny sizes, JSON keys and tables only.
+
+No timing asserts: timings on a shared machine are noise at these sizes. The
+suite validates every measured result against a reference before timing it, so a
+passing run also means the simulated (and DTensor) results were right.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from shardwise.bench import run_suite
+from shardwise.bench.report import TARGETS, tables
+from shardwise.bench.simulated import CASES
+from shardwise.bench.suite import parser, write
+
+TINY = {"size": 16, "small": 8, "repeat": 1, "small_repeat": 3, "small_inner": 2,
+        "profile_calls": 5}
+ROW_KEYS = {"case", "op", "time", "min", "faults_per_call", "must_move_bytes", "copy_ceiling",
+            "clone_ceiling", "x_copy", "x_clone", "dtensor", "dtensor_over_shardwise"}
+
+
+@pytest.fixture(scope="module")
+def result(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, Path, Path]:
+    res = run_suite("quick", devices=(2, 4), gloo=False, **TINY)
+    path, text = write(res, tmp_path_factory.mktemp("bench"))
+    return json.loads(path.read_text()), path, text
+
+
+def test_top_level_keys(result: tuple[dict, Path, Path]) -> None:
+    data, _, _ = result
+    assert {"meta", "simulated", "memory", "profile", "targets", "gloo_skipped"} <= set(data)
+    assert {"preset", "torch", "threads", "seconds", "loadavg_start"} <= set(data["meta"])
+
+
+def test_simulated_section(result: tuple[dict, Path, Path]) -> None:
+    sim = result[0]["simulated"]
+    assert {"tensor", "devices", "modes", "dtensor", "validation", "large", "small"} <= set(sim)
+    assert sim["devices"] == [2, 4] and sim["tensor"] == [16, 16]
+    assert {"available", "why_not", "how"} <= set(sim["dtensor"])
+    assert all(all(ok.values()) for ok in sim["validation"].values())
+    blocks = [b for b in sim["large"] if "rows" in b]
+    assert {(b["mode"], b["devices"]) for b in blocks} <= {(m, n) for m in ("default", "reuse")
+                                                           for n in (2, 4)}
+    assert {("default", 2), ("default", 4)} <= {(b["mode"], b["devices"]) for b in blocks}
+    for b in blocks:
+        assert set(b["ceilings"]) == {"copy_", "clone"}
+        assert [r["case"] for r in b["rows"]] == list(CASES)
+        for r in b["rows"]:
+            assert set(r) >= ROW_KEYS
+            assert r["time"] > 0 and r["must_move_bytes"] >= 0
+            assert (r["dtensor"] is None) == (not sim["dtensor"]["available"]
+                                              or r["case"] not in ("S(0)->R", "S(0)->S(1)",
+                                                                   "P->R", "P->S(0)", "R->S(0)"))
+    for b in sim["small"]:
+        assert b["shape"] == [8, 8]
+        cases = {r["case"] for r in b["rows"]}
+        assert set(CASES) <= cases
+        assert all({"us", "min_us", "dtensor_us", "dtensor_over_shardwise"} <= set(r)
+                   for r in b["rows"])
+
+
+def test_memory_profile_targets(result: tuple[dict, Path, Path]) -> None:
+    data = result[0]
+    mem = data["memory"]
+    assert "error" not in mem, mem.get("error")
+    assert {"devices", "tensor", "tensor_mib", "rows", "peak_rss_mib"} <= set(mem)
+    assert all({"case", "rss_growth_mib", "note"} <= set(r) for r in mem["rows"])
+    prof = data["profile"]
+    assert set(prof["ops"]) == {"S(0)->R", "S(0)->S(1)", "P->R", "P->S(0)", "R->S(0)",
+                                "ppermute"}
+    for p in prof["ops"].values():
+        assert p["top"] and {"function", "tottime_us", "cumtime_us", "ncalls_per_op"} <= set(
+            p["top"][0])
+    keys = {t["target"] for t in data["targets"]}
+    assert {"copy", "free", "overhead", "memory"} <= keys <= set(TARGETS)
+    assert all({"scope", "value", "limit", "unit", "met"} <= set(t) for t in data["targets"])
+
+
+def test_table_written(result: tuple[dict, Path, Path]) -> None:
+    data, _, text = result
+    table = text.read_text()
+    assert table.strip() == tables(data).strip()
+    assert "targets (issue 7):" in table and "copy ceiling" in table
+
+
+def test_cli_arguments() -> None:
+    args = parser().parse_args(["--quick", "--out", "somewhere", "--no-gloo", "--devices", "4"])
+    assert args.quick and args.no_gloo and args.out == "somewhere" and args.devices == [4]
+
+
+def test_gloo_section_tiny() -> None:
+    from shardwise.bench import gloo
+
+    res = gloo.run(world=2, size=8, repeat=1, warmup=0, small_repeat=1, choices=False,
+                   limit_s=120.0)
+    assert res is not None
+    assert {"meta", "notes", "large", "small", "primitive_choice", "validation"} <= set(res)
+    for r in res["large"]:
+        assert {"case", "shardwise_ms", "raw_ms", "dtensor_ms", "shardwise_over_raw"} <= set(r)
+    assert "\n".join(gloo.tables(res))
