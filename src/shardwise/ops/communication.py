@@ -18,6 +18,7 @@ transfer back.
 
 from __future__ import annotations
 
+import functools
 import math
 import warnings
 from collections.abc import Sequence
@@ -432,21 +433,12 @@ def _check_permutation(permutation: Any, n: int, where: str) -> dict[int, int]:
     return dst_to_src
 
 
-def ppermute(sharded_tensor: Tensor, permutation: Sequence[tuple[int, int]],
-             axis_name: str | None = None) -> Tensor:
-    """Point-to-point permutation: for each ``(src, dst)`` pair, device ``dst``
-    receives device ``src``'s local value; devices that receive nothing get
-    zeros. Indices are flat over the mesh, or positions along ``axis_name``.
-    The layout is kept. Gradient: the inverse permutation.
-
-    On ``DeviceMesh(x=2)``, ``Sharded(0)``, ``permutation=[(0, 1), (1, 0)]``::
-
-        device      CPU(0)      CPU(1)
-        before      x[0:2]      x[2:4]
-        after       x[2:4]      x[0:2]
-    """
-    t = _need_tensor(sharded_tensor, "ppermute")
-    mesh, layout = t.mesh, t.layout
+@functools.lru_cache(maxsize=1024)
+def _ppermute_sources(layout: Layout, shape: tuple[int, ...], permutation: Any,
+                      axis_name: str | None) -> tuple[int | None, ...]:
+    """Validated ``source[k]`` (the device whose block device ``k`` receives) for a
+    permutation on a layout; cached, since validation walks every device."""
+    mesh = layout.mesh
     if axis_name is None:
         src_of = _check_permutation(permutation, mesh.num_devices, repr(mesh))
         source = [src_of.get(k) for k in range(mesh.num_devices)]
@@ -465,7 +457,7 @@ def ppermute(sharded_tensor: Tensor, permutation: Sequence[tuple[int, int]],
                 source.append(mesh.index_of(coord))
     reps = rep_indices(layout)
     for k, src in enumerate(source):
-        want = local_shape(t.shape, layout, mesh.coord_of(k))
+        want = local_shape(shape, layout, mesh.coord_of(k))
         r = reps[k]
         if r != k:
             rs = source[r]
@@ -481,13 +473,38 @@ def ppermute(sharded_tensor: Tensor, permutation: Sequence[tuple[int, int]],
                 )
             continue
         if src is not None:
-            got = local_shape(t.shape, layout, mesh.coord_of(src))
+            got = local_shape(shape, layout, mesh.coord_of(src))
             if got != want:
                 raise ShardingError(
                     f"ppermute sends device {src}'s block of shape {got} to device {k}, "
                     f"whose block in layout {layout} has shape {want}: uneven shards cannot "
                     "trade places. Make the sharded dims divisible by the mesh axis sizes."
                 )
+    return tuple(source)
+
+
+def ppermute(sharded_tensor: Tensor, permutation: Sequence[tuple[int, int]],
+             axis_name: str | None = None) -> Tensor:
+    """Point-to-point permutation: for each ``(src, dst)`` pair, device ``dst``
+    receives device ``src``'s local value; devices that receive nothing get
+    zeros. Indices are flat over the mesh, or positions along ``axis_name``.
+    The layout is kept. Gradient: the inverse permutation.
+
+    On ``DeviceMesh(x=2)``, ``Sharded(0)``, ``permutation=[(0, 1), (1, 0)]``::
+
+        device      CPU(0)      CPU(1)
+        before      x[0:2]      x[2:4]
+        after       x[2:4]      x[0:2]
+    """
+    t = _need_tensor(sharded_tensor, "ppermute")
+    mesh, layout = t.mesh, t.layout
+    try:
+        key = tuple(tuple(p) for p in permutation)
+        hash(key)
+    except TypeError:
+        key = None  # not pairs: let the checks below say what is wrong
+    source = (_ppermute_sources(layout, t.shape, key, axis_name) if key is not None
+              else _ppermute_sources.__wrapped__(layout, t.shape, permutation, axis_name))
     if comm.active():
         moved = max((math.prod(local_shape(t.shape, layout, mesh.coord_of(k)))
                      for k, s in enumerate(source) if s is not None and s != k), default=0)
