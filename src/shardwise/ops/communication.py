@@ -293,17 +293,17 @@ def plan(x: Tensor, target: Any) -> Plan:
 
 
 # --- reducing ops -----------------------------------------------------------------------
-def _as_partial(t: Tensor, axes: tuple[int, ...], op: ReduceOp | None, what: str) -> Tensor:
-    """Reinterpret the local values along ``axes`` as Partial (no data moves).
-
-    Partial axes keep their op unless ``op`` is given; replicated and sharded
-    axes become Partial(op or SUM). A sharded dim shrinks to its local size,
-    which must be the same on every device (even split)."""
-    layout = t.layout
-    shape = list(t.shape)
+@functools.lru_cache(maxsize=4096)
+def _partial_layout(layout: Layout, shape: tuple[int, ...], axes: tuple[int, ...],
+                    op: ReduceOp | None, what: str) -> tuple[Layout, tuple[int, ...],
+                                                             tuple[int, ...]]:
+    """The layout, global shape and split replicated axes of ``_as_partial``
+    (pure layout arithmetic, cached: it runs on every reducing op)."""
+    mesh = layout.mesh
+    out_shape = list(shape)
     dims = [list(d) for d in layout.dims]
     partial = list(layout.partial)
-    names = t.mesh.axis_names
+    names = mesh.axis_names
     for a in axes:
         if partial[a] is not None:
             partial[a] = op or partial[a]
@@ -312,27 +312,49 @@ def _as_partial(t: Tensor, axes: tuple[int, ...], op: ReduceOp | None, what: str
         if d is not None:
             pieces = 1
             for x in layout.dims[d]:
-                pieces *= t.mesh.mesh_shape[x]
-            # the input's split (not ``shape``, already shrunk by earlier axes of this dim)
-            if t.shape[d] % pieces:
+                pieces *= mesh.mesh_shape[x]
+            # the input's split (not ``out_shape``, already shrunk by earlier axes of this dim)
+            if shape[d] % pieces:
                 raise ShardingError(
                     f"{what} over mesh axis {names[a]!r} combines the local blocks of dim {d}, "
-                    f"but dim {d} (size {t.shape[d]}) is split unevenly into {pieces} pieces, "
+                    f"but dim {d} (size {shape[d]}) is split unevenly into {pieces} pieces, "
                     "so the blocks differ in shape. Make the dim divisible, or all_gather it "
                     "first."
                 )
-            shape[d] //= t.mesh.mesh_shape[a]
+            out_shape[d] //= mesh.mesh_shape[a]
             dims[d].remove(a)
         partial[a] = op or ReduceOp.SUM
-    new = Layout(t.mesh, tuple(tuple(d) for d in dims), tuple(partial))
+    new = Layout(mesh, tuple(tuple(d) for d in dims), tuple(partial))
+    split = tuple(a for a in axes if layout.partial[a] is None and layout.dim_of_axis(a) is None)
+    return new, tuple(out_shape), split
+
+
+def _as_partial(t: Tensor, axes: tuple[int, ...], op: ReduceOp | None, what: str) -> Tensor:
+    """Reinterpret the local values along ``axes`` as Partial (no data moves).
+
+    Partial axes keep their op unless ``op`` is given; replicated and sharded
+    axes become Partial(op or SUM). A sharded dim shrinks to its local size,
+    which must be the same on every device (even split)."""
+    new, shape, split = _partial_layout(t.layout, t.shape, axes, op, what)
     # Replicated axes split into independent partials: their gradient is the sum
     # over the replicas, which the backend installs here.
-    split = tuple(a for a in axes if layout.partial[a] is None and layout.dim_of_axis(a) is None)
     shards = t.shards
     if split:
-        shards = tuple(backend_for(t.mesh).relabel(t.shards, layout, split,
+        shards = tuple(backend_for(t.mesh).relabel(t.shards, t.layout, split,
                                                    op or ReduceOp.SUM))
     return Tensor(shards, new, shape, t.dtype)
+
+
+@functools.lru_cache(maxsize=4096)
+def _reduced_target(layout: Layout, axes: tuple[int, ...], scatter_dim: int | None) -> Layout:
+    """Target of all_reduce (``scatter_dim`` None) or reduce_scatter: ``axes`` no
+    longer Partial, and for reduce_scatter appended minor-most to ``scatter_dim``."""
+    partial = tuple(None if a in axes else o for a, o in enumerate(layout.partial))
+    if scatter_dim is None:
+        return layout.with_partial(partial)
+    dims = list(layout.dims)
+    dims[scatter_dim] = (*dims[scatter_dim], *axes)
+    return Layout(layout.mesh, tuple(dims), partial)
 
 
 def _reduce_args(t: Tensor, reduce_axes: Any, reduce_op: Any,
@@ -367,9 +389,7 @@ def all_reduce(sharded_tensor: Tensor, *, reduce_axes: Any = None, reduce_op: An
         raise TypeError(f"all_reduce() got unexpected keyword arguments {sorted(kwargs)}.")
     axes, op = _reduce_args(t, reduce_axes, reduce_op, "all_reduce")
     p = _as_partial(t, axes, op, "all_reduce")
-    target = p.layout.with_partial(tuple(None if a in axes else o
-                                         for a, o in enumerate(p.layout.partial)))
-    return p.relayout(target)
+    return p.relayout(_reduced_target(p.layout, axes, None))
 
 
 def reduce_scatter(sharded_tensor: Tensor, axis: int, *, reduce_axes: Any = None,
@@ -389,10 +409,7 @@ def reduce_scatter(sharded_tensor: Tensor, axis: int, *, reduce_axes: Any = None
     d = normalize_dim(axis, t.ndim, "reduce_scatter axis")
     axes, op = _reduce_args(t, reduce_axes, reduce_op, "reduce_scatter")
     p = _as_partial(t, axes, op, "reduce_scatter")
-    dims = list(p.layout.dims)
-    dims[d] = (*dims[d], *axes)
-    partial = tuple(None if a in axes else o for a, o in enumerate(p.layout.partial))
-    return p.relayout(Layout(p.mesh, tuple(dims), partial))
+    return p.relayout(_reduced_target(p.layout, axes, d))
 
 
 # --- point to point ----------------------------------------------------------------------
