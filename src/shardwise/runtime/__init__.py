@@ -11,6 +11,7 @@ from collections.abc import Sequence
 from typing import Protocol
 
 import torch
+import torch.distributed as dist
 
 from shardwise.planner import Plan, Step
 from shardwise.sharding.layout import Layout
@@ -18,6 +19,8 @@ from shardwise.sharding.mesh import DeviceMesh
 from shardwise.sharding.placements import ReduceOp
 
 __all__ = ["Backend", "backend_for"]
+
+_dist_available = dist.is_available()
 
 
 class Backend(Protocol):
@@ -55,6 +58,11 @@ class Backend(Protocol):
 def backend_for(mesh: DeviceMesh) -> Backend:
     """The backend that executes ops on ``mesh``: the torch.distributed backend when
     the mesh's devices are processes of an initialized world, else the simulated one."""
+    # Fast path first: this runs on every op, and most programs never initialize.
+    if not (_dist_available and dist.is_initialized()):
+        from shardwise.runtime import simulated
+
+        return simulated
     from shardwise.runtime import collectives
 
     if collectives.is_process_mesh(mesh):

@@ -15,6 +15,7 @@ Invariants:
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
 from shardwise.sharding.errors import ConversionError, ShardingError
@@ -143,10 +144,10 @@ class Layout:
         return Replicated() if d is None else Sharded(d)
 
     def with_dims(self, dims: tuple[tuple[int, ...], ...]) -> Layout:
-        return Layout(self.mesh, dims, self.partial)
+        return _layout(self.mesh, dims, self.partial)
 
     def with_partial(self, partial: tuple[ReduceOp | None, ...]) -> Layout:
-        return Layout(self.mesh, self.dims, partial)
+        return _layout(self.mesh, self.dims, partial)
 
     # --- conversions --------------------------------------------------------------
     def to_placements(self) -> tuple[Placement, ...]:
@@ -204,3 +205,10 @@ class Layout:
         if partial:
             text += " partial " + ", ".join(f"{k}:{v}" for k, v in partial.items())
         return f"{self.mesh!r}{text}"
+
+
+@functools.lru_cache(maxsize=8192)
+def _layout(mesh: DeviceMesh, dims: tuple[tuple[int, ...], ...],
+            partial: tuple[ReduceOp | None, ...]) -> Layout:
+    """Layouts are values: build (and validate) each one once."""
+    return Layout(mesh, dims, partial)

@@ -16,6 +16,7 @@ Invariants:
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import TypeAlias
@@ -425,8 +426,15 @@ def as_layout(sharding: object, ndim: int) -> Layout:
             )
         return sharding
     if isinstance(sharding, DeviceMapping):
-        return sharding.to_layout(ndim)
+        return _cached_layout(sharding, ndim)
     raise ShardingError(
         "A sharding is a PlacementMapping, NamedMapping or ShardingSpec. "
         f"Got {sharding!r} ({type(sharding).__name__})."
     )
+
+
+@functools.lru_cache(maxsize=4096)
+def _cached_layout(mapping: DeviceMapping, ndim: int) -> Layout:
+    # Mappings are frozen values: their layout is computed once per rank (ops call
+    # this on every reshard, and validation costs microseconds).
+    return mapping.to_layout(ndim)
