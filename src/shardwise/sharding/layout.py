@@ -144,10 +144,10 @@ class Layout:
         return Replicated() if d is None else Sharded(d)
 
     def with_dims(self, dims: tuple[tuple[int, ...], ...]) -> Layout:
-        return _layout(self.mesh, dims, self.partial)
+        return _layout(self.mesh, dims, self.partial, id(self.mesh))
 
     def with_partial(self, partial: tuple[ReduceOp | None, ...]) -> Layout:
-        return _layout(self.mesh, self.dims, partial)
+        return _layout(self.mesh, self.dims, partial, id(self.mesh))
 
     # --- conversions --------------------------------------------------------------
     def to_placements(self) -> tuple[Placement, ...]:
@@ -209,6 +209,7 @@ class Layout:
 
 @functools.lru_cache(maxsize=8192)
 def _layout(mesh: DeviceMesh, dims: tuple[tuple[int, ...], ...],
-            partial: tuple[ReduceOp | None, ...]) -> Layout:
-    """Layouts are values: build (and validate) each one once."""
+            partial: tuple[ReduceOp | None, ...], mesh_id: int) -> Layout:
+    """Layouts are values: build (and validate) each one once. ``mesh_id`` keeps
+    equal-but-distinct meshes apart, so derived layouts keep the very mesh object."""
     return Layout(mesh, dims, partial)

@@ -426,7 +426,7 @@ def as_layout(sharding: object, ndim: int) -> Layout:
             )
         return sharding
     if isinstance(sharding, DeviceMapping):
-        return _cached_layout(sharding, ndim)
+        return _cached_layout(sharding, ndim, id(sharding.mesh))
     raise ShardingError(
         "A sharding is a PlacementMapping, NamedMapping or ShardingSpec. "
         f"Got {sharding!r} ({type(sharding).__name__})."
@@ -434,7 +434,9 @@ def as_layout(sharding: object, ndim: int) -> Layout:
 
 
 @functools.lru_cache(maxsize=4096)
-def _cached_layout(mapping: DeviceMapping, ndim: int) -> Layout:
+def _cached_layout(mapping: DeviceMapping, ndim: int, mesh_id: int) -> Layout:
     # Mappings are frozen values: their layout is computed once per rank (ops call
-    # this on every reshard, and validation costs microseconds).
+    # this on every reshard, and validation costs microseconds). ``mesh_id`` keeps
+    # equal-but-distinct meshes apart, so a Tensor's .mesh is the very mesh passed in
+    # (the cached Layout holds its mesh, so the id cannot be reused meanwhile).
     return mapping.to_layout(ndim)
