@@ -38,7 +38,6 @@ from shardwise.sharding.shapes import split_bounds
 
 __all__ = ["Plan", "Step", "make_plan"]
 
-KINDS = ("slice", "all_gather", "all_to_all", "all_reduce", "reduce_scatter", "make_partial")
 COLLECTIVES = frozenset({"all_gather", "all_to_all", "all_reduce", "reduce_scatter"})
 
 
