@@ -228,9 +228,9 @@ def _assemble_process(blocks: Sequence[torch.Tensor], me: int, layouts: Sequence
     if needs:
         # One small all_gather tells every process every block's shape.
         flat = [s for j in needs for s in blocks[j].shape]
-        og = dist_rt.ordered_group(mesh, every)
+        grp = D.group(mesh, every)
         t = torch.tensor(flat, dtype=torch.int64, device=blocks[needs[0]].device)
-        rows = dist_rt.gather(t, 0, og, [len(flat)] * og.size).view(og.size, -1).tolist()
+        rows = D.all_gather(t, 0, grp, [len(flat)] * grp.size).view(grp.size, -1).tolist()
         off = 0
         for j in needs:
             nd = blocks[j].ndim
@@ -259,13 +259,12 @@ def _check_replicated_process(blocks: Sequence[torch.Tensor], layouts: Sequence[
         if not axes:
             bad.append(0.0)
             continue
-        og = dist_rt.ordered_group(mesh, axes)
+        grp = D.group(mesh, axes)
         x = v.detach().to(torch.float64)
-        hi, lo = D.all_reduce(x, og.grp, ReduceOp.MAX), D.all_reduce(x, og.grp, ReduceOp.MIN)
+        hi, lo = D.all_reduce(x, grp, ReduceOp.MAX), D.all_reduce(x, grp, ReduceOp.MIN)
         bad.append(0.0 if torch.allclose(hi, lo, equal_nan=True) else 1.0)
     flags = torch.tensor(bad, dtype=torch.float64, device=blocks[0].device)
-    og = dist_rt.ordered_group(mesh, tuple(range(mesh.ndim)))
-    flags = D.all_reduce(flags, og.grp, ReduceOp.MAX)
+    flags = D.all_reduce(flags, D.group(mesh, tuple(range(mesh.ndim))), ReduceOp.MAX)
     for j, f in enumerate(flags.tolist()):
         if f:
             raise ShardingError(

@@ -13,6 +13,7 @@ import queue as queue_mod
 import socket
 import time
 import traceback
+from collections.abc import Sequence
 from typing import Any
 
 import torch.multiprocessing as mp
@@ -85,3 +86,22 @@ def run_on_ranks(target: str, names: list[str], world: int, *, limit_s: float = 
                 p.kill()
                 p.join(timeout=5)
     return out
+
+
+_RESULTS: dict[tuple[str, tuple[str, ...], int], dict[int, dict[str, str | None]]] = {}
+
+
+def check_body(target: str, names: Sequence[str], world: int, name: str) -> None:
+    """Assert that body ``name`` passed on every one of ``world`` Gloo ranks.
+
+    The first call for a (target, names, world) spawns the ranks once and runs
+    every body there; later calls read the cached results.
+    """
+    key = (target, tuple(names), world)
+    if key not in _RESULTS:
+        _RESULTS[key] = run_on_ranks(target, list(names), world)
+    results = _RESULTS[key]
+    assert sorted(results) == list(range(world)), f"ranks that reported: {sorted(results)}"
+    failures = {r: res.get("<setup>") or res.get(name) for r, res in results.items()}
+    failures = {r: tb for r, tb in failures.items() if tb}
+    assert not failures, "\n".join(f"--- rank {r}\n{tb}" for r, tb in failures.items())

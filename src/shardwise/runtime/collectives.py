@@ -81,6 +81,8 @@ _GROUPS: dict[tuple[DeviceMesh, tuple[int, ...]], Group] = {}
 
 def reset_groups() -> None:
     _GROUPS.clear()
+    _INDEX.clear()
+    _CHECKED.clear()
     from shardwise.runtime import multiprocess
 
     multiprocess._SPECS.clear()
@@ -90,10 +92,23 @@ def rank() -> int:
     return int(dist.get_rank())
 
 
+# Per mesh: this process's index in it (None: not a member). Cached because every
+# op asks; valid for one world, so reset_groups() (shardwise.distributed.shutdown)
+# clears it with the process groups.
+_INDEX: dict[DeviceMesh, int | None] = {}
+_CHECKED: set[DeviceMesh] = set()  # meshes that fit the world
+
+
 def is_process_mesh(mesh: DeviceMesh) -> bool:
     """True when the mesh's devices are processes of the initialized world."""
-    if not (dist.is_available() and dist.is_initialized()):
-        return False
+    return dist.is_available() and dist.is_initialized() and process_mesh(mesh)
+
+
+def process_mesh(mesh: DeviceMesh) -> bool:
+    """:func:`is_process_mesh` once the world is known to be initialized (errors
+    when the mesh names more devices than there are processes)."""
+    if mesh in _CHECKED:
+        return True
     world = dist.get_world_size()
     big = [d for d in mesh.devices if getattr(d, "id", -1) >= world]
     if big:
@@ -102,24 +117,44 @@ def is_process_mesh(mesh: DeviceMesh) -> bool:
             f"is process i): build meshes of at most {world} devices, or launch more "
             "processes (torchrun --nproc-per-node)."
         )
+    _CHECKED.add(mesh)
     return True
 
 
 def my_index(mesh: DeviceMesh) -> int | None:
+    """This process's flat index among ``mesh``'s devices, or None."""
+    try:
+        return _INDEX[mesh]
+    except KeyError:
+        pass
     me = rank()
-    for k, d in enumerate(mesh.devices):
-        if d.id == me:
-            return k
-    return None
+    k = next((k for k, d in enumerate(mesh.devices) if d.id == me), None)
+    _INDEX[mesh] = k
+    return k
 
 
 def group(mesh: DeviceMesh, axes: tuple[int, ...]) -> Group:
-    """This process's group over ``axes`` of ``mesh`` (created once, collectively)."""
+    """This process's group over ``axes`` of ``mesh`` (created once, collectively),
+    its members row-major over ``axes`` in the order given.
+
+    Only sorted axes create process groups; axes in another order reuse those of
+    their sorted order (the same members), so naming them needs no collective
+    call once the sorted group exists (shard_map creates every sorted one up front)."""
     key = (mesh, axes)
     hit = _GROUPS.get(key)
     if hit is not None:
         return hit
     me = my_index(mesh)
+    base_axes = tuple(sorted(axes))
+    if base_axes != axes:
+        base = group(mesh, base_axes)
+        result = Group(None, (), (), -1)
+        if base.pos >= 0 and me is not None:
+            members = next(m for m in mesh.groups(axes) if me in m)
+            ranks = tuple(mesh.devices[k].id for k in members)
+            result = Group(base.pg, tuple(members), ranks, members.index(me))
+        _GROUPS[key] = result
+        return result
     world = dist.get_world_size()
     found: Group | None = None
     for members in mesh.groups(axes):
