@@ -207,11 +207,7 @@ class Tensor:
         """This value in layout ``target`` (same mesh), through the planner."""
         if target == self._layout:
             return self
-        plan = self.plan_to(target)
-        if comm.active():
-            for step in plan.collectives:
-                comm.record(step.kind, step.bytes_per_device, step)
-        shards = backend_for(self.mesh).execute_plan(plan, self._shards)
+        shards = run_plan(self.mesh, self.plan_to(target), self._shards)
         return Tensor(shards, target, self._shape, self._dtype)
 
     def plan_to(self, target: Layout) -> Plan:
@@ -340,6 +336,16 @@ class Tensor:
         g = as_layout_of(gradient, roots)
         reps, outs = roots.unique_shards()
         torch.autograd.backward(outs, [g._shards[k] for k in reps])
+
+
+def run_plan(mesh: DeviceMesh, plan: Plan, shards: Sequence[torch.Tensor]
+             ) -> list[torch.Tensor]:
+    """Execute ``plan`` on ``mesh``'s backend, counting its collectives for
+    :class:`~shardwise.debug.CommCounter`."""
+    if comm.active():
+        for step in plan.collectives:
+            comm.record(step.kind, step.bytes_per_device, step)
+    return backend_for(mesh).execute_plan(plan, shards)
 
 
 def with_open_dims(t: Tensor, sharding: object) -> Tensor:

@@ -27,7 +27,7 @@ from typing import Any
 from shardwise.creation import place, tensor
 from shardwise.debug import comm
 from shardwise.devices import CPU, Accelerator, Device, DeviceError
-from shardwise.planner import Plan
+from shardwise.planner import Plan, make_plan
 from shardwise.runtime import backend_for
 from shardwise.runtime.simulated import rep_indices
 from shardwise.sharding.errors import ShardingError, ShardingTypeError
@@ -36,7 +36,7 @@ from shardwise.sharding.mappings import DeviceMapping, ShardingSpec, as_layout
 from shardwise.sharding.mesh import DeviceMesh, current_mesh
 from shardwise.sharding.placements import ReduceOp
 from shardwise.sharding.shapes import local_shape
-from shardwise.tensors import Tensor, with_open_dims
+from shardwise.tensors import Tensor, run_plan, with_open_dims
 
 __all__ = [
     "accelerator",
@@ -297,8 +297,10 @@ def plan(x: Tensor, target: Any) -> Plan:
 def _partial_layout(layout: Layout, shape: tuple[int, ...], axes: tuple[int, ...],
                     op: ReduceOp | None, what: str) -> tuple[Layout, tuple[int, ...],
                                                              tuple[int, ...]]:
-    """The layout, global shape and split replicated axes of ``_as_partial``
-    (pure layout arithmetic, cached: it runs on every reducing op)."""
+    """Reinterpret the local values along ``axes`` as Partial (no data moves): the
+    layout, global shape and replicated axes to relabel. Partial axes keep their op
+    unless ``op`` is given; replicated and sharded axes become Partial(op or SUM). A
+    sharded dim shrinks to its local size, which must be the same on every device."""
     mesh = layout.mesh
     out_shape = list(shape)
     dims = [list(d) for d in layout.dims]
@@ -329,20 +331,12 @@ def _partial_layout(layout: Layout, shape: tuple[int, ...], axes: tuple[int, ...
     return new, tuple(out_shape), split
 
 
-def _as_partial(t: Tensor, axes: tuple[int, ...], op: ReduceOp | None, what: str) -> Tensor:
-    """Reinterpret the local values along ``axes`` as Partial (no data moves).
-
-    Partial axes keep their op unless ``op`` is given; replicated and sharded
-    axes become Partial(op or SUM). A sharded dim shrinks to its local size,
-    which must be the same on every device (even split)."""
-    new, shape, split = _partial_layout(t.layout, t.shape, axes, op, what)
+def _relabelled(t: Tensor, split: tuple[int, ...], op: ReduceOp | None) -> Sequence[Any]:
     # Replicated axes split into independent partials: their gradient is the sum
     # over the replicas, which the backend installs here.
-    shards = t.shards
-    if split:
-        shards = tuple(backend_for(t.mesh).relabel(t.shards, t.layout, split,
-                                                   op or ReduceOp.SUM))
-    return Tensor(shards, new, shape, t.dtype)
+    if not split:
+        return t.shards
+    return backend_for(t.mesh).relabel(t.shards, t.layout, split, op or ReduceOp.SUM)
 
 
 @functools.lru_cache(maxsize=4096)
@@ -355,6 +349,26 @@ def _reduced_target(layout: Layout, axes: tuple[int, ...], scatter_dim: int | No
     dims = list(layout.dims)
     dims[scatter_dim] = (*dims[scatter_dim], *axes)
     return Layout(layout.mesh, tuple(dims), partial)
+
+
+@functools.lru_cache(maxsize=4096)
+def _reduce_recipe(layout: Layout, shape: tuple[int, ...], axes: tuple[int, ...],
+                   op: ReduceOp | None, what: str, scatter_dim: int | None, itemsize: int
+                   ) -> tuple[tuple[int, ...], tuple[int, ...], Layout, Plan]:
+    """Everything a reducing op decides from its input's type, computed once: the
+    replicated axes to relabel, the result's shape and layout, and the plan."""
+    new, out_shape, split = _partial_layout(layout, shape, axes, op, what)
+    target = _reduced_target(new, axes, scatter_dim)
+    return split, out_shape, target, make_plan(new, target, out_shape, itemsize)
+
+
+def _reduce(t: Tensor, axes: tuple[int, ...], op: ReduceOp | None, what: str,
+            scatter_dim: int | None) -> Tensor:
+    """The reducing ops' one path: relabel, then run the cached plan (one result
+    Tensor, no intermediate Partial Tensor: this is per-op overhead)."""
+    split, shape, target, plan = _reduce_recipe(t.layout, t.shape, axes, op, what,
+                                                scatter_dim, t.dtype.itemsize)
+    return Tensor(run_plan(t.mesh, plan, _relabelled(t, split, op)), target, shape, t.dtype)
 
 
 def _reduce_args(t: Tensor, reduce_axes: Any, reduce_op: Any,
@@ -388,8 +402,7 @@ def all_reduce(sharded_tensor: Tensor, *, reduce_axes: Any = None, reduce_op: An
     if kwargs:
         raise TypeError(f"all_reduce() got unexpected keyword arguments {sorted(kwargs)}.")
     axes, op = _reduce_args(t, reduce_axes, reduce_op, "all_reduce")
-    p = _as_partial(t, axes, op, "all_reduce")
-    return p.relayout(_reduced_target(p.layout, axes, None))
+    return _reduce(t, axes, op, "all_reduce", None)
 
 
 def reduce_scatter(sharded_tensor: Tensor, axis: int, *, reduce_axes: Any = None,
@@ -408,8 +421,7 @@ def reduce_scatter(sharded_tensor: Tensor, axis: int, *, reduce_axes: Any = None
         raise TypeError(f"reduce_scatter() got unexpected keyword arguments {sorted(kwargs)}.")
     d = normalize_dim(axis, t.ndim, "reduce_scatter axis")
     axes, op = _reduce_args(t, reduce_axes, reduce_op, "reduce_scatter")
-    p = _as_partial(t, axes, op, "reduce_scatter")
-    return p.relayout(_reduced_target(p.layout, axes, d))
+    return _reduce(t, axes, op, "reduce_scatter", d)
 
 
 # --- point to point ----------------------------------------------------------------------

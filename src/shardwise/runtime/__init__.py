@@ -7,8 +7,9 @@ device of the mesh in this process) and, for meshes over processes, the
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Sequence
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -55,20 +56,24 @@ class Backend(Protocol):
     def owned(self, mesh: DeviceMesh) -> Sequence[int]: ...
 
 
+_LOADED: dict[str, Any] = {}
+
+
+def _module(name: str) -> Any:
+    # Imported on first use (multiprocess pulls in collectives; simulated is
+    # imported by most programs anyway), then one dict lookup per op.
+    mod = _LOADED.get(name)
+    if mod is None:
+        mod = _LOADED[name] = importlib.import_module(f"shardwise.runtime.{name}")
+    return mod
+
+
 def backend_for(mesh: DeviceMesh) -> Backend:
     """The backend that executes ops on ``mesh``: the torch.distributed backend when
     the mesh's devices are processes of an initialized world, else the simulated one."""
     # Fast path first: this runs on every op, and most programs never initialize.
     if not (_dist_available and dist.is_initialized()):
-        from shardwise.runtime import simulated
-
-        return simulated
-    from shardwise.runtime import collectives
-
-    if collectives.is_process_mesh(mesh):
-        from shardwise.runtime import multiprocess
-
-        return multiprocess
-    from shardwise.runtime import simulated
-
-    return simulated
+        return _module("simulated")
+    if _module("collectives").process_mesh(mesh):
+        return _module("multiprocess")
+    return _module("simulated")
