@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import shardwise as sw
-from shardwise.runtime import simulated
+from shardwise.runtime import host_paths, simulated
 from shardwise.sharding import DeviceMesh, Layout, ReduceOp
 
 MESHES = [DeviceMesh.cpu((4,), ("x",)), DeviceMesh.cpu((2, 3), ("dp", "tp"))]
@@ -37,9 +37,9 @@ def global_value(t: sw.Tensor) -> torch.Tensor:
 def route(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
     """small: below SMALL_BYTES; large: above it (one-buffer all_to_all); huge: also
     above the mmap limit (cat per target, reduce_scatter block by block)."""
-    monkeypatch.setattr(simulated, "SMALL_BYTES", 1 << 40 if request.param == "small" else -1)
+    monkeypatch.setattr(host_paths, "SMALL_BYTES", 1 << 40 if request.param == "small" else -1)
     if request.param == "huge":
-        monkeypatch.setattr(simulated, "_MMAP_MAX", -1)
+        monkeypatch.setattr(host_paths, "MMAP_MAX", -1)
     return str(request.param)
 
 

@@ -483,15 +483,15 @@ def assemble(shards: Sequence[torch.Tensor | None], src: Layout, dst: Layout,
              shape: tuple[int, ...]) -> Shards:
     """Local re-blocking only (every needed source block is present here), e.g.
     slicing this process's block out of a value every process holds."""
-    from shardwise.runtime import simulated
+    from shardwise.runtime import blocks
 
     mesh = dst.mesh
     out: list[torch.Tensor | None] = [None] * mesh.num_devices
     k = D.my_index(mesh)
     if k is None:
         return out
-    rep_dst, nodes = simulated._assemble_recipe(src, dst, shape)
-    block = simulated._run(nodes[rep_dst[k]], shards)  # type: ignore[arg-type]
+    rep_dst, nodes = blocks.assemble_recipe(src, dst, shape)
+    block = blocks.run_node(nodes[rep_dst[k]], shards)  # type: ignore[arg-type]
     dev = device_of(mesh, k)
     out[k] = block if block.device == dev else block.to(dev)
     return out
