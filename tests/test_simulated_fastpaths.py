@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import shardwise as sw
-from shardwise.runtime import host_paths, simulated
+from shardwise.runtime import buffers, host_paths, simulated
 from shardwise.sharding import DeviceMesh, Layout, ReduceOp
 
 MESHES = [DeviceMesh.cpu((4,), ("x",)), DeviceMesh.cpu((2, 3), ("dp", "tp"))]
@@ -38,8 +38,9 @@ def route(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> st
     """small: below SMALL_BYTES; large: above it (one-buffer all_to_all); huge: also
     above the mmap limit (cat per target, reduce_scatter block by block)."""
     monkeypatch.setattr(host_paths, "SMALL_BYTES", 1 << 40 if request.param == "small" else -1)
-    if request.param == "huge":
+    if request.param == "huge":  # also: results go into out= buffers (buffers.empty)
         monkeypatch.setattr(host_paths, "MMAP_MAX", -1)
+        monkeypatch.setattr(buffers, "MAPPED", -1)
     return str(request.param)
 
 
@@ -74,6 +75,23 @@ def test_reductions_on_both_routes(route: str, op: ReduceOp, n: int) -> None:
     torch.testing.assert_close(global_value(rs), want)
     assert [tuple(s.shape) for s in rs.shards] == [
         tuple(b.shape) for b in want.tensor_split(n, 0)]
+
+
+@pytest.mark.parametrize("op", [ReduceOp.SUM, ReduceOp.MAX, ReduceOp.PROD])
+def test_reduction_gradients_on_routes(route: str, op: ReduceOp) -> None:
+    """While autograd records, no route writes into an out= buffer (not differentiable)."""
+    mesh = DeviceMesh.cpu((4,), ("x",))
+    gen = torch.Generator().manual_seed(3)
+    terms = [(torch.rand(8, 3, generator=gen) + 0.5).requires_grad_() for _ in range(4)]
+    ref = [t.detach().clone().requires_grad_() for t in terms]
+    w = torch.randn(8, 3, generator=gen)
+    fn = {ReduceOp.SUM: lambda s: s.sum(0), ReduceOp.MAX: lambda s: s.amax(0),
+          ReduceOp.PROD: lambda s: s.prod(0)}[op]
+    (fn(torch.stack(ref)) * w).sum().backward()
+    x = sw.from_local(terms, sw.PlacementMapping(mesh, (sw.Partial(op),)), shape=(8, 3))
+    (sw.all_reduce(x).shards[0] * w).sum().backward()
+    for t, r in zip(terms, ref):
+        torch.testing.assert_close(t.grad, r.grad)
 
 
 def test_reduce_scatter_huge_route_is_per_block(route: str) -> None:

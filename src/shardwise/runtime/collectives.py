@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 from shardwise.distributed import CollectiveError
+from shardwise.runtime import buffers
 from shardwise.sharding.errors import ShardingError
 from shardwise.sharding.layout import Layout
 from shardwise.sharding.mesh import DeviceMesh
@@ -228,7 +229,7 @@ def all_gather(x: torch.Tensor, dim: int, g: Group, sizes: Sequence[int]) -> tor
     if xm.shape[0] < m:
         xm = torch.cat([xm, xm.new_zeros((m - xm.shape[0], *xm.shape[1:]))])
     xm = xm.contiguous()
-    out = xm.new_empty((g.size * m, *xm.shape[1:]))
+    out = buffers.empty((g.size * m, *xm.shape[1:]), xm)
     _call("all_gather", g, lambda: _all_gather(out, xm, group=g.pg), f"{tuple(xm.shape)}")
     if g.slot is not None or any(s != m for s in sizes):
         slots = g.slot or range(g.size)
@@ -237,7 +238,7 @@ def all_gather(x: torch.Tensor, dim: int, g: Group, sizes: Sequence[int]) -> tor
 
 
 def all_reduce(x: torch.Tensor, g: Group, op: ReduceOp) -> torch.Tensor:
-    out = x.clone(memory_format=torch.contiguous_format)
+    out = buffers.empty(x.shape, x).copy_(x)  # a clone (huge pages when large)
     if g.size > 1:
         _call("all_reduce", g, lambda: dist.all_reduce(out, _TORCH_OP[op], group=g.pg),
               f"{tuple(out.shape)} {op.value}")
@@ -294,7 +295,7 @@ def all_to_all(x: torch.Tensor, dim: int, dim2: int, g: Group, send: Sequence[in
     for v in moved[1:]:
         rest *= v
     out_splits = g.by_slot([s * rest for s in recv])
-    flat_out = x.new_empty(sum(out_splits))
+    flat_out = buffers.empty((sum(out_splits),), x)
     _call("all_to_all", g, lambda: dist.all_to_all_single(
         flat_out, flat_in, out_splits, in_splits, group=g.pg), f"{sum(in_splits)}")
     if g.slot is None:

@@ -39,10 +39,9 @@ from collections.abc import Sequence
 from typing import Any, TypeAlias
 
 import torch
-import torch.autograd.forward_ad as fwAD
 
 from shardwise.planner import Plan, Step
-from shardwise.runtime import blocks
+from shardwise.runtime import blocks, buffers
 from shardwise.runtime import host_paths as hp
 from shardwise.runtime.blocks import rep_indices
 from shardwise.runtime.buffers import buffer_reuse, set_buffer_reuse
@@ -96,11 +95,21 @@ def assemble(shards: Sequence[torch.Tensor], src: Layout, dst: Layout,
     return hp.assemble_host(shards, direct, big)
 
 
+def _fresh(objs: Sequence[torch.Tensor]) -> torch.Tensor | None:
+    """A huge-page output buffer for combining ``objs`` when glibc would map it fresh
+    and no gradient is recorded (see :func:`buffers.empty`), else None."""
+    first = objs[0]
+    if first.nbytes <= buffers.MAPPED or hp.recording(objs):
+        return None
+    return buffers.empty(first.shape, first)
+
+
 def _combine(objs: Sequence[torch.Tensor], op: ReduceOp) -> torch.Tensor:
     """Reduce ``objs`` left to right into ONE fresh buffer: the first op allocates,
     the rest accumulate in place (a fresh 64 MiB buffer costs ~3 copies in page
-    faults). In-place accumulation is autograd-safe for sum; max/min/prod keep
-    out-of-place ops while a gradient is being recorded. Small floating SUM/AVG of
+    faults; above 32 MiB it gets huge pages when nothing records). In-place
+    accumulation is autograd-safe for sum; max/min/prod keep out-of-place ops while
+    a gradient is being recorded. Small floating SUM/AVG of
     more than 3 values with no gradient recorded: one ``stack(...).sum(0)`` (torch's
     reduction order and accumulation, e.g. float accumulation for half types; equal
     within rounding)."""
@@ -121,16 +130,17 @@ def _combine(objs: Sequence[torch.Tensor], op: ReduceOp) -> torch.Tensor:
             # which torch's AccumulateGrad keeps as .grad and later accumulates in place.
             out = torch.stack(list(objs)).sum(0)
             return out.div_(len(objs)) if op is ReduceOp.AVG else out
-        out = objs[0] + objs[1]
+        buf = _fresh(objs)
+        out = first + objs[1] if buf is None else torch.add(first, objs[1], out=buf)
         for o in objs[2:]:
             out.add_(o)
         if op is ReduceOp.AVG:
             out.div_(len(objs))
         return out
     fn = {ReduceOp.MAX: torch.maximum, ReduceOp.MIN: torch.minimum, ReduceOp.PROD: torch.mul}[op]
-    out = fn(objs[0], objs[1])
-    tracked = (torch.is_grad_enabled() and any(o.requires_grad for o in objs)) or (
-        fwAD._current_level >= 0)  # forward-mode AD has no out= variants
+    tracked = hp.recording(objs)  # (forward-mode AD has no out= variants either)
+    buf = None if tracked else _fresh(objs)
+    out = fn(first, objs[1]) if buf is None else fn(first, objs[1], out=buf)
     for o in objs[2:]:
         out = fn(out, o) if tracked else fn(out, o, out=out)
     return out
