@@ -347,6 +347,35 @@ def body_non_mesh_order(n: int) -> None:
 BODIES.append("body_non_mesh_order")
 
 
+def body_reduce_dtypes(n: int) -> None:
+    """Integer reductions are exact (both runtimes reduce in their own order); an
+    integer average is refused with the same error on both."""
+    from shardwise.sharding import ShardingError
+
+    mesh = DeviceMesh.cpu((n,), ("x",))
+    terms = [torch.arange(30, dtype=torch.int64).reshape(10, 3) * (k + 1) for k in range(n)]
+    p = sw.from_local(terms, PlacementMapping(mesh, [Partial()]), shape=(10, 3))
+    total = sum(terms[1:], terms[0])
+    rs = sw.reduce_scatter(p, 0)
+    assert rs.dtype == torch.int64
+    assert torch.equal(rs.to_torch(), total)
+    assert torch.equal(sw.reduce_scatter(p, 1).to_torch(), total)  # 3 columns over n pieces
+    assert torch.equal(sw.all_reduce(p).to_torch(), total)
+    hi = sw.from_local(terms, PlacementMapping(mesh, [Partial("max")]), shape=(10, 3))
+    assert torch.equal(sw.reduce_scatter(hi, 0).to_torch(), terms[-1])
+    for fn in (lambda: sw.reduce_scatter(p, 0, reduce_op="avg"),
+               lambda: sw.all_reduce(p, reduce_op="avg")):
+        try:
+            fn()
+        except ShardingError as err:
+            assert "integer dtype" in str(err), err
+        else:
+            raise AssertionError("an integer average must be refused")
+
+
+BODIES.append("body_reduce_dtypes")
+
+
 def body_demo_parity(n: int) -> None:
     """The demo script's training matches single-device torch on both runtimes."""
     from shardwise import demo

@@ -205,6 +205,11 @@ class Setup:
     def raw_rs_via_all_reduce(self) -> torch.Tensor:
         return self.raw_all_reduce().narrow(0, self.r * self.rows, self.rows)
 
+    def raw_rs_via_all_to_all(self) -> torch.Tensor:
+        out = torch.empty(self.n, self.n)
+        dist.all_to_all_single(out, self.partial)
+        return out.view(self.w, self.rows, self.n).sum(0)
+
     def raw_rs_via_all_reduce_inplace(self) -> torch.Tensor:
         dist.all_reduce(self.scratch)
         return self.scratch.narrow(0, self.r * self.rows, self.rows)
@@ -272,6 +277,8 @@ class Setup:
             Choice("Partial->Shard(0)", False, [
                 Option("reduce_scatter_single", self.raw_reduce_scatter),
                 Option("clone + all_reduce + narrow", self.raw_rs_via_all_reduce),
+                Option("all_to_all_single + local sum (shardwise on CPU)",
+                       self.raw_rs_via_all_to_all),
                 Option("in-place all_reduce + narrow (destroys input)",
                        self.raw_rs_via_all_reduce_inplace, destructive=True),
             ]),
@@ -304,7 +311,9 @@ def validate_cases(cases: list[Case]) -> list[dict[str, Any]]:
         ref = c.expected()
         raw = c.raw()
         flags.append(_same(raw, ref, c.exact))
-        flags.append(torch.equal(c.sw(), raw))          # shardwise must equal raw exactly
+        # shardwise must equal raw exactly where nothing is summed; reductions may sum in
+        # another order (reduce_scatter on Gloo: all_to_all + local sum), so allclose
+        flags.append(_same(c.sw(), raw, c.exact))
         if c.dt is not None:
             d = c.dt()
             flags += [_same(d, ref, c.exact), torch.equal(d, raw)]
@@ -319,7 +328,7 @@ def validate_cases(cases: list[Case]) -> list[dict[str, Any]]:
     for i, c in enumerate(cases):
         raw_ok, sw_eq, dt_ok, dt_eq, bare_eq = ok[5 * i: 5 * i + 5]
         report.append({"case": c.name, "raw_matches_reference": raw_ok,
-                       "shardwise_equals_raw": sw_eq,
+                       "shardwise_equals_raw": sw_eq,  # bit-exact when exact, else allclose
                        "dtensor_matches_reference": dt_ok if c.dt else None,
                        "dtensor_equals_raw": dt_eq if c.dt else None,
                        "bare_equals_raw": bare_eq if c.bare_checked
@@ -460,7 +469,8 @@ def tables(res: dict[str, Any]) -> list[str]:
                         else "" if o["eligible"] else " (reference only)")
                 lines.append(f"{p['step']:22} {o['option']:52} {o['ms']:9.2f} "
                              f"{o['x_fastest']:10.2f}{mark}")
-    lines.append("all results validated (shardwise == raw, bit-exact)")
+    lines.append("all results validated (shardwise == raw: bit-exact for moves, allclose for "
+                 "reductions)")
     return lines
 
 

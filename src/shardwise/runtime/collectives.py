@@ -15,6 +15,7 @@ Invariants:
 
 from __future__ import annotations
 
+import math
 import os
 import zlib
 from collections.abc import Callable, Sequence
@@ -224,6 +225,8 @@ def all_gather(x: torch.Tensor, dim: int, g: Group, sizes: Sequence[int]) -> tor
     """Concatenate the members' blocks along ``dim`` (uneven sizes padded in transit)."""
     if g.size == 1:
         return x
+    if x.device.type == "cpu":
+        return _all_gather_by_exchange(x, dim, g, sizes)
     m = max(sizes)
     xm = x.movedim(dim, 0)
     if xm.shape[0] < m:
@@ -237,7 +240,34 @@ def all_gather(x: torch.Tensor, dim: int, g: Group, sizes: Sequence[int]) -> tor
     return out.movedim(0, dim)
 
 
+def _all_gather_by_exchange(x: torch.Tensor, dim: int, g: Group, sizes: Sequence[int]
+                            ) -> torch.Tensor:
+    """all_gather as point-to-point sends of this block to every peer, each received
+    straight into its place in the result. Why on CPU: Gloo's all_gather was measured
+    1.5x slower (64 MiB on 4 ranks: 190-207 ms against 114-132 ms). Uneven pieces
+    need no padding, and members land in member order whatever torch's rank order."""
+    xm = x.movedim(dim, 0).contiguous()
+    out = buffers.empty((sum(sizes), *xm.shape[1:]), xm)
+    starts = [0]
+    for s in sizes:
+        starts.append(starts[-1] + s)
+    out.narrow(0, starts[g.pos], sizes[g.pos]).copy_(xm)
+    ops = []
+    for step in range(1, g.size):  # staggered peers, so no rank is everyone's first
+        to, frm = (g.pos + step) % g.size, (g.pos - step) % g.size
+        if sizes[g.pos]:
+            ops.append(dist.P2POp(dist.isend, xm, g.ranks[to], g.pg))
+        if sizes[frm]:
+            ops.append(dist.P2POp(dist.irecv, out.narrow(0, starts[frm], sizes[frm]),
+                                  g.ranks[frm], g.pg))
+    if ops:
+        _call("all_gather", g, lambda: [r.wait() for r in dist.batch_isend_irecv(ops)],
+              f"{tuple(xm.shape[1:])} {tuple(sizes)}")
+    return out.movedim(0, dim)
+
+
 def all_reduce(x: torch.Tensor, g: Group, op: ReduceOp) -> torch.Tensor:
+    _check_avg(x, op)
     out = buffers.empty(x.shape, x).copy_(x)  # a clone (huge pages when large)
     if g.size > 1:
         _call("all_reduce", g, lambda: dist.all_reduce(out, _TORCH_OP[op], group=g.pg),
@@ -250,6 +280,9 @@ def reduce_scatter(x: torch.Tensor, dim: int, g: Group, sizes: Sequence[int],
     """Reduce the members' full blocks and keep this member's piece along ``dim``."""
     if g.size == 1:
         return x.clone()
+    _check_avg(x, op)
+    if x.device.type == "cpu":
+        return _reduce_scatter_by_exchange(x, dim, g, sizes, op)
     m = max(sizes)
     xm = x.movedim(dim, 0)
     if g.slot is None and all(s == m for s in sizes):
@@ -267,6 +300,41 @@ def reduce_scatter(x: torch.Tensor, dim: int, g: Group, sizes: Sequence[int],
     _call("reduce_scatter", g, lambda: _reduce_scatter(out, inp, _TORCH_OP[op], group=g.pg),
           f"{tuple(inp.shape)} {op.value}")
     return out.narrow(0, 0, sizes[g.pos]).movedim(0, dim)
+
+
+_LOCAL_REDUCE: dict[ReduceOp, Callable[[torch.Tensor], torch.Tensor]] = {
+    ReduceOp.SUM: lambda t: t.sum(0), ReduceOp.AVG: lambda t: t.mean(0),
+    ReduceOp.MAX: lambda t: t.amax(0), ReduceOp.MIN: lambda t: t.amin(0),
+    ReduceOp.PROD: lambda t: t.prod(0),
+}
+
+
+def _check_avg(x: torch.Tensor, op: ReduceOp) -> None:
+    if op is ReduceOp.AVG and not (x.is_floating_point() or x.is_complex()):
+        raise ShardingError(
+            f"Cannot average (ReduceOp.AVG) values of integer dtype {x.dtype}: the mean is "
+            "not an integer. Cast to a floating dtype first, or use SUM."
+        )
+
+
+def _reduce_scatter_by_exchange(x: torch.Tensor, dim: int, g: Group, sizes: Sequence[int],
+                                op: ReduceOp) -> torch.Tensor:
+    """reduce_scatter as one all_to_all (member j gets everyone's piece j) and a local
+    reduction. Why on CPU: Gloo's reduce_scatter is a clone, a whole-tensor ring
+    all_reduce and a copy, which moves 2(n-1)/n of the tensor per rank; this moves
+    (n-1)/n (measured 1.4-1.7x faster for 64 MiB on 4 ranks). No padding for uneven
+    pieces: all_to_all takes per-peer sizes."""
+    xm = x.movedim(dim, 0)
+    rest = math.prod(xm.shape[1:])
+    pieces = g.by_slot(list(xm.split(list(sizes), 0)))
+    inp = (xm if g.slot is None else torch.cat(pieces)).contiguous()
+    mine = sizes[g.pos]
+    out = buffers.empty((g.size * mine * rest,), x)
+    in_splits = [p.shape[0] * rest for p in pieces]
+    _call("reduce_scatter", g, lambda: dist.all_to_all_single(
+        out, inp.view(-1), [mine * rest] * g.size, in_splits, group=g.pg),
+        f"{tuple(x.shape)} {op.value}")
+    return _LOCAL_REDUCE[op](out.view(g.size, mine, *xm.shape[1:])).movedim(0, dim)
 
 
 def all_to_all(x: torch.Tensor, dim: int, dim2: int, g: Group, send: Sequence[int],
