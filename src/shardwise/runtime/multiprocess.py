@@ -1,6 +1,5 @@
-"""Planner steps on the torch.distributed runtime, each with its gradient beside it.
-
-Every step is a tiny autograd Function with a one-line contract. Gradient
+"""Planner steps on the torch.distributed runtime: each step runs one autograd
+Function of :mod:`shardwise.runtime.functions`, with its gradient beside it. Gradient
 convention (see ``collectives.py``): Replicated axes hold the full gradient on
 every replica, Sharded axes their piece, Partial axes dL/dp_i.
 
@@ -23,10 +22,10 @@ from typing import Any
 
 import torch
 import torch.autograd.forward_ad as fwAD
-from torch.autograd import Function
 
 from shardwise.planner import Plan, Step
 from shardwise.runtime import collectives as D
+from shardwise.runtime import functions as F
 from shardwise.sharding.layout import Layout
 from shardwise.sharding.placements import ReduceOp
 from shardwise.sharding.shapes import local_bounds
@@ -45,241 +44,6 @@ __all__ = [
 ]
 
 Shards = list  # list[torch.Tensor | None]
-
-
-def _reduce_grad(g: torch.Tensor, x: torch.Tensor, out: torch.Tensor, grp: D.Group,
-                 op: ReduceOp) -> torch.Tensor:
-    """dL/dx for out = op over the group of x, given dL/dout = g (same on every member)."""
-    if op is ReduceOp.SUM:
-        return g
-    if op is ReduceOp.AVG:
-        return g / grp.size
-    if op is ReduceOp.PROD:
-        return g * out / x
-    mask = (x == out).to(g.dtype)
-    count = D.all_reduce(mask, grp, ReduceOp.SUM)
-    return g * mask / count
-
-
-def _reduce_tangent(t: torch.Tensor, x: torch.Tensor, out: torch.Tensor, grp: D.Group,
-                    op: ReduceOp) -> torch.Tensor:
-    if op in (ReduceOp.SUM, ReduceOp.AVG):
-        return D.all_reduce(t, grp, op)
-    if op is ReduceOp.PROD:
-        return out * D.all_reduce(t / x, grp, ReduceOp.SUM)
-    mask = (x == out).to(t.dtype)
-    return D.all_reduce(t * mask, grp, ReduceOp.SUM) / D.all_reduce(mask, grp, ReduceOp.SUM)
-
-
-class _Slice(Function):
-    """narrow in forward, all_gather in backward."""
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, spec: tuple[Any, ...]) -> torch.Tensor:
-        dim, start, length, _grp, _sizes = spec
-        ctx.spec = spec
-        return x.narrow(dim, start, length)
-
-    @staticmethod
-    def backward(ctx: Any, g: torch.Tensor) -> Any:
-        dim, _, _, grp, sizes = ctx.spec
-        return D.all_gather(g, dim, grp, sizes), None
-
-    @staticmethod
-    def jvp(ctx: Any, t: torch.Tensor, _: Any) -> torch.Tensor:
-        dim, start, length, _, _ = ctx.spec
-        return t.narrow(dim, start, length)
-
-
-class _AllGather(Function):
-    """all_gather in forward, narrow in backward."""
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, spec: tuple[Any, ...]) -> torch.Tensor:
-        ctx.spec = spec
-        dim, grp, sizes = spec
-        return D.all_gather(x, dim, grp, sizes)
-
-    @staticmethod
-    def backward(ctx: Any, g: torch.Tensor) -> Any:
-        dim, grp, sizes = ctx.spec
-        return g.narrow(dim, sum(sizes[: grp.pos]), sizes[grp.pos]), None
-
-    @staticmethod
-    def jvp(ctx: Any, t: torch.Tensor, _: Any) -> torch.Tensor:
-        dim, grp, sizes = ctx.spec
-        return D.all_gather(t, dim, grp, sizes)
-
-
-class _AllToAll(Function):
-    """all_to_all dim->dim2 in forward, the inverse all_to_all in backward."""
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, spec: tuple[Any, ...]) -> torch.Tensor:
-        ctx.spec = spec
-        dim, dim2, grp, send, recv = spec
-        return D.all_to_all(x, dim, dim2, grp, send, recv)
-
-    @staticmethod
-    def backward(ctx: Any, g: torch.Tensor) -> Any:
-        dim, dim2, grp, send, recv = ctx.spec
-        return D.all_to_all(g, dim2, dim, grp, recv, send), None
-
-    @staticmethod
-    def jvp(ctx: Any, t: torch.Tensor, _: Any) -> torch.Tensor:
-        dim, dim2, grp, send, recv = ctx.spec
-        return D.all_to_all(t, dim, dim2, grp, send, recv)
-
-
-class _AllReduce(Function):
-    """all_reduce in forward; dG/dp_i (identity for sum) in backward."""
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, spec: tuple[Any, ...]) -> torch.Tensor:
-        grp, op = spec
-        out = D.all_reduce(x, grp, op)
-        ctx.spec = spec
-        ctx.save_for_backward(x, out)
-        ctx.fw = (x, out)
-        return out
-
-    @staticmethod
-    def backward(ctx: Any, g: torch.Tensor) -> Any:
-        x, out = ctx.saved_tensors
-        grp, op = ctx.spec
-        return _reduce_grad(g, x, out, grp, op), None
-
-    @staticmethod
-    def jvp(ctx: Any, t: torch.Tensor, _: Any) -> torch.Tensor:
-        grp, op = ctx.spec
-        x, out = ctx.fw
-        return _reduce_tangent(t, x, out, grp, op)
-
-
-class _ReduceScatter(Function):
-    """reduce_scatter in forward; all_gather, then dG/dp_i, in backward."""
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, spec: tuple[Any, ...]) -> torch.Tensor:
-        dim, grp, sizes, op = spec
-        ctx.spec = spec
-        out = D.reduce_scatter(x, dim, grp, sizes, op)
-        ctx.save_for_backward(x, out)
-        ctx.fw = (x,)
-        return out
-
-    @staticmethod
-    def backward(ctx: Any, g: torch.Tensor) -> Any:
-        x, out = ctx.saved_tensors
-        dim, grp, sizes, op = ctx.spec
-        g_full = D.all_gather(g, dim, grp, sizes)
-        if op is ReduceOp.SUM:
-            return g_full, None
-        out_full = D.all_gather(out, dim, grp, sizes)
-        return _reduce_grad(g_full, x, out_full, grp, op), None
-
-    @staticmethod
-    def jvp(ctx: Any, t: torch.Tensor, _: Any) -> torch.Tensor:
-        dim, grp, sizes, op = ctx.spec
-        (x,) = ctx.fw
-        full = D.all_reduce(x, grp, op)
-        tan = _reduce_tangent(t, x, full, grp, op)
-        start = sum(sizes[: grp.pos])
-        return tan.narrow(dim, start, sizes[grp.pos])
-
-
-class _MakePartial(Function):
-    """identity (root) or identity element (others) in forward; identity for sum,
-    a sum over the replicas otherwise, in backward."""
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, spec: tuple[Any, ...]) -> torch.Tensor:
-        _grp, op, root = spec
-        ctx.spec = spec
-        if op in (ReduceOp.SUM, ReduceOp.PROD) and not root:
-            value = 1 if op is ReduceOp.PROD else 0
-            return torch.full_like(x, value)
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx: Any, g: torch.Tensor) -> Any:
-        grp, op, root = ctx.spec
-        if op is ReduceOp.SUM:
-            return g, None
-        if op is ReduceOp.AVG:
-            return g * grp.size, None
-        if op is ReduceOp.PROD:
-            return D.all_reduce(g if root else torch.zeros_like(g), grp, ReduceOp.SUM), None
-        return D.all_reduce(g, grp, ReduceOp.SUM), None
-
-    @staticmethod
-    def jvp(ctx: Any, t: torch.Tensor, _: Any) -> torch.Tensor:
-        _grp, op, root = ctx.spec
-        if op in (ReduceOp.SUM, ReduceOp.PROD) and not root:
-            return torch.zeros_like(t)
-        return t.view_as(t)
-
-
-class _Relabel(Function):
-    """identity in forward (local values become partials); in backward the sum of
-    the partials' gradients over the replicas that were split."""
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, spec: tuple[Any, ...]) -> torch.Tensor:
-        ctx.spec = spec
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx: Any, g: torch.Tensor) -> Any:
-        grp, op = ctx.spec
-        if grp is None or grp.size == 1:
-            return g, None
-        if op is ReduceOp.SUM:
-            return g * grp.size, None
-        if op is ReduceOp.AVG:
-            return g, None
-        return D.all_reduce(g, grp, ReduceOp.SUM), None
-
-    @staticmethod
-    def jvp(ctx: Any, t: torch.Tensor, _: Any) -> torch.Tensor:
-        return t.view_as(t)
-
-
-class _Permute(Function):
-    """send/recv in forward, the inverse send/recv in backward."""
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, spec: tuple[Any, ...]) -> torch.Tensor:
-        ctx.spec = spec
-        send_to, recv_from = spec
-        return D.permute(x, send_to, recv_from, x)
-
-    @staticmethod
-    def backward(ctx: Any, g: torch.Tensor) -> Any:
-        send_to, recv_from = ctx.spec
-        return D.permute(g, recv_from, send_to, g), None
-
-    @staticmethod
-    def jvp(ctx: Any, t: torch.Tensor, _: Any) -> torch.Tensor:
-        send_to, recv_from = ctx.spec
-        return D.permute(t, send_to, recv_from, t)
-
-
-class _Diverge(Function):
-    """identity in forward, all_reduce(SUM) of the gradient over the replicas in backward."""
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, grp: D.Group) -> torch.Tensor:
-        ctx.grp = grp
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx: Any, g: torch.Tensor) -> Any:
-        return D.all_reduce(g, ctx.grp, ReduceOp.SUM), None
-
-    @staticmethod
-    def jvp(ctx: Any, t: torch.Tensor, _: Any) -> torch.Tensor:
-        return t.view_as(t)
 
 
 def _sizes(layout: Layout, grp: D.Group, dim: int, shape: tuple[int, ...]) -> list[int]:
@@ -302,26 +66,26 @@ def _spec(step: Step, shape: tuple[int, ...], k: int) -> tuple[Any, tuple[Any, .
     coord = mesh.coord_of(k)
     out: tuple[Any, tuple[Any, ...]]
     if kind == "make_partial":
-        out = _MakePartial, (grp, step.reduce_op, all(coord[a] == 0 for a in step.axes))
+        out = F.MakePartial, (grp, step.reduce_op, all(coord[a] == 0 for a in step.axes))
     elif kind == "slice":
         assert step.dim is not None
         d = step.dim
         lo_before = local_bounds(shape, step.before, coord)[d][0]
         lo, hi = local_bounds(shape, step.after, coord)[d]
-        out = _Slice, (d, lo - lo_before, hi - lo, grp, _sizes(step.after, grp, d, shape))
+        out = F.Slice, (d, lo - lo_before, hi - lo, grp, _sizes(step.after, grp, d, shape))
     elif kind == "all_gather":
         assert step.dim is not None
-        out = _AllGather, (step.dim, grp, _sizes(step.before, grp, step.dim, shape))
+        out = F.AllGather, (step.dim, grp, _sizes(step.before, grp, step.dim, shape))
     elif kind == "all_to_all":
         assert step.dim is not None and step.dim2 is not None
         send = _sizes(step.after, grp, step.dim2, shape)
         recv = _sizes(step.before, grp, step.dim, shape)
-        out = _AllToAll, (step.dim, step.dim2, grp, send, recv)
+        out = F.AllToAll, (step.dim, step.dim2, grp, send, recv)
     elif kind == "all_reduce":
-        out = _AllReduce, (grp, step.reduce_op)
+        out = F.AllReduce, (grp, step.reduce_op)
     elif kind == "reduce_scatter":
         assert step.dim is not None
-        out = _ReduceScatter, (step.dim, grp, _sizes(step.after, grp, step.dim, shape),
+        out = F.ReduceScatter, (step.dim, grp, _sizes(step.after, grp, step.dim, shape),
                                step.reduce_op)
     else:
         raise AssertionError(f"unknown step kind {kind!r}")
@@ -375,7 +139,7 @@ def relabel(shards: Sequence[torch.Tensor | None], layout: Layout, axes: tuple[i
     if k is not None:
         x = shards[k]
         assert x is not None
-        out[k] = _Relabel.apply(x, (grp, op))
+        out[k] = F.Relabel.apply(x, (grp, op))
     return out
 
 
@@ -390,7 +154,7 @@ def diverge(shards: Sequence[torch.Tensor | None], layout: Layout, axes: tuple[i
     if k is not None:
         x = shards[k]
         assert x is not None
-        out[k] = _Diverge.apply(x, grp)
+        out[k] = F.Diverge.apply(x, grp)
     return out
 
 
@@ -404,7 +168,7 @@ def make_partial(shards: Sequence[torch.Tensor | None], layout: Layout, axes: tu
         x = shards[k]
         assert x is not None
         coord = mesh.coord_of(k)
-        out[k] = _MakePartial.apply(x, (grp, op, all(coord[a] == 0 for a in axes)))
+        out[k] = F.MakePartial.apply(x, (grp, op, all(coord[a] == 0 for a in axes)))
     return out
 
 
@@ -425,24 +189,8 @@ def permute(shards: Sequence[torch.Tensor | None], layout: Layout, source: Seque
     if send_to == D.rank() and recv_from == D.rank():
         out[k] = x
         return out
-    out[k] = _Permute.apply(x, (send_to, recv_from))
+    out[k] = F.Permute.apply(x, (send_to, recv_from))
     return out
-
-
-
-
-class _Broadcast(Function):
-    """broadcast from the owner in forward; the owner's own gradient in backward
-    (every process holds the same replicated gradient)."""
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, spec: tuple[Any, ...]) -> torch.Tensor:
-        src, grp = spec
-        return D.broadcast(x, src, grp)
-
-    @staticmethod
-    def backward(ctx: Any, g: torch.Tensor) -> Any:
-        return g, None
 
 
 def global_value(shards: Sequence[torch.Tensor | None], layout: Layout, shape: tuple[int, ...],
@@ -457,7 +205,7 @@ def global_value(shards: Sequence[torch.Tensor | None], layout: Layout, shape: t
         return shards[k]  # type: ignore[return-value]
     src = mesh.devices[0].id
     if k is not None and mesh.devices[k].id == src:
-        return _Broadcast.apply(shards[k], (src, world))
+        return F.Broadcast.apply(shards[k], (src, world))
     buf = torch.empty(shape, dtype=dtype, device=device_of(mesh, 0))
     return D.broadcast(buf, src, world)
 
