@@ -17,6 +17,7 @@ Forward-mode tangents apply the same (linear) forward to the tangent.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from typing import Any
 
@@ -103,9 +104,13 @@ class _Untracked:
 
 def _one(step: Step, x: torch.Tensor, shape: tuple[int, ...], k: int) -> torch.Tensor:
     fn, args = _spec(step, shape, k)
-    if fwAD._current_level < 0 and not (x.requires_grad and torch.is_grad_enabled()):
-        return fn.forward(_Untracked(), x, args)
-    return fn.apply(x, args)
+    if _recording(x):
+        return fn.apply(x, args)
+    return fn.forward(_Untracked(), x, args)
+
+
+def _recording(x: torch.Tensor) -> bool:
+    return fwAD._current_level >= 0 or (x.requires_grad and torch.is_grad_enabled())
 
 
 def run_step(step: Step, shards: Sequence[torch.Tensor | None], shape: tuple[int, ...]
@@ -182,15 +187,26 @@ def permute(shards: Sequence[torch.Tensor | None], layout: Layout, source: Seque
         return out
     x = shards[k]
     assert x is not None
+    spec = _peers(mesh, tuple(source), k)
+    if spec is None:  # sends to and receives from itself
+        out[k] = x
+    elif _recording(x):
+        out[k] = F.Permute.apply(x, spec)
+    else:
+        out[k] = F.Permute.forward(_Untracked(), x, spec)
+    return out
+
+
+@functools.lru_cache(maxsize=1024)
+def _peers(mesh: Any, source: tuple[int | None, ...], k: int
+           ) -> tuple[int | None, int | None] | None:
+    """(rank to send to, rank to receive from) of device ``k``; None when both are itself."""
     dest = [j for j, s in enumerate(source) if s == k]
     send_to = mesh.devices[dest[0]].id if dest else None
     src = source[k]
     recv_from = mesh.devices[src].id if src is not None else None
-    if send_to == D.rank() and recv_from == D.rank():
-        out[k] = x
-        return out
-    out[k] = F.Permute.apply(x, (send_to, recv_from))
-    return out
+    me = mesh.devices[k].id
+    return None if send_to == me and recv_from == me else (send_to, recv_from)
 
 
 def global_value(shards: Sequence[torch.Tensor | None], layout: Layout, shape: tuple[int, ...],
