@@ -27,7 +27,7 @@ __all__ = ["PRESETS", "main", "run_suite"]
 
 PRESETS: dict[str, dict[str, Any]] = {
     "full": {"size": 4096, "small": 8, "repeat": 7, "small_repeat": 15, "small_inner": 200,
-             "profile_calls": 2000, "gloo": {"size": 4096, "repeat": 5, "small_repeat": 100,
+             "profile_calls": 2000, "gloo": {"size": 4096, "repeat": 11, "small_repeat": 200,
                                              "choices": True}},
     "quick": {"size": 1024, "small": 8, "repeat": 3, "small_repeat": 6, "small_inner": 50,
               "profile_calls": 300, "gloo": {"size": 1024, "repeat": 3, "small_repeat": 20,

@@ -45,6 +45,7 @@ class Layout:
     dims: tuple[tuple[int, ...], ...]
     partial: tuple[ReduceOp | None, ...]
     _hash: int = field(init=False, repr=False, compare=False)
+    _partial_axes: tuple[int, ...] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if len(self.partial) != self.mesh.ndim:
@@ -71,6 +72,9 @@ class Layout:
                     f"Mesh axis {name!r} cannot both shard {seen[a]} and be Partial."
                 )
         object.__setattr__(self, "_hash", hash((self.mesh, self.dims, self.partial)))
+        # asked by every reducing op: computed once per (cached, frozen) layout
+        object.__setattr__(self, "_partial_axes",
+                           tuple(a for a, op in enumerate(self.partial) if op is not None))
 
     def __hash__(self) -> int:
         return self._hash
@@ -126,7 +130,7 @@ class Layout:
 
     @property
     def partial_axes(self) -> tuple[int, ...]:
-        return tuple(a for a, op in enumerate(self.partial) if op is not None)
+        return self._partial_axes
 
     @property
     def is_partial(self) -> bool:
