@@ -18,25 +18,20 @@ transfer back.
 
 from __future__ import annotations
 
-import functools
-import math
 import warnings
-from collections.abc import Sequence
 from typing import Any
 
 from shardwise.creation import place, tensor
-from shardwise.debug import comm
 from shardwise.devices import CPU, Accelerator, Device, DeviceError
-from shardwise.planner import Plan, make_plan
-from shardwise.runtime import backend_for
-from shardwise.runtime.simulated import rep_indices
+from shardwise.ops.checks import need_tensor
+from shardwise.ops.point_to_point import ppermute
+from shardwise.ops.reducing import all_reduce, reduce_scatter
+from shardwise.planner import Plan
 from shardwise.sharding.errors import ShardingError, ShardingTypeError
 from shardwise.sharding.layout import Layout, normalize_dim
 from shardwise.sharding.mappings import DeviceMapping, ShardingSpec, as_layout
 from shardwise.sharding.mesh import DeviceMesh, current_mesh
-from shardwise.sharding.placements import ReduceOp
-from shardwise.sharding.shapes import local_shape
-from shardwise.tensors import Tensor, run_plan, with_open_dims
+from shardwise.tensors import Tensor, with_open_dims
 
 __all__ = [
     "accelerator",
@@ -55,16 +50,6 @@ __all__ = [
     "transfer_to",
 ]
 
-
-def _need_tensor(x: Any, op: str) -> Tensor:
-    if not isinstance(x, Tensor):
-        raise ShardingTypeError(
-            f"{op} needs a shardwise.Tensor, got {type(x).__name__}. Make one with "
-            "shardwise.tensor(data, sharding=...) first."
-        )
-    return x
-
-
 def _cross_mesh(x: Tensor, layout: Layout) -> Tensor:
     """``x``'s global value laid out on another mesh (differentiable)."""
     return place(x._global(), layout)
@@ -74,16 +59,6 @@ def _to_layout(x: Tensor, layout: Layout) -> Tensor:
     if layout.mesh == x.mesh:
         return x.relayout(layout)
     return _cross_mesh(x, layout)
-
-
-def _mesh_axes(mesh: DeviceMesh, axes: Any, what: str) -> tuple[int, ...]:
-    if isinstance(axes, (str, int)):
-        axes = (axes,)
-    out = tuple(mesh.axis_index(a) for a in axes)
-    if len(set(out)) != len(out):
-        names = [mesh.axis_names[a] for a in out]
-        raise ShardingError(f"{what} names a mesh axis twice: {names}. Name each axis once.")
-    return out
 
 
 # --- layout ops -------------------------------------------------------------------------
@@ -148,7 +123,7 @@ def all_gather(sharded_tensor: Tensor, axis: int | None = None, **kwargs: Any) -
         before      x[0:2]          x[2:4]
         after       x (one buffer shared by both devices)
     """
-    t = _need_tensor(sharded_tensor, "all_gather")
+    t = need_tensor(sharded_tensor, "all_gather")
     if kwargs:
         raise TypeError(f"all_gather() got unexpected keyword arguments {sorted(kwargs)}.")
     dims = list(t.layout.dims)
@@ -174,7 +149,7 @@ def all_to_all(sharded_tensor: Tensor, split_axis: int, concat_axis: int, tiled:
         before      x[0:2, :]       x[2:4, :]
         after       x[:, 0:2]       x[:, 2:4]
     """
-    t = _need_tensor(sharded_tensor, "all_to_all")
+    t = need_tensor(sharded_tensor, "all_to_all")
     if not tiled:
         raise ShardingError(
             "all_to_all(tiled=False) stacks per-device chunks on a new dim, which has no "
@@ -288,255 +263,5 @@ def plan(x: Tensor, target: Any) -> Plan:
     Plan DeviceMesh(x=4)[S(x), R] -> DeviceMesh(x=4)[R, S(x)]  shape=[8, 8]
       1. all_to_all(axes=('x',), dim 0->1)  48 B/device
     """
-    t = _need_tensor(x, "plan")
+    t = need_tensor(x, "plan")
     return t.plan_to(as_layout(target, t.ndim))
-
-
-# --- reducing ops -----------------------------------------------------------------------
-@functools.lru_cache(maxsize=4096)
-def _partial_layout(layout: Layout, shape: tuple[int, ...], axes: tuple[int, ...],
-                    op: ReduceOp | None, what: str) -> tuple[Layout, tuple[int, ...],
-                                                             tuple[int, ...]]:
-    """Reinterpret the local values along ``axes`` as Partial (no data moves): the
-    layout, global shape and replicated axes to relabel. Partial axes keep their op
-    unless ``op`` is given; replicated and sharded axes become Partial(op or SUM). A
-    sharded dim shrinks to its local size, which must be the same on every device."""
-    mesh = layout.mesh
-    out_shape = list(shape)
-    dims = [list(d) for d in layout.dims]
-    partial = list(layout.partial)
-    names = mesh.axis_names
-    for a in axes:
-        if partial[a] is not None:
-            partial[a] = op or partial[a]
-            continue
-        d = layout.dim_of_axis(a)
-        if d is not None:
-            pieces = 1
-            for x in layout.dims[d]:
-                pieces *= mesh.mesh_shape[x]
-            # the input's split (not ``out_shape``, already shrunk by earlier axes of this dim)
-            if shape[d] % pieces:
-                raise ShardingError(
-                    f"{what} over mesh axis {names[a]!r} combines the local blocks of dim {d}, "
-                    f"but dim {d} (size {shape[d]}) is split unevenly into {pieces} pieces, "
-                    "so the blocks differ in shape. Make the dim divisible, or all_gather it "
-                    "first."
-                )
-            out_shape[d] //= mesh.mesh_shape[a]
-            dims[d].remove(a)
-        partial[a] = op or ReduceOp.SUM
-    new = Layout(mesh, tuple(tuple(d) for d in dims), tuple(partial))
-    split = tuple(a for a in axes if layout.partial[a] is None and layout.dim_of_axis(a) is None)
-    return new, tuple(out_shape), split
-
-
-def _relabelled(t: Tensor, split: tuple[int, ...], op: ReduceOp | None) -> Sequence[Any]:
-    # Replicated axes split into independent partials: their gradient is the sum
-    # over the replicas, which the backend installs here.
-    if not split:
-        return t.shards
-    return backend_for(t.mesh).relabel(t.shards, t.layout, split, op or ReduceOp.SUM)
-
-
-@functools.lru_cache(maxsize=4096)
-def _reduced_target(layout: Layout, axes: tuple[int, ...], scatter_dim: int | None) -> Layout:
-    """Target of all_reduce (``scatter_dim`` None) or reduce_scatter: ``axes`` no
-    longer Partial, and for reduce_scatter appended minor-most to ``scatter_dim``."""
-    partial = tuple(None if a in axes else o for a, o in enumerate(layout.partial))
-    if scatter_dim is None:
-        return layout.with_partial(partial)
-    dims = list(layout.dims)
-    dims[scatter_dim] = (*dims[scatter_dim], *axes)
-    return Layout(layout.mesh, tuple(dims), partial)
-
-
-@functools.lru_cache(maxsize=4096)
-def _reduce_recipe(layout: Layout, shape: tuple[int, ...], axes: tuple[int, ...],
-                   op: ReduceOp | None, what: str, scatter_dim: int | None, itemsize: int
-                   ) -> tuple[tuple[int, ...], tuple[int, ...], Layout, Plan]:
-    """Everything a reducing op decides from its input's type, computed once: the
-    replicated axes to relabel, the result's shape and layout, and the plan."""
-    new, out_shape, split = _partial_layout(layout, shape, axes, op, what)
-    target = _reduced_target(new, axes, scatter_dim)
-    return split, out_shape, target, make_plan(new, target, out_shape, itemsize)
-
-
-def _reduce(t: Tensor, axes: tuple[int, ...], op: ReduceOp | None, what: str,
-            scatter_dim: int | None) -> Tensor:
-    """The reducing ops' one path: relabel, then run the cached plan (one result
-    Tensor, no intermediate Partial Tensor: this is per-op overhead)."""
-    split, shape, target, plan = _reduce_recipe(t.layout, t.shape, axes, op, what,
-                                                scatter_dim, t.dtype.itemsize)
-    return Tensor(run_plan(t.mesh, plan, _relabelled(t, split, op)), target, shape, t.dtype)
-
-
-def _reduce_args(t: Tensor, reduce_axes: Any, reduce_op: Any,
-                 what: str) -> tuple[tuple[int, ...], ReduceOp | None]:
-    if reduce_axes is None:
-        axes = t.layout.partial_axes or tuple(range(t.mesh.ndim))
-    else:
-        axes = _mesh_axes(t.mesh, reduce_axes, f"{what} reduce_axes")
-    op = None if reduce_op is None else ReduceOp.parse(reduce_op)
-    return axes, op
-
-
-def all_reduce(sharded_tensor: Tensor, *, reduce_axes: Any = None, reduce_op: Any = None,
-               **kwargs: Any) -> Tensor:
-    """Combine the local values over mesh axes ``reduce_axes`` by ``reduce_op``
-    (reducing op); the result is Replicated over those axes.
-
-    On a Partial input this resolves the Partial: the global value is kept.
-    On a Replicated or Sharded input it combines the local values, as JAX's
-    psum does: on ``DeviceMesh(x=2)`` a Replicated ``v`` becomes ``2 * v``; a
-    ``Sharded(0)`` ``[a, b]`` becomes the Replicated ``[a + b]``. Defaults:
-    ``reduce_axes`` = the Partial axes if any, else every mesh axis;
-    ``reduce_op`` = the Partial's op, else SUM. Any of SUM/AVG/MIN/MAX/PROD.
-    Gradient of Partial(sum) -> Replicated: the identity into every partial.
-
-        device      CPU(0)      CPU(1)
-        before      p0          p1          Partial('sum')
-        after       p0 + p1     p0 + p1     Replicated (one shared buffer)
-    """
-    t = _need_tensor(sharded_tensor, "all_reduce")
-    if kwargs:
-        raise TypeError(f"all_reduce() got unexpected keyword arguments {sorted(kwargs)}.")
-    axes, op = _reduce_args(t, reduce_axes, reduce_op, "all_reduce")
-    return _reduce(t, axes, op, "all_reduce", None)
-
-
-def reduce_scatter(sharded_tensor: Tensor, axis: int, *, reduce_axes: Any = None,
-                   reduce_op: Any = None, **kwargs: Any) -> Tensor:
-    """Combine the local values over ``reduce_axes`` (as :func:`all_reduce`) and
-    scatter the result: those mesh axes then shard tensor dim ``axis``
-    (appended minor-most, in the order given). Uneven sizes follow the split
-    rule. Gradient: all_gather.
-
-        device      CPU(0)          CPU(1)
-        before      p0              p1              Partial('sum'), 4 rows
-        after       (p0+p1)[0:2]    (p0+p1)[2:4]    Sharded(0)
-    """
-    t = _need_tensor(sharded_tensor, "reduce_scatter")
-    if kwargs:
-        raise TypeError(f"reduce_scatter() got unexpected keyword arguments {sorted(kwargs)}.")
-    d = normalize_dim(axis, t.ndim, "reduce_scatter axis")
-    axes, op = _reduce_args(t, reduce_axes, reduce_op, "reduce_scatter")
-    return _reduce(t, axes, op, "reduce_scatter", d)
-
-
-# --- point to point ----------------------------------------------------------------------
-def _check_permutation(permutation: Any, n: int, where: str) -> dict[int, int]:
-    try:
-        pairs = [tuple(p) for p in permutation]
-    except TypeError:
-        raise ShardingError(
-            f"ppermute permutation must be a list of (src, dst) pairs. Got {permutation!r}."
-        ) from None
-    dst_to_src: dict[int, int] = {}
-    seen_src: set[int] = set()
-    for pair in pairs:
-        if len(pair) != 2 or not all(isinstance(i, int) and not isinstance(i, bool)
-                                     for i in pair):
-            raise ShardingError(
-                f"ppermute permutation entries are (src, dst) pairs of ints. Got {pair!r}."
-            )
-        src, dst = pair
-        for i in (src, dst):
-            if not 0 <= i < n:
-                raise ShardingError(
-                    f"ppermute pair {pair!r}: index {i} is out of range; {where} has {n} "
-                    f"devices, so indices must be in [0, {n})."
-                )
-        if src in seen_src:
-            raise ShardingError(
-                f"ppermute sends from device {src} twice in {pairs!r}: each source must "
-                "appear once."
-            )
-        if dst in dst_to_src:
-            raise ShardingError(
-                f"ppermute sends to device {dst} twice in {pairs!r}: each destination must "
-                "appear once."
-            )
-        seen_src.add(src)
-        dst_to_src[dst] = src
-    return dst_to_src
-
-
-@functools.lru_cache(maxsize=1024)
-def _ppermute_sources(layout: Layout, shape: tuple[int, ...], permutation: Any,
-                      axis_name: str | None) -> tuple[int | None, ...]:
-    """Validated ``source[k]`` (the device whose block device ``k`` receives) for a
-    permutation on a layout; cached, since validation walks every device."""
-    mesh = layout.mesh
-    if axis_name is None:
-        src_of = _check_permutation(permutation, mesh.num_devices, repr(mesh))
-        source = [src_of.get(k) for k in range(mesh.num_devices)]
-    else:
-        a = mesh.axis_index(axis_name)
-        src_of = _check_permutation(permutation, mesh.mesh_shape[a],
-                                    f"mesh axis {mesh.axis_names[a]!r}")
-        source = []
-        for k in range(mesh.num_devices):
-            coord = list(mesh.coord_of(k))
-            s = src_of.get(coord[a])
-            if s is None:
-                source.append(None)
-            else:
-                coord[a] = s
-                source.append(mesh.index_of(coord))
-    reps = rep_indices(layout)
-    for k, src in enumerate(source):
-        want = local_shape(shape, layout, mesh.coord_of(k))
-        r = reps[k]
-        if r != k:
-            rs = source[r]
-            if (src is None) != (rs is None) or (
-                    src is not None and rs is not None and reps[src] != reps[rs]):
-                axes = [mesh.axis_names[x] for x in range(mesh.ndim)
-                        if mesh.coord_of(k)[x] != mesh.coord_of(r)[x]]
-                raise ShardingError(
-                    f"ppermute {list(permutation)!r} would give replicas along mesh axes "
-                    f"{axes} different values (device {r} receives from {rs}, device {k} from "
-                    f"{src}), but the layout {layout} holds them Replicated. Permute along a "
-                    "sharded axis, or use a permutation that keeps replicas equal."
-                )
-            continue
-        if src is not None:
-            got = local_shape(shape, layout, mesh.coord_of(src))
-            if got != want:
-                raise ShardingError(
-                    f"ppermute sends device {src}'s block of shape {got} to device {k}, "
-                    f"whose block in layout {layout} has shape {want}: uneven shards cannot "
-                    "trade places. Make the sharded dims divisible by the mesh axis sizes."
-                )
-    return tuple(source)
-
-
-def ppermute(sharded_tensor: Tensor, permutation: Sequence[tuple[int, int]],
-             axis_name: str | None = None) -> Tensor:
-    """Point-to-point permutation: for each ``(src, dst)`` pair, device ``dst``
-    receives device ``src``'s local value; devices that receive nothing get
-    zeros. Indices are flat over the mesh, or positions along ``axis_name``.
-    The layout is kept. Gradient: the inverse permutation.
-
-    On ``DeviceMesh(x=2)``, ``Sharded(0)``, ``permutation=[(0, 1), (1, 0)]``::
-
-        device      CPU(0)      CPU(1)
-        before      x[0:2]      x[2:4]
-        after       x[2:4]      x[0:2]
-    """
-    t = _need_tensor(sharded_tensor, "ppermute")
-    mesh, layout = t.mesh, t.layout
-    try:
-        key = tuple(tuple(p) for p in permutation)
-        hash(key)
-    except TypeError:
-        key = None  # not pairs: let the checks below say what is wrong
-    source = (_ppermute_sources(layout, t.shape, key, axis_name) if key is not None
-              else _ppermute_sources.__wrapped__(layout, t.shape, permutation, axis_name))
-    if comm.active():
-        moved = max((math.prod(local_shape(t.shape, layout, mesh.coord_of(k)))
-                     for k, s in enumerate(source) if s is not None and s != k), default=0)
-        comm.record("ppermute", moved * t.dtype.itemsize)
-    out = backend_for(mesh).permute(t.shards, layout, source, t.shape)
-    return Tensor(out, layout, t.shape, t.dtype)
