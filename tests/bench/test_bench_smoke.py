@@ -101,4 +101,4 @@ def test_gloo_section_tiny() -> None:
     assert {"meta", "notes", "large", "small", "primitive_choice", "validation"} <= set(res)
     for r in res["large"]:
         assert {"case", "shardwise_ms", "raw_ms", "dtensor_ms", "shardwise_over_raw"} <= set(r)
-    assert "\n".join(gloo.tables(res))
+    assert "\n".join(gloo.gloo_tables(res))

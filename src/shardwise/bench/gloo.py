@@ -39,7 +39,8 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, init_device_mesh
 from torch.distributed.tensor import Partial as DPartial
 
 import shardwise as sw
-from shardwise.bench.common import dist_time, fmt, launch, ratio, write_json
+from shardwise.bench.common import dist_time, launch, ratio, write_json
+from shardwise.bench.report import gloo_tables
 from shardwise.sharding import DeviceMesh, Partial, PlacementMapping, Replicated, Sharded
 
 __all__ = ["main", "parser", "report", "run"]
@@ -435,48 +436,9 @@ def rank_body(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
-def table(rows: list[dict[str, Any]], unit: str) -> list[str]:
-    lines = [f"{'case':44} {'shardwise ' + unit:>13} {'raw ' + unit:>9} "
-             f"{'DTensor ' + unit:>11} {'sw/raw':>7} {'DT/sw':>6}"]
-    for r in rows:
-        lines.append(f"{r['case']:44} {fmt(r['shardwise_' + unit], 13)} "
-                     f"{fmt(r['raw_' + unit], 9)} {fmt(r['dtensor_' + unit], 11)} "
-                     f"{fmt(r['shardwise_over_raw'], 7)} {fmt(r['dtensor_over_shardwise'], 6)}")
-        if r["raw_bare_" + unit] is not None:
-            lines.append(f"{'   raw bare: ' + r['raw_bare_desc']:44.44} {'':13} "
-                         f"{fmt(r['raw_bare_' + unit], 9)} {'':11} "
-                         f"{fmt(r['shardwise_over_raw_bare'], 7)}")
-    return lines
-
-
-def tables(res: dict[str, Any]) -> list[str]:
-    """The Gloo results as text lines."""
-    m = res["meta"]
-    lines = [f"{m['tensor']} float32 ({m['bytes'] / 2**20:.0f} MiB) on {m['world_size']} Gloo "
-             f"ranks ({m['launcher']}), torch {m['torch']}, {m['threads_per_rank']} thread/rank, "
-             f"{m['cpu_count']} CPUs; median of {m['repeat']}, max over ranks",
-             *table(res["large"], "ms"),
-             "raw = " + "; ".join(r["raw_desc"] for r in res["large"]),
-             "DTensor = DTensor.from_local(...).redistribute(mesh, [target]).to_local()",
-             f"\nper-op overhead, {m['small_shape']} float32, median of {m['small_repeat']}:",
-             *table(res["small"], "us")]
-    if res["primitive_choice"]:
-        lines += [f"\nprimitive_choice (Gloo, {m['tensor']} float32):",
-                  f"{'step':22} {'option':52} {'ms':>9} {'x fastest':>10}"]
-        for p in res["primitive_choice"]:
-            for o in p["options"]:
-                mark = (" <- fastest" if o["option"] == p["fastest"]
-                        else "" if o["eligible"] else " (reference only)")
-                lines.append(f"{p['step']:22} {o['option']:52} {o['ms']:9.2f} "
-                             f"{o['x_fastest']:10.2f}{mark}")
-    lines.append("all results validated (shardwise == raw: bit-exact for moves, allclose for "
-                 "reductions)")
-    return lines
-
-
 def report(res: dict[str, Any], out: str) -> None:
     path = write_json(out, res)
-    print("\n".join(tables(res)) + f"\nJSON: {path}")
+    print("\n".join(gloo_tables(res)) + f"\nJSON: {path}")
 
 
 def parser() -> argparse.ArgumentParser:

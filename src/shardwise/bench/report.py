@@ -6,7 +6,7 @@ from typing import Any
 
 from shardwise.bench.common import fmt
 
-__all__ = ["TARGETS", "check_targets", "simulated_tables", "tables"]
+__all__ = ["TARGETS", "check_targets", "gloo_tables", "simulated_tables", "tables"]
 
 MiB = 2**20
 TRANSITIONS = ("S(0)->R", "S(0)->S(1)", "P->R", "P->S(0)")
@@ -138,8 +138,6 @@ def tables(res: dict[str, Any]) -> str:
     if res.get("profile"):
         lines += _profile(res["profile"])
     if res.get("gloo"):
-        from shardwise.bench.gloo import tables as gloo_tables
-
         lines += ["", *gloo_tables(res["gloo"])]
     elif res.get("gloo_skipped"):
         lines.append(f"\nGloo: {res['gloo_skipped']}")
@@ -156,3 +154,42 @@ def tables(res: dict[str, Any]) -> str:
                 lines.append(f"      missed: {t['scope']}: {fmt(t['value'], 0)} {t['unit']} "
                              f"(limit {t['limit']:g})")
     return "\n".join(lines)
+
+
+def _gloo_table(rows: list[dict[str, Any]], unit: str) -> list[str]:
+    lines = [f"{'case':44} {'shardwise ' + unit:>13} {'raw ' + unit:>9} "
+             f"{'DTensor ' + unit:>11} {'sw/raw':>7} {'DT/sw':>6}"]
+    for r in rows:
+        lines.append(f"{r['case']:44} {fmt(r['shardwise_' + unit], 13)} "
+                     f"{fmt(r['raw_' + unit], 9)} {fmt(r['dtensor_' + unit], 11)} "
+                     f"{fmt(r['shardwise_over_raw'], 7)} {fmt(r['dtensor_over_shardwise'], 6)}")
+        if r["raw_bare_" + unit] is not None:
+            lines.append(f"{'   raw bare: ' + r['raw_bare_desc']:44.44} {'':13} "
+                         f"{fmt(r['raw_bare_' + unit], 9)} {'':11} "
+                         f"{fmt(r['shardwise_over_raw_bare'], 7)}")
+    return lines
+
+
+def gloo_tables(res: dict[str, Any]) -> list[str]:
+    """The Gloo results as text lines."""
+    m = res["meta"]
+    lines = [f"{m['tensor']} float32 ({m['bytes'] / 2**20:.0f} MiB) on {m['world_size']} Gloo "
+             f"ranks ({m['launcher']}), torch {m['torch']}, {m['threads_per_rank']} thread/rank, "
+             f"{m['cpu_count']} CPUs; median of {m['repeat']}, max over ranks",
+             *_gloo_table(res["large"], "ms"),
+             "raw = " + "; ".join(r["raw_desc"] for r in res["large"]),
+             "DTensor = DTensor.from_local(...).redistribute(mesh, [target]).to_local()",
+             f"\nper-op overhead, {m['small_shape']} float32, median of {m['small_repeat']}:",
+             *_gloo_table(res["small"], "us")]
+    if res["primitive_choice"]:
+        lines += [f"\nprimitive_choice (Gloo, {m['tensor']} float32):",
+                  f"{'step':22} {'option':52} {'ms':>9} {'x fastest':>10}"]
+        for p in res["primitive_choice"]:
+            for o in p["options"]:
+                mark = (" <- fastest" if o["option"] == p["fastest"]
+                        else "" if o["eligible"] else " (reference only)")
+                lines.append(f"{p['step']:22} {o['option']:52} {o['ms']:9.2f} "
+                             f"{o['x_fastest']:10.2f}{mark}")
+    lines.append("all results validated (shardwise == raw: bit-exact for moves, allclose for "
+                 "reductions)")
+    return lines
