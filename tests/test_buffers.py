@@ -1,18 +1,33 @@
-"""Fresh host buffers: huge-page advice for large mapped blocks, values intact."""
+"""Fresh host buffers: the pool of large results, huge-page advice, values intact."""
 
 from __future__ import annotations
 
+import gc
 import resource
+from collections.abc import Iterator
 
+import pytest
 import torch
 
 from shardwise.runtime import buffers
+
+BIG = 40 * 2**20 // 4  # 40 MiB of float32: above glibc's mmap cap (buffers.MAPPED)
 
 
 def _faults_touching(t: torch.Tensor) -> int:
     before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
     t.fill_(1.0)
     return resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
+
+
+@pytest.fixture
+def pool() -> Iterator[None]:
+    was = buffers.pool_limit()
+    buffers.set_pool_limit(0)  # start empty
+    buffers.set_pool_limit(512 * 2**20)
+    yield
+    buffers.set_pool_limit(0)
+    buffers.set_pool_limit(was)
 
 
 def test_empty_is_new_empty() -> None:
@@ -23,15 +38,74 @@ def test_empty_is_new_empty() -> None:
     assert t.untyped_storage().data_ptr() != like.untyped_storage().data_ptr()
 
 
-def test_large_block_gets_huge_pages_when_the_kernel_allows() -> None:
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int64, torch.complex64])
+def test_pooled_buffer_is_a_plain_tensor(pool: None, dtype: torch.dtype) -> None:
+    like = torch.zeros(1, dtype=dtype)
+    t = buffers.empty((BIG // 1024, 1024), like)
+    assert t.shape == (BIG // 1024, 1024) and t.dtype == dtype and t.is_contiguous()
+    assert not t.requires_grad
+    t.fill_(3)
+    assert bool(t.eq(3).all())
+    assert torch.equal(t.clone(), t)
+
+
+def test_pool_reuses_a_dead_result_without_page_faults(pool: None) -> None:
     like = torch.empty(0)
-    n = 40 * 2**20 // 4  # 40 MiB of float32: above glibc's mmap cap, so a fresh mapping
+    first = buffers.empty((BIG,), like)
+    ptr = first.data_ptr()
+    _faults_touching(first)
+    del first
+    gc.collect()
+    again = buffers.empty((BIG,), like)
+    assert again.data_ptr() == ptr
+    assert _faults_touching(again) < 64
+
+
+def test_pool_never_lends_a_live_buffer_twice(pool: None) -> None:
+    like = torch.empty(0)
+    a = buffers.empty((BIG,), like)
+    view = a[10:20]  # a view keeps the buffer lent
+    a_ptr = a.data_ptr()
+    del a
+    gc.collect()
+    b = buffers.empty((BIG,), like)
+    assert b.data_ptr() != a_ptr
+    view.fill_(7.0)
+    b.fill_(0.0)
+    assert bool(view.eq(7.0).all())
+
+
+def test_pool_keeps_at_most_its_limit(pool: None) -> None:
+    like = torch.empty(0)
+    size = -(-BIG * 4 // (2 * 2**20)) * 2 * 2**20
+    buffers.set_pool_limit(size)
+    a, b = buffers.empty((BIG,), like), buffers.empty((BIG,), like)
+    del a, b
+    gc.collect()
+    assert buffers._pool.idle_bytes == size
+    with pytest.raises(ValueError, match=">= 0"):
+        buffers.set_pool_limit(-1)
+
+
+def test_pool_off_allocates_fresh(pool: None) -> None:
+    buffers.set_pool_limit(0)
+    like = torch.empty(0)
+    a = buffers.empty((BIG,), like)
+    assert buffers._pool.idle_bytes == 0
+    del a
+    gc.collect()
+    assert buffers._pool.idle_bytes == 0
+
+
+def test_large_block_gets_huge_pages_when_the_kernel_allows(pool: None) -> None:
+    buffers.set_pool_limit(0)  # plain allocations: advice is all that differs
+    like = torch.empty(0)
     was = buffers.huge_pages()
     try:
         buffers.set_huge_pages(False)
-        plain = _faults_touching(buffers.empty((n,), like))
+        plain = _faults_touching(buffers.empty((BIG,), like))
         assert buffers.set_huge_pages(True) == was
-        t = buffers.empty((n,), like)
+        t = buffers.empty((BIG,), like)
         advised = _faults_touching(t)
         assert bool(t.eq(1.0).all())
     finally:

@@ -2,28 +2,40 @@
 
 glibc maps every block above its mmap threshold (at most 32 MiB) fresh and
 unmaps it on free, so each new 64 MiB result faults in 16384 4-KiB pages: on a
-2-core host that costs ~3 copies of its bytes. Two remedies:
+2-core host that costs ~3 copies of its bytes (far more on a VM whose host
+backs guest pages lazily). Large results of shardwise ops come from
+:func:`empty`, which avoids that:
 
-- :func:`empty` (on by default, per buffer): such blocks are advised to use
-  transparent huge pages (``madvise(MADV_HUGEPAGE)``, when the kernel's THP
-  mode is ``madvise``), so they fault in 2 MiB pages: 64 MiB costs ~1.5 copies
-  instead of ~3.5. Nothing outside the buffer changes.
-- :func:`set_buffer_reuse` (opt-in, process-wide): glibc serves every block
-  from its heap and keeps freed memory, so new results reuse dead ones' pages.
+- **The pool** (on by default, :func:`set_pool_limit`): a result above 32 MiB
+  is written into an anonymous mapping lent from a pool; when the result's
+  storage dies, the mapping returns to the pool with its pages still mapped,
+  so the next result of that size faults nothing. At most 512 MiB stay idle.
+- **Huge pages** (with the pool off, or for a new mapping): blocks are advised
+  to use transparent huge pages (``madvise(MADV_HUGEPAGE)``, when the kernel's
+  THP mode is ``madvise``): they fault in 2 MiB pages, 64 MiB costs ~1.5 copies.
+- :func:`set_buffer_reuse` (opt-in, process-wide, glibc ``mallopt``): glibc
+  serves every block from its heap and keeps freed memory; :func:`empty` then
+  leaves allocation to it.
 """
 
 from __future__ import annotations
 
 import ctypes
 import functools
+import math
+import mmap
 import platform
+import threading
+import weakref
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
-__all__ = ["MAPPED", "buffer_reuse", "empty", "huge_pages", "set_buffer_reuse", "set_huge_pages"]
+__all__ = ["MAPPED", "buffer_reuse", "empty", "huge_pages", "pool_limit", "set_buffer_reuse",
+           "set_huge_pages", "set_pool_limit"]
 
 _M_TRIM_THRESHOLD, _M_MMAP_MAX = -1, -4  # glibc mallopt parameters (malloc.h)
 _GLIBC_MMAP_MAX, _GLIBC_TRIM_THRESHOLD = 65536, 128 * 1024  # glibc's defaults
@@ -116,17 +128,97 @@ def huge_pages() -> bool:
     return _huge and _thp_madvise()
 
 
+def _advise_huge(address: int, nbytes: int) -> None:
+    start = -(-address // _HUGE) * _HUGE
+    end = (address + nbytes) // _HUGE * _HUGE
+    if end > start and huge_pages():
+        _libc().madvise(start, end - start, _MADV_HUGEPAGE)  # advice: failure is harmless
+
+
+# --- the pool of large result buffers ------------------------------------------------------
+class _Pool:
+    """Idle anonymous mappings by size (rounded up to 2 MiB), at most ``limit`` bytes.
+    A mapping is lent to one result; when that result's storage dies (the numpy
+    array that owns it is collected), the mapping comes back here with its pages
+    still mapped, so the next result of that size page-faults nothing."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.idle: dict[int, list[mmap.mmap]] = {}
+        self.idle_bytes = 0
+        self.lock = threading.Lock()
+
+    def take(self, size: int) -> mmap.mmap:
+        with self.lock:
+            free = self.idle.get(size)
+            if free:
+                self.idle_bytes -= size
+                return free.pop()
+        mm = mmap.mmap(-1, size)
+        address = ctypes.addressof(ctypes.c_char.from_buffer(mm))
+        _advise_huge(address, size)  # (the ctypes export ends with this statement)
+        return mm
+
+    def give(self, mm: mmap.mmap) -> None:
+        # Called while the dying array still holds its export of ``mm``: keep or drop
+        # the reference, never close (the mapping goes when its last reference does).
+        size = len(mm)
+        with self.lock:
+            if self.idle_bytes + size <= self.limit:
+                self.idle.setdefault(size, []).append(mm)
+                self.idle_bytes += size
+
+    def clear(self) -> None:
+        with self.lock:
+            self.idle, self.idle_bytes = {}, 0
+
+
+_pool = _Pool(512 * 2**20)
+
+
+def set_pool_limit(nbytes: int) -> None:
+    """Keep at most ``nbytes`` of idle large result buffers for reuse (default 512 MiB;
+    0 turns the pool off and frees what it holds)."""
+    if nbytes < 0:
+        raise ValueError(f"set_pool_limit needs a byte count >= 0, got {nbytes}.")
+    _pool.limit = nbytes
+    if nbytes == 0:
+        _pool.clear()
+
+
+def pool_limit() -> int:
+    """The idle-byte limit of the large-result pool (0: off)."""
+    return _pool.limit
+
+
+def _pooled(shape: Sequence[int], dtype: torch.dtype, nbytes: int) -> torch.Tensor:
+    size = -(-nbytes // _HUGE) * _HUGE
+    mm = _pool.take(size)
+    owner = np.frombuffer(mm, dtype=np.uint8, count=nbytes)
+    done = weakref.finalize(owner, _pool.give, mm)  # runs when the last view of it dies
+    done.atexit = False
+    return torch.from_numpy(owner).view(dtype).view(tuple(shape))
+
+
+def _modes_active() -> bool:
+    """True under a torch dispatch mode (e.g. FakeTensorMode), where new tensors are
+    not plain memory."""
+    count = getattr(torch._C, "_len_torch_dispatch_mode", None)
+    return bool(count()) if count is not None else False
+
+
 def empty(shape: Sequence[int], like: torch.Tensor) -> torch.Tensor:
     """``like.new_empty(shape)``, for a result about to be written whole. A host block
-    that glibc maps fresh (above 32 MiB, buffer reuse off) is advised to use huge
-    pages before its first touch. Why only those: a fresh mapping is the buffer's
-    own, so the advice dies with it; advising heap memory would split the heap's
-    mapping for good."""
+    that glibc would map fresh (above 32 MiB, buffer reuse off) instead comes from the
+    pool of large result buffers (pages already mapped: no page faults), or, with the
+    pool off, is advised to use huge pages before its first touch. Why not advise
+    every block: advising heap memory would split the heap's mapping for good."""
+    nbytes = math.prod(shape) * like.element_size()
+    if (nbytes <= MAPPED or nbytes == 0 or _enabled or like.device.type != "cpu"
+            or type(like) is not torch.Tensor or _modes_active()):
+        return like.new_empty(shape)  # (fake/meta tensors and dispatch modes: no memory)
+    if _pool.limit > 0:
+        return _pooled(shape, like.dtype, nbytes)
     t = like.new_empty(shape)
-    nbytes = t.numel() * t.element_size()
-    if nbytes > MAPPED and not _enabled and t.device.type == "cpu" and huge_pages():
-        start = -(-t.data_ptr() // _HUGE) * _HUGE
-        end = (t.data_ptr() + nbytes) // _HUGE * _HUGE
-        if end > start:
-            _libc().madvise(start, end - start, _MADV_HUGEPAGE)  # advice: failure is harmless
+    _advise_huge(t.data_ptr(), nbytes)
     return t

@@ -128,9 +128,9 @@ def _transpose(shards: Sequence[torch.Tensor], plan: Any) -> list[torch.Tensor] 
     block[e] = c
     block[d] = sum(t.shape[d] for t in srcs)
     nbytes = math.prod(block) * count * first.element_size()
-    if nbytes > MMAP_MAX and not buffers.buffer_reuse():
-        return None  # (with huge pages too: measured 1.6x slower than a cat per target)
-    out = first.new_empty((count, *block))
+    if nbytes > MMAP_MAX and not (buffers.buffer_reuse() or buffers.pool_limit()):
+        return None  # fresh huge pages too: measured 1.6x slower than a cat per target
+    out = buffers.empty((count, *block), first)
     offset = 0
     for t in srcs:
         length = t.shape[d]

@@ -17,10 +17,10 @@ Invariants:
     more than 3 terms are one ``stack().sum()`` when no gradient is recorded;
   - large tensors: targets are built block by block into contiguous buffers;
     an all_to_all fills one buffer with one strided copy per source when that
-    buffer is at most 32 MiB or buffer reuse is on (glibc maps larger fresh
-    blocks with mmap, whose page faults cost more than the saving), else one
-    ``cat`` per target; above 32 MiB reduce_scatter reduces each target block
-    on its own.
+    buffer is at most 32 MiB or comes from the result pool / reused heap
+    (a fresh mmap's page faults cost more than the saving), else one ``cat``
+    per target; above 32 MiB reduce_scatter reduces each target block on its
+    own. Results above 32 MiB come from :func:`buffers.empty` (the pool).
 - Targets whose source pieces are adjacent views of one buffer (and no
   gradient is being recorded) are returned as views of it: no copy (large
   tensors; the check costs more than a small copy).
