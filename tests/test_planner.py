@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from shardwise.planner import COLLECTIVES, Plan, Step, make_plan
+from shardwise.planner import COLLECTIVES, Plan, Step, make_plan, permute_sources
 from shardwise.sharding import DeviceMesh, Layout, ReduceOp
 
 SUM, AVG, MIN, MAX, PROD = ReduceOp.SUM, ReduceOp.AVG, ReduceOp.MIN, ReduceOp.MAX, ReduceOp.PROD
@@ -208,10 +208,46 @@ def test_uneven_pieces_that_do_not_nest() -> None:
     check_chain(plan)
 
 
-def test_reorder_of_axes_on_one_dim() -> None:
+def test_reorder_of_axes_on_one_dim_is_one_permute() -> None:
     plan = make_plan(lay(M22, ((0, 1), ())), lay(M22, ((1, 0), ())), (8, 8), 4)
     check_chain(plan)
-    assert plan.steps and plan.steps[-1].after == lay(M22, ((1, 0), ()))
+    assert summary(plan) == [("permute", (0, 1), 0, None, None)]
+    assert plan.bytes_per_device == 2 * 8 * 4  # one block each
+    # uneven: the blocks differ by order (9 rows: [3, 2, 2, 2] vs the same sizes on
+    # other devices), so it stays a gather and a slice
+    plan = make_plan(lay(M22, ((0, 1), ())), lay(M22, ((1, 0), ())), (9, 8), 4)
+    assert [s.kind for s in plan.steps] == ["all_gather", "slice"]
+    # with a Partial axis and another sharded dim alongside, only the dim permutes
+    m = DeviceMesh.cpu((2, 3, 2), ("a", "b", "c"))
+    src = lay(m, ((0, 1), (2,)))
+    dst = lay(m, ((1, 0), (2,)))
+    assert summary(make_plan(src, dst, (12, 4), 4)) == [("permute", (0, 1), 0, None, None)]
+    srcp, dstp = lay(m, ((0, 1), ()), (None, None, SUM)), lay(m, ((1, 0), ()), (None, None, SUM))
+    assert [s.kind for s in make_plan(srcp, dstp, (6, 4), 4).steps] == ["permute"]
+
+
+@pytest.mark.parametrize("shape", [(2, 3, 2), (3, 2), (2, 2, 2, 2)], ids=str)
+def test_permute_sources_is_a_bijection_holding_the_right_block(shape: tuple) -> None:
+    names = tuple("abcd"[: len(shape)])
+    m = DeviceMesh.cpu(shape, names)
+    axes = tuple(range(len(shape)))
+    rows = 1
+    for s in shape:
+        rows *= s
+    for order in [axes[::-1], axes[1:] + axes[:1]]:
+        plan = make_plan(lay(m, (axes, ())), lay(m, (order, ())), (rows, 1), 4)
+        (step,) = plan.steps
+        source = permute_sources(step)
+        assert sorted(source) == list(range(m.num_devices))
+
+        def block(layout: Layout, k: int) -> int:
+            index, coord = 0, m.coord_of(k)
+            for a in layout.dims[0]:
+                index = index * m.mesh_shape[a] + coord[a]
+            return index
+
+        for k in range(m.num_devices):
+            assert block(step.after, k) == block(step.before, source[k])
 
 
 # --- accounting, printing, caching, purity ---------------------------------------------

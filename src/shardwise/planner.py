@@ -15,6 +15,11 @@ Transition table (per mesh axis ``a``; ``S(d)`` = shards tensor dim ``d``):
     P(op)         P(op2)        all_reduce, then make_partial
     R             P(op)         make_partial     local: identity element off the root
     S(d)          P(op)         all_gather, then make_partial
+    S(a,b)        S(b,a)        permute          each device sends its block to one peer
+
+The last row: a dim split over the same mesh axes in another order (evenly)
+holds the same blocks on other devices, so one point-to-point permutation moves
+them (a relabelling on the simulated mesh) instead of a gather and a slice.
 
 Order: all_to_all moves first, then slices (shrink the data), then partial
 resolution on the smallest data (reduce_scatter where the target shards the
@@ -36,9 +41,9 @@ from shardwise.sharding.layout import Layout
 from shardwise.sharding.placements import ReduceOp
 from shardwise.sharding.shapes import split_bounds
 
-__all__ = ["Plan", "Step", "make_plan"]
+__all__ = ["Plan", "Step", "make_plan", "permute_sources"]
 
-COLLECTIVES = frozenset({"all_gather", "all_to_all", "all_reduce", "reduce_scatter"})
+COLLECTIVES = frozenset({"all_gather", "all_to_all", "all_reduce", "reduce_scatter", "permute"})
 
 
 @dataclass(frozen=True, slots=True)
@@ -168,6 +173,8 @@ class _Builder:
             moved = int(2 * self.block_bytes(after) * frac)
         elif kind in ("reduce_scatter", "all_to_all"):
             moved = int(self.block_bytes(before) * frac)
+        elif kind == "permute":
+            moved = self.block_bytes(before)
         else:
             moved = 0
         self.steps.append(Step(kind, axes, before, after, dim, dim2, op, moved))
@@ -292,7 +299,14 @@ def make_plan(src: Layout, dst: Layout, shape: tuple[int, ...], itemsize: int) -
                 partial[a] = None
             b.add("all_reduce", group, b.cur.with_partial(tuple(partial)), op=op)
 
-    # 4. all_gather what must leave each dim (whole dim when uneven pieces don't nest).
+    # 4. a dim split evenly over the target's axes in another order: one permutation.
+    for d in range(ndim):
+        cur, want = b.cur.dims[d], dst.dims[d]
+        if (cur != want and sorted(cur) == sorted(want)
+                and shape[d] % b.sizes(cur) == 0):
+            b.add("permute", cur, b.cur.with_dims(_replace_dim(b.cur, d, want)), d)
+
+    # 5. all_gather what must leave each dim (whole dim when uneven pieces don't nest).
     for d in range(ndim):
         if prefix(d):
             continue
@@ -307,7 +321,7 @@ def make_plan(src: Layout, dst: Layout, shape: tuple[int, ...], itemsize: int) -
         after = b.cur.with_dims(_replace_dim(b.cur, d, cur[:keep]))
         b.add("all_gather", cur[keep:], after, d)
 
-    # 5. the remaining slices (a whole dim is always sliceable from replicated).
+    # 6. the remaining slices (a whole dim is always sliceable from replicated).
     slice_ready()
     for d in range(ndim):
         if b.cur.dims[d] != dst.dims[d]:
@@ -317,7 +331,7 @@ def make_plan(src: Layout, dst: Layout, shape: tuple[int, ...], itemsize: int) -
             after = b.cur.with_dims(_replace_dim(b.cur, d, dst.dims[d]))
             b.add("slice", dst.dims[d], after, d)
 
-    # 6. make_partial: replicated axes the target holds as Partial, outer (lower) mesh
+    # 7. make_partial: replicated axes the target holds as Partial, outer (lower) mesh
     # axes first: reduction runs last axis first, so an outer axis's identity elements
     # must be laid down before inner axes split them. Neighbours of one op are merged.
     make = [a for a in range(b.cur.mesh.ndim)
@@ -334,3 +348,23 @@ def make_plan(src: Layout, dst: Layout, shape: tuple[int, ...], itemsize: int) -
 
     assert b.cur == dst, f"planner did not reach the target: {b.cur} != {dst}"
     return Plan(src, dst, shape, itemsize, tuple(b.steps))
+
+
+@functools.lru_cache(maxsize=1024)
+def permute_sources(step: Step) -> tuple[int, ...]:
+    """For a ``permute`` step: ``source[k]``, the device whose ``before`` block is
+    device ``k``'s ``after`` block (dim ``step.dim`` is split over the same axes in
+    another order; every other coordinate is kept)."""
+    assert step.kind == "permute" and step.dim is not None
+    mesh = step.before.mesh
+    old, new = step.before.dims[step.dim], step.after.dims[step.dim]
+    out = []
+    for k in range(mesh.num_devices):
+        coord = list(mesh.coord_of(k))
+        index = 0  # this device's block along the dim, in the ``after`` order
+        for a in new:
+            index = index * mesh.mesh_shape[a] + coord[a]
+        for a in reversed(old):  # the device holding that block in the ``before`` order
+            index, coord[a] = divmod(index, mesh.mesh_shape[a])
+        out.append(mesh.index_of(coord))
+    return tuple(out)

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 import torch.autograd.forward_ad as fwAD
 
-from shardwise.planner import Plan, Step
+from shardwise.planner import Plan, Step, permute_sources
 from shardwise.runtime import collectives as D
 from shardwise.runtime import functions as F
 from shardwise.sharding.layout import Layout
@@ -115,6 +115,8 @@ def _recording(x: torch.Tensor) -> bool:
 
 def run_step(step: Step, shards: Sequence[torch.Tensor | None], shape: tuple[int, ...]
              ) -> Shards:
+    if step.kind == "permute":
+        return permute(shards, step.after, permute_sources(step), shape)
     mesh = step.before.mesh
     out: list[torch.Tensor | None] = [None] * mesh.num_devices
     k = D.my_index(mesh)

@@ -40,7 +40,7 @@ from typing import Any, TypeAlias
 
 import torch
 
-from shardwise.planner import Plan, Step
+from shardwise.planner import Plan, Step, permute_sources
 from shardwise.runtime import blocks, buffers
 from shardwise.runtime import host_paths as hp
 from shardwise.runtime.blocks import rep_indices
@@ -300,6 +300,8 @@ def run_step(step: Step, shards: Sequence[torch.Tensor], shape: tuple[int, ...])
     if kind == "make_partial":
         assert step.reduce_op is not None
         return make_partial(shards, step.before, step.axes, step.reduce_op)
+    if kind == "permute":
+        return permute(shards, step.after, permute_sources(step), shape)
     raise AssertionError(f"unknown step kind {kind!r}")
 
 
