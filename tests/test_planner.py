@@ -226,6 +226,20 @@ def test_reorder_of_axes_on_one_dim_is_one_permute() -> None:
     assert [s.kind for s in make_plan(srcp, dstp, (6, 4), 4).steps] == ["permute"]
 
 
+def test_dims_trading_axes_move_by_all_to_all_and_permute() -> None:
+    m = DeviceMesh.cpu((2, 4), ("dp", "tp"))
+    plan = make_plan(lay(m, ((0,), (1,))), lay(m, ((1,), (0,))), (16, 16), 4)
+    check_chain(plan)
+    assert [s.kind for s in plan.steps] == ["all_to_all", "permute", "all_to_all"]
+    assert plan.bytes_per_device == 64 + 128 + 96  # against 896 for gather + slice
+    plan = make_plan(lay(m, ((0,), (1,))), lay(m, ((1, 0), ())), (16, 16), 4)
+    assert [s.kind for s in plan.steps] == ["all_to_all", "permute"]
+    # uneven: no permute (block sizes depend on the order), gather instead
+    plan = make_plan(lay(m, ((0,), (1,))), lay(m, ((1,), (0,))), (6, 6), 4)
+    check_chain(plan)
+    assert "permute" not in [s.kind for s in plan.steps]
+
+
 @pytest.mark.parametrize("shape", [(2, 3, 2), (3, 2), (2, 2, 2, 2)], ids=str)
 def test_permute_sources_is_a_bijection_holding_the_right_block(shape: tuple) -> None:
     names = tuple("abcd"[: len(shape)])

@@ -20,6 +20,10 @@ Transition table (per mesh axis ``a``; ``S(d)`` = shards tensor dim ``d``):
 The last row: a dim split over the same mesh axes in another order (evenly)
 holds the same blocks on other devices, so one point-to-point permutation moves
 them (a relabelling on the simulated mesh) instead of a gather and a slice.
+Dims that trade axes (``[S(dp), S(tp)] -> [S(tp), S(dp)]``) go all_to_all,
+permute, all_to_all: when no plain all_to_all applies, an axis moves into the
+dim that wants it out of order, and a permute then puts that dim's target
+prefix first and its leaving axes minor-most, where all_to_all can take them.
 
 Order: all_to_all moves first, then slices (shrink the data), then partial
 resolution on the smallest data (reduce_scatter where the target shards the
@@ -211,23 +215,64 @@ def make_plan(src: Layout, dst: Layout, shape: tuple[int, ...], itemsize: int) -
                 and _nests(shape[d], b.pieces(d), b.sizes(axes)))
 
     # 1. all_to_all: move an axis that must leave dim d to the dim that needs it next.
-    changed = True
-    while changed:
-        changed = False
+    def move(d: int, e: int, a: int) -> None:
+        after = b.cur.with_dims(_replace_dim(
+            b.cur.with_dims(_replace_dim(b.cur, d, b.cur.dims[d][:-1])), e, (*b.cur.dims[e], a)))
+        b.add("all_to_all", (a,), after, d, e)
+
+    def leaves_evenly(d: int) -> bool:
+        """The minor-most axis of dim ``d`` can leave it (the rest's pieces nest)."""
+        cur = b.cur.dims[d]
+        return _nests(shape[d], math.prod(b.cur.mesh.mesh_shape[x] for x in cur[:-1]),
+                      b.sizes(cur[-1:]))
+
+    def reorderable(e: int, axes: tuple[int, ...]) -> bool:
+        """Dim ``e`` holding ``axes`` (evenly) can be permuted into the target's prefix
+        followed by the axes that must still leave it."""
+        stay = [x for x in axes if x in dst.dims[e]]
+        return (sorted(stay) == sorted(dst.dims[e][: len(stay)])
+                and shape[e] % b.sizes(axes) == 0)
+
+    for _ in range(4 * src.mesh.ndim + 1):  # each round ends stuck, or places an axis
+        changed = True
+        while changed:
+            changed = False
+            for d in range(ndim):
+                cur = b.cur.dims[d]
+                if not cur or prefix(d):
+                    continue
+                for e in range(ndim):
+                    if e != d and can_append(e, cur[-1:]) and leaves_evenly(d):
+                        move(d, e, cur[-1])
+                        changed = True
+                        break
+        # Stuck (e.g. dims trading axes: [S(dp), S(tp)] -> [S(tp), S(dp)]): move an axis
+        # into the dim that wants it although that dim's order is not right yet, then
+        # permute that dim (target prefix first, leaving axes minor-most) so the plain
+        # moves above can go on. Each such move puts an axis in its final dim.
+        progressed = False
         for d in range(ndim):
             cur = b.cur.dims[d]
-            if not cur or prefix(d):
+            if not cur or prefix(d) or not leaves_evenly(d):
                 continue
             a = cur[-1]
-            rest = cur[:-1]
-            for e in range(ndim):
-                if e != d and can_append(e, (a,)) and _nests(shape[d], math.prod(
-                        b.cur.mesh.mesh_shape[x] for x in rest), b.sizes((a,))):
-                    after = b.cur.with_dims(_replace_dim(
-                        b.cur.with_dims(_replace_dim(b.cur, d, rest)), e, (*b.cur.dims[e], a)))
-                    b.add("all_to_all", (a,), after, d, e)
-                    changed = True
-                    break
+            home = dst.dim_of_axis(a)
+            if (home is not None and home != d and (*b.cur.dims[home], a) != dst.dims[home]
+                    and reorderable(home, (*b.cur.dims[home], a))):
+                move(d, home, a)
+                progressed = True
+                break
+        for e in range(ndim):
+            cur = b.cur.dims[e]
+            if prefix(e) or not reorderable(e, cur):
+                continue
+            stay = tuple(x for x in cur if x in dst.dims[e])
+            order = dst.dims[e][: len(stay)] + tuple(x for x in cur if x not in dst.dims[e])
+            if order != cur:
+                b.add("permute", cur, b.cur.with_dims(_replace_dim(b.cur, e, order)), e)
+                progressed = True
+        if not progressed:
+            break
 
     def slice_ready() -> None:
         """Slice every replicated axis that extends a dim whose current split is a prefix."""

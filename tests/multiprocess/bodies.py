@@ -425,6 +425,19 @@ def body_reorder_within_dim(n: int) -> None:
     tangent = sw.tensor(weight, sharding=src)
     _, tan = sw.jvp(lambda v: sw.shard(v, dim_specs=dst), (plain,), (tangent,))
     assert torch.equal(tan.to_torch(), weight)
+    # dims trading axes: all_to_all, permute, all_to_all (no gather)
+    y = data(8, 12)
+    for a, b in [(("dp", "tp"), ("tp", "dp")), (("dp", "tp"), (("tp", "dp"), None)),
+                 (("tp", "dp"), ("dp", "tp"))]:
+        t2 = sw.tensor(y, sharding=NamedMapping(mesh, a), requires_grad=True)
+        target = NamedMapping(mesh, b)
+        kinds = [s.kind for s in sw.plan(t2, target).steps]
+        assert "all_gather" not in kinds and "permute" in kinds, kinds
+        moved = sw.shard(t2, dim_specs=target)
+        assert torch.equal(moved.to_torch(), y), (a, b)
+        w2 = data(8, 12) - 2
+        (moved.to_torch() * w2).sum().backward()
+        assert t2.grad is not None and torch.equal(t2.grad.to_torch(), w2), (a, b)
 
 
 BODIES.append("body_reorder_within_dim")
