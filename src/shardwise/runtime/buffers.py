@@ -146,7 +146,9 @@ class _Pool:
         self.limit = limit
         self.idle: dict[int, list[mmap.mmap]] = {}
         self.idle_bytes = 0
-        self.lock = threading.Lock()
+        # Reentrant: a garbage collection inside give() may run another finalizer,
+        # which calls give() again on the same thread.
+        self.lock = threading.RLock()
 
     def take(self, size: int) -> mmap.mmap:
         with self.lock:
