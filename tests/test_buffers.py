@@ -123,3 +123,28 @@ def test_set_huge_pages_off_reports_off() -> None:
         assert buffers.huge_pages() is False
     finally:
         buffers.set_huge_pages(was)
+
+
+def test_pool_under_threads_never_shares_a_live_buffer(pool: None) -> None:
+    import threading
+
+    like = torch.empty(0)
+    n = (buffers.MAPPED + 2**20) // 4
+    errors: list[str] = []
+
+    def work(tag: float) -> None:
+        for _ in range(5):
+            t = buffers.empty((n,), like)
+            t.fill_(tag)
+            if not bool(t.eq(tag).all()):
+                errors.append(f"buffer of {tag} overwritten")
+            del t
+            gc.collect()
+
+    threads = [threading.Thread(target=work, args=(float(i),)) for i in range(4)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(timeout=60)
+    assert not errors
+    assert buffers._pool.idle_bytes <= buffers.pool_limit()
