@@ -443,6 +443,35 @@ def body_reorder_within_dim(n: int) -> None:
 BODIES.append("body_reorder_within_dim")
 
 
+def body_permuted_devices(n: int) -> None:
+    """A mesh whose devices are not in rank order: every collective keeps the mesh
+    order (torch orders a group's members by rank), uneven sizes included."""
+    from shardwise.devices import CPU
+
+    order = [(k * 3 + 1) % n for k in range(n)] if n == 4 else list(reversed(range(n)))
+    mesh = DeviceMesh(tuple(CPU(i) for i in order), (n,), ("x",))
+
+    def pm(p: object) -> PlacementMapping:
+        return PlacementMapping(mesh, [p])
+
+    for shape in [(8, 6), (7, 5)]:
+        x = data(*shape)
+        s0 = sw.tensor(x, sharding=pm(Sharded(0)))
+        assert torch.equal(sw.all_gather(s0).to_torch(), x), shape
+        assert torch.equal(sw.all_to_all(s0, 1, 0).to_torch(), x), shape
+        terms = [data(*shape) * (k + 1) for k in range(n)]
+        p = sw.from_local(terms, pm(Partial()), shape=shape)
+        total = sum(terms[1:], terms[0])
+        assert torch.allclose(sw.reduce_scatter(p, 0).to_torch(), total), shape
+        assert torch.allclose(sw.all_reduce(p).to_torch(), total), shape
+        w = sw.tensor(x, sharding=pm(Sharded(1)), requires_grad=True)
+        (sw.all_gather(w).to_torch() * (x + 1)).sum().backward()
+        assert w.grad is not None and torch.equal(w.grad.to_torch(), x + 1), shape
+
+
+BODIES.append("body_permuted_devices")
+
+
 def body_demo_parity(n: int) -> None:
     """The demo script's training matches single-device torch on both runtimes."""
     from shardwise import demo
