@@ -33,6 +33,7 @@ import torch
 from torch.autograd import Function
 
 from shardwise.runtime import collectives as D
+from shardwise.runtime import functions as F
 from shardwise.sharding.mesh import DeviceMesh
 from shardwise.sharding.placements import ReduceOp
 from shardwise.sharding.shapes import split_size
@@ -245,23 +246,6 @@ _KIND = {"psum": "all_reduce", "pmax": "all_reduce", "pmin": "all_reduce",
 
 
 # --- shard_map's boundaries ---------------------------------------------------------------
-class _Replicate(Function):
-    """identity in forward, all_reduce(sum) over the replicated axes in backward."""
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, grp: D.Group) -> torch.Tensor:
-        ctx.grp = grp
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx: Any, g: torch.Tensor) -> Any:
-        return _sum(g, ctx.grp), None
-
-    @staticmethod
-    def jvp(ctx: Any, t: torch.Tensor, _: Any) -> torch.Tensor:
-        return t.view_as(t)
-
-
 class _TakeFirst(Function):
     """identity in forward, zeros in backward (a replica off coordinate 0)."""
 
@@ -282,7 +266,9 @@ def replicate(x: torch.Tensor, mesh: DeviceMesh, axes: tuple[int, ...]) -> torch
     """An input block that every device of ``axes`` uses (gradient summed over them)."""
     if not axes or not (x.requires_grad and torch.is_grad_enabled()):
         return x
-    out: torch.Tensor = _Replicate.apply(x, D.group(mesh, axes))
+    # identity forward, all_reduce(sum) backward: the same Function as the Tensor
+    # runtime's diverge
+    out: torch.Tensor = F.Diverge.apply(x, D.group(mesh, axes))
     return out
 
 

@@ -1,18 +1,9 @@
-"""Planner steps on the torch.distributed runtime: each step runs one autograd
-Function of :mod:`shardwise.runtime.functions`, with its gradient beside it. Gradient
-convention (see ``collectives.py``): Replicated axes hold the full gradient on
-every replica, Sharded axes their piece, Partial axes dL/dp_i.
-
-    slice            narrow in forward,            all_gather in backward
-    all_gather       all_gather in forward,        narrow in backward
-    all_to_all       all_to_all in forward,        inverse all_to_all in backward
-    all_reduce       all_reduce in forward,        dG/dp_i (sum: identity) in backward
-    reduce_scatter   reduce_scatter in forward,    all_gather (then dG/dp_i) in backward
-    make_partial     identity/identity-element,    identity (sum) or sum over replicas
-    relabel          identity (psum prelude),      sum over the replicas it splits
-    diverge          identity (compute prelude),   sum over the replicas it splits
-    permute          send/recv in forward,         inverse send/recv in backward
-Forward-mode tangents apply the same (linear) forward to the tangent.
+"""Planner steps on the torch.distributed runtime: each step (and the relabel,
+diverge and permute helpers) runs the autograd Function of the same name in
+:mod:`shardwise.runtime.functions` (``slice`` -> ``Slice``, ``all_gather`` ->
+``AllGather``...), whose docstring tables each forward with its gradient.
+Gradient convention (see ``collectives.py``): Replicated axes hold the full
+gradient on every replica, Sharded axes their piece, Partial axes dL/dp_i.
 """
 
 from __future__ import annotations
@@ -102,15 +93,17 @@ class _Untracked:
         pass
 
 
-def _one(step: Step, x: torch.Tensor, shape: tuple[int, ...], k: int) -> torch.Tensor:
-    fn, args = _spec(step, shape, k)
-    if _recording(x):
+def _run(fn: Any, x: torch.Tensor, args: Any) -> torch.Tensor:
+    """``fn.apply(x, args)``, or its forward as a plain call when autograd records
+    nothing (no grad-requiring input, no forward-mode level)."""
+    if fwAD._current_level >= 0 or (x.requires_grad and torch.is_grad_enabled()):
         return fn.apply(x, args)
     return fn.forward(_Untracked(), x, args)
 
 
-def _recording(x: torch.Tensor) -> bool:
-    return fwAD._current_level >= 0 or (x.requires_grad and torch.is_grad_enabled())
+def _one(step: Step, x: torch.Tensor, shape: tuple[int, ...], k: int) -> torch.Tensor:
+    fn, args = _spec(step, shape, k)
+    return _run(fn, x, args)
 
 
 def run_step(step: Step, shards: Sequence[torch.Tensor | None], shape: tuple[int, ...]
@@ -190,12 +183,8 @@ def permute(shards: Sequence[torch.Tensor | None], layout: Layout, source: Seque
     x = shards[k]
     assert x is not None
     spec = _peers(mesh, tuple(source), k)
-    if spec is None:  # sends to and receives from itself
-        out[k] = x
-    elif _recording(x):
-        out[k] = F.Permute.apply(x, spec)
-    else:
-        out[k] = F.Permute.forward(_Untracked(), x, spec)
+    # None: it sends to and receives from itself
+    out[k] = x if spec is None else _run(F.Permute, x, spec)
     return out
 
 
