@@ -15,11 +15,12 @@ import torch
 import torch.distributed as dist
 
 from shardwise.planner import Plan, Step
+from shardwise.sharding.errors import ShardingError
 from shardwise.sharding.layout import Layout
 from shardwise.sharding.mesh import DeviceMesh
 from shardwise.sharding.placements import ReduceOp
 
-__all__ = ["Backend", "backend_for"]
+__all__ = ["Backend", "backend_for", "check_average"]
 
 _dist_available = dist.is_available()
 
@@ -77,3 +78,16 @@ def backend_for(mesh: DeviceMesh) -> Backend:
     if _module("collectives").process_mesh(mesh):
         return _module("multiprocess")
     return _module("simulated")
+
+
+def check_average(x: torch.Tensor, op: ReduceOp) -> None:
+    """Refuse an AVG reduction of integer values (both runtimes reduce through here:
+    the mean of integers is not an integer, and torch would truncate or fail).
+
+    >>> check_average(torch.ones(2, dtype=torch.int64), ReduceOp.SUM)  # fine
+    """
+    if op is ReduceOp.AVG and not (x.is_floating_point() or x.is_complex()):
+        raise ShardingError(
+            f"Cannot average (ReduceOp.AVG) values of integer dtype {x.dtype}: the mean is "
+            "not an integer. Cast to a floating dtype first, or use SUM."
+        )

@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 from shardwise.distributed import CollectiveError
-from shardwise.runtime import buffers
+from shardwise.runtime import buffers, check_average
 from shardwise.sharding.errors import ShardingError
 from shardwise.sharding.layout import Layout
 from shardwise.sharding.mesh import DeviceMesh
@@ -267,7 +267,7 @@ def _all_gather_by_exchange(x: torch.Tensor, dim: int, g: Group, sizes: Sequence
 
 
 def all_reduce(x: torch.Tensor, g: Group, op: ReduceOp) -> torch.Tensor:
-    _check_avg(x, op)
+    check_average(x, op)
     out = buffers.empty(x.shape, x).copy_(x)  # a clone (huge pages when large)
     if g.size > 1:
         _call("all_reduce", g, lambda: dist.all_reduce(out, _TORCH_OP[op], group=g.pg),
@@ -280,7 +280,7 @@ def reduce_scatter(x: torch.Tensor, dim: int, g: Group, sizes: Sequence[int],
     """Reduce the members' full blocks and keep this member's piece along ``dim``."""
     if g.size == 1:
         return x.clone()
-    _check_avg(x, op)
+    check_average(x, op)
     if x.device.type == "cpu":
         return _reduce_scatter_by_exchange(x, dim, g, sizes, op)
     m = max(sizes)
@@ -307,14 +307,6 @@ _LOCAL_REDUCE: dict[ReduceOp, Callable[[torch.Tensor], torch.Tensor]] = {
     ReduceOp.MAX: lambda t: t.amax(0), ReduceOp.MIN: lambda t: t.amin(0),
     ReduceOp.PROD: lambda t: t.prod(0),
 }
-
-
-def _check_avg(x: torch.Tensor, op: ReduceOp) -> None:
-    if op is ReduceOp.AVG and not (x.is_floating_point() or x.is_complex()):
-        raise ShardingError(
-            f"Cannot average (ReduceOp.AVG) values of integer dtype {x.dtype}: the mean is "
-            "not an integer. Cast to a floating dtype first, or use SUM."
-        )
 
 
 def _reduce_scatter_by_exchange(x: torch.Tensor, dim: int, g: Group, sizes: Sequence[int],

@@ -19,8 +19,8 @@ from shardwise.runtime.blocks import Node
 from shardwise.sharding.layout import Layout
 from shardwise.sharding.mesh import DeviceMesh
 
-__all__ = ["MMAP_MAX", "SMALL_BYTES", "assemble_host", "is_host", "recording", "routes",
-           "slice_index"]
+__all__ = ["MMAP_MAX", "SMALL_BYTES", "assemble_host", "is_host", "out_buffer", "recording",
+           "routes", "slice_index"]
 
 SMALL_BYTES = 1 << 18
 """Tensors of at most this many bytes (per Partial group) take the few-calls path:
@@ -203,15 +203,22 @@ def _exec(node: Node, shards: Sequence[torch.Tensor], cuts: list[Any], big: bool
     return torch.cat(parts, dim=node[1])
 
 
+def out_buffer(shape: Sequence[int], like: torch.Tensor, inputs: Sequence[torch.Tensor]
+               ) -> torch.Tensor | None:
+    """The ``out=`` buffer of a result computed from ``inputs``: one from
+    :func:`buffers.empty` (the pool) when glibc would map it fresh (above 32 MiB),
+    else None (a plain allocation); always None while autograd records ``inputs``
+    (``out=`` is not differentiable)."""
+    if math.prod(shape) * like.element_size() <= buffers.MAPPED or recording(inputs):
+        return None
+    return buffers.empty(shape, like)
+
+
 def _cat(parts: Sequence[torch.Tensor], dim: int) -> torch.Tensor:
-    """``torch.cat``; a result glibc maps fresh goes into a huge-page buffer
-    (:func:`buffers.empty`) unless autograd records (``out=`` is not differentiable)."""
     first = parts[0]
     shape = list(first.shape)
     shape[dim] = sum(p.shape[dim] for p in parts)
-    if math.prod(shape) * first.element_size() <= buffers.MAPPED or recording(parts):
-        return torch.cat(list(parts), dim=dim)
-    return torch.cat(list(parts), dim=dim, out=buffers.empty(shape, first))
+    return torch.cat(list(parts), dim=dim, out=out_buffer(shape, first, parts))
 
 
 def assemble_host(shards: Sequence[torch.Tensor], prog: _Prog, big: bool) -> list[torch.Tensor]:

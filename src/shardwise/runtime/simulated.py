@@ -41,11 +41,10 @@ from typing import Any, TypeAlias
 import torch
 
 from shardwise.planner import Plan, Step, permute_sources
-from shardwise.runtime import blocks, buffers
+from shardwise.runtime import blocks, check_average
 from shardwise.runtime import host_paths as hp
 from shardwise.runtime.blocks import rep_indices
 from shardwise.runtime.buffers import buffer_reuse, set_buffer_reuse
-from shardwise.sharding.errors import ShardingError
 from shardwise.sharding.layout import Layout
 from shardwise.sharding.mesh import DeviceMesh
 from shardwise.sharding.placements import ReduceOp
@@ -100,34 +99,21 @@ def _assemble_on_host(shards: Sequence[torch.Tensor], src: Layout, dst: Layout,
     return hp.assemble_host(shards, direct, big)
 
 
-def _fresh(objs: Sequence[torch.Tensor]) -> torch.Tensor | None:
-    """A huge-page output buffer for combining ``objs`` when glibc would map it fresh
-    and no gradient is recorded (see :func:`buffers.empty`), else None."""
-    first = objs[0]
-    if first.nbytes <= buffers.MAPPED or hp.recording(objs):
-        return None
-    return buffers.empty(first.shape, first)
-
-
 def _combine(objs: Sequence[torch.Tensor], op: ReduceOp) -> torch.Tensor:
     """Reduce ``objs`` left to right into ONE fresh buffer: the first op allocates,
     the rest accumulate in place (a fresh 64 MiB buffer costs ~3 copies in page
-    faults; above 32 MiB it gets huge pages when nothing records). In-place
-    accumulation is autograd-safe for sum; max/min/prod keep out-of-place ops while
-    a gradient is being recorded. Small floating SUM/AVG of
-    more than 3 values with no gradient recorded: one ``stack(...).sum(0)`` (torch's
-    reduction order and accumulation, e.g. float accumulation for half types; equal
-    within rounding)."""
+    faults; above 32 MiB it comes from the result pool when nothing records, see
+    :func:`host_paths.out_buffer`). In-place accumulation is autograd-safe for sum;
+    max/min/prod keep out-of-place ops while a gradient is being recorded. Small
+    floating SUM/AVG of more than 3 values with no gradient recorded: one
+    ``stack(...).sum(0)`` (torch's reduction order and accumulation, e.g. float
+    accumulation for half types; equal within rounding)."""
     first = objs[0]
     if len(objs) == 1:
         return first
+    check_average(first, op)
     if op is ReduceOp.SUM or op is ReduceOp.AVG:
         floating = first.is_floating_point() or first.is_complex()
-        if op is ReduceOp.AVG and not floating:
-            raise ShardingError(
-                f"Cannot average (ReduceOp.AVG) values of integer dtype {first.dtype}: the "
-                "mean is not an integer. Cast to a floating dtype first, or use SUM."
-            )
         if (floating and len(objs) > 3 and first.nbytes * len(objs) <= hp.SMALL_BYTES
                 and not hp.recording(objs)):
             # Small: 2 torch calls instead of len(objs) - 1 (call overhead dominates). Not
@@ -135,8 +121,7 @@ def _combine(objs: Sequence[torch.Tensor], op: ReduceOp) -> torch.Tensor:
             # which torch's AccumulateGrad keeps as .grad and later accumulates in place.
             out = torch.stack(list(objs)).sum(0)
             return out.div_(len(objs)) if op is ReduceOp.AVG else out
-        buf = _fresh(objs)
-        out = first + objs[1] if buf is None else torch.add(first, objs[1], out=buf)
+        out = torch.add(first, objs[1], out=hp.out_buffer(first.shape, first, objs))
         for o in objs[2:]:
             out.add_(o)
         if op is ReduceOp.AVG:
@@ -144,8 +129,7 @@ def _combine(objs: Sequence[torch.Tensor], op: ReduceOp) -> torch.Tensor:
         return out
     fn = {ReduceOp.MAX: torch.maximum, ReduceOp.MIN: torch.minimum, ReduceOp.PROD: torch.mul}[op]
     tracked = hp.recording(objs)  # (forward-mode AD has no out= variants either)
-    buf = None if tracked else _fresh(objs)
-    out = fn(first, objs[1]) if buf is None else fn(first, objs[1], out=buf)
+    out = fn(first, objs[1], out=hp.out_buffer(first.shape, first, objs))
     for o in objs[2:]:
         out = fn(out, o) if tracked else fn(out, o, out=out)
     return out
