@@ -20,7 +20,6 @@ from shardwise.tensors import Tensor, run_plan
 __all__ = ["all_reduce", "reduce_scatter"]
 
 
-@functools.lru_cache(maxsize=4096)
 def _partial_layout(layout: Layout, shape: tuple[int, ...], axes: tuple[int, ...],
                     op: ReduceOp | None, what: str) -> tuple[Layout, tuple[int, ...],
                                                              tuple[int, ...]]:
@@ -66,7 +65,6 @@ def _relabelled(t: Tensor, split: tuple[int, ...], op: ReduceOp | None) -> Seque
     return backend_for(t.mesh).relabel(t.shards, t.layout, split, op or ReduceOp.SUM)
 
 
-@functools.lru_cache(maxsize=4096)
 def _reduced_target(layout: Layout, axes: tuple[int, ...], scatter_dim: int | None) -> Layout:
     """Target of all_reduce (``scatter_dim`` None) or reduce_scatter: ``axes`` no
     longer Partial, and for reduce_scatter appended minor-most to ``scatter_dim``."""
@@ -82,8 +80,9 @@ def _reduced_target(layout: Layout, axes: tuple[int, ...], scatter_dim: int | No
 def _reduce_recipe(layout: Layout, shape: tuple[int, ...], axes: tuple[int, ...],
                    op: ReduceOp | None, what: str, scatter_dim: int | None, itemsize: int
                    ) -> tuple[tuple[int, ...], tuple[int, ...], Layout, Plan]:
-    """Everything a reducing op decides from its input's type, computed once: the
-    replicated axes to relabel, the result's shape and layout, and the plan."""
+    """Everything a reducing op decides from its input's type, computed once (the
+    helpers it calls are not cached themselves): the replicated axes to relabel, the
+    result's shape and layout, and the plan."""
     new, out_shape, split = _partial_layout(layout, shape, axes, op, what)
     target = _reduced_target(new, axes, scatter_dim)
     return split, out_shape, target, make_plan(new, target, out_shape, itemsize)

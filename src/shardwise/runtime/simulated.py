@@ -171,7 +171,6 @@ def reduce(shards: Sequence[torch.Tensor], layout: Layout, axes: tuple[int, ...]
     return out  # type: ignore[return-value]
 
 
-@functools.lru_cache(maxsize=4096)
 def _unreduced(layout: Layout, axes: tuple[int, ...]) -> Layout:
     """``layout`` with the Partial mesh axes ``axes`` resolved (Replicated)."""
     partial = list(layout.partial)
@@ -200,17 +199,13 @@ def _scatter_blocks(before: Layout, after: Layout, axes: tuple[int, ...],
 def _scatter_route(before: Layout, after: Layout, axes: tuple[int, ...], shape: tuple[int, ...]
                    ) -> tuple[bool, bool, Layout, Any]:
     """Host mesh?, one group of every device (host only)?, the reduced layout, and
-    when every target block is a piece of one split of the one result: (dim, sizes,
-    each device's piece)."""
+    the direct program cutting the one result into the targets when that is the
+    route :func:`_assemble_on_host` would take whatever the size (else None)."""
     host = hp.is_host(before.mesh)
     whole = host and _whole(before, axes)
     mid = _unreduced(before, axes)
-    cut = None
-    if whole:
-        splits, nodes, where, _, _ = hp.routes(mid, after, shape)[0]
-        if len(splits) == 1 and not nodes:
-            cut = (splits[0][1], splits[0][2], where)
-    return host, whole, mid, cut
+    direct, via = hp.routes(mid, after, shape) if whole else (None, None)
+    return host, whole, mid, direct if via is None else None
 
 
 def reduce_scatter(shards: Sequence[torch.Tensor], before: Layout, after: Layout,
@@ -222,17 +217,16 @@ def reduce_scatter(shards: Sequence[torch.Tensor], before: Layout, after: Layout
     accumulation stays in cache longer (measured 1.06-1.6x faster at 64 MiB; at 4 MiB
     the n*(n-1) smaller calls were 1.2x slower). Otherwise reduce whole and slice."""
     plan = None
-    host, whole, mid, cut = _scatter_route(before, after, axes, shape)
+    host, whole, mid, direct = _scatter_route(before, after, axes, shape)
     nbytes = _nbytes(shards, shape)
     if host and nbytes > hp.MMAP_MAX:
         plan = _scatter_blocks(before, after, axes, shape)
     if plan is None:
         if whole:  # one result on the host: cut it (views of it)
-            one = _combine(shards, op)
-            if cut is not None:
-                pieces = one.split_with_sizes(cut[1], cut[0])
-                return [pieces[i] for i in cut[2]]
-            return _assemble_on_host([one] * len(shards), mid, after, shape, nbytes)
+            ones = [_combine(shards, op)] * len(shards)
+            if direct is not None:
+                return hp.assemble_host(ones, direct, nbytes > hp.SMALL_BYTES)
+            return _assemble_on_host(ones, mid, after, shape, nbytes)
         reduced = reduce(shards, before, axes, op)
         return assemble(_dedupe(reduced, mid), mid, after, shape)
     rep_dst, todo = plan
