@@ -25,11 +25,12 @@ permute, all_to_all: when no plain all_to_all applies, an axis moves into the
 dim that wants it out of order, and a permute then puts that dim's target
 prefix first and its leaving axes minor-most, where all_to_all can take them.
 
-Order: all_to_all moves first, then slices (shrink the data), then partial
-resolution on the smallest data (reduce_scatter where the target shards the
-axis, else all_reduce), then all_gathers, the remaining slices, and make_partial
-(outer mesh axes first: Partial axes reduce last axis first, so with mixed ops the
-outer identities must be laid down before inner axes split them).
+Order: all_to_all moves (with the permutes they need) first, then slices
+(shrink the data), then partial resolution on the smallest data
+(reduce_scatter where the target shards the axis, else all_reduce), then
+all_gathers, the remaining slices, and make_partial (outer mesh axes first:
+Partial axes reduce last axis first, so with mixed ops the outer identities
+must be laid down before inner axes split them).
 Steps over several axes of the same kind are merged into one collective over
 the product group. When uneven pieces do not nest (e.g. 6 rows: 2-way
 [3, 3] vs 4-way [2, 2, 1, 1]), a dim is gathered whole and re-sliced.
@@ -344,14 +345,7 @@ def make_plan(src: Layout, dst: Layout, shape: tuple[int, ...], itemsize: int) -
                 partial[a] = None
             b.add("all_reduce", group, b.cur.with_partial(tuple(partial)), op=op)
 
-    # 4. a dim split evenly over the target's axes in another order: one permutation.
-    for d in range(ndim):
-        cur, want = b.cur.dims[d], dst.dims[d]
-        if (cur != want and sorted(cur) == sorted(want)
-                and shape[d] % b.sizes(cur) == 0):
-            b.add("permute", cur, b.cur.with_dims(_replace_dim(b.cur, d, want)), d)
-
-    # 5. all_gather what must leave each dim (whole dim when uneven pieces don't nest).
+    # 4. all_gather what must leave each dim (whole dim when uneven pieces don't nest).
     for d in range(ndim):
         if prefix(d):
             continue
@@ -366,7 +360,7 @@ def make_plan(src: Layout, dst: Layout, shape: tuple[int, ...], itemsize: int) -
         after = b.cur.with_dims(_replace_dim(b.cur, d, cur[:keep]))
         b.add("all_gather", cur[keep:], after, d)
 
-    # 6. the remaining slices (a whole dim is always sliceable from replicated).
+    # 5. the remaining slices (a whole dim is always sliceable from replicated).
     slice_ready()
     for d in range(ndim):
         if b.cur.dims[d] != dst.dims[d]:
@@ -376,7 +370,7 @@ def make_plan(src: Layout, dst: Layout, shape: tuple[int, ...], itemsize: int) -
             after = b.cur.with_dims(_replace_dim(b.cur, d, dst.dims[d]))
             b.add("slice", dst.dims[d], after, d)
 
-    # 7. make_partial: replicated axes the target holds as Partial, outer (lower) mesh
+    # 6. make_partial: replicated axes the target holds as Partial, outer (lower) mesh
     # axes first: reduction runs last axis first, so an outer axis's identity elements
     # must be laid down before inner axes split them. Neighbours of one op are merged.
     make = [a for a in range(b.cur.mesh.ndim)
