@@ -393,7 +393,14 @@ def make_plan(src: Layout, dst: Layout, shape: tuple[int, ...], itemsize: int) -
 def permute_sources(step: Step) -> tuple[int, ...]:
     """For a ``permute`` step: ``source[k]``, the device whose ``before`` block is
     device ``k``'s ``after`` block (dim ``step.dim`` is split over the same axes in
-    another order; every other coordinate is kept)."""
+    another order; every other coordinate is kept).
+
+    >>> mesh = DeviceMesh.cpu((2, 2), ("dp", "tp"))
+    >>> plan = make_plan(Layout(mesh, ((0, 1),), (None, None)),
+    ...                  Layout(mesh, ((1, 0),), (None, None)), (4,), 4)
+    >>> permute_sources(plan.steps[0])  # blocks 0 1 2 3 held by devices 0 2 1 3
+    (0, 2, 1, 3)
+    """
     assert step.kind == "permute" and step.dim is not None
     mesh = step.before.mesh
     old, new = step.before.dims[step.dim], step.after.dims[step.dim]

@@ -117,14 +117,22 @@ _huge = True
 
 def set_huge_pages(enabled: bool = True) -> bool:
     """Turn huge-page advice for fresh mapped blocks on (the default) or off; returns
-    whether it is in effect (Linux with THP in ``madvise`` mode only)."""
+    whether it is in effect (Linux with THP in ``madvise`` mode only).
+
+    >>> buffers.set_huge_pages(False)
+    False
+    """
     global _huge
     _huge = enabled
     return huge_pages()
 
 
 def huge_pages() -> bool:
-    """Whether :func:`empty` advises fresh mapped blocks to use huge pages."""
+    """Whether :func:`empty` advises fresh mapped blocks to use huge pages.
+
+    >>> buffers.huge_pages()  # on Linux with THP mode "madvise"
+    True
+    """
     return _huge and _thp_madvise()
 
 
@@ -180,7 +188,12 @@ _pool = _Pool(512 * 2**20)
 
 def set_pool_limit(nbytes: int) -> None:
     """Keep at most ``nbytes`` of idle large result buffers for reuse (default 512 MiB;
-    0 turns the pool off and frees what it holds)."""
+    0 turns the pool off and frees what it holds).
+
+    >>> from shardwise.runtime import buffers
+    >>> buffers.set_pool_limit(0)            # off: large results allocate fresh
+    >>> buffers.set_pool_limit(256 * 2**20)  # on again, at most 256 MiB idle
+    """
     if nbytes < 0:
         raise ValueError(f"set_pool_limit needs a byte count >= 0, got {nbytes}.")
     _pool.limit = nbytes
@@ -189,7 +202,11 @@ def set_pool_limit(nbytes: int) -> None:
 
 
 def pool_limit() -> int:
-    """The idle-byte limit of the large-result pool (0: off)."""
+    """The idle-byte limit of the large-result pool (0: off).
+
+    >>> buffers.pool_limit()
+    536870912
+    """
     return _pool.limit
 
 
@@ -214,7 +231,12 @@ def empty(shape: Sequence[int], like: torch.Tensor) -> torch.Tensor:
     that glibc would map fresh (above 32 MiB, buffer reuse off) instead comes from the
     pool of large result buffers (pages already mapped: no page faults), or, with the
     pool off, is advised to use huge pages before its first touch. Why not advise
-    every block: advising heap memory would split the heap's mapping for good."""
+    every block: advising heap memory would split the heap's mapping for good.
+
+    >>> out = buffers.empty((4096, 4096), torch.empty(0))  # 64 MiB: from the pool
+    >>> out.shape, out.dtype
+    (torch.Size([4096, 4096]), torch.float32)
+    """
     nbytes = math.prod(shape) * like.element_size()
     if (nbytes <= MAPPED or nbytes == 0 or _enabled or like.device.type != "cpu"
             or type(like) is not torch.Tensor or _modes_active()):
