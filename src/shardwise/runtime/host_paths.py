@@ -208,7 +208,12 @@ def out_buffer(shape: Sequence[int], like: torch.Tensor, inputs: Sequence[torch.
     """The ``out=`` buffer of a result computed from ``inputs``: one from
     :func:`buffers.empty` (the pool) when glibc would map it fresh (above 32 MiB),
     else None (a plain allocation); always None while autograd records ``inputs``
-    (``out=`` is not differentiable)."""
+    (``out=`` is not differentiable).
+
+    >>> x = torch.ones(8)
+    >>> out_buffer((8,), x, [x]) is None  # small: torch allocates as usual
+    True
+    """
     if math.prod(shape) * like.element_size() <= buffers.MAPPED or recording(inputs):
         return None
     return buffers.empty(shape, like)
