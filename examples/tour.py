@@ -30,14 +30,14 @@ def main() -> int:
     t = sw.shard(x, mesh, ["dp", "tp"])                      # local slices, no communication
     say("x      ", t)
     y = sw.all_to_all(t, split_axis=0, concat_axis=1)          # tp moves from dim 1 to dim 0
-    say("a2a    ", y, "\n" + str(sw.plan(t, y.layout)))
+    say("a2a    ", y, "\n" + str(sw.plan(t, y.dist_layout)))
     z = sw.all_gather(y)
     say("gather ", z)
     assert torch.equal(z.to_torch(), x)
 
     p = sw.tensor(x, sharding=PlacementMapping(mesh, [Partial(), Replicated()]))
     r = sw.reduce_scatter(p, 0, reduce_axes="dp")              # Partial -> Sharded: one step
-    say("rs     ", r, "\n" + str(sw.plan(p, r.layout)))
+    say("rs     ", r, "\n" + str(sw.plan(p, r.dist_layout)))
     assert torch.equal(r.to_torch(), x)
 
     w = sw.tensor(x, sharding=PlacementMapping(mesh, [Sharded(0), Sharded(1)]),

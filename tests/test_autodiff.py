@@ -159,8 +159,8 @@ def torch_grad(case: Case, w: torch.Tensor) -> torch.Tensor:
 
 def grad_layout(x: sw.Tensor) -> Layout:
     """Gradients land in the input's layout; Partial(SUM) axes come back Replicated."""
-    return x.layout.with_partial(tuple(None if op in (None, ReduceOp.SUM) else ReduceOp.SUM
-                                       for op in x.layout.partial))
+    return x.dist_layout.with_partial(tuple(None if op in (None, ReduceOp.SUM) else ReduceOp.SUM
+                                       for op in x.dist_layout.partial))
 
 
 def out_weight(case: Case) -> torch.Tensor:
@@ -177,7 +177,7 @@ def test_backward_matches_torch(case: Case) -> None:
     assert out.requires_grad
     weighted(case.f, w)(x).backward()
     g = x.grad
-    assert g is not None and g.layout == grad_layout(x) and g.shape == x.shape
+    assert g is not None and g.dist_layout == grad_layout(x) and g.shape == x.shape
     torch.testing.assert_close(g.to_torch(), torch_grad(case, w))
     assert_shares_replicas(g)  # replicas of the gradient share one buffer
 
@@ -197,7 +197,7 @@ def test_functional_grad_value_and_grad(case: Case) -> None:
     x = case.make()
     loss = weighted(case.f, w)
     g = sw.grad(loss)(x)
-    assert g.layout == grad_layout(x)
+    assert g.dist_layout == grad_layout(x)
     torch.testing.assert_close(g.to_torch(), torch_grad(case, w))
     value, g2 = sw.value_and_grad(loss)(x)
     want = (case.ref(x.to_torch()) * w).sum()
@@ -216,13 +216,13 @@ def test_vjp_matches_torch(case: Case) -> None:
     w = rand(out.shape, 3)
     want = torch_grad(case, w)
     # the cotangent as data, in the output's layout, and in another layout
-    cots = [w, sw.tensor(w, sharding=out.sharding if out.layout.mesh.is_single
+    cots = [w, sw.tensor(w, sharding=out.sharding if out.dist_layout.mesh.is_single
                          else on(out.mesh, *[Replicated()] * out.mesh.ndim))]
     if out.ndim:
         cots.append(sw.tensor(w, sharding=on(M4, Sharded(out.ndim - 1))))
     for cot in cots:
         (g,) = vjp_fn(cot)
-        assert g.layout == grad_layout(x)
+        assert g.dist_layout == grad_layout(x)
         torch.testing.assert_close(g.to_torch(), want)
 
 
@@ -244,7 +244,7 @@ def test_jvp_matches_torch_func_jvp(case: Case) -> None:
     tangents = [t, sw.tensor(t, sharding=on(M4, Sharded(0))), sw.tensor(t, sharding=x.sharding)]
     for tan in tangents:
         out, tan_out = sw.jvp(case.f, (x,), (tan,))
-        assert tan_out.layout == out.layout and tan_out.shape == out.shape
+        assert tan_out.dist_layout == out.dist_layout and tan_out.shape == out.shape
         torch.testing.assert_close(out.to_torch(), want_out)
         torch.testing.assert_close(tan_out.to_torch(), want_tan)
         assert not out.requires_grad
@@ -305,7 +305,7 @@ def test_partial_inputs_every_op(op: ReduceOp, fn: str) -> None:
     torch.testing.assert_close(out, want_value)
     scalar((out * w).sum()).backward()
     g = x.grad
-    assert g.layout == grad_layout(x)
+    assert g.dist_layout == grad_layout(x)
     if op is ReduceOp.SUM:  # every partial gets the same gradient: Replicated
         assert g.placements == (Replicated(),)
         torch.testing.assert_close(g.to_torch(), grads[0])
@@ -370,7 +370,7 @@ def test_backward_on_a_replicated_scalar() -> None:
     y = sw.all_reduce(x)  # psum: 4 * x
     assert y.item() == 8.0
     y.backward()
-    assert x.grad.item() == 4.0 and x.grad.layout == x.layout
+    assert x.grad.item() == 4.0 and x.grad.dist_layout == x.dist_layout
 
 
 def test_backward_on_a_partial_scalar() -> None:
@@ -409,7 +409,7 @@ def test_grad_argnums_and_has_aux() -> None:
     av, bv = a.to_torch(), b.to_torch()
     torch.testing.assert_close(ga.to_torch(), bv**2)
     torch.testing.assert_close(gb.to_torch(), 2 * av * bv)
-    assert ga.layout == a.layout and gb.layout == b.layout
+    assert ga.dist_layout == a.dist_layout and gb.dist_layout == b.dist_layout
     (value, aux), g1 = sw.value_and_grad(f, argnums=1, has_aux=True)(a, b)
     assert aux == "aux"
     torch.testing.assert_close(value.to_torch(), (av * bv**2).sum())
@@ -430,4 +430,4 @@ def test_vjp_two_primals_and_partial_cotangent() -> None:
     torch.testing.assert_close(out.to_torch(), a.to_torch())
     torch.testing.assert_close(ga.to_torch(), w)
     torch.testing.assert_close(gb.to_torch(), torch.zeros(4, 2, dtype=torch.float64))
-    assert gb.layout == b.layout
+    assert gb.dist_layout == b.dist_layout

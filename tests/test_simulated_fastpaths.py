@@ -51,7 +51,7 @@ def test_layout_ops_exact_on_both_routes(route: str, mesh: DeviceMesh, shape: tu
     for src, dst in itertools.product(layouts(mesh, len(shape)), repeat=2):
         x = sw.tensor(value, sharding=src)
         y = sw.shard(x, mesh, dst)
-        assert y.layout == dst
+        assert y.dist_layout == dst
         assert torch.equal(global_value(y), value), (route, src, dst)
         # independent buffers (no shared storage to take a view of)
         x2 = sw.from_local([s.clone() for s in x.shards], src, shape=shape)
@@ -71,7 +71,7 @@ def test_reductions_on_both_routes(route: str, op: ReduceOp, n: int) -> None:
             ReduceOp.PROD: stacked.prod(0)}[op]
     torch.testing.assert_close(global_value(sw.all_reduce(x)), want)
     rs = sw.reduce_scatter(x, 0)
-    assert rs.layout.dims == ((0,), ())
+    assert rs.dist_layout.dims == ((0,), ())
     torch.testing.assert_close(global_value(rs), want)
     assert [tuple(s.shape) for s in rs.shards] == [
         tuple(b.shape) for b in want.tensor_split(n, 0)]

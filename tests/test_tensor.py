@@ -135,7 +135,7 @@ def test_filled_constructors_make_each_shard_at_local_size() -> None:
 def test_zeros_like_keeps_layout() -> None:
     x = sw.tensor(torch.arange(6.0), sharding=on(M22, Sharded(0), Partial(ReduceOp.PROD)))
     z = sw.zeros_like(x)
-    assert z.layout == x.layout and z.shape == x.shape
+    assert z.dist_layout == x.dist_layout and z.shape == x.shape
     assert torch.equal(z.to_torch(), torch.zeros(6))
 
 
@@ -169,7 +169,7 @@ def test_inspection() -> None:
     assert x.ndim == 2 and x.dim() == 2 and x.numel() == 10 and len(x) == 5
     assert x.dtype == torch.float32
     assert x.mesh is M22
-    assert x.layout == Layout(M22, ((0,), ()), (None, None))
+    assert x.dist_layout == Layout(M22, ((0,), ()), (None, None))
     assert x.sharding == on(M22, Sharded(0), Replicated())
     assert x.placements == (Sharded(0), Replicated())
     assert x.local_shapes == [(3, 2), (3, 2), (2, 2), (2, 2)]
@@ -281,7 +281,7 @@ def test_no_op_mutates_its_input() -> None:
         lambda t: sw.shard(t, M22, ["tp", "dp"]),
         lambda t: sw.all_gather(t),
         lambda t: sw.all_gather(t, 0),
-        lambda t: sw.all_to_all(t, 1, 0) if t.layout.dims[0] else sw.all_to_all(t, 0, 1),
+        lambda t: sw.all_to_all(t, 1, 0) if t.dist_layout.dims[0] else sw.all_to_all(t, 0, 1),
         lambda t: sw.all_reduce(t),
         lambda t: sw.all_reduce(t, reduce_axes="tp", reduce_op="max"),
         lambda t: sw.reduce_scatter(t, 1),
@@ -296,9 +296,9 @@ def test_no_op_mutates_its_input() -> None:
     for t in (x, p):
         ids = [id(s) for s in t.shards]
         values = [s.clone() for s in t.shards]
-        layout = t.layout
+        layout = t.dist_layout
         for op in ops:
             op(t)
             assert [id(s) for s in t.shards] == ids
             assert all(torch.equal(a, b) for a, b in zip(t.shards, values, strict=True))
-            assert t.layout == layout
+            assert t.dist_layout == layout

@@ -162,7 +162,7 @@ def jvp(fn: Callable[..., Any], primals: Sequence[Any],
                                     f"{type(out).__name__}.")
         primal_out = out._map_unique(lambda s: fwAD.unpack_dual(s).primal.detach())
         tangent_out = out._map_unique(lambda s: _tangent(s),
-                                      _tangent_like(out).layout)
+                                      _tangent_like(out).dist_layout)
     return primal_out, tangent_out
 
 
@@ -170,10 +170,10 @@ def _tangent_like(t: Tensor) -> Tensor:
     """``t`` relabelled with the layout its tangents take: a Partial(PROD) axis
     linearises to a sum (off-root factors are the identity 1, whose tangent is 0, not
     1), so its tangents are Partial(SUM); every other axis keeps ``t``'s layout."""
-    partial = t.layout.partial
+    partial = t.dist_layout.partial
     if ReduceOp.PROD not in partial:
         return t
-    layout = t.layout.with_partial(
+    layout = t.dist_layout.with_partial(
         tuple(ReduceOp.SUM if op is ReduceOp.PROD else op for op in partial))
     return Tensor(t.shards, layout, t.shape)
 

@@ -277,14 +277,14 @@ def as_layout_of(value: Any, like: Tensor) -> Tensor:
         if value.mesh != like.mesh:
             from shardwise.ops.communication import to_device
 
-            value = to_device(value, sharding=like.layout)
-        return value.relayout(like.layout)
+            value = to_device(value, sharding=like.dist_layout)
+        return value.relayout(like.dist_layout)
     t = value if isinstance(value, torch.Tensor) else _as_torch(value, like.dtype)
     if tuple(t.shape) != like.shape:
         raise ShardingError(
             f"Expected a value of global shape {like.shape}, got shape {tuple(t.shape)}."
         )
-    return place(t.to(like.dtype), like.layout)
+    return place(t.to(like.dtype), like.dist_layout)
 
 
 import shardwise.ops  # noqa: E402, F401  (installs the Tensor operators: x + y, x @ w, x[i])

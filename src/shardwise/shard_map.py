@@ -188,7 +188,7 @@ def _call(fn: Callable[..., Any], mesh: DeviceMesh, in_specs: Any, out_specs: An
     versions = _versions(placed)
     if D.is_process_mesh(mesh):
         k = _process_index(mesh)
-        blocks = [dist_rt.replicate(t.shards[k], mesh, io.replicated_axes(t.layout))
+        blocks = [dist_rt.replicate(t.shards[k], mesh, io.replicated_axes(t.dist_layout))
                   for t in placed]
         prev = lax.enter(dist_rt.DistEnv(mesh, k))
         try:

@@ -105,7 +105,7 @@ class Tensor:
         return math.prod(self._shape)
 
     @property
-    def layout(self) -> Layout:
+    def dist_layout(self) -> Layout:
         """The canonical layout (mesh, per-dim mesh axes, Partial ops)."""
         return self._layout
 

@@ -35,7 +35,7 @@ def lay(mesh: DeviceMesh, *dims: Any, partial: dict[str, ReduceOp] | None = None
 
 def show(t: sw.Tensor) -> str:
     """The layout without the mesh: ``[S(dp), R] partial tp:sum``."""
-    return str(t.layout)[len(repr(t.mesh)):]
+    return str(t.dist_layout)[len(repr(t.mesh)):]
 
 
 def values(*shape: int, seed: int = 0, positive: bool = False) -> torch.Tensor:

@@ -23,11 +23,11 @@ def forward() -> tuple[sw.Tensor, list[sw.Tensor], CommCounter]:
     w2 = sw.tensor(BV, sharding=lay(MESH, "tp", None), requires_grad=True)
     with CommCounter() as cc:
         h = sw.gelu(x @ w1)
-        assert str(h.layout).endswith("[S(dp), S(tp)]"), h.layout
+        assert str(h.dist_layout).endswith("[S(dp), S(tp)]"), h.dist_layout
         partial = h @ w2
         assert cc.total == 0, cc
-        assert partial.layout.partial == (None, ReduceOp.SUM)
-        assert partial.layout.dims == ((0,), ())
+        assert partial.dist_layout.partial == (None, ReduceOp.SUM)
+        assert partial.dist_layout.dims == ((0,), ())
         out = sw.all_reduce(partial)
     assert dict(cc.counts) == {"all_reduce": 1}, cc
     return out, [x, w1, w2], cc
@@ -53,7 +53,7 @@ def test_megatron_mlp(loss: str) -> None:
         scalar.backward()
     for p, r in zip(params, refs):
         assert p.grad is not None and r.grad is not None
-        assert p.grad.layout == p.layout
+        assert p.grad.dist_layout == p.dist_layout
         assert torch.allclose(p.grad.to_torch(), r.grad, atol=1e-10)
 
 

@@ -75,9 +75,9 @@ def test_elementwise_on_random_layouts(case: tuple) -> None:
     assert got.shape == expect.shape and got.dtype == expect.dtype
     assert torch.allclose(got, expect, atol=1e-9, equal_nan=True), (got, expect)
     assert_shares_replicas(out)
-    assert out.mesh == mesh and out.layout.ndim == len(expect.shape)
+    assert out.mesh == mesh and out.dist_layout.ndim == len(expect.shape)
     # only Partial(SUM) passes through, and only for (multi)linear ops
-    for p in out.layout.partial:
+    for p in out.dist_layout.partial:
         assert p in (None, ReduceOp.SUM)
         if p is not None:
-            assert op in ("add", "sub", "mul", "div", "neg"), (op, out.layout)
+            assert op in ("add", "sub", "mul", "div", "neg"), (op, out.dist_layout)

@@ -63,7 +63,7 @@ def test_unary(op: str, name: str, layout: object) -> None:
         return
     out, _ = run(fn, ref, [(x, layout)])
     if layout.is_partial and op != "neg":  # nonlinear: resolved first
-        assert not out.layout.is_partial
+        assert not out.dist_layout.is_partial
 
 
 @pytest.mark.parametrize("name,layout", LAYOUTS_2D[:6], ids=[n for n, _ in LAYOUTS_2D[:6]])
@@ -135,9 +135,9 @@ def test_matmul_partial_operands() -> None:
     a, b = values(6, 5, seed=1), values(5, 4, seed=2)
     p = lay(MESH, None, None, partial={"tp": SUM})
     out, cc = run(sw.matmul, torch.matmul, [(a, p), (b, lay(MESH, None, None))])
-    assert out.layout.partial == (None, SUM) and cc.total == 0
+    assert out.dist_layout.partial == (None, SUM) and cc.total == 0
     out, cc = run(sw.matmul, torch.matmul, [(a, p), (b, p)])  # one operand resolved
-    assert out.layout.partial == (None, SUM) and dict(cc.counts) == {"all_reduce": 1}
+    assert out.dist_layout.partial == (None, SUM) and dict(cc.counts) == {"all_reduce": 1}
 
 
 @pytest.mark.parametrize("eq,shapes", [
@@ -183,7 +183,7 @@ def test_reductions_with_empty_shards() -> None:
     for op in ["sum", "mean", "amax", "amin"]:
         out, cc = run(lambda t, op=op: getattr(sw, op)(t, 0), lambda t, op=op: getattr(
             torch, op)(t, 0), [(x, lay(LINE, "x", None))])
-        assert cc.total == 0 and out.layout.partial[0] is not None
+        assert cc.total == 0 and out.dist_layout.partial[0] is not None
     out, _ = run(lambda t: t.max(), torch.amax, [(x, lay(LINE, "x", None))])
     ints = torch.arange(15).reshape(3, 5)
     out, _ = run(lambda t: sw.amin(t, 0), lambda t: torch.amin(t, 0),

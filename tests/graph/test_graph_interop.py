@@ -31,7 +31,7 @@ MESH = DeviceMesh.cpu((2, 2), ("dp", "tp"))
 
 
 def same(a: Tensor, b: Tensor) -> bool:
-    return (a.shape == b.shape and a.layout == b.layout and a.dtype == b.dtype
+    return (a.shape == b.shape and a.dist_layout == b.dist_layout and a.dtype == b.dtype
             and all(torch.equal(x, y) for x, y in zip(a.shards, b.shards, strict=True))
             and torch.equal(a.to_torch(), b.to_torch()))
 

@@ -248,7 +248,7 @@ def body_megatron(n: int) -> None:
         with CommCounter() as cc:
             partial = sw.gelu(x @ w1) @ w2
             assert cc.total == 0, cc
-            assert partial.layout.partial[tp] is sw.ReduceOp.SUM, partial.layout
+            assert partial.dist_layout.partial[tp] is sw.ReduceOp.SUM, partial.dist_layout
             out = sw.all_reduce(partial)
         assert dict(cc.counts) == {"all_reduce": 1}, cc
         return out, [x, w1, w2]

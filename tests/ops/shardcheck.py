@@ -55,7 +55,7 @@ def block(mesh: DeviceMesh, layout: Layout, shape: Sequence[int], k: int) -> tup
 
 def global_of(t: sw.Tensor) -> torch.Tensor:
     """The global value of ``t`` computed from its shards alone."""
-    mesh, layout, shape = t.mesh, t.layout, t.shape
+    mesh, layout, shape = t.mesh, t.dist_layout, t.shape
     assert len(t.shards) == mesh.num_devices
     paxes = [a for a, op in enumerate(layout.partial) if op is not None]
     stacked = torch.zeros((*(mesh.mesh_shape[a] for a in paxes), *shape), dtype=t.dtype)
@@ -81,7 +81,7 @@ def global_of(t: sw.Tensor) -> torch.Tensor:
 
 def assert_shares_replicas(t: sw.Tensor) -> None:
     """Devices differing only on replicated mesh axes hold one tensor object."""
-    mesh, layout = t.mesh, t.layout
+    mesh, layout = t.mesh, t.dist_layout
     used = set(layout.sharded_axes) | set(layout.partial_axes)
     for k in range(mesh.num_devices):
         c = coord(mesh, k)
@@ -97,12 +97,12 @@ class Snapshot:
         self.t = t
         self.ids = [id(s) for s in t.shards]
         self.values = [s.detach().clone() for s in t.shards]
-        self.layout, self.shape = t.layout, t.shape
+        self.layout, self.shape = t.dist_layout, t.shape
 
     def check(self) -> None:
         t = self.t
         assert [id(s) for s in t.shards] == self.ids
-        assert t.layout == self.layout and t.shape == self.shape
+        assert t.dist_layout == self.layout and t.shape == self.shape
         for s, v in zip(t.shards, self.values, strict=True):
             assert torch.equal(s.detach(), v)
 

@@ -167,4 +167,4 @@ def test_plan_does_not_run_anything() -> None:
     before = [s.clone() for s in x.shards]
     p = sw.plan(x, on(M22, Replicated(), Replicated()))
     assert p.steps and all(torch.equal(a, b) for a, b in zip(x.shards, before, strict=True))
-    assert p.src == x.layout
+    assert p.src == x.dist_layout

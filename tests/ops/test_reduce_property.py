@@ -65,8 +65,8 @@ def test_all_reduce_is_psum(case: tuple) -> None:
     names = [x.mesh.axis_names[a] for a in axes]
     y = sw.all_reduce(x, reduce_axes=names, reduce_op=op.value)
     snap.check()
-    assert all(y.layout.partial[a] is None for a in axes)
-    assert all(a not in y.layout.sharded_axes for a in axes)
+    assert all(y.dist_layout.partial[a] is None for a in axes)
+    assert all(a not in y.dist_layout.sharded_axes for a in axes)
     assert_shares_replicas(y)
     for got, want in zip(y.shards, psum(x, axes, op), strict=True):
         torch.testing.assert_close(got, want)
@@ -81,8 +81,8 @@ def test_reduce_scatter_is_psum_then_scatter(case: tuple) -> None:
     names = [x.mesh.axis_names[a] for a in axes]
     y = sw.reduce_scatter(x, dim, reduce_axes=names, reduce_op=op)
     snap.check()
-    assert y.layout.dims[dim][-len(axes):] == axes  # appended minor-most, in the given order
+    assert y.dist_layout.dims[dim][-len(axes):] == axes  # appended minor-most, in the given order
     assert_shares_replicas(y)
     reduced = sw.all_reduce(x, reduce_axes=names, reduce_op=op)
-    want = global_of(sw.Tensor(psum(x, axes, op), reduced.layout, reduced.shape))
+    want = global_of(sw.Tensor(psum(x, axes, op), reduced.dist_layout, reduced.shape))
     torch.testing.assert_close(global_of(y), want)

@@ -63,10 +63,10 @@ def check_plan(plan: sw.Plan, src: Layout, dst: Layout) -> None:
 
 def reshard_and_check(x: sw.Tensor, dst: Layout) -> sw.Tensor:
     snap = Snapshot(x)
-    check_plan(sw.plan(x, dst), x.layout, dst)
+    check_plan(sw.plan(x, dst), x.dist_layout, dst)
     y = sw.shard(x, dst.mesh, dst)
     snap.check()
-    assert y.layout == dst and y.shape == x.shape and y.dtype == x.dtype
+    assert y.dist_layout == dst and y.shape == x.shape and y.dtype == x.dtype
     assert_shares_replicas(y)
     return y
 
@@ -101,6 +101,6 @@ def test_place_into_any_layout(case: tuple) -> None:
     shape, _, dst, seed = case
     value = ints(shape, seed)
     x = sw.tensor(value, sharding=dst)
-    assert x.layout == dst
+    assert x.dist_layout == dst
     assert_shares_replicas(x)
     torch.testing.assert_close(global_of(x), value, rtol=0, atol=0)

@@ -88,7 +88,7 @@ def test_tensor_places_blocks_by_split_rule(case: tuple) -> None:
     value = ints(shape, 1)
     for layout in sharded_layouts(mesh, len(shape)):
         x = sw.tensor(value, sharding=layout)
-        assert x.layout == layout and x.shape == shape
+        assert x.dist_layout == layout and x.shape == shape
         assert torch.equal(global_of(x), value)
         assert torch.equal(x.to_torch(), value)
         assert_shares_replicas(x)
@@ -163,7 +163,7 @@ def test_shard_between_layouts(case: tuple) -> None:
         x = sw.tensor(value, sharding=src)
         for dst in layouts:
             y = run(sw.shard, x, mesh, dst)
-            assert y.layout == dst
+            assert y.dist_layout == dst
             assert torch.equal(global_of(y), value)
 
 
@@ -200,15 +200,15 @@ def test_shard_accepts_every_sharding_form() -> None:
     ]
     for spec, dims in forms:
         y = run(sw.shard, x, M22, spec)
-        assert y.layout == layout_of(M22, dims)
+        assert y.dist_layout == layout_of(M22, dims)
         assert torch.equal(global_of(y), value)
     y = sw.shard(value, M22, ["dp", None])  # host data
     assert torch.equal(global_of(y), value)
-    assert y.layout == layout_of(M22, (("dp",), ()))
+    assert y.dist_layout == layout_of(M22, (("dp",), ()))
     r = sw.shard(x, M22, ["dp", None], replicated_axes={"tp"})
-    assert r.layout == layout_of(M22, (("dp",), ())) and torch.equal(global_of(r), value)
+    assert r.dist_layout == layout_of(M22, (("dp",), ())) and torch.equal(global_of(r), value)
     z = sw.shard(x, M22, [None, None], partial_sum_axes={"tp"})
-    assert z.layout.partial == (None, ReduceOp.SUM)
+    assert z.dist_layout.partial == (None, ReduceOp.SUM)
     assert torch.equal(global_of(z), value)
 
 
@@ -219,7 +219,7 @@ def test_reshard_is_deprecated_alias() -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         z = sw.shard(x, M22, [None, ("tp", "dp")])
-    assert y.layout == z.layout
+    assert y.dist_layout == z.dist_layout
     assert torch.equal(global_of(y), global_of(z))
 
 
@@ -238,7 +238,7 @@ def test_all_gather(case: tuple) -> None:
                 want = [()] * rank
             else:
                 want[axis] = ()
-            assert y.layout == src.with_dims(tuple(want))
+            assert y.dist_layout == src.with_dims(tuple(want))
             assert torch.equal(global_of(y), value)
         full = sw.all_gather(x)
         assert all(s is full.shards[0] for s in full.shards)
@@ -249,7 +249,7 @@ def test_all_gather_keeps_partial_axes() -> None:
     rows = [3, 2, 3, 2]  # device (dp, tp) holds tp-piece tp of 5 rows
     x = sw.from_local([ints((r, 2), k) for k, r in enumerate(rows)], layout, (5, 2))
     y = run(sw.all_gather, x, 0)
-    assert y.layout == Layout(M22, ((), ()), (ReduceOp.MAX, None))
+    assert y.dist_layout == Layout(M22, ((), ()), (ReduceOp.MAX, None))
     assert torch.equal(global_of(y), global_of(x))
 
 
@@ -273,7 +273,7 @@ def test_all_to_all_moves_minor_axis(case: tuple) -> None:
                 a = dims[concat][-1]
                 dims[concat] = dims[concat][:-1]
                 dims[split] = (*dims[split], a)
-                assert y.layout == src.with_dims(tuple(dims))
+                assert y.dist_layout == src.with_dims(tuple(dims))
                 assert torch.equal(global_of(y), value)
 
 
@@ -292,15 +292,15 @@ def test_all_to_all_uneven_and_negative_axes() -> None:
     value = ints((5, 7), 9)
     x = sw.tensor(value, sharding=PlacementMapping(M4, [Sharded(0)]))
     y = run(sw.all_to_all, x, -1, -2)
-    assert y.layout == layout_of(M4, ((), ("x",)))
+    assert y.dist_layout == layout_of(M4, ((), ("x",)))
     assert [tuple(s.shape) for s in y.shards] == [(5, 2), (5, 2), (5, 2), (5, 1)]
     assert torch.equal(global_of(y), value)
     z = run(sw.all_to_all, y, 0, 1)
-    assert z.layout == x.layout and torch.equal(global_of(z), value)
+    assert z.dist_layout == x.dist_layout and torch.equal(global_of(z), value)
     # a dim split over (dp, tp): only the minor-most axis moves, named or not
     w = sw.tensor(ints((6, 4), 1), sharding=layout_of(M22, (("dp", "tp"), ())))
     v = run(sw.all_to_all, w, 1, 0, axis_name="tp")
-    assert v.layout == layout_of(M22, (("dp",), ("tp",)))
+    assert v.dist_layout == layout_of(M22, (("dp",), ("tp",)))
     assert torch.equal(global_of(v), global_of(w))
 
 
@@ -328,7 +328,7 @@ def test_all_reduce_partial_keeps_global_value(mesh: DeviceMesh, op: ReduceOp) -
                           layout, shape)
         want = global_of(x)
         y = run(sw.all_reduce, x)
-        assert y.layout == Layout.replicated(mesh, 2)
+        assert y.dist_layout == Layout.replicated(mesh, 2)
         torch.testing.assert_close(global_of(y), want)
         # per device: psum of the local values
         for got, exp in zip(y.shards, combine_groups(x, layout.partial_axes, op), strict=True):
@@ -344,7 +344,7 @@ def test_all_reduce_replicated_is_psum(mesh: DeviceMesh, op: ReduceOp) -> None:
     n = mesh.num_devices
     want = {ReduceOp.SUM: n * value, ReduceOp.PROD: value**n}.get(op, value)
     y = run(sw.all_reduce, x, reduce_op=op.value)
-    assert y.layout == Layout.replicated(mesh, 2)
+    assert y.dist_layout == Layout.replicated(mesh, 2)
     torch.testing.assert_close(global_of(y), want)
     # over one named axis only
     a = mesh.axis_names[-1]
@@ -363,7 +363,7 @@ def test_all_reduce_sharded_sums_local_blocks(mesh: DeviceMesh) -> None:
     y = run(sw.all_reduce, x, reduce_axes=names[0])
     k = mesh.axis_size(names[0])
     assert y.shape == (8 // k, 3)
-    assert y.layout == Layout.replicated(mesh, 2)
+    assert y.dist_layout == Layout.replicated(mesh, 2)
     assert torch.equal(global_of(y), value.reshape(k, 8 // k, 3).sum(0))
     # over every axis (default): the mesh axes not sharding count as replicas
     z = run(sw.all_reduce, x)
@@ -382,15 +382,15 @@ def test_all_reduce_over_several_axes_sharding_one_dim(dims: tuple) -> None:
     x = sw.tensor(value, sharding=layout_of(M22, (dims, ())))
     blocks = value.reshape(4, 1, 3)  # piece k = row k
     y = run(sw.all_reduce, x, reduce_axes=("dp", "tp"))
-    assert y.shape == (1, 3) and y.layout == Layout.replicated(M22, 2)
+    assert y.shape == (1, 3) and y.dist_layout == Layout.replicated(M22, 2)
     assert torch.equal(global_of(y), blocks.sum(0))
     z = run(sw.reduce_scatter, x, 1, reduce_axes=dims)
-    assert z.shape == (1, 3) and z.layout == layout_of(M22, ((), dims))
+    assert z.shape == (1, 3) and z.dist_layout == layout_of(M22, ((), dims))
     assert torch.equal(global_of(z), blocks.sum(0))
     # only the minor axis: the major one still shards the (halved) dim
     minor = dims[1]
     w = run(sw.all_reduce, x, reduce_axes=minor)
-    assert w.shape == (2, 3) and w.layout == layout_of(M22, ((dims[0],), ()))
+    assert w.shape == (2, 3) and w.dist_layout == layout_of(M22, ((dims[0],), ()))
     assert torch.equal(global_of(w), torch.cat([blocks[0] + blocks[1], blocks[2] + blocks[3]]))
     for got, exp in zip(w.shards, combine_groups(x, (M22.axis_index(minor),), ReduceOp.SUM),
                         strict=True):
@@ -428,15 +428,15 @@ def test_reduce_scatter_partial(mesh: DeviceMesh, op: ReduceOp) -> None:
         want = global_of(x)
         for axis in (0, 1, -1):
             y = run(sw.reduce_scatter, x, axis)
-            assert y.layout == Layout(mesh, ((), ()), (None,) * mesh.ndim).with_dims(
+            assert y.dist_layout == Layout(mesh, ((), ()), (None,) * mesh.ndim).with_dims(
                 tuple(tuple(range(mesh.ndim)) if d == axis % 2 else () for d in range(2)))
             torch.testing.assert_close(global_of(y), want)
         # a subset of axes, in non-mesh order: the others stay Partial
         if mesh.ndim > 1:
             axes = names[::-1][: mesh.ndim - 1]
             y = run(sw.reduce_scatter, x, 0, reduce_axes=axes)
-            assert y.layout.dims[0] == tuple(names.index(a) for a in axes)
-            assert y.layout.partial[0] is op
+            assert y.dist_layout.dims[0] == tuple(names.index(a) for a in axes)
+            assert y.dist_layout.partial[0] is op
             torch.testing.assert_close(global_of(y), want)
 
 
@@ -445,7 +445,7 @@ def test_reduce_scatter_replicated_is_psum_scatter(mesh: DeviceMesh) -> None:
     value = ints((5, 6), 12)
     x = sw.tensor(value, sharding=Layout.replicated(mesh, 2))
     y = run(sw.reduce_scatter, x, 0, reduce_op="sum")
-    assert y.layout.dims[0] == tuple(range(mesh.ndim))
+    assert y.dist_layout.dims[0] == tuple(range(mesh.ndim))
     assert torch.equal(global_of(y), value * mesh.num_devices)
     z = run(sw.reduce_scatter, x, 1, reduce_op=ReduceOp.MAX)
     assert torch.equal(global_of(z), value)
@@ -457,7 +457,7 @@ def test_distributed_broadcast(mesh: DeviceMesh) -> None:
     value = ints((5, 3), 13)
     src = sw.tensor(value)
     y = run(sw.distributed_broadcast, src, mesh)
-    assert y.mesh == mesh and y.layout == Layout.replicated(mesh, 2)
+    assert y.mesh == mesh and y.dist_layout == Layout.replicated(mesh, 2)
     assert torch.equal(global_of(y), value)
     assert all(s is y.shards[0] for s in y.shards)
     with mesh:
@@ -486,7 +486,7 @@ def test_to_device_gathers_and_distributes(mesh: DeviceMesh, shape: tuple) -> No
         assert z.mesh == M4 and torch.equal(global_of(z), value)
         # same mesh: a reshard
         back = run(sw.to_device, z, sharding=layout)
-        assert back.layout == layout and torch.equal(global_of(back), value)
+        assert back.dist_layout == layout and torch.equal(global_of(back), value)
     assert sw.to_device(x) is x
     host = sw.to_device(value)
     assert host.device == CPU(0) and torch.equal(host.to_torch(), value)
@@ -505,7 +505,7 @@ def test_ppermute_flat_cycle() -> None:
     x = sw.tensor(value, sharding=PlacementMapping(M4, [Sharded(0)]))
     perm = [(k, (k + 1) % 4) for k in range(4)]
     y = run(sw.ppermute, x, perm)
-    assert y.layout == x.layout
+    assert y.dist_layout == x.dist_layout
     for src, dst in perm:
         assert torch.equal(y.shards[dst], x.shards[src])
     assert torch.equal(global_of(y), torch.roll(value, 2, dims=0))
@@ -562,7 +562,7 @@ def test_ppermute_partial_keeps_layout() -> None:
     layout = Layout(M4, ((),), (ReduceOp.SUM,))
     x = sw.from_local([torch.full((3,), float(k)) for k in range(4)], layout, (3,))
     y = run(sw.ppermute, x, [(0, 1), (1, 0)])
-    assert y.layout == layout
+    assert y.dist_layout == layout
     assert torch.equal(global_of(y), torch.full((3,), 1.0))
 
 
@@ -577,6 +577,6 @@ def test_chain_on_3d_mesh(shape: tuple) -> None:
     assert torch.equal(global_of(y), value)
     p = run(sw.shard, y, M222, layout_of(M222, ((), (), ("c",)), (ReduceOp.SUM, None, None)))
     q = run(sw.reduce_scatter, p, 0)
-    assert q.layout == layout_of(M222, (("a",), (), ("c",)))
+    assert q.dist_layout == layout_of(M222, (("a",), (), ("c",)))
     assert torch.equal(global_of(q), value)
     assert math.prod(q.shape) == value.numel()

@@ -25,7 +25,7 @@ _COLORS = ["cyan", "magenta", "green", "yellow", "blue", "red", "bright_cyan", "
 
 
 def _cells(t: Tensor) -> dict[tuple[tuple[int, int], ...], list[int]]:
-    mesh, layout = t.mesh, t.layout
+    mesh, layout = t.mesh, t.dist_layout
     cells: dict[tuple[tuple[int, int], ...], list[int]] = {}
     for k in range(mesh.num_devices):
         cells.setdefault(local_bounds(t.shape, layout, mesh.coord_of(k)), []).append(k)
@@ -37,7 +37,7 @@ def _label(t: Tensor, devices: list[int]) -> str:
     names = ", ".join(str(getattr(mesh.devices[k], "id", k)) for k in devices)
     kind = getattr(mesh.devices[devices[0]], "kind", "dev")
     text = f"{kind.upper()} {names}"
-    partial = [f"{mesh.axis_names[a]}:{op.value}" for a, op in enumerate(t.layout.partial) if op]
+    partial = [f"{mesh.axis_names[a]}:{op.value}" for a, op in enumerate(t.dist_layout.partial) if op]
     if partial:
         text += "\npartial " + ",".join(partial)
     return text
@@ -53,7 +53,7 @@ def visualize(t: Tensor, *, console: Console | None = None, color: bool = True) 
     ... # doctest: +SKIP
     """
     cells = _cells(t)
-    title = f"{list(t.shape)} {t.layout}"
+    title = f"{list(t.shape)} {t.dist_layout}"
     table = Table(title=title, show_header=False, show_lines=True, expand=False)
     if t.ndim in (1, 2):
         rows = sorted({b[0] for b in cells}) if t.ndim == 2 else [(0, 1)]

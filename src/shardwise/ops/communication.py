@@ -126,12 +126,12 @@ def all_gather(sharded_tensor: Tensor, axis: int | None = None, **kwargs: Any) -
     t = need_tensor(sharded_tensor, "all_gather")
     if kwargs:
         raise TypeError(f"all_gather() got unexpected keyword arguments {sorted(kwargs)}.")
-    dims = list(t.layout.dims)
+    dims = list(t.dist_layout.dims)
     if axis is None:
         dims = [()] * t.ndim
     else:
         dims[normalize_dim(axis, t.ndim, "all_gather axis")] = ()
-    return t.relayout(t.layout.with_dims(tuple(dims)))
+    return t.relayout(t.dist_layout.with_dims(tuple(dims)))
 
 
 def all_to_all(sharded_tensor: Tensor, split_axis: int, concat_axis: int, tiled: bool = True,
@@ -158,7 +158,7 @@ def all_to_all(sharded_tensor: Tensor, split_axis: int, concat_axis: int, tiled:
         )
     split = normalize_dim(split_axis, t.ndim, "all_to_all split_axis")
     concat = normalize_dim(concat_axis, t.ndim, "all_to_all concat_axis")
-    layout = t.layout
+    layout = t.dist_layout
     axes = layout.dims[concat]
     names = t.mesh.axis_names
     if not axes:

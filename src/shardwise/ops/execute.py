@@ -83,7 +83,7 @@ def apply(op: str, operands: Sequence[Any], fn: Callable[..., torch.Tensor], *pa
     for x in args:
         if isinstance(x, Tensor):
             shapes.append(x.shape)
-            layouts.append(x.layout)
+            layouts.append(x.dist_layout)
             opens.append(x._open)
             itemsizes.append(x.dtype.itemsize)
         else:

@@ -121,7 +121,7 @@ def ppermute(sharded_tensor: Tensor, permutation: Sequence[tuple[int, int]],
         after       x[2:4]      x[0:2]
     """
     t = need_tensor(sharded_tensor, "ppermute")
-    mesh, layout = t.mesh, t.layout
+    mesh, layout = t.mesh, t.dist_layout
     try:
         key = tuple(tuple(p) for p in permutation)
         hash(key)

@@ -62,7 +62,7 @@ def _relabelled(t: Tensor, split: tuple[int, ...], op: ReduceOp | None) -> Seque
     # over the replicas, which the backend installs here.
     if not split:
         return t.shards
-    return backend_for(t.mesh).relabel(t.shards, t.layout, split, op or ReduceOp.SUM)
+    return backend_for(t.mesh).relabel(t.shards, t.dist_layout, split, op or ReduceOp.SUM)
 
 
 def _reduced_target(layout: Layout, axes: tuple[int, ...], scatter_dim: int | None) -> Layout:
@@ -92,7 +92,7 @@ def _reduce(t: Tensor, axes: tuple[int, ...], op: ReduceOp | None, what: str,
             scatter_dim: int | None) -> Tensor:
     """The reducing ops' one path: relabel, then run the cached plan (one result
     Tensor, no intermediate Partial Tensor: this is per-op overhead)."""
-    split, shape, target, plan = _reduce_recipe(t.layout, t.shape, axes, op, what,
+    split, shape, target, plan = _reduce_recipe(t.dist_layout, t.shape, axes, op, what,
                                                 scatter_dim, t.dtype.itemsize)
     return Tensor(run_plan(t.mesh, plan, _relabelled(t, split, op)), target, shape, t.dtype)
 
@@ -100,7 +100,7 @@ def _reduce(t: Tensor, axes: tuple[int, ...], op: ReduceOp | None, what: str,
 def _reduce_args(t: Tensor, reduce_axes: Any, reduce_op: Any,
                  what: str) -> tuple[tuple[int, ...], ReduceOp | None]:
     if reduce_axes is None:
-        axes = t.layout.partial_axes or tuple(range(t.mesh.ndim))
+        axes = t.dist_layout.partial_axes or tuple(range(t.mesh.ndim))
     else:
         axes = mesh_axes(t.mesh, reduce_axes, f"{what} reduce_axes")
     op = None if reduce_op is None else ReduceOp.parse(reduce_op)
