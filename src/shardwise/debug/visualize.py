@@ -37,7 +37,8 @@ def _label(t: Tensor, devices: list[int]) -> str:
     names = ", ".join(str(getattr(mesh.devices[k], "id", k)) for k in devices)
     kind = getattr(mesh.devices[devices[0]], "kind", "dev")
     text = f"{kind.upper()} {names}"
-    partial = [f"{mesh.axis_names[a]}:{op.value}" for a, op in enumerate(t.dist_layout.partial) if op]
+    partial = [f"{mesh.axis_names[a]}:{op.value}"
+               for a, op in enumerate(t.dist_layout.partial) if op]
     if partial:
         text += "\npartial " + ",".join(partial)
     return text
