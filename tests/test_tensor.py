@@ -43,7 +43,7 @@ def test_tensor_from_host_data(data) -> None:
     want = torch.as_tensor(np.asarray(data), dtype=torch.float64 if isinstance(
         data, np.ndarray) else torch.float32)
     x = sw.tensor(data)
-    assert x.device == CPU(0) and x.mesh.is_single
+    assert x.dist_device == CPU(0) and x.mesh.is_single
     assert x.shape == (3, 2) and x.dtype == want.dtype
     assert torch.equal(x.to_torch(), want)
     y = sw.tensor(data, sharding=on(M22, Sharded(0), Replicated()))
@@ -72,7 +72,7 @@ def test_tensor_scalars_dtypes_and_devices() -> None:
         len(z)
     assert sw.tensor([1, 2, 3]).dtype == torch.int64
     assert sw.tensor([1, 2], dtype=torch.float64).dtype == torch.float64
-    assert sw.tensor([1.0], device=CPU(3)).device == CPU(3)
+    assert sw.tensor([1.0], device=CPU(3)).dist_device == CPU(3)
     assert sw.tensor([True, False]).dtype == torch.bool
 
 
@@ -82,7 +82,7 @@ def test_tensor_from_a_tensor_relayouts() -> None:
     assert y.placements == (Replicated(), Sharded(1))
     assert torch.equal(y.to_torch(), x.to_torch())
     d = sw.tensor(x, device=CPU(1), dtype=torch.float64)
-    assert d.device == CPU(1) and d.dtype == torch.float64
+    assert d.dist_device == CPU(1) and d.dtype == torch.float64
     assert torch.equal(d.to_torch(), x.to_torch().double())
     g = sw.tensor(x, requires_grad=True)
     assert g.requires_grad and g.is_leaf and not x.requires_grad
@@ -173,7 +173,7 @@ def test_inspection() -> None:
     assert x.sharding == on(M22, Sharded(0), Replicated())
     assert x.placements == (Sharded(0), Replicated())
     assert x.local_shapes == [(3, 2), (3, 2), (2, 2), (2, 2)]
-    assert x.type == DistributedTensorType(torch.float32, (5, 2), M22,
+    assert x.dist_type == DistributedTensorType(torch.float32, (5, 2), M22,
                                            (Sharded(0), Replicated()))
     assert len(x.shards) == 4
     for k, dev in enumerate(M22.devices):
@@ -200,9 +200,9 @@ def test_sharding_forms_by_layout() -> None:
 
 
 def test_device_is_single_device_only() -> None:
-    assert sw.tensor([1.0], device=CPU(2)).device == CPU(2)
+    assert sw.tensor([1.0], device=CPU(2)).dist_device == CPU(2)
     with pytest.raises(ShardingError, match="4 devices"):
-        _ = sw.tensor([1.0], sharding=on(M4, Replicated())).device
+        _ = sw.tensor([1.0], sharding=on(M4, Replicated())).dist_device
 
 
 def test_repr_shows_requires_grad() -> None:
@@ -267,8 +267,9 @@ def test_requires_grad_only_on_leaves() -> None:
     assert x.requires_grad_() is x and x.requires_grad and x.is_leaf
     y = sw.shard(x, M4, on(M4, Sharded(0)))
     assert not y.is_leaf
+    assert y.requires_grad_() is y  # as torch: a no-op on a non-leaf that records
     with pytest.raises(ShardingError, match="leaf"):
-        y.requires_grad_()
+        y.requires_grad_(False)
 
 
 # --- immutability ----------------------------------------------------------------------

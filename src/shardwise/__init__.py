@@ -33,7 +33,8 @@ __version__ = "0.1.0"
 
 # name -> module that defines it; imported on first access.
 _LAZY: dict[str, str] = {
-    "Tensor": "shardwise.tensors",
+    "Tensor": "shardwise.creation",  # with the op registry filled
+    "ShardwiseFallbackWarning": "shardwise.ops.torch_api",
     "tensor": "shardwise.creation",
     "from_local": "shardwise.creation",
     "zeros": "shardwise.creation",

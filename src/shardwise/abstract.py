@@ -95,7 +95,7 @@ def _to_type(x: Any) -> Any:
         mesh = x.mesh
         if mesh.is_single and mesh == DeviceMesh.single(mesh.devices[0]):
             return TensorType(x.dtype, x.shape, mesh.devices[0])
-        return x.type
+        return x.dist_type
     if isinstance(x, torch.Tensor):
         return TensorType(x.dtype, tuple(x.shape), from_torch(x.device))
     return x

@@ -272,7 +272,7 @@ def as_layout_of(value: Any, like: Tensor) -> Tensor:
     if isinstance(value, Tensor):
         if value.shape != like.shape:
             raise ShardingError(
-                f"Expected a value of global shape {like.shape}, got {value!r}."
+                f"Expected a value of global shape {tuple(like.shape)}, got {value!r}."
             )
         if value.mesh != like.mesh:
             from shardwise.ops.communication import to_device
@@ -282,7 +282,8 @@ def as_layout_of(value: Any, like: Tensor) -> Tensor:
     t = value if isinstance(value, torch.Tensor) else _as_torch(value, like.dtype)
     if tuple(t.shape) != like.shape:
         raise ShardingError(
-            f"Expected a value of global shape {like.shape}, got shape {tuple(t.shape)}."
+            f"Expected a value of global shape {tuple(like.shape)}, got shape "
+            f"{tuple(t.shape)}."
         )
     return place(t.to(like.dtype), like.dist_layout)
 

@@ -131,7 +131,8 @@ def _setup(op: str, axis_name: Any) -> tuple[AxisEnv, tuple[int, ...], int]:
 
 
 def _tensor(x: Any, op: str) -> torch.Tensor:
-    if not isinstance(x, torch.Tensor):
+    # a shardwise Tensor is a torch.Tensor too; __torch_function__ tells them apart
+    if not isinstance(x, torch.Tensor) or hasattr(x, "dist_layout"):
         raise ShardingTypeError(
             f"lax.{op} takes the local block, a torch.Tensor. Got {type(x).__name__}. Inside "
             "shard_map, fn receives and returns torch tensors (not shardwise Tensors)."

@@ -18,7 +18,7 @@ Invariants:
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -28,7 +28,7 @@ from shardwise.devices import Device
 from shardwise.planner import Plan, make_plan
 from shardwise.runtime import backend_for
 from shardwise.runtime.simulated import rep_indices
-from shardwise.sharding.errors import ConversionError, ShardingError
+from shardwise.sharding.errors import ConversionError, ShardingError, ShardingTypeError
 from shardwise.sharding.layout import Layout
 from shardwise.sharding.mappings import DeviceMapping, NamedMapping, PlacementMapping
 from shardwise.sharding.mesh import DeviceMesh
@@ -39,14 +39,27 @@ from shardwise.sharding.types import DistributedTensorType, dtype_name
 __all__ = ["Tensor"]
 
 
-class Tensor:
-    """A global value laid out on a :class:`DeviceMesh`.
+#: torch function -> handler, filled by :mod:`shardwise.ops` (the op registry).
+HANDLERS: dict[Any, Callable[..., Any]] = {}
+#: called for a torch function without a handler: ``(func, args, kwargs) -> result``.
+FALLBACK: list[Callable[[Any, tuple[Any, ...], dict[str, Any]], Any]] = []
+
+
+class Tensor(torch.Tensor):
+    """A global value laid out on a :class:`DeviceMesh`; a ``torch.Tensor``.
+
+    ``shape``/``dtype``/``device``/``requires_grad`` are the global ones, so
+    ``nn.Module``, ``torch.optim`` and ``torch.*`` take it; every torch function
+    goes through :meth:`__torch_function__` to the op registry, which propagates
+    shardings and runs the torch op on the local shards.
 
     >>> mesh = DeviceMesh.cpu((2, 2), ("dp", "tp"))
     >>> x = shardwise.tensor(torch.arange(8.).reshape(4, 2),
     ...                      sharding=PlacementMapping(mesh, [Sharded(0), Replicated()]))
     >>> x
     Tensor(shape=(4, 2), dtype=float32, layout=DeviceMesh(dp=2, tp=2)[S(dp), R])
+    >>> isinstance(x, torch.Tensor), x.shape, x.layout
+    (True, torch.Size([4, 2]), torch.strided)
 
     ::
 
@@ -57,21 +70,62 @@ class Tensor:
         CPU(3)   (1,1)     x[2:4]
     """
 
-    __slots__ = ("__weakref__", "_dtype", "_layout", "_open", "_shape", "_shards")
+    _shards: tuple[torch.Tensor, ...]
+    _layout: Layout
+    _shape: tuple[int, ...]
+    _size: torch.Size
+    _dtype: torch.dtype
+    _open: tuple[bool, ...] | None
+    _device: torch.device
 
-    def __init__(self, shards: Sequence[torch.Tensor | None], layout: Layout,
-                 shape: Sequence[int], dtype: torch.dtype | None = None, *,
-                 open_dims: tuple[bool, ...] | None = None) -> None:
+    @staticmethod
+    def __new__(cls, shards: Sequence[torch.Tensor | None], layout: Layout,
+                shape: Sequence[int], dtype: torch.dtype | None = None, *,
+                open_dims: tuple[bool, ...] | None = None) -> Tensor:
         """Internal: build from per-device shards that already follow ``layout``
         (None for devices another process owns). Users build Tensors with
         ``shardwise.tensor``/``zeros``/``from_local``."""
-        self._shards: tuple[torch.Tensor, ...] = tuple(shards)  # type: ignore[arg-type]
-        self._layout = layout
-        self._shape = tuple(shape)
+        parts = tuple(shards)
+        first = next((s for s in parts if s is not None), None)
         if dtype is None:
-            dtype = next(s.dtype for s in self._shards if s is not None)
+            assert first is not None, "a Tensor with no local shard needs its dtype"
+            dtype = first.dtype
+        device = first.device if first is not None else backend_for(layout.mesh).device_of(
+            layout.mesh, 0)
+        size = torch.Size(shape)
+        # The wrapper holds no data (its C-level requires_grad stays False): values and
+        # autograd live on the shards, and every torch function is routed to the registry.
+        self = torch.Tensor._make_wrapper_subclass(cls, size, dtype=dtype, device=device)
+        self._shards = parts  # type: ignore[assignment]
+        self._layout = layout
+        self._shape = tuple(size)
+        self._size = size
         self._dtype = dtype
         self._open = open_dims
+        self._device = device
+        return self
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        pass  # everything happens in __new__
+
+    @classmethod
+    def __torch_function__(cls, func: Any, types: Any, args: Any = (),
+                           kwargs: Any = None) -> Any:
+        handler = HANDLERS.get(func)
+        if handler is not None:
+            return handler(*args, **(kwargs or {}))
+        return FALLBACK[0](func, tuple(args), kwargs or {})
+
+    @classmethod
+    def __torch_dispatch__(cls, func: Any, types: Any, args: Any = (),  # type: ignore[override]
+                           kwargs: Any = None) -> Any:
+        # Reached only if a torch function bypassed __torch_function__ (e.g. a C++ path
+        # with torch functions disabled): the wrapper has no data, so refuse by name.
+        raise ShardingError(
+            f"{func} reached torch's dispatcher with a shardwise.Tensor, which holds no data "
+            "of its own (its shards do). This torch path bypasses __torch_function__; gather "
+            "the value first with x.to_torch(), or report the call that led here."
+        )
 
     # --- open / closed dims (sharding propagation) -------------------------------------
     @property
@@ -83,26 +137,41 @@ class Tensor:
         return (True,) * len(self._shape) if self._open is None else self._open
 
     # --- inspection -----------------------------------------------------------------
+    # Python-level overrides of torch's metadata: they answer from the wrapper's own
+    # fields without a trip through __torch_function__ (a few µs each otherwise).
     @property
-    def shape(self) -> tuple[int, ...]:
-        return self._shape
+    def shape(self) -> torch.Size:  # type: ignore[override]
+        return self._size
 
     @property
-    def dtype(self) -> torch.dtype:
+    def dtype(self) -> torch.dtype:  # type: ignore[override]
         return self._dtype
 
     @property
-    def ndim(self) -> int:
+    def ndim(self) -> int:  # type: ignore[override]
         return len(self._shape)
 
     def dim(self) -> int:
         return len(self._shape)
 
     def size(self, dim: int | None = None) -> Any:
-        return self._shape if dim is None else self._shape[dim]
+        return self._size if dim is None else self._size[dim]
 
     def numel(self) -> int:
         return math.prod(self._shape)
+
+    nelement = numel
+
+    @property
+    def layout(self) -> torch.layout:  # type: ignore[override]
+        """torch's memory layout (always ``torch.strided``); shardwise's is :attr:`dist_layout`."""
+        return torch.strided
+
+    @property
+    def device(self) -> torch.device:  # type: ignore[override]
+        """The torch device of the local shards (``cpu`` on a simulated CPU mesh); the
+        mesh is :attr:`mesh`, a single device's shardwise device :attr:`dist_device`."""
+        return self._device
 
     @property
     def dist_layout(self) -> Layout:
@@ -126,12 +195,12 @@ class Tensor:
             return NamedMapping.from_layout(self._layout)
 
     @property
-    def device(self) -> Device:
-        """The device of a single-device tensor."""
+    def dist_device(self) -> Device:
+        """The shardwise device of a single-device tensor (``CPU(0)``)."""
         mesh = self.mesh
         if not mesh.is_single:
             raise ShardingError(
-                f"{self!r} lives on {mesh.num_devices} devices, so it has no single .device. "
+                f"{self!r} lives on {mesh.num_devices} devices, so it has no single .dist_device. "
                 "Use .mesh.devices, .sharding, or gather it with to_device(x, device)."
             )
         return mesh.devices[0]
@@ -163,11 +232,11 @@ class Tensor:
                 for k in range(mesh.num_devices)]
 
     @property
-    def type(self) -> DistributedTensorType:
+    def dist_type(self) -> DistributedTensorType:
         """The symbolic type of this tensor (no data)."""
         return DistributedTensorType(self._dtype, self._shape, self.mesh, self.placements)
 
-    def __repr__(self) -> str:
+    def __repr__(self) -> str:  # type: ignore[override]
         grad = ", requires_grad=True" if self.requires_grad else ""
         return (f"Tensor(shape={self._shape}, dtype={dtype_name(self._dtype)}, "
                 f"layout={self._layout}{grad})")
@@ -176,6 +245,40 @@ class Tensor:
         if not self._shape:
             raise TypeError("len() of a 0-d Tensor")
         return self._shape[0]
+
+    def __hash__(self) -> int:
+        return id(self)
+
+    def __bool__(self) -> bool:
+        if self.numel() != 1:
+            raise ShardingError(
+                f"The truth value of {self!r} with {self.numel()} elements is ambiguous: use "
+                "(x == y).all() or .any()."
+            )
+        return bool(self.item())
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> Tensor:
+        """A copy with its own buffers, keeping the sharing pattern of replicas and
+        the leaf / requires_grad state (``copy.deepcopy(model)`` works)."""
+        if id(self) in memo:
+            return memo[id(self)]
+        leaf_grad = self.is_leaf and self.requires_grad
+        with torch.no_grad():
+            out = self._map_unique(lambda s: s.clone())
+        if leaf_grad:
+            out = out._map_unique(lambda s: s.requires_grad_(True))
+        for key, value in self.__dict__.items():
+            if not key.startswith("_") or key == "_is_param":
+                out.__dict__[key] = value
+        memo[id(self)] = out
+        return out
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        raise ShardingError(
+            f"{self!r} cannot be pickled: a shardwise.Tensor is written through its shards, "
+            "never as opaque bytes. Save x.to_torch() (the global value), or a state dict "
+            "of local shards."
+        )
 
     # --- values -------------------------------------------------------------------------
     def _global(self) -> torch.Tensor:
@@ -194,7 +297,7 @@ class Tensor:
             out = out.clone()
         return out
 
-    def numpy(self) -> Any:
+    def numpy(self, *, force: bool = False) -> Any:
         return self.to_torch().detach().cpu().numpy()
 
     def tolist(self) -> Any:
@@ -246,24 +349,61 @@ class Tensor:
                       open_dims=self._open)
 
     # --- autograd ----------------------------------------------------------------------
+    # Autograd runs on the shards (torch records each local op); these properties show
+    # the global view of it, as torch's do for a plain tensor.
     @property
     def requires_grad(self) -> bool:
         return any(s.requires_grad for s in self._shards if s is not None)
 
+    @requires_grad.setter
+    def requires_grad(self, value: bool) -> None:
+        self.requires_grad_(value)
+
     @property
-    def is_leaf(self) -> bool:
+    def is_leaf(self) -> bool:  # type: ignore[override]
         return all(s.is_leaf for s in self._shards if s is not None)
+
+    @property
+    def grad_fn(self) -> Any:  # type: ignore[override]
+        """The autograd node of the first local shard (None for leaves)."""
+        return next((s.grad_fn for s in self._shards if s is not None), None)
 
     def requires_grad_(self, requires_grad: bool = True) -> Tensor:
         """Make this tensor a leaf that records gradients (in place on the flag only)."""
         if not self.is_leaf:
-            raise ShardingError(
-                "requires_grad_() is for leaf tensors; this one is the result of an op. "
-                "Use x.detach().requires_grad_()."
-            )
+            if not requires_grad:
+                raise ShardingError(
+                    "requires_grad_(False) on a non-leaf tensor: it is the result of an op "
+                    "that records gradients. Use x.detach()."
+                )
+            return self
         for s in {id(s): s for s in self._shards if s is not None}.values():
             s.requires_grad_(requires_grad)
         return self
+
+    @property  # type: ignore[override]
+    def data(self) -> Tensor:
+        """The same value cut from autograd (shares memory), as torch's ``.data``."""
+        return self.detach()
+
+    @data.setter
+    def data(self, value: Any) -> None:
+        """Swap this tensor's contents for ``value``'s (``module.to(dtype)`` does this)."""
+        if not isinstance(value, Tensor):
+            raise ShardingTypeError(
+                f"x.data = value needs a shardwise.Tensor value, got {type(value).__name__}. "
+                "Wrap it first with shardwise.tensor(value, sharding=x.sharding)."
+            )
+        grad = self.requires_grad
+        new = value.detach()
+        if grad:
+            new = new._map_unique(lambda s: s.requires_grad_(True))
+        self._shards, self._layout, self._dtype = new._shards, new._layout, new._dtype
+        self._shape, self._size, self._open = new._shape, new._size, new._open
+        self._device = new._device
+        # keep the C-level metadata (dtype, shape) that torch's C++ code reads in sync
+        with torch._C.DisableTorchFunctionSubclass():
+            torch._C.TensorBase.data.__set__(self, value)  # type: ignore[attr-defined]
 
     def detach(self) -> Tensor:
         """The same value, cut from the autograd graph (shares memory)."""
@@ -302,12 +442,42 @@ class Tensor:
             out.append(g)
         return Tensor(out, layout, self._shape, self._dtype)
 
-    @property
+    @property  # type: ignore[override]
     def grad(self) -> Tensor | None:
         """Accumulated gradient, in this tensor's layout; None before any backward."""
         if not any(s.grad is not None for s in self._shards if s is not None):
             return None
         return self._wrap_grads({id(s): s.grad for s in self._shards if s is not None})
+
+    @grad.setter
+    def grad(self, value: Tensor | None) -> None:
+        """``p.grad = None`` (what ``zero_grad()`` does) or a Tensor of ``p``'s shape."""
+        if value is None:
+            for s in self._shards:
+                if s is not None:
+                    s.grad = None
+            return
+        if not isinstance(value, Tensor) or value.shape != self.shape:
+            raise ShardingTypeError(
+                f"p.grad must be None or a shardwise.Tensor of shape {self._shape}; got "
+                f"{value!r:.120}. Build it with shardwise.tensor(g, sharding=p.sharding)."
+            )
+        if self._layout.is_partial:
+            raise ShardingError(
+                f"Setting .grad of {self!r}, whose layout is Partial: the gradient of a "
+                "Partial value has no single per-device form. Reduce the tensor first."
+            )
+        g = value.detach().relayout(self._layout) if value.mesh == self.mesh else None
+        if g is None:
+            raise ShardingError(
+                f"p.grad lives on {value.mesh!r} but p on {self.mesh!r}: move it with "
+                "shardwise.to_device(g, sharding=p.sharding) first."
+            )
+        seen: set[int] = set()
+        for s, gs in zip(self._shards, g._shards):
+            if s is not None and id(s) not in seen:
+                seen.add(id(s))
+                s.grad = gs
 
     def _roots(self) -> Tensor:
         """This value with Partial axes reduced (the differentiable global)."""
@@ -315,8 +485,14 @@ class Tensor:
             return self
         return self.relayout(self._layout.with_partial((None,) * self.mesh.ndim))
 
-    def backward(self, gradient: Any = None) -> None:
+    def backward(self, gradient: Any = None, retain_graph: bool | None = None,
+                 create_graph: bool = False, inputs: Any = None) -> None:
         """Accumulate d(self)/d(leaf) into the ``.grad`` of every leaf it depends on."""
+        if inputs is not None:
+            raise ShardingError(
+                "backward(inputs=...) is not supported on a shardwise.Tensor; call "
+                "backward() and read the .grad of the tensors you need."
+            )
         if not self.requires_grad:
             raise ShardingError(
                 f"backward() on {self!r}, which does not require grad: no leaf it depends on "
@@ -335,7 +511,8 @@ class Tensor:
 
         g = as_layout_of(gradient, roots)
         reps, outs = roots.unique_shards()
-        torch.autograd.backward(outs, [g._shards[k] for k in reps])
+        torch.autograd.backward(outs, [g._shards[k] for k in reps], retain_graph=retain_graph,
+                                create_graph=create_graph)
 
 
 def run_plan(mesh: DeviceMesh, plan: Plan, shards: Sequence[torch.Tensor]

@@ -124,8 +124,10 @@ def test_mesh_mismatch_names_both_meshes() -> None:
 
 def test_operand_kinds() -> None:
     a = sw.tensor(values(4, 4), sharding=lay(LINE, "x", None))
-    with pytest.raises(sw.ShardingError, match="0-d torch tensors"):
-        sw.add(a, torch.ones(4, 4))
+    # a plain torch tensor among shardwise ones is Replicated on the mesh (JAX semantics)
+    mixed = sw.add(a, torch.ones(4, 4))
+    assert mixed.dist_layout == a.dist_layout
+    assert torch.equal(mixed.to_torch(), a.to_torch() + 1)
     with pytest.raises(TypeError):
         a + "text"
     with pytest.raises(sw.ShardingError, match=r"at least one shardwise\.Tensor"):
@@ -134,12 +136,12 @@ def test_operand_kinds() -> None:
     assert a != "text"
 
 
-def test_advanced_indexing_is_refused() -> None:
+def test_advanced_indexing_runs_gathered_with_one_warning() -> None:
     a = sw.tensor(values(4, 4), sharding=lay(LINE, "x", None))
-    with pytest.raises(sw.ShardingError, match="basic indexing"):
-        a[torch.tensor([0, 1])]
-    with pytest.raises(sw.ShardingError, match="basic indexing"):
-        a[[0, 1]]
+    with pytest.warns(sw.ShardwiseFallbackWarning, match="__getitem__"):
+        picked = a[torch.tensor([0, 1])]
+    assert torch.equal(picked.to_torch(), a.to_torch()[torch.tensor([0, 1])])
+    assert torch.equal(a[[0, 1]].to_torch(), a.to_torch()[[0, 1]])
     with pytest.raises(IndexError, match="out of bounds"):
         a[4]
     assert [row.to_torch().tolist() for row in a] == a.to_torch().tolist()

@@ -93,7 +93,7 @@ def test_eval_shape_matches_a_real_run_for_graph_ops() -> None:
                 ops.shard_and_stack([a, a], [CPU(0), CPU(1), CPU(2)], axis=1))
 
     real = step(a, b)
-    want = tuple([TensorType(o.dtype, o.shape, o.device) for o in part] for part in real)
+    want = tuple([TensorType(o.dtype, o.shape, o.dist_device) for o in part] for part in real)
     assert eval_shape(step, TensorType(torch.float32, (2, 3), CPU(0)),
                       TensorType(torch.float32, (1, 3), CPU(1))) == want
 
@@ -161,8 +161,8 @@ def test_eval_shape_of_each_comm_op_matches_a_real_run(name: str) -> None:
                                sharding=PlacementMapping(MESH, placements))
     real = fn(real_in)
     want = (TensorType(real.dtype, real.shape, real.mesh.devices[0]) if name == "to_device"
-            else real.type)
-    assert eval_shape(fn, real_in.type) == want
+            else real.dist_type)
+    assert eval_shape(fn, real_in.dist_type) == want
 
 
 def test_eval_shape_of_comm_ops_on_huge_types_does_not_allocate() -> None:

@@ -130,7 +130,7 @@ def test_distributed_type_is_refused_with_a_hint() -> None:
     mesh = DeviceMesh.cpu(2, "x")
     t = shardwise.tensor(torch.zeros(4), sharding=PlacementMapping(mesh, [Sharded(0)]))
     with pytest.raises(ShardingTypeError, match=r"got DistributedTensorType.*local_types"):
-        ops.transfer_to(t.type, CPU(0))
+        ops.transfer_to(t.dist_type, CPU(0))
 
 
 def test_other_values_are_refused() -> None:

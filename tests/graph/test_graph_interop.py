@@ -51,14 +51,14 @@ def test_round_trip(name: str) -> None:
     sharding = SHARDINGS[name]
     t = shardwise.tensor(torch.arange(35.0).reshape(7, 5), sharding=sharding)
     parts = from_tensor(t)
-    assert [p.device for p in parts] == list(MESH.devices)
+    assert [p.dist_device for p in parts] == list(MESH.devices)
     assert [p.shape for p in parts] == t.local_shapes
     assert all(isinstance(p, Tensor) and p.mesh.is_single for p in parts)
     back = to_tensor(parts, t.sharding, t.shape)
     assert isinstance(back, Tensor) and same(back, t)
-    types = from_tensor(t.type)
-    assert types == [TensorType(p.dtype, p.shape, p.device) for p in parts]
-    assert to_tensor(types, t.sharding, t.shape) == t.type
+    types = from_tensor(t.dist_type)
+    assert types == [TensorType(p.dtype, p.shape, p.dist_device) for p in parts]
+    assert to_tensor(types, t.sharding, t.shape) == t.dist_type
 
 
 def test_from_tensor_gives_local_values_and_new_objects() -> None:
@@ -88,7 +88,7 @@ def test_graph_ops_compose_with_distributed_tensors() -> None:
     gathered = ops.allgather(from_tensor(t), Signals(mesh.devices))
     back = to_tensor(gathered, PlacementMapping(mesh, [Replicated()]))
     assert torch.equal(back.to_torch(), value)  # type: ignore[union-attr]
-    summed = ops.allreduce.sum(from_tensor(t.type)[1:], Signals(mesh.devices[1:]))
+    summed = ops.allreduce.sum(from_tensor(t.dist_type)[1:], Signals(mesh.devices[1:]))
     assert summed == [TensorType(torch.float32, (2, 2), CPU(i)) for i in (1, 2)]
 
 
@@ -141,4 +141,4 @@ def test_round_trip_property(mesh_shape: tuple[int, ...], rows: int, cols: int,
     t = shardwise.tensor(torch.randn(rows, cols, dtype=torch.float64), sharding=sharding)
     back = to_tensor(from_tensor(t), sharding, t.shape)
     assert isinstance(back, Tensor) and same(back, t)
-    assert to_tensor(from_tensor(t.type), sharding, t.shape) == t.type
+    assert to_tensor(from_tensor(t.dist_type), sharding, t.shape) == t.dist_type

@@ -34,7 +34,7 @@ def test_namespace() -> None:
 def test_allgather_uneven_axis0() -> None:
     x0, x1 = on([[1, 2]], 0), on([[3, 4], [5, 6]], 1)
     outs = ops.allgather([x0, x1], S2)
-    assert [o.device for o in outs] == [CPU(0), CPU(1)]
+    assert [o.dist_device for o in outs] == [CPU(0), CPU(1)]
     assert values(outs) == [[[1, 2], [3, 4], [5, 6]]] * 2
     assert all(o.mesh.is_single and o.dtype == torch.int64 for o in outs)
 
@@ -49,7 +49,7 @@ def test_allgather_three_devices_follows_buffer_order() -> None:
     signals = Signals([CPU(2), CPU(0), CPU(1)])
     xs = [on([10 * i], i) for i in (2, 0, 1)]
     outs = ops.allgather(xs, signals)
-    assert [o.device for o in outs] == [CPU(2), CPU(0), CPU(1)]
+    assert [o.dist_device for o in outs] == [CPU(2), CPU(0), CPU(1)]
     assert values(outs) == [[20, 0, 10]] * 3
 
 
@@ -63,7 +63,7 @@ def test_distributed_broadcast_from_a_non_first_root() -> None:
     x = on([[1.0, 2.0]], 1)
     signals = Signals([CPU(0), CPU(1), CPU(2)])
     outs = ops.distributed_broadcast(x, signals)
-    assert [o.device for o in outs] == [CPU(0), CPU(1), CPU(2)]
+    assert [o.dist_device for o in outs] == [CPU(0), CPU(1), CPU(2)]
     assert values(outs) == [[[1.0, 2.0]]] * 3
     assert all(o.shape == x.shape and o.dtype == x.dtype for o in outs)
 
@@ -72,10 +72,10 @@ def test_distributed_broadcast_from_a_non_first_root() -> None:
 def test_transfer_to() -> None:
     x = on([1, 2, 3], 0)
     y = ops.transfer_to(x, CPU(3))
-    assert isinstance(y, Tensor) and y.device == CPU(3)
+    assert isinstance(y, Tensor) and y.dist_device == CPU(3)
     assert y.to_torch().tolist() == [1, 2, 3]
     z = ops.transfer_to(x, CPU(0))
-    assert z is not x and z.device == CPU(0)
+    assert z is not x and z.dist_device == CPU(0)
 
 
 # --- shard_and_stack (reference examples) ----------------------------------------------------
@@ -84,7 +84,7 @@ def test_shard_and_stack_reference_axis0() -> None:
     a = torch.arange(10 * d, dtype=torch.float32).reshape(10, d)
     b = 100 + a
     outs = ops.shard_and_stack([on(a, 0), on(b, 0)], [CPU(0), CPU(1)])
-    assert [o.device for o in outs] == [CPU(0), CPU(1)]
+    assert [o.dist_device for o in outs] == [CPU(0), CPU(1)]
     assert [o.shape for o in outs] == [(2, 5, d), (2, 5, d)]
     assert torch.equal(outs[0].to_torch(), torch.stack([a[0:5], b[0:5]]))
     assert torch.equal(outs[1].to_torch(), torch.stack([a[5:10], b[5:10]]))
@@ -104,13 +104,13 @@ def test_shard_and_stack_reference_axis1(axis: int) -> None:
 def test_shard_and_stack_one_input_one_device() -> None:
     a = torch.arange(6).reshape(2, 3)
     (out,) = ops.shard_and_stack([on(a, 0)], [CPU(5)])
-    assert out.device == CPU(5) and torch.equal(out.to_torch(), a[None])
+    assert out.dist_device == CPU(5) and torch.equal(out.to_torch(), a[None])
 
 
 # --- allreduce / reducescatter -------------------------------------------------------------
 def test_allreduce_sum() -> None:
     outs = ops.allreduce.sum([on([1, 2], 0), on([10, 20], 1)], S2)
-    assert [o.device for o in outs] == [CPU(0), CPU(1)]
+    assert [o.dist_device for o in outs] == [CPU(0), CPU(1)]
     assert values(outs) == [[11, 22], [11, 22]]
 
 

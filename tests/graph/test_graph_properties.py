@@ -29,11 +29,11 @@ def rand(shape: tuple[int, ...], dtype: torch.dtype, seed: int) -> torch.Tensor:
 
 
 def types_of(outs: list[Tensor]) -> list[TensorType]:
-    return [TensorType(o.dtype, o.shape, o.device) for o in outs]
+    return [TensorType(o.dtype, o.shape, o.dist_device) for o in outs]
 
 
 def abstract(xs: list[Tensor]) -> list[TensorType]:
-    return [TensorType(x.dtype, x.shape, x.device) for x in xs]
+    return [TensorType(x.dtype, x.shape, x.dist_device) for x in xs]
 
 
 @st.composite
@@ -63,7 +63,7 @@ def test_allgather_equals_torch_cat(case: tuple[list[torch.Tensor], list[CPU], i
     signals = Signals(devices)
     outs = ops.allgather(xs, signals, axis=axis)
     want = torch.cat(data, dim=axis)
-    assert [o.device for o in outs] == devices
+    assert [o.dist_device for o in outs] == devices
     assert all(torch.equal(o.to_torch(), want) for o in outs)
     assert ops.allgather(abstract(xs), signals, axis=axis) == types_of(outs)
 
@@ -90,7 +90,7 @@ def test_allreduce_equals_sum_in_device_order(case: tuple[list[torch.Tensor], li
     want = data[0]
     for d in data[1:]:
         want = want + d
-    assert [o.device for o in outs] == devices
+    assert [o.dist_device for o in outs] == devices
     assert all(torch.equal(o.to_torch(), want) for o in outs)
     assert ops.allreduce.sum(abstract(xs), Signals(devices)) == types_of(outs)
 
@@ -105,7 +105,7 @@ def test_reducescatter_pieces_follow_the_split_rule_and_concat_to_allreduce(
     pieces = ops.reducescatter.sum(xs, signals, axis=axis)
     total = ops.allreduce.sum(xs, signals)[0].to_torch()
     n, g = len(devices), data[0].shape[axis]
-    assert [p.device for p in pieces] == devices
+    assert [p.dist_device for p in pieces] == devices
     assert [p.shape[axis] for p in pieces] == [split_size(g, n, k) for k in range(n)]
     assert torch.equal(torch.cat([p.to_torch() for p in pieces], dim=axis), total)
     assert ops.reducescatter.sum(abstract(xs), signals, axis=axis) == types_of(pieces)
@@ -125,7 +125,7 @@ def test_shard_and_stack_equals_stack_of_chunks(n_dev: int, n_in: int, rank: int
     outs = ops.shard_and_stack(xs, devices, axis=axis)
     for i, out in enumerate(outs):
         want = torch.stack([x.narrow(axis, i * chunk, chunk) for x in inputs])
-        assert out.device == devices[i]
+        assert out.dist_device == devices[i]
         assert torch.equal(out.to_torch(), want)
     assert ops.shard_and_stack(abstract(xs), devices, axis=axis) == types_of(outs)
 
@@ -141,4 +141,4 @@ def test_broadcast_and_transfer_keep_the_value(n: int, size: int, data: Any) -> 
     assert all(torch.equal(o.to_torch(), value) for o in outs)
     assert ops.distributed_broadcast(abstract([x])[0], signals) == types_of(outs)
     moved = ops.transfer_to(x, CPU(n))
-    assert torch.equal(moved.to_torch(), value) and moved.device == CPU(n)
+    assert torch.equal(moved.to_torch(), value) and moved.dist_device == CPU(n)

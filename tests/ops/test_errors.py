@@ -166,7 +166,7 @@ def test_accelerator_requested_with_none() -> None:
         calls += [lambda: sw.gpu(x22()), lambda: sw.accelerator(x22())]
     else:
         y = sw.gpu(x22())
-        assert y.device == Accelerator(0) and torch.equal(y.to_torch().cpu(), torch.ones(4, 4))
+        assert y.dist_device == Accelerator(0) and torch.equal(y.to_torch().cpu(), torch.ones(4, 4))
     for call in calls:
         with raises(DeviceError, "Accelerator(", "does not exist", "Available devices: [CPU(0)"):
             call()
@@ -180,8 +180,8 @@ def test_not_a_device() -> None:
 
 
 def test_device_of_a_multi_device_tensor() -> None:
-    with raises(ShardingError, "4 devices", ".device"):
-        _ = x22().device
+    with raises(ShardingError, "4 devices", ".dist_device"):
+        _ = x22().dist_device
 
 
 # --- non-Tensor inputs ---------------------------------------------------------------

@@ -478,10 +478,10 @@ def test_to_device_gathers_and_distributes(mesh: DeviceMesh, shape: tuple) -> No
         for fn in (lambda t: sw.to_device(t, CPU(0)), lambda t: sw.transfer_to(t, CPU(0)),
                    sw.cpu):
             y = run(fn, x)
-            assert y.device == CPU(0) and y.mesh.is_single
+            assert y.dist_device == CPU(0) and y.mesh.is_single
             assert torch.equal(global_of(y), value)
         # to another device, and to another mesh
-        assert sw.to_device(x, CPU(5)).device == CPU(5)
+        assert sw.to_device(x, CPU(5)).dist_device == CPU(5)
         z = run(sw.to_device, x, sharding=PlacementMapping(M4, [Sharded(1)]))
         assert z.mesh == M4 and torch.equal(global_of(z), value)
         # same mesh: a reshard
@@ -489,7 +489,7 @@ def test_to_device_gathers_and_distributes(mesh: DeviceMesh, shape: tuple) -> No
         assert back.dist_layout == layout and torch.equal(global_of(back), value)
     assert sw.to_device(x) is x
     host = sw.to_device(value)
-    assert host.device == CPU(0) and torch.equal(host.to_torch(), value)
+    assert host.dist_device == CPU(0) and torch.equal(host.to_torch(), value)
 
 
 def test_to_device_partial_source_reduces() -> None:

@@ -88,7 +88,7 @@ def read(value: Any, what: str) -> Local:
         device = mesh.devices[0]
         if not isinstance(device, Device):
             raise DeviceError(f"{what} lives on {device!r}, which is not a shardwise device.")
-        return Local(value.dtype, value.shape, device, value.shards[0])
+        return Local(value.dtype, tuple(value.shape), device, value.shards[0])
     if isinstance(value, TensorType) and not isinstance(value, BufferType):
         if not isinstance(value.device, Device):
             raise DeviceError(

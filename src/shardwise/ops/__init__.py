@@ -1,6 +1,7 @@
 """Ops on shardwise Tensors: communication ops (with their gradients), the planner,
 and compute ops with sharding propagation (which also install the Tensor operators)."""
 
+from shardwise.ops import torch_api as _torch_api  # noqa: F401  (fills the op registry)
 from shardwise.ops.communication import (
     accelerator,
     all_gather,

@@ -338,7 +338,54 @@ def _index(shapes: tuple[tuple[int, ...], ...], index: tuple[Any, ...]) -> str:
     return " ".join(ins) + " -> " + " ".join(out)
 
 
+def _elementwise(shapes: tuple[tuple[int, ...], ...]) -> str:
+    return ", ".join("..." for _ in shapes) + " -> ..."
+
+
+def _normalize(shapes: tuple[tuple[int, ...], ...], k: int) -> str:
+    """x (..., n1..nk) and optional weight/bias (n1..nk): the last k dims whole."""
+    names = [f"n{i}!" for i in range(k)]
+    terms = ["... " + " ".join(names)] + [" ".join(names)] * (len(shapes) - 1)
+    return ", ".join(terms) + " -> ... " + " ".join(names)
+
+
+def _reduce_full(shapes: tuple[tuple[int, ...], ...], dims: tuple[int, ...],
+                 keepdim: bool) -> str:
+    names = _letters(len(shapes[0]))
+    ins = [n + ("!" if d in dims else "") for d, n in enumerate(names)]
+    out = [n if d not in dims else f"k{d}=1" for d, n in enumerate(names)
+           if d not in dims or keepdim]
+    return " ".join(ins) + " -> " + " ".join(out)
+
+
+def _topk(shapes: tuple[tuple[int, ...], ...], dim: int, k: int) -> str:
+    names = _letters(len(shapes[0]))
+    ins = [n + ("!" if d == dim else "") for d, n in enumerate(names)]
+    out = [f"t!={k}" if d == dim else n for d, n in enumerate(names)]
+    return " ".join(ins) + " -> " + " ".join(out)
+
+
+def _embedding(shapes: tuple[tuple[int, ...], ...]) -> str:
+    return "..., v! e -> ... e"
+
+
+def _sdpa(shapes: tuple[tuple[int, ...], ...]) -> str:
+    terms = ["... l e!", "... s! e!", "... s! f!"]
+    if len(shapes) == 4:  # an attention mask broadcastable to (..., L, S)
+        terms.append("... l s!" if len(shapes[3]) >= 2 else "... s!")
+    return ", ".join(terms) + " -> ... l f!"
+
+
+def _index_select(shapes: tuple[tuple[int, ...], ...], dim: int) -> str:
+    names = _letters(len(shapes[0]))
+    ins = [n + ("!" if d == dim else "") for d, n in enumerate(names)]
+    out = ["i" if d == dim else n for d, n in enumerate(names)]
+    return " ".join(ins) + ", i -> " + " ".join(out)
+
+
 _FAMILIES: dict[str, Callable[..., str]] = {
+    "elementwise": _elementwise, "normalize": _normalize, "reduce_full": _reduce_full,
+    "topk": _topk, "embedding": _embedding, "sdpa": _sdpa, "index_select": _index_select,
     "matmul": _matmul, "einsum": _einsum, "reduce": _reduce, "permute": _permute,
     "softmax": _softmax, "cat": _cat, "reshape": _reshape, "index": _index,
 }

@@ -268,7 +268,3 @@ def getitem(x: Tensor, index: Any) -> Tensor:
     local = _torch_index(normalize_index(key, t.shape))
     return apply("getitem", (t,), lambda s: s[local], key)
 
-
-from shardwise.ops import methods as _methods  # noqa: E402  (after the ops it installs)
-
-_methods.install()

@@ -54,11 +54,16 @@ def _operands(op: str, operands: Sequence[Any]) -> list[Any]:
                     "compute ops need one mesh. Move one with "
                     "shardwise.to_device(x, sharding=...) first."
                 )
+        elif isinstance(x, torch.Tensor) and x.ndim > 0:
+            # a plain torch tensor among shardwise ones: Replicated on the mesh (as JAX
+            # treats numpy arrays); every process must hold the same value
+            from shardwise.creation import place
+
+            out[i] = place(x, Layout.replicated(mesh, x.ndim))
         elif not _is_const(x):
-            shape = f" of shape {list(x.shape)}" if isinstance(x, torch.Tensor) else ""
             raise ShardingTypeError(
-                f"{op}: operand {i} is a {type(x).__name__}{shape}; operands are shardwise "
-                "Tensors, Python numbers or 0-d torch tensors. Wrap it with "
+                f"{op}: operand {i} is a {type(x).__name__}; operands are shardwise "
+                "Tensors, torch tensors or Python numbers. Wrap it with "
                 "shardwise.tensor(x, sharding=...) first."
             )
         elif isinstance(x, torch.Tensor) and x.requires_grad:

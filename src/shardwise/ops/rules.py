@@ -104,6 +104,45 @@ RULES: dict[str, Rule] = {
     "getitem": Rule("a b! c -> a e=N c", LINEAR, family="index"),
 }
 
+# torch-native ops (shardwise.ops.torch_api routes torch functions here)
+_NONLINEAR_EW = (
+    "rsqrt", "reciprocal", "sin", "cos", "erf", "exp2", "expm1", "log1p", "log2", "log10",
+    "floor", "ceil", "round", "trunc", "frac", "sign", "sgn", "square", "logical_not",
+    "isnan", "isinf", "isfinite", "bitwise_not", "nan_to_num", "clamp", "clamp_min",
+    "clamp_max", "leaky_relu", "elu", "softplus", "hardtanh", "mish", "hardswish",
+    "hardsigmoid", "relu6", "logit", "float_power", "fmax", "fmin", "logical_and",
+    "logical_or", "logical_xor", "bitwise_and", "bitwise_or", "bitwise_xor", "masked_fill",
+    "lerp", "addcmul", "addcdiv", "atan2", "remainder", "fmod", "floor_divide", "copysign",
+    "hypot", "xlogy", "threshold", "dropout", "to", "div_rounding", "log_sigmoid",
+    "softsign", "tanhshrink",
+)
+for _name in _NONLINEAR_EW:
+    RULES[_name] = Rule(UNARY, NONLINEAR, family="elementwise")
+RULES.update({
+    "clone": Rule(UNARY, LINEAR, family="elementwise"),
+    "ew_linear": Rule(UNARY, LINEAR, family="elementwise"),
+    # F.linear without its bias (added after, so a Partial output gets it once)
+    "linear": Rule("... k, j k -> ... j", MULTILINEAR, SUM),
+    # the normalized trailing dims must be whole: layer_norm, rms_norm
+    "normalize": Rule("a n! -> a n!", NONLINEAR, family="normalize"),
+    # a reduction that needs its reduced dims whole (var, std, prod, any, all, argmax...)
+    "reduce_full": Rule("a r! b -> a b", NONLINEAR, family="reduce_full"),
+    # along one whole dim, same shape out: log_softmax, cumsum, cumprod
+    "log_softmax": Rule("a d! -> a d!", NONLINEAR, family="softmax"),
+    "cumsum": Rule("a d! -> a d!", NONLINEAR, family="softmax"),
+    "cumprod": Rule("a d! -> a d!", NONLINEAR, family="softmax"),
+    # topk / sort along one whole dim: size k out
+    "topk": Rule("a d! -> a k!=K", NONLINEAR, family="topk"),
+    # F.embedding(ids, table): the vocabulary whole, the embedding dim may stay sharded
+    "embedding": Rule("..., v! e -> ... e", NONLINEAR, family="embedding"),
+    # scaled_dot_product_attention over (..., L, E) queries; heads/batch shard freely
+    "sdpa": Rule("... l e!, ... s! e!, ... s! f! -> ... l f!", NONLINEAR, family="sdpa"),
+    # index_select / gather-style lookups along one whole dim of the source
+    # per-sample loss of (N, C) logits: the classes whole (loss parallel keeps them sharded)
+    "cross_entropy": Rule("b c!, b -> b", NONLINEAR),
+    "index_select": Rule("a d! b, i -> a i b", NONLINEAR, family="index_select"),
+})
+
 # matmul by (lhs is 1-D, rhs is 1-D), as torch.matmul
 MATMUL = {
     (True, True): "k, k ->",
