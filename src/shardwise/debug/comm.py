@@ -19,6 +19,9 @@ _ACTIVE: list[CommCounter] = []
 
 def record(kind: str, nbytes: int, step: Step | None = None) -> None:
     """Called by the runtime for every collective it runs."""
+    if not _ACTIVE:
+        return
+    kind = str(kind)  # a StepKind counts under its plain name, like lax's "psum"
     for counter in _ACTIVE:
         counter.counts[kind] += 1
         counter.bytes[kind] += nbytes
