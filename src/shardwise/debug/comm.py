@@ -35,10 +35,12 @@ def active() -> bool:
 class CommCounter:
     """``with CommCounter() as cc:`` counts collectives (and bytes per device) by kind.
 
-    >>> with CommCounter() as cc:                        # doctest: +SKIP
+    >>> mesh = DeviceMesh.cpu(2, "x")
+    >>> x = shardwise.tensor(torch.ones(4, 4), sharding=PlacementMapping(mesh, [Sharded(0)]))
+    >>> with CommCounter() as cc:
     ...     y = shardwise.all_gather(x)
-    >>> cc.counts
-    Counter({'all_gather': 1})
+    >>> cc.counts, cc.bytes["all_gather"]   # each device receives the other's 2x4 block
+    (Counter({'all_gather': 1}), 32)
     """
 
     def __init__(self) -> None:

@@ -96,9 +96,8 @@ def visualize(t: Tensor, *, console: Console | None = None, color: bool = True) 
 
     >>> mesh = DeviceMesh.cpu(2, "x")
     >>> text = visualize(shardwise.zeros((4,), sharding=PlacementMapping(mesh, [Sharded(0)])),
-    ...                  console=rich.console.Console(file=io.StringIO()), color=False)
-    >>> "CPU 0" in text and "[0:2]" in text and "CPU 1" in text and "[2:4]" in text
-    True
+    ...                  color=False)
+    [4]...CPU 0...CPU 1...[0:2]...[2:4]...
     """
     headers, rows = _grid(t)
     title = f"{list(t.shape)} {t.dist_layout}"
