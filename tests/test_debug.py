@@ -65,6 +65,9 @@ def test_comm_counter_counts_by_kind_and_bytes() -> None:
     assert dict(cc.counts) == {"all_gather": 2, "all_to_all": 1}
     assert cc.bytes["all_gather"] == 2 * (8 * 8 * 4 * 3 // 4)
     assert cc.total == 3
+    # planner step kinds (a str Enum) are counted under their plain names
+    assert all(type(k) is str for k in cc.counts) and "StepKind" not in repr(cc)
+    assert repr(cc).startswith("CommCounter(all_gather: 2")
     with CommCounter() as empty:
         pass
     assert empty.total == 0 and "no collectives" in repr(empty)

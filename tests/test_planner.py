@@ -1,5 +1,6 @@
-"""The pure planner: one test per row of the transition table in ``planner.py``'s
-docstring, plus its ordering, merging, uneven-size and caching rules."""
+"""The pure planner: one test per row of the transition table in the
+``shardwise.planner`` docstring, plus its ordering, merging, uneven-size and caching
+rules, its closed set of step kinds and the runtimes' handler tables for them."""
 
 from __future__ import annotations
 
@@ -8,7 +9,15 @@ import sys
 
 import pytest
 
-from shardwise.planner import COLLECTIVES, Plan, Step, make_plan, permute_sources
+from shardwise.planner import (
+    COLLECTIVES,
+    Plan,
+    Step,
+    StepKind,
+    check_handlers,
+    make_plan,
+    permute_sources,
+)
 from shardwise.sharding import DeviceMesh, Layout, ReduceOp
 
 SUM, AVG, MIN, MAX, PROD = ReduceOp.SUM, ReduceOp.AVG, ReduceOp.MIN, ReduceOp.MAX, ReduceOp.PROD
@@ -317,8 +326,52 @@ def test_invalid_inputs() -> None:
         make_plan(S(M22, 0), S(M22, 1), (4, 4, 4), 4)
 
 
+def test_step_kind_is_a_closed_str_enum() -> None:
+    plan = make_plan(S(M22, 0), R(M22), (8, 8), 4)
+    (step,) = plan.steps
+    assert step.kind is StepKind.ALL_GATHER and step.kind == "all_gather"
+    assert f"{step.kind}" == "all_gather" and {step.kind: 1} == {"all_gather": 1}
+    assert all(isinstance(s.kind, StepKind) for s in make_plan(
+        lay(M22, ((0,), ()), (None, SUM)), lay(M22, ((1,), ()), (MAX, None)), (8, 8), 4).steps)
+    assert {k for k in StepKind if k.is_collective} == COLLECTIVES
+    assert {k.value for k in StepKind} - {k.value for k in COLLECTIVES} == {"slice",
+                                                                           "make_partial"}
+    # a kind given by name becomes the member; an unknown name is refused at once
+    made = Step("all_gather", step.axes, step.before, step.after, 0)
+    assert made.kind is StepKind.ALL_GATHER and made == Step(
+        StepKind.ALL_GATHER, step.axes, step.before, step.after, 0)
+    with pytest.raises(ValueError, match=r"Step kind must be one of .* Got 'gather'"):
+        Step("gather", step.axes, step.before, step.after, 0)
+
+
+def test_runtime_handler_tables_cover_every_kind() -> None:
+    from shardwise.runtime import multiprocess, simulated
+
+    assert set(simulated.STEP_HANDLERS) == set(StepKind)
+    assert set(multiprocess._SPEC_OF) == set(StepKind) - {StepKind.PERMUTE}
+    with pytest.raises(TypeError, match=r"no handler for step kinds \['permute'\]"):
+        check_handlers({k: None for k in StepKind if k is not StepKind.PERMUTE}, "a runtime")
+    check_handlers({}, "a runtime", elsewhere=list(StepKind))
+
+
+def test_phases_run_in_order_and_each_only_appends() -> None:
+    from shardwise.planner.phases import Planner
+
+    src = lay(M22, ((1, 0), ()), (None, None))
+    dst = lay(M22, ((), (0,)), (None, SUM))
+    p = Planner(src, dst, (8, 8), 4)
+    seen: list[int] = []
+    for phase in Planner.PHASES:
+        getattr(p, phase)()
+        assert [s.kind for s in p.b.steps[: len(seen)]] == seen
+        seen = [s.kind for s in p.b.steps]
+    assert p.b.cur == dst
+    assert [s.kind for s in make_plan(src, dst, (8, 8), 4).steps] == seen
+
+
 def test_planner_is_pure_python() -> None:
-    code = "import sys, shardwise.planner; assert 'torch' not in sys.modules, 'torch imported'"
+    code = ("import sys, shardwise.planner, shardwise.planner.phases, shardwise.planner.cache; "
+            "assert 'torch' not in sys.modules, 'torch imported'")
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          timeout=60)
     assert res.returncode == 0, res.stderr

@@ -81,3 +81,27 @@ def test_import_does_not_import_torch(module: str) -> None:
     )
     assert result.returncode == 0, result.stdout + result.stderr
     assert "TORCH_MODULES []" in result.stdout
+
+
+def test_submodules_are_attributes_of_a_bare_import() -> None:
+    """``import shardwise`` alone reaches ``shardwise.distributed``, ``.lax`` and ``.debug``
+    (resolved on first access: the import itself stays torch-free)."""
+    code = textwrap.dedent(
+        """
+        import sys
+        import shardwise
+        assert "torch" not in sys.modules
+        assert callable(shardwise.distributed.initialize)
+        assert callable(shardwise.debug.CommCounter) and callable(shardwise.debug.visualize)
+        print("TORCH_AFTER_DISTRIBUTED_DEBUG", "torch" in sys.modules)
+        assert callable(shardwise.lax.psum)
+        assert shardwise.lax is sys.modules["shardwise.lax"]
+        assert shardwise.distributed is sys.modules["shardwise.distributed"]
+        assert shardwise.debug is sys.modules["shardwise.debug"]
+        """
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "TORCH_AFTER_DISTRIBUTED_DEBUG False" in result.stdout

@@ -103,6 +103,8 @@ _LAZY: dict[str, str] = {
     "CommCounter": "shardwise.debug",
     "shard_map": "shardwise.shard_map",
     "lax": "shardwise.lax",  # a module: ``from shardwise import lax``
+    "distributed": "shardwise.distributed",  # a module: ``shardwise.distributed.initialize()``
+    "debug": "shardwise.debug",  # a module: ``shardwise.debug.CommCounter``
 }
 
 __all__ = [

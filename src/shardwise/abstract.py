@@ -132,6 +132,7 @@ def eval_shape(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
 
     On ``DeviceMesh.cpu(2, "x")``, 256 GiB gathered without allocating::
 
+        >>> mesh = DeviceMesh.cpu(2, "x")
         >>> t = DistributedTensorType(torch.float32, (2**20, 2**16), mesh, [Sharded(0)])
         >>> eval_shape(shardwise.all_gather, t, 0)
         DistributedTensorType(float32, [1048576, 65536], DeviceMesh(x=2), [Replicated()])

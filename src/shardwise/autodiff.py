@@ -79,8 +79,11 @@ def value_and_grad(fn: Callable[..., Any], argnums: int | Sequence[int] = 0,
                    has_aux: bool = False) -> Callable[..., Any]:
     """``fn``'s value and its gradient w.r.t. the arguments ``argnums``.
 
-    >>> f = lambda w: shardwise.all_reduce(w * w).sum()       # doctest: +SKIP
-    >>> value, g = value_and_grad(f)(w)                       # g in w's layout
+    >>> mesh = DeviceMesh.cpu(2, "x")
+    >>> w = shardwise.tensor([1.0, 2.0, 3.0, 4.0], sharding=PlacementMapping(mesh, [Sharded(0)]))
+    >>> value, g = value_and_grad(lambda w: (w * w).sum())(w)
+    >>> value.to_torch().item(), g.to_torch().tolist(), g.dist_layout == w.dist_layout
+    (30.0, [2.0, 4.0, 6.0, 8.0], True)
     """
     def wrapped(*args: Any) -> Any:
         nums = _argnums(argnums, len(args))
@@ -103,7 +106,11 @@ def grad(fn: Callable[..., Any], argnums: int | Sequence[int] = 0,
          has_aux: bool = False) -> Callable[..., Any]:
     """The gradient of scalar-valued ``fn`` w.r.t. ``argnums``, in each input's layout.
 
-    >>> dw = grad(lambda w: (w * w).sum())(w)                 # doctest: +SKIP
+    >>> w = shardwise.tensor([1.0, 2.0], sharding=PlacementMapping(DeviceMesh.cpu(2, "x"),
+    ...                                                            [Sharded(0)]))
+    >>> dw = grad(lambda w: (w * w).sum())(w)
+    >>> dw.to_torch().tolist(), dw.dist_layout == w.dist_layout
+    ([2.0, 4.0], True)
     """
     vg = value_and_grad(fn, argnums, has_aux)
 

@@ -17,9 +17,13 @@ disagree beyond tolerance.
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -74,13 +78,65 @@ def _forward(x: sw.Tensor, y: sw.Tensor, w1: sw.Tensor, w2: sw.Tensor) -> sw.Ten
     return ((out - y) ** 2).mean()            # Partial(sum) over dp
 
 
-def run(cfg: Config, mesh_shape: tuple[int, int], *, show: bool = True) -> int:
-    """Train; return 0 if every loss matches the single-device run, else 1."""
-    from rich.console import Console
-    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+class _PlainConsole:
+    """The few ``rich.console.Console`` calls the demo makes, as plain ``print``s
+    (used when the ``viz`` extra, rich, is not installed)."""
+
+    def rule(self, title: str) -> None:
+        print(f"--- {title} ---")
+
+    def print(self, text: str) -> None:
+        print(re.sub(r"\[/?[a-z ]+\]", "", text))  # drop rich's [bold]...[/bold] markup
+
+
+def _console() -> Any:
+    try:
+        from rich.console import Console
+    except ImportError:
+        return _PlainConsole()
+    return Console()
+
+
+def _print_table(console: Any, title: str, columns: Sequence[str],
+                 rows: Sequence[Sequence[str]]) -> None:
+    if isinstance(console, _PlainConsole):
+        widths = [max(len(c), *(len(r[j]) for r in rows)) for j, c in enumerate(columns)]
+        print(title)
+        for line in (columns, *rows):
+            print("  ".join(f"{v:>{w}}" for v, w in zip(line, widths)))
+        return
     from rich.table import Table
 
-    console = Console()
+    table = Table(title=title)
+    for col in columns:
+        table.add_column(col, justify="right")
+    for row in rows:
+        table.add_row(*row)
+    console.print(table)
+
+
+@contextmanager
+def _progress(console: Any, total: int, show: bool) -> Iterator[Any]:
+    """Yield ``advance(loss)``: a progress bar with rich, nothing without it."""
+    if isinstance(console, _PlainConsole) or not show:
+        yield lambda loss: None
+        return
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+    with Progress(TextColumn("training"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
+                  TextColumn("loss {task.fields[loss]:.5f}"), TimeElapsedColumn(),
+                  console=console) as progress:
+        task = progress.add_task("train", total=total, loss=float("nan"))
+        yield lambda loss: progress.update(task, advance=1, loss=loss)
+
+
+def run(cfg: Config, mesh_shape: tuple[int, int], *, show: bool = True) -> int:
+    """Train; return 0 if every loss matches the single-device run, else 1.
+
+    Prints with rich when it is installed (``pip install shardwise[viz]``), plain
+    text otherwise.
+    """
+    console = _console()
     say = show and process_index() == 0
     mesh = sw.DeviceMesh.cpu(mesh_shape, ("dp", "tp"))
     x0, y0, w10, w20 = _data(cfg)
@@ -105,10 +161,7 @@ def run(cfg: Config, mesh_shape: tuple[int, int], *, show: bool = True) -> int:
     ref = _reference(cfg)
     losses: list[float] = []
     start = time.perf_counter()
-    with Progress(TextColumn("training"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
-                  TextColumn("loss {task.fields[loss]:.5f}"), TimeElapsedColumn(),
-                  console=console, disable=not say) as progress:
-        task = progress.add_task("train", total=cfg.steps, loss=float("nan"))
+    with _progress(console, cfg.steps, say) as advance:
         for _ in range(cfg.steps):
             loss = _forward(x, y, w1, w2)
             loss.backward()
@@ -117,18 +170,16 @@ def run(cfg: Config, mesh_shape: tuple[int, int], *, show: bool = True) -> int:
             with torch.no_grad():
                 w1 = (w1 - cfg.lr * w1.grad).detach().requires_grad_()
                 w2 = (w2 - cfg.lr * w2.grad).detach().requires_grad_()
-            progress.update(task, advance=1, loss=losses[-1])
+            advance(losses[-1])
     elapsed = time.perf_counter() - start
     worst = max(abs(a - b) / max(abs(b), 1e-12) for a, b in zip(losses, ref))
     ok = worst <= cfg.rtol
     if say:
-        table = Table(title="loss: shardwise vs single-device torch")
-        for col in ("step", "shardwise", "torch", "rel. diff"):
-            table.add_column(col, justify="right")
-        for i in sorted({0, 1, cfg.steps // 2, cfg.steps - 1}):
-            table.add_row(str(i), f"{losses[i]:.6f}", f"{ref[i]:.6f}",
-                          f"{abs(losses[i] - ref[i]) / max(abs(ref[i]), 1e-12):.2e}")
-        console.print(table)
+        _print_table(console, "loss: shardwise vs single-device torch",
+                     ("step", "shardwise", "torch", "rel. diff"),
+                     [(str(i), f"{losses[i]:.6f}", f"{ref[i]:.6f}",
+                       f"{abs(losses[i] - ref[i]) / max(abs(ref[i]), 1e-12):.2e}")
+                      for i in sorted({0, 1, cfg.steps // 2, cfg.steps - 1})])
         console.print(f"{cfg.steps} steps in {elapsed:.2f} s ({elapsed / cfg.steps * 1e3:.1f} "
                       f"ms/step); worst relative loss difference {worst:.2e} "
                       f"(tolerance {cfg.rtol:.0e})")

@@ -62,8 +62,10 @@ def initialize(backend: str | None = None, *, rank: int | None = None,
     all_gather each): processes that call different collectives of the same size
     then raise :class:`CollectiveError` instead of exchanging the wrong data.
 
-    >>> shardwise.distributed.initialize()          # under torchrun  # doctest: +SKIP
-    >>> mesh = DeviceMesh.cpu((2, 2), ("dp", "tp")) # 4 processes as 2x2
+    Under ``torchrun --nproc-per-node 4`` (not run as a doctest: it needs the launcher)::
+
+        shardwise.distributed.initialize()
+        mesh = DeviceMesh.cpu((2, 2), ("dp", "tp"))  # 4 processes as 2x2
     """
     import torch
     import torch.distributed as dist

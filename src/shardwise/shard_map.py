@@ -78,8 +78,11 @@ def shard_map(fn: Callable[..., Any] | None = None, mesh: DeviceMesh | None = No
 
     >>> mesh = DeviceMesh.cpu(4, "x")
     >>> def f(a, w):                                  # a: this device's rows, w: all of w
-    ...     return lax.psum(a @ w, "x")
+    ...     return lax.psum((a @ w).sum(0), "x")
+    >>> x, w = torch.ones(8, 3), torch.ones(3, 2)
     >>> y = shard_map(f, mesh, in_specs=(("x", None), None), out_specs=None)(x, w)
+    >>> y.to_torch().tolist()                         # (x @ w).sum(0), summed over devices
+    [24.0, 24.0]
 
     Can be used as a decorator: ``@shard_map(mesh=mesh, in_specs=..., out_specs=...)``.
     """

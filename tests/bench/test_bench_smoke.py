@@ -12,10 +12,10 @@ from pathlib import Path
 
 import pytest
 
-from shardwise.bench import run_suite
-from shardwise.bench.report import TARGETS, tables
-from shardwise.bench.simulated import CASES
-from shardwise.bench.suite import parser, write
+from benchmarks import run_suite
+from benchmarks.report import TARGETS, tables
+from benchmarks.simulated import CASES
+from benchmarks.suite import parser, write
 
 TINY = {"size": 16, "small": 8, "repeat": 1, "small_repeat": 3, "small_inner": 2,
         "profile_calls": 5}
@@ -93,7 +93,7 @@ def test_cli_arguments() -> None:
 
 
 def test_gloo_section_tiny() -> None:
-    from shardwise.bench import gloo
+    from benchmarks import gloo
 
     res = gloo.run(world=2, size=8, repeat=1, warmup=0, small_repeat=1, choices=False,
                    limit_s=120.0)

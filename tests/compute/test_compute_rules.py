@@ -11,7 +11,7 @@ from computecheck import LINE, MESH, lay, values
 
 import shardwise as sw
 from shardwise.ops.binding import bind, normalize_index
-from shardwise.ops.rules import MATMUL, RULES, Passes
+from shardwise.ops.rules import MATMUL, RULES, Passes, Rule
 from shardwise.sharding import DeviceMesh, ReduceOp
 
 
@@ -161,3 +161,25 @@ def test_errors_from_torch_say_op_and_shapes() -> None:
     with pytest.raises(sw.ShardingError, match=r"softmax failed on the local blocks .* global "
                                                r"shapes \[\[4\]\]"):
         a.softmax(0)
+
+
+def test_family_builders_are_registered_with_their_rules(monkeypatch: pytest.MonkeyPatch
+                                                         ) -> None:
+    from shardwise.ops import binding
+
+    assert not hasattr(binding, "_FAMILIES")  # no lookup of builders by family name
+    built = {op for op, rule in RULES.items() if rule.build is not None}
+    assert {"matmul", "einsum", "sum", "mean", "amax", "amin", "permute", "softmax", "cat",
+            "reshape", "getitem", "normalize", "topk", "sdpa"} <= built
+    assert all(callable(RULES[op].build) for op in built)
+    # a new family is one table row holding its builder; bind calls it with the arguments
+    calls: list[tuple] = []
+
+    def swap(shapes: tuple[tuple[int, ...], ...], k: int) -> str:
+        calls.append((shapes, k))
+        return "a b -> b a"
+
+    monkeypatch.setitem(RULES, "test_swap_family", Rule("a b -> b a", Passes.LINEAR,
+                                                        build=swap))
+    f = bind("test_swap_family", ((2, 3),), 7)
+    assert f.text == "a b -> b a" and f.out_shape == (3, 2) and calls == [(((2, 3),), 7)]

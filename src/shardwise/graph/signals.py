@@ -82,7 +82,10 @@ class Signals:
     >>> signals = Signals([CPU(0), CPU(1)])
     >>> signals.buffers()
     (SignalBuffer(CPU(0)), SignalBuffer(CPU(1)))
-    >>> outs = ops.allgather([x0, x1], signals.buffers())   # x_i on CPU(i)
+    >>> from shardwise.graph import ops
+    >>> x0, x1 = (shardwise.tensor([float(i)], device=CPU(i)) for i in range(2))
+    >>> [y.to_torch().tolist() for y in ops.allgather([x0, x1], signals.buffers())]
+    [[0.0, 1.0], [0.0, 1.0]]
 
     ::
 

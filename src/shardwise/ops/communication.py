@@ -210,7 +210,10 @@ def to_device(x: Any, device: Device | Any = None, *, sharding: Any = None) -> T
     goes to the default device. Differentiable: the gradient is transferred
     back to the input's layout.
 
+    >>> x = torch.arange(4.0)
     >>> y = to_device(x, sharding=PlacementMapping(DeviceMesh.cpu(2, "x"), [Sharded(0)]))
+    >>> [s.tolist() for s in y.shards], to_device(y, CPU(1)).to_torch().tolist()
+    ([[0.0, 1.0], [2.0, 3.0]], [0.0, 1.0, 2.0, 3.0])
     """
     if device is not None and sharding is not None:
         raise ShardingError(
@@ -259,9 +262,12 @@ def plan(x: Tensor, target: Any) -> Plan:
     """The steps (op, mesh axes, bytes per device) that would take ``x`` to
     ``target`` (any sharding form, same mesh), without running them.
 
-    >>> print(plan(x, PlacementMapping(mesh, [Sharded(1)])))   # doctest: +SKIP
+    >>> mesh = DeviceMesh.cpu(4, "x")
+    >>> x = shardwise.zeros((8, 8), sharding=PlacementMapping(mesh, [Sharded(0)]))
+    >>> print(plan(x, PlacementMapping(mesh, [Sharded(1)])))
     Plan DeviceMesh(x=4)[S(x), R] -> DeviceMesh(x=4)[R, S(x)]  shape=[8, 8]
       1. all_to_all(axes=('x',), dim 0->1)  48 B/device
+      total 48 B/device moved
     """
     t = need_tensor(x, "plan")
     return t.plan_to(as_layout(target, t.ndim))

@@ -21,18 +21,25 @@ Invariants:
   exactly one operand among ``carriers`` is and the others are replicated on
   ``a`` (mul, matmul, einsum, div by a non-partial denominator);
   ``NONLINEAR`` never: the Partial is resolved first.
-- Pure data, no torch: :mod:`shardwise.ops.binding` binds a rule to operand
-  shapes (a hashable, cached :class:`~shardwise.ops.binding.Factors`).
+- A rule that depends on the op's arguments (dims, shapes, an index) holds its
+  family's builder (``Rule.build``), defined in this module right above the
+  table: ``build(shapes, *params)`` writes the concrete factor rule.
+- Pure Python, no torch: :mod:`shardwise.ops.binding` parses a rule bound to
+  operand shapes (a hashable, cached :class:`~shardwise.ops.binding.Factors`).
 """
 
 from __future__ import annotations
 
+import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from enum import Enum
+from typing import Any
 
+from shardwise.sharding.errors import ShardingError
 from shardwise.sharding.placements import ReduceOp
 
-__all__ = ["MATMUL", "RULES", "Passes", "Rule"]
+__all__ = ["MATMUL", "RULES", "Passes", "Rule", "normalize_index"]
 
 
 class Passes(Enum):
@@ -47,20 +54,268 @@ LINEAR, MULTILINEAR, NONLINEAR = Passes.LINEAR, Passes.MULTILINEAR, Passes.NONLI
 SUM, MAX, MIN = ReduceOp.SUM, ReduceOp.MAX, ReduceOp.MIN
 
 
+# A family builder: (operand shapes, *op arguments) -> the concrete factor rule.
+Builder = Callable[..., str]
+
+
 @dataclass(frozen=True, slots=True)
 class Rule:
     """One row of the table. ``spec`` is the factor rule; for the families whose
     rule depends on arguments (dims, shapes, an index) it shows an example and
-    the family's builder writes the concrete rule."""
+    ``build``, the family's builder, writes the concrete rule.
+
+    >>> RULES["sum"].build(((4, 8),), (1,), False)
+    'd0 d1 -> d0'
+    >>> RULES["add"].build is None and RULES["add"].spec
+    '..., ... -> ...'
+    """
 
     spec: str
     passes: Passes
     reduce: ReduceOp | None = None
-    family: str = "fixed"
+    build: Builder | None = None             # None: ``spec`` is the rule for any shapes
     carriers: tuple[int, ...] | None = None  # operands that may carry a Partial; None: all
 
 
+# matmul by (lhs is 1-D, rhs is 1-D), as torch.matmul
+MATMUL = {
+    (True, True): "k, k ->",
+    (True, False): "k, ... k j -> ... j",
+    (False, True): "... i k, k -> ... i",
+    (False, False): "... i k, ... k j -> ... i j",
+}
+
+
+# --- family builders: arguments -> concrete rule ----------------------------------------
+def _letters(n: int, start: int = 0) -> list[str]:
+    return [f"d{i}" for i in range(start, start + n)]
+
+
+def _matmul(shapes: tuple[tuple[int, ...], ...]) -> str:
+    a, b = shapes
+    if not a or not b:
+        raise ShardingError(f"matmul: both operands need at least one dim. Got shapes "
+                            f"{list(a)} and {list(b)}; use mul for scalars.")
+    return MATMUL[(len(a) == 1, len(b) == 1)]
+
+
+def _einsum(shapes: tuple[tuple[int, ...], ...], equation: str) -> str:
+    def spaced(term: str) -> str:  # torch's notation: one letter per dim, spaces ignored
+        term = term.replace(" ", "")
+        out, i = [], 0
+        while i < len(term):
+            if term.startswith("...", i):
+                out.append("...")
+                i += 3
+            else:
+                if not term[i].isalpha():
+                    raise ShardingError(f"einsum: cannot read {equation!r}: use letters, "
+                                        "'...', ',' and '->' (e.g. 'bij,bjk->bik').")
+                out.append(term[i])
+                i += 1
+        return " ".join(out)
+
+    lhs, arrow, rhs = equation.partition("->")
+    ins = [spaced(t) for t in lhs.split(",")]
+    if not arrow:  # implicit output: letters used once, sorted; batch dims first
+        toks = [t for term in ins for t in term.split() if t != "..."]
+        once = sorted(t for t in set(toks) if toks.count(t) == 1)
+        rhs = " ".join((["..."] if any("..." in t for t in ins) else []) + once)
+    return ", ".join(ins) + " -> " + spaced(rhs)
+
+
+def _reduce(shapes: tuple[tuple[int, ...], ...], dims: tuple[int, ...], keepdim: bool) -> str:
+    names = _letters(len(shapes[0]))
+    out = []
+    for d, n in enumerate(names):
+        if d not in dims:
+            out.append(n)
+        elif keepdim:
+            out.append(f"k{d}=1")
+    return " ".join(names) + " -> " + " ".join(out)
+
+
+def _permute(shapes: tuple[tuple[int, ...], ...], perm: tuple[int, ...]) -> str:
+    names = _letters(len(shapes[0]))
+    if sorted(perm) != list(range(len(names))):
+        raise ShardingError(f"permute: {list(perm)} is not a permutation of the "
+                            f"{len(names)} dims of shape {list(shapes[0])}.")
+    return " ".join(names) + " -> " + " ".join(names[p] for p in perm)
+
+
+def _softmax(shapes: tuple[tuple[int, ...], ...], dim: int) -> str:
+    names = [n + ("!" if d == dim else "") for d, n in enumerate(_letters(len(shapes[0])))]
+    return " ".join(names) + " -> " + " ".join(names)
+
+
+def _cat(shapes: tuple[tuple[int, ...], ...], dim: int) -> str:
+    rank = len(shapes[0])
+    names = _letters(rank)
+    terms = []
+    for i, s in enumerate(shapes):
+        if len(s) != rank:
+            raise ShardingError(f"cat: every tensor needs rank {rank} like the first; "
+                                f"tensor {i} has shape {list(s)}.")
+        terms.append(" ".join(f"c{i}!" if d == dim else n for d, n in enumerate(names)))
+    total = sum(s[dim] for s in shapes)
+    out = " ".join(f"c!={total}" if d == dim else n for d, n in enumerate(names))
+    return ", ".join(terms) + " -> " + out
+
+
+def _reshape(shapes: tuple[tuple[int, ...], ...], target: tuple[int, ...]) -> str:
+    src = shapes[0]
+    new = list(target)
+    numel = math.prod(src)
+    if new.count(-1) > 1 or any(s < -1 for s in new):
+        raise ShardingError(f"reshape: {list(target)} may hold one -1 and sizes >= 0.")
+    if -1 in new:
+        rest = math.prod(s for s in new if s != -1)
+        if rest == 0 or numel % rest:
+            raise ShardingError(f"reshape: cannot infer -1 in {list(target)} for a tensor "
+                                f"of shape {list(src)} ({numel} elements).")
+        new[new.index(-1)] = numel // rest
+    if math.prod(new) != numel:
+        raise ShardingError(f"reshape: shape {list(src)} ({numel} elements) cannot become "
+                            f"{list(target)} ({math.prod(new)} elements).")
+    names = _letters(len(src))
+    out: list[str] = []
+    marks = [""] * len(src)
+    if tuple(new) == src:
+        return " ".join(names) + " -> " + " ".join(names)
+    if numel == 0:  # no groups to align: every dim is new
+        marks = ["!"] * len(src)
+        out = [f"o{j}!={s}" for j, s in enumerate(new)]
+    else:
+        i = j = 0
+        while i < len(src) or j < len(new):
+            if i < len(src) and src[i] == 1 and (j >= len(new) or new[j] != 1):
+                marks[i] = "!"  # a dropped size-1 dim
+                i += 1
+                continue
+            if j < len(new) and new[j] == 1 and (i >= len(src) or src[i] != 1):
+                out.append(f"o{j}=1")
+                j += 1
+                continue
+            gi, gj, pi, pj = [i], [j], src[i], new[j]
+            i, j = i + 1, j + 1
+            while pi != pj:
+                if pi < pj:
+                    pi *= src[i]
+                    gi.append(i)
+                    i += 1
+                else:
+                    pj *= new[j]
+                    gj.append(j)
+                    j += 1
+            if len(gi) == 1 and len(gj) == 1:  # an unchanged dim keeps its factor
+                out.append(names[gi[0]])
+            else:
+                for d in gi:
+                    marks[d] = "!"
+                out += [f"o{k}!={new[k]}" for k in gj]
+    return " ".join(n + m for n, m in zip(names, marks)) + " -> " + " ".join(out)
+
+
+def normalize_index(index: tuple[Any, ...], shape: tuple[int, ...]) -> tuple[Any, ...]:
+    """A basic index as one item per position: ``("full",)``, ``("slice", start,
+    stop, step)``, ``("int", i)`` (non-negative) or ``("new",)`` (None). Slices
+    arrive as ``("slice", start, stop, step)`` tuples (slices are unhashable)."""
+    consumed = sum(1 for it in index if it is not None and it is not Ellipsis)
+    if consumed > len(shape):
+        raise IndexError(f"getitem: too many indices ({consumed}) for a tensor of shape "
+                         f"{list(shape)}.")
+    if sum(1 for it in index if it is Ellipsis) > 1:
+        raise IndexError("getitem: an index can only have a single ellipsis ('...').")
+    out: list[Any] = []
+    d = 0
+    for it in index:
+        if it is Ellipsis:
+            for _ in range(len(shape) - consumed):
+                out.append(("full",))
+                d += 1
+        elif it is None:
+            out.append(("new",))
+        elif isinstance(it, int):
+            size = shape[d]
+            if not -size <= it < size:
+                raise IndexError(f"getitem: index {it} is out of bounds for dim {d} of "
+                                 f"size {size} (shape {list(shape)}).")
+            out.append(("int", it % size))
+            d += 1
+        else:
+            start, stop, step = slice(*it[1:]).indices(shape[d])
+            if step <= 0:
+                raise ShardingError(f"getitem: slice steps must be positive, got {step}.")
+            whole = start == 0 and stop == shape[d] and step == 1
+            out.append(("full",) if whole else ("slice", start, stop, step))
+            d += 1
+    out += [("full",)] * (len(shape) - d)
+    return tuple(out)
+
+
+def _index(shapes: tuple[tuple[int, ...], ...], index: tuple[Any, ...]) -> str:
+    shape = shapes[0]
+    names = _letters(len(shape))
+    ins, out = [], []
+    d = 0
+    for j, it in enumerate(normalize_index(index, shape)):
+        if it[0] == "new":
+            out.append(f"n{j}=1")
+            continue
+        if it[0] == "full":
+            ins.append(names[d])
+            out.append(names[d])
+        elif it[0] == "int":
+            ins.append(names[d] + "!")
+        else:
+            ins.append(names[d] + "!")
+            out.append(f"s{d}={len(range(it[1], it[2], it[3]))}")
+        d += 1
+    return " ".join(ins) + " -> " + " ".join(out)
+
+
 UNARY, BINARY, TERNARY = "... -> ...", "..., ... -> ...", "..., ..., ... -> ..."
+
+def _elementwise(shapes: tuple[tuple[int, ...], ...]) -> str:
+    return ", ".join("..." for _ in shapes) + " -> ..."
+
+
+def _normalize(shapes: tuple[tuple[int, ...], ...], k: int) -> str:
+    """x (..., n1..nk) and optional weight/bias (n1..nk): the last k dims whole."""
+    names = [f"n{i}!" for i in range(k)]
+    terms = ["... " + " ".join(names)] + [" ".join(names)] * (len(shapes) - 1)
+    return ", ".join(terms) + " -> ... " + " ".join(names)
+
+
+def _reduce_full(shapes: tuple[tuple[int, ...], ...], dims: tuple[int, ...],
+                 keepdim: bool) -> str:
+    names = _letters(len(shapes[0]))
+    ins = [n + ("!" if d in dims else "") for d, n in enumerate(names)]
+    out = [n if d not in dims else f"k{d}=1" for d, n in enumerate(names)
+           if d not in dims or keepdim]
+    return " ".join(ins) + " -> " + " ".join(out)
+
+
+def _topk(shapes: tuple[tuple[int, ...], ...], dim: int, k: int) -> str:
+    names = _letters(len(shapes[0]))
+    ins = [n + ("!" if d == dim else "") for d, n in enumerate(names)]
+    out = [f"t!={k}" if d == dim else n for d, n in enumerate(names)]
+    return " ".join(ins) + " -> " + " ".join(out)
+
+
+def _sdpa(shapes: tuple[tuple[int, ...], ...]) -> str:
+    terms = ["... l e!", "... s! e!", "... s! f!"]
+    if len(shapes) == 4:  # an attention mask broadcastable to (..., L, S)
+        terms.append("... l s!" if len(shapes[3]) >= 2 else "... s!")
+    return ", ".join(terms) + " -> ... l f!"
+
+
+def _index_select(shapes: tuple[tuple[int, ...], ...], dim: int) -> str:
+    names = _letters(len(shapes[0]))
+    ins = [n + ("!" if d == dim else "") for d, n in enumerate(names)]
+    out = ["i" if d == dim else n for d, n in enumerate(names)]
+    return " ".join(ins) + ", i -> " + " ".join(out)
+
 
 RULES: dict[str, Rule] = {
     # elementwise (numpy broadcasting)
@@ -89,20 +344,21 @@ RULES: dict[str, Rule] = {
     "ge": Rule(BINARY, NONLINEAR),
     "where": Rule(TERNARY, NONLINEAR),
     # contractions: a sharded k leaves a Partial(SUM)
-    "matmul": Rule("... i k, ... k j -> ... i j", MULTILINEAR, SUM, "matmul"),
-    "einsum": Rule("b i j, b j k -> b i k", MULTILINEAR, SUM, "einsum"),
+    "matmul": Rule("... i k, ... k j -> ... i j", MULTILINEAR, SUM, _matmul),
+    "einsum": Rule("b i j, b j k -> b i k", MULTILINEAR, SUM, _einsum),
     # reductions over dims: a sharded reduced factor leaves a Partial(reduce)
-    "sum": Rule("a r b -> a b", LINEAR, SUM, "reduce"),
-    "mean": Rule("a r b -> a b", LINEAR, SUM, "reduce"),
-    "amax": Rule("a r b -> a b", NONLINEAR, MAX, "reduce"),
-    "amin": Rule("a r b -> a b", NONLINEAR, MIN, "reduce"),
+    "sum": Rule("a r b -> a b", LINEAR, SUM, _reduce),
+    "mean": Rule("a r b -> a b", LINEAR, SUM, _reduce),
+    "amax": Rule("a r b -> a b", NONLINEAR, MAX, _reduce),
+    "amin": Rule("a r b -> a b", NONLINEAR, MIN, _reduce),
     # layout of dims
-    "permute": Rule("a b c -> c a b", LINEAR, family="permute"),
-    "softmax": Rule("a d! -> a d!", NONLINEAR, family="softmax"),
-    "cat": Rule("a0! b, a1! b -> a!=N b", LINEAR, family="cat"),
-    "reshape": Rule("a b! c! -> a d!=N", LINEAR, family="reshape"),
-    "getitem": Rule("a b! c -> a e=N c", LINEAR, family="index"),
+    "permute": Rule("a b c -> c a b", LINEAR, build=_permute),
+    "softmax": Rule("a d! -> a d!", NONLINEAR, build=_softmax),
+    "cat": Rule("a0! b, a1! b -> a!=N b", LINEAR, build=_cat),
+    "reshape": Rule("a b! c! -> a d!=N", LINEAR, build=_reshape),
+    "getitem": Rule("a b! c -> a e=N c", LINEAR, build=_index),
 }
+
 
 # torch-native ops (shardwise.ops.torch_api routes torch functions here)
 _NONLINEAR_EW = (
@@ -117,36 +373,28 @@ _NONLINEAR_EW = (
     "softsign", "tanhshrink",
 )
 for _name in _NONLINEAR_EW:
-    RULES[_name] = Rule(UNARY, NONLINEAR, family="elementwise")
+    RULES[_name] = Rule(UNARY, NONLINEAR, build=_elementwise)
 RULES.update({
-    "clone": Rule(UNARY, LINEAR, family="elementwise"),
-    "ew_linear": Rule(UNARY, LINEAR, family="elementwise"),
+    "clone": Rule(UNARY, LINEAR, build=_elementwise),
+    "ew_linear": Rule(UNARY, LINEAR, build=_elementwise),
     # F.linear without its bias (added after, so a Partial output gets it once)
     "linear": Rule("... k, j k -> ... j", MULTILINEAR, SUM),
-    # the normalized trailing dims must be whole: layer_norm, rms_norm
-    "normalize": Rule("a n! -> a n!", NONLINEAR, family="normalize"),
+    # the normalized trailing dims must be whole: layer_norm, rms_norm, tril/triu
+    "normalize": Rule("a n! -> a n!", NONLINEAR, build=_normalize),
     # a reduction that needs its reduced dims whole (var, std, prod, any, all, argmax...)
-    "reduce_full": Rule("a r! b -> a b", NONLINEAR, family="reduce_full"),
-    # along one whole dim, same shape out: log_softmax, cumsum, cumprod
-    "log_softmax": Rule("a d! -> a d!", NONLINEAR, family="softmax"),
-    "cumsum": Rule("a d! -> a d!", NONLINEAR, family="softmax"),
-    "cumprod": Rule("a d! -> a d!", NONLINEAR, family="softmax"),
+    "reduce_full": Rule("a r! b -> a b", NONLINEAR, build=_reduce_full),
+    # along one whole dim, same shape out
+    "log_softmax": Rule("a d! -> a d!", NONLINEAR, build=_softmax),
+    "cumsum": Rule("a d! -> a d!", NONLINEAR, build=_softmax),
+    "cumprod": Rule("a d! -> a d!", NONLINEAR, build=_softmax),
     # topk / sort along one whole dim: size k out
-    "topk": Rule("a d! -> a k!=K", NONLINEAR, family="topk"),
+    "topk": Rule("a d! -> a k!=K", NONLINEAR, build=_topk),
     # F.embedding(ids, table): the vocabulary whole, the embedding dim may stay sharded
-    "embedding": Rule("..., v! e -> ... e", NONLINEAR, family="embedding"),
+    "embedding": Rule("..., v! e -> ... e", NONLINEAR),
     # scaled_dot_product_attention over (..., L, E) queries; heads/batch shard freely
-    "sdpa": Rule("... l e!, ... s! e!, ... s! f! -> ... l f!", NONLINEAR, family="sdpa"),
-    # index_select / gather-style lookups along one whole dim of the source
+    "sdpa": Rule("... l e!, ... s! e!, ... s! f! -> ... l f!", NONLINEAR, build=_sdpa),
     # per-sample loss of (N, C) logits: the classes whole (loss parallel keeps them sharded)
     "cross_entropy": Rule("b c!, b -> b", NONLINEAR),
-    "index_select": Rule("a d! b, i -> a i b", NONLINEAR, family="index_select"),
+    # index_select along one whole dim of the source
+    "index_select": Rule("a d! b, i -> a i b", NONLINEAR, build=_index_select),
 })
-
-# matmul by (lhs is 1-D, rhs is 1-D), as torch.matmul
-MATMUL = {
-    (True, True): "k, k ->",
-    (True, False): "k, ... k j -> ... j",
-    (False, True): "... i k, k -> ... i",
-    (False, False): "... i k, ... k j -> ... i j",
-}

@@ -119,8 +119,11 @@ def set_huge_pages(enabled: bool = True) -> bool:
     """Turn huge-page advice for fresh mapped blocks on (the default) or off; returns
     whether it is in effect (Linux with THP in ``madvise`` mode only).
 
+    >>> from shardwise.runtime import buffers
     >>> buffers.set_huge_pages(False)
     False
+    >>> buffers.set_huge_pages(True) == buffers.huge_pages()  # back on (where THP allows)
+    True
     """
     global _huge
     _huge = enabled
@@ -130,7 +133,8 @@ def set_huge_pages(enabled: bool = True) -> bool:
 def huge_pages() -> bool:
     """Whether :func:`empty` advises fresh mapped blocks to use huge pages.
 
-    >>> buffers.huge_pages()  # on Linux with THP mode "madvise"
+    >>> from shardwise.runtime import buffers
+    >>> buffers.huge_pages() == buffers._thp_madvise()  # on by default, where THP allows
     True
     """
     return _huge and _thp_madvise()
@@ -204,8 +208,9 @@ def set_pool_limit(nbytes: int) -> None:
 def pool_limit() -> int:
     """The idle-byte limit of the large-result pool (0: off).
 
-    >>> buffers.pool_limit()
-    536870912
+    >>> from shardwise.runtime import buffers
+    >>> buffers.pool_limit() // 2**20  # MiB, by default (set_pool_limit changes it)
+    512
     """
     return _pool.limit
 
@@ -233,6 +238,7 @@ def empty(shape: Sequence[int], like: torch.Tensor) -> torch.Tensor:
     pool off, is advised to use huge pages before its first touch. Why not advise
     every block: advising heap memory would split the heap's mapping for good.
 
+    >>> from shardwise.runtime import buffers
     >>> out = buffers.empty((4096, 4096), torch.empty(0))  # 64 MiB: from the pool
     >>> out.shape, out.dtype
     (torch.Size([4096, 4096]), torch.float32)

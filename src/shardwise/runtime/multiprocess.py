@@ -9,13 +9,13 @@ gradient on every replica, Sharded axes their piece, Partial axes dL/dp_i.
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, TypeAlias
 
 import torch
 import torch.autograd.forward_ad as fwAD
 
-from shardwise.planner import Plan, Step, permute_sources
+from shardwise.planner import Plan, Step, StepKind, check_handlers, permute_sources
 from shardwise.runtime import collectives as D
 from shardwise.runtime import functions as F
 from shardwise.sharding.layout import Layout
@@ -42,6 +42,63 @@ def _sizes(layout: Layout, grp: D.Group, dim: int, shape: tuple[int, ...]) -> li
     return D.sizes_along(shape, layout, grp.members, dim, layout.mesh)
 
 
+Spec: TypeAlias = tuple[Any, tuple[Any, ...]]
+SpecOf: TypeAlias = Callable[[Step, D.Group, tuple[int, ...], tuple[int, ...]], Spec]
+
+
+def _make_partial_spec(step: Step, grp: D.Group, coord: tuple[int, ...],
+                       shape: tuple[int, ...]) -> Spec:
+    return F.MakePartial, (grp, step.reduce_op, all(coord[a] == 0 for a in step.axes))
+
+
+def _slice_spec(step: Step, grp: D.Group, coord: tuple[int, ...], shape: tuple[int, ...]
+                ) -> Spec:
+    assert step.dim is not None
+    d = step.dim
+    lo_before = local_bounds(shape, step.before, coord)[d][0]
+    lo, hi = local_bounds(shape, step.after, coord)[d]
+    return F.Slice, (d, lo - lo_before, hi - lo, grp, _sizes(step.after, grp, d, shape))
+
+
+def _all_gather_spec(step: Step, grp: D.Group, coord: tuple[int, ...],
+                     shape: tuple[int, ...]) -> Spec:
+    assert step.dim is not None
+    return F.AllGather, (step.dim, grp, _sizes(step.before, grp, step.dim, shape))
+
+
+def _all_to_all_spec(step: Step, grp: D.Group, coord: tuple[int, ...],
+                     shape: tuple[int, ...]) -> Spec:
+    assert step.dim is not None and step.dim2 is not None
+    send = _sizes(step.after, grp, step.dim2, shape)
+    recv = _sizes(step.before, grp, step.dim, shape)
+    return F.AllToAll, (step.dim, step.dim2, grp, send, recv)
+
+
+def _all_reduce_spec(step: Step, grp: D.Group, coord: tuple[int, ...],
+                     shape: tuple[int, ...]) -> Spec:
+    return F.AllReduce, (grp, step.reduce_op)
+
+
+def _reduce_scatter_spec(step: Step, grp: D.Group, coord: tuple[int, ...],
+                         shape: tuple[int, ...]) -> Spec:
+    assert step.dim is not None
+    return F.ReduceScatter, (step.dim, grp, _sizes(step.after, grp, step.dim, shape),
+                             step.reduce_op)
+
+
+# The autograd Function (and its arguments) of each step kind run per device; permute
+# steps are one batched send/recv over all devices instead (run_step).
+_SPEC_OF: dict[StepKind, SpecOf] = {
+    StepKind.MAKE_PARTIAL: _make_partial_spec,
+    StepKind.SLICE: _slice_spec,
+    StepKind.ALL_GATHER: _all_gather_spec,
+    StepKind.ALL_TO_ALL: _all_to_all_spec,
+    StepKind.ALL_REDUCE: _all_reduce_spec,
+    StepKind.REDUCE_SCATTER: _reduce_scatter_spec,
+}
+check_handlers(_SPEC_OF, "the multi-process runtime", elsewhere=[StepKind.PERMUTE])
+
+
 _SPECS: dict[tuple[Step, tuple[int, ...], int], tuple[Any, tuple[Any, ...]]] = {}
 
 
@@ -53,34 +110,7 @@ def _spec(step: Step, shape: tuple[int, ...], k: int) -> tuple[Any, tuple[Any, .
     if hit is not None:
         return hit
     mesh = step.before.mesh
-    kind = step.kind
-    grp = D.group(mesh, step.axes)
-    coord = mesh.coord_of(k)
-    out: tuple[Any, tuple[Any, ...]]
-    if kind == "make_partial":
-        out = F.MakePartial, (grp, step.reduce_op, all(coord[a] == 0 for a in step.axes))
-    elif kind == "slice":
-        assert step.dim is not None
-        d = step.dim
-        lo_before = local_bounds(shape, step.before, coord)[d][0]
-        lo, hi = local_bounds(shape, step.after, coord)[d]
-        out = F.Slice, (d, lo - lo_before, hi - lo, grp, _sizes(step.after, grp, d, shape))
-    elif kind == "all_gather":
-        assert step.dim is not None
-        out = F.AllGather, (step.dim, grp, _sizes(step.before, grp, step.dim, shape))
-    elif kind == "all_to_all":
-        assert step.dim is not None and step.dim2 is not None
-        send = _sizes(step.after, grp, step.dim2, shape)
-        recv = _sizes(step.before, grp, step.dim, shape)
-        out = F.AllToAll, (step.dim, step.dim2, grp, send, recv)
-    elif kind == "all_reduce":
-        out = F.AllReduce, (grp, step.reduce_op)
-    elif kind == "reduce_scatter":
-        assert step.dim is not None
-        out = F.ReduceScatter, (step.dim, grp, _sizes(step.after, grp, step.dim, shape),
-                               step.reduce_op)
-    else:
-        raise AssertionError(f"unknown step kind {kind!r}")
+    out = _SPEC_OF[step.kind](step, D.group(mesh, step.axes), mesh.coord_of(k), shape)
     _SPECS[key] = out
     return out
 
@@ -108,7 +138,7 @@ def _one(step: Step, x: torch.Tensor, shape: tuple[int, ...], k: int) -> torch.T
 
 def run_step(step: Step, shards: Sequence[torch.Tensor | None], shape: tuple[int, ...]
              ) -> Shards:
-    if step.kind == "permute":
+    if step.kind is StepKind.PERMUTE:
         return permute(shards, step.after, permute_sources(step), shape)
     mesh = step.before.mesh
     out: list[torch.Tensor | None] = [None] * mesh.num_devices

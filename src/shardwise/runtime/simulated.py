@@ -35,12 +35,12 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, TypeAlias
 
 import torch
 
-from shardwise.planner import Plan, Step, permute_sources
+from shardwise.planner import Plan, Step, StepKind, check_handlers, permute_sources
 from shardwise.runtime import blocks, check_average
 from shardwise.runtime import host_paths as hp
 from shardwise.runtime.blocks import rep_indices
@@ -277,23 +277,51 @@ def make_partial(shards: Sequence[torch.Tensor], layout: Layout, axes: tuple[int
     return out
 
 
+StepHandler: TypeAlias = Callable[[Step, Sequence[torch.Tensor], tuple[int, ...]], Shards]
+
+
+def _assemble_step(step: Step, shards: Sequence[torch.Tensor], shape: tuple[int, ...]) -> Shards:
+    return assemble(shards, step.before, step.after, shape)
+
+
+def _all_reduce_step(step: Step, shards: Sequence[torch.Tensor], shape: tuple[int, ...]
+                     ) -> Shards:
+    assert step.reduce_op is not None
+    return reduce(shards, step.before, step.axes, step.reduce_op)
+
+
+def _reduce_scatter_step(step: Step, shards: Sequence[torch.Tensor], shape: tuple[int, ...]
+                         ) -> Shards:
+    assert step.reduce_op is not None
+    return reduce_scatter(shards, step.before, step.after, step.axes, step.reduce_op, shape)
+
+
+def _make_partial_step(step: Step, shards: Sequence[torch.Tensor], shape: tuple[int, ...]
+                       ) -> Shards:
+    assert step.reduce_op is not None
+    return make_partial(shards, step.before, step.axes, step.reduce_op)
+
+
+def _permute_step(step: Step, shards: Sequence[torch.Tensor], shape: tuple[int, ...]) -> Shards:
+    return permute(shards, step.after, permute_sources(step), shape)
+
+
+# One handler per planner step kind (checked complete at import).
+STEP_HANDLERS: dict[StepKind, StepHandler] = {
+    StepKind.SLICE: _assemble_step,
+    StepKind.ALL_GATHER: _assemble_step,
+    StepKind.ALL_TO_ALL: _assemble_step,
+    StepKind.ALL_REDUCE: _all_reduce_step,
+    StepKind.REDUCE_SCATTER: _reduce_scatter_step,
+    StepKind.MAKE_PARTIAL: _make_partial_step,
+    StepKind.PERMUTE: _permute_step,
+}
+check_handlers(STEP_HANDLERS, "the simulated runtime")
+
+
 def run_step(step: Step, shards: Sequence[torch.Tensor], shape: tuple[int, ...]) -> Shards:
     """Execute one planner step on the simulated mesh."""
-    kind = step.kind
-    if kind in ("slice", "all_gather", "all_to_all"):
-        return assemble(shards, step.before, step.after, shape)
-    if kind == "all_reduce":
-        assert step.reduce_op is not None
-        return reduce(shards, step.before, step.axes, step.reduce_op)
-    if kind == "reduce_scatter":
-        assert step.reduce_op is not None
-        return reduce_scatter(shards, step.before, step.after, step.axes, step.reduce_op, shape)
-    if kind == "make_partial":
-        assert step.reduce_op is not None
-        return make_partial(shards, step.before, step.axes, step.reduce_op)
-    if kind == "permute":
-        return permute(shards, step.after, permute_sources(step), shape)
-    raise AssertionError(f"unknown step kind {kind!r}")
+    return STEP_HANDLERS[step.kind](step, shards, shape)
 
 
 def _dedupe(shards: Sequence[torch.Tensor], layout: Layout) -> Shards:

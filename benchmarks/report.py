@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from shardwise.bench.common import fmt
+from benchmarks.common import fmt
 
 __all__ = ["TARGETS", "check_targets", "gloo_tables", "simulated_tables", "tables"]
 

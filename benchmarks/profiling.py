@@ -55,7 +55,7 @@ def _profile(fn: Callable[[], Any], calls: int, top: int) -> dict[str, Any]:
 def profile_small(n: int = 8, size: int = 8, calls: int = 2000, top: int = 8
                   ) -> dict[str, Any]:
     """cProfile of each simulated collective on an ``size x size`` tensor, ``n`` devices."""
-    from shardwise.bench.simulated import Inputs
+    from benchmarks.simulated import Inputs
 
     inputs = Inputs(n, size)
     cases = inputs.cases()

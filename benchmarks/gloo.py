@@ -14,10 +14,10 @@ ranks per iteration, the median over ``--repeat`` iterations after warm-up; the
 calls compared in one row are interleaved, so load drift hits them alike.
 Each rank runs ``torch.set_num_threads(1)``.
 
-    python -m shardwise.bench.gloo                        # 4 ranks, 4096 x 4096
-    python -m shardwise.bench.gloo --size 512 --repeat 3
-    torchrun --standalone --nproc-per-node 4 -m shardwise.bench.gloo
-    (benchmarks/bench_gloo.py is the same; ``shardwise bench`` runs it in its suite.)
+    python -m benchmarks.gloo                        # from the repo root: 4 ranks, 4096^2
+    python -m benchmarks.gloo --size 512 --repeat 3
+    torchrun --standalone --nproc-per-node 4 -m benchmarks.gloo
+    (``shardwise bench`` and ``python -m benchmarks`` run it in the whole suite.)
 
 Writes JSON (default benchmarks/results/gloo.json) and prints tables.
 """
@@ -39,8 +39,8 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, init_device_mesh
 from torch.distributed.tensor import Partial as DPartial
 
 import shardwise as sw
-from shardwise.bench.common import dist_time, launch, ratio, write_json
-from shardwise.bench.report import gloo_tables
+from benchmarks.common import dist_time, launch, ratio, write_json
+from benchmarks.report import gloo_tables
 from shardwise.sharding import DeviceMesh, Partial, PlacementMapping, Replicated, Sharded
 
 __all__ = ["main", "parser", "report", "run"]

@@ -33,8 +33,8 @@ from typing import Any
 import torch
 
 import shardwise as sw
-from shardwise.bench.dtensor_local import LocalDTensor, unavailable
-from shardwise.bench.timing import Timing, interleave
+from benchmarks.dtensor_local import LocalDTensor, unavailable
+from benchmarks.timing import Timing, interleave
 from shardwise.runtime import simulated as runtime
 from shardwise.sharding import DeviceMesh, Partial, PlacementMapping, Replicated, Sharded
 
@@ -273,9 +273,9 @@ def run(devices: tuple[int, ...] = (4, 8), size: int = 4096, small: int = 8, rep
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m shardwise.bench.simulated``: this section alone, JSON + table."""
-    from shardwise.bench.common import write_json
-    from shardwise.bench.report import simulated_tables
+    """``python -m benchmarks.simulated``: this section alone, JSON + table."""
+    from benchmarks.common import write_json
+    from benchmarks.report import simulated_tables
 
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)

@@ -53,9 +53,9 @@ def run_suite(preset: str = "full", *, devices: tuple[int, ...] = (4, 8), gloo: 
     """
     import torch
 
-    from shardwise.bench import memory as memory_mod
-    from shardwise.bench import simulated
-    from shardwise.bench.report import check_targets
+    from benchmarks import memory as memory_mod
+    from benchmarks import simulated
+    from benchmarks.report import check_targets
 
     cfg = {**PRESETS[preset], **overrides}
     say = log or (lambda msg: None)
@@ -76,13 +76,13 @@ def run_suite(preset: str = "full", *, devices: tuple[int, ...] = (4, 8), gloo: 
         say("peak memory (fresh process) ...")
         res["memory"] = memory_mod.run(size=cfg["size"], n=max(devices), dtensor=dtensor)
     if profile:
-        from shardwise.bench.profile import profile_small
+        from benchmarks.profiling import profile_small
 
         say("profile of the 8x8 hot path ...")
         res["profile"] = profile_small(n=max(devices), size=cfg["small"],
                                        calls=cfg["profile_calls"])
     if gloo:
-        from shardwise.bench import gloo as gloo_mod
+        from benchmarks import gloo as gloo_mod
 
         say(f"Gloo suite ({world} ranks) ...")
         res["gloo"] = gloo_mod.run(world=world, **cfg["gloo"])
@@ -96,8 +96,8 @@ def run_suite(preset: str = "full", *, devices: tuple[int, ...] = (4, 8), gloo: 
 
 def write(res: dict[str, Any], out: str | Path) -> tuple[Path, Path]:
     """``bench.json`` and ``bench.txt`` (the table) under ``out``."""
-    from shardwise.bench.common import write_json
-    from shardwise.bench.report import tables
+    from benchmarks.common import write_json
+    from benchmarks.report import tables
 
     folder = Path(out)
     path = write_json(folder / "bench.json", res)
@@ -106,8 +106,8 @@ def write(res: dict[str, Any], out: str | Path) -> tuple[Path, Path]:
     return path, text
 
 
-def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="shardwise bench", description=__doc__,
+def parser(prog: str = "python -m benchmarks") -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog=prog, description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     add_arguments(p)
     return p
@@ -126,7 +126,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run_from_args(args: argparse.Namespace) -> int:
-    from shardwise.bench.report import tables
+    from benchmarks.report import tables
 
     res = run_suite("quick" if args.quick else "full", devices=tuple(args.devices),
                     gloo=not args.no_gloo, dtensor=not args.no_dtensor,
@@ -137,8 +137,9 @@ def run_from_args(args: argparse.Namespace) -> int:
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
-    return run_from_args(parser().parse_args(argv))
+def main(argv: list[str] | None = None, prog: str = "python -m benchmarks") -> int:
+    """Parse ``argv`` (``--quick``, ``--out DIR``, ...), run the suite, write and print."""
+    return run_from_args(parser(prog).parse_args(argv))
 
 
 if __name__ == "__main__":

@@ -4,7 +4,7 @@ Replicas on a simulated mesh share one buffer, so a Replicated ``size x size``
 float32 tensor on ``n`` virtual devices should cost one tensor's bytes, not
 ``n``. Measured as the growth of the resident set size (``/proc/self/statm``)
 while the result is alive, in a fresh process (``python -m
-shardwise.bench.memory``) so that earlier allocations cannot hide growth; glibc
+benchmarks.memory``) so that earlier allocations cannot hide growth; glibc
 returns these large blocks to the OS when they are freed (no buffer reuse here).
 """
 
@@ -17,6 +17,7 @@ import os
 import subprocess
 import sys
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 __all__ = ["measure", "rss_bytes", "run"]
@@ -48,7 +49,7 @@ def measure(size: int, n: int, dtensor: bool = True) -> dict[str, Any]:
     import torch
 
     import shardwise as sw
-    from shardwise.bench.dtensor_local import LocalDTensor, unavailable
+    from benchmarks.dtensor_local import LocalDTensor, unavailable
 
     torch.manual_seed(0)
     mesh = sw.DeviceMesh.cpu((n,), ("x",))
@@ -99,11 +100,14 @@ def measure(size: int, n: int, dtensor: bool = True) -> dict[str, Any]:
 def run(size: int = 4096, n: int = 8, dtensor: bool = True, timeout_s: float = 300.0
         ) -> dict[str, Any]:
     """:func:`measure` in a fresh Python process (see the module doc)."""
-    cmd = [sys.executable, "-m", "shardwise.bench.memory", "--size", str(size), "--devices",
+    cmd = [sys.executable, "-m", "benchmarks.memory", "--size", str(size), "--devices",
            str(n)]
     if not dtensor:
         cmd.append("--no-dtensor")
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "2")}
+    # the fresh process must find this package wherever the parent was started from
+    root = str(Path(__file__).resolve().parent.parent)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
     env.pop("MALLOC_MMAP_MAX_", None)
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, env=env,
                           check=False)
