@@ -45,6 +45,16 @@ HANDLERS: dict[Any, Callable[..., Any]] = {}
 FALLBACK: list[Callable[[Any, tuple[Any, ...], dict[str, Any]], Any]] = []
 
 
+@torch.compiler.disable
+def _route(func: Any, args: Any, kwargs: Any) -> Any:
+    """One torch function on shardwise Tensors: its handler, else the fallback.
+    torch.compile runs it eagerly (a graph break): the layout logic is Python."""
+    handler = HANDLERS.get(func)
+    if handler is not None:
+        return handler(*args, **(kwargs or {}))
+    return FALLBACK[0](func, tuple(args), kwargs or {})
+
+
 class Tensor(torch.Tensor):
     """A global value laid out on a :class:`DeviceMesh`; a ``torch.Tensor``.
 
@@ -111,10 +121,7 @@ class Tensor(torch.Tensor):
     @classmethod
     def __torch_function__(cls, func: Any, types: Any, args: Any = (),
                            kwargs: Any = None) -> Any:
-        handler = HANDLERS.get(func)
-        if handler is not None:
-            return handler(*args, **(kwargs or {}))
-        return FALLBACK[0](func, tuple(args), kwargs or {})
+        return _route(func, args, kwargs)
 
     @classmethod
     def __torch_dispatch__(cls, func: Any, types: Any, args: Any = (),  # type: ignore[override]

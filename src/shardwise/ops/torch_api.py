@@ -123,15 +123,17 @@ _REFLECTED = {"__radd__", "__rsub__", "__rmul__", "__rtruediv__", "__rdiv__", "_
 
 
 def _install_elementwise() -> None:
+    # each alias runs itself on the blocks, so its own keywords (F.relu's inplace=,
+    # F.gelu's approximate=) keep torch's meaning
     for name, rule in _LINEAR.items():
-        fn = getattr(torch, name, None) or getattr(TensorMethod, name)
-        handler = _elementwise(rule, fn)
-        register(*_aliases(name))(handler)
+        for f in _aliases(name):
+            if f is not None:
+                register(f)(_elementwise(rule, f))
     for name in _NONLINEAR:
         rule = _RULE_OF.get(name, name)
-        fn = (getattr(torch, name, None) or getattr(F, name, None)
-              or getattr(torch.special, name, None) or getattr(TensorMethod, name))
-        register(*_aliases(name))(_elementwise(rule, fn))
+        for f in _aliases(name):
+            if f is not None:
+                register(f)(_elementwise(rule, f))
     for dunder, name in _DUNDERS.items():
         base = getattr(torch, name, None) or getattr(TensorMethod, name)
         rule = _LINEAR.get(name) or _RULE_OF.get(name, name)
@@ -308,7 +310,10 @@ def _foreach(name: str) -> Callable[..., Any]:
         out = []
         for i in range(n):
             call = [a[i] if isinstance(a, (list, tuple)) else a for a in args]
-            out.append(per(*call, **kwargs))
+            kw = kwargs
+            if plain in ("addcmul", "addcdiv") and len(call) > 3:  # value is keyword-only
+                kw = {**kwargs, "value": call.pop()}
+            out.append(per(*call, **kw))
         return None if inplace else out
 
     return handler
@@ -630,7 +635,7 @@ def _install_reductions() -> None:
         fn = getattr(torch, name)
 
         def vs(x: Any, dim: Any = None, *args: Any, _fn: Any = fn, **kwargs: Any) -> Any:
-            unbiased = None
+            unbiased = kwargs.pop("unbiased", None)
             if args and isinstance(args[0], bool) and dim is not None and not isinstance(
                     dim, bool):
                 unbiased, args = args[0], args[1:]
