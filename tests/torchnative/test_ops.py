@@ -194,7 +194,7 @@ def test_cross_entropy_batch_or_class_sharded() -> None:
 
 def test_scaled_dot_product_attention_heads_sharded() -> None:
     q, k, v = rnd(2, 4, 5, 3), rnd(2, 4, 5, 3, seed=1), rnd(2, 4, 5, 3, seed=2)
-    lays = [(R, R), (S0, S1), (R, S1), (S1, R)]
+    lays = [(R, R), (S0, S1), (R, S1), (S1, R), (R, S2)]  # S2: the query positions
     check(lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True), q, k, v,
           layouts=lays)
     mask = torch.tril(torch.ones(5, 5, dtype=torch.bool))

@@ -303,11 +303,12 @@ def _topk(shapes: tuple[tuple[int, ...], ...], dim: int, k: int) -> str:
     return " ".join(ins) + " -> " + " ".join(out)
 
 
-def _sdpa(shapes: tuple[tuple[int, ...], ...]) -> str:
-    terms = ["... l e!", "... s! e!", "... s! f!"]
+def _sdpa(shapes: tuple[tuple[int, ...], ...], causal: bool) -> str:
+    # a causal mask is aligned to global positions: with it the queries stay whole too
+    terms = ["... l! e!" if causal else "... l e!", "... s! e!", "... s! f!"]
     if len(shapes) == 4:  # an attention mask broadcastable to (..., L, S)
         terms.append("... l s!" if len(shapes[3]) >= 2 else "... s!")
-    return ", ".join(terms) + " -> ... l f!"
+    return ", ".join(terms) + (" -> ... l! f!" if causal else " -> ... l f!")
 
 
 def _index_select(shapes: tuple[tuple[int, ...], ...], dim: int) -> str:

@@ -796,7 +796,7 @@ def _install_nn() -> None:
             return F.scaled_dot_product_attention(qs, ks, vs, m[0] if m else None, 0.0,
                                                   is_causal, scale=scale)
 
-        return apply("sdpa", _on_mesh(ops), local)
+        return apply("sdpa", _on_mesh(ops), local, bool(is_causal))
 
     @register(F.cross_entropy)
     def cross_entropy(logits: Any, target: Any, weight: Any = None, size_average: Any = None,

@@ -1,0 +1,93 @@
+"""torch-native bodies shared by both runtimes: ``n`` devices as a simulated mesh or
+``n`` Gloo processes (see ``harness.py``). Each compares with single-device torch,
+which every rank computes itself from the same seed."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import shardwise as sw
+from shardwise import DeviceMesh, PlacementMapping, Replicated, Sharded
+
+R = Replicated()
+
+
+def _mesh(n: int) -> DeviceMesh:
+    return DeviceMesh.cpu((2, n // 2), ("dp", "tp")) if n >= 4 else DeviceMesh.cpu((1, n),
+                                                                                  ("dp", "tp"))
+
+
+def _megatron(model: nn.Sequential, mesh: DeviceMesh) -> nn.Sequential:
+    def put(p: torch.Tensor, *places: Any) -> nn.Parameter:
+        return nn.Parameter(sw.tensor(p.detach(), sharding=PlacementMapping(mesh, places)))
+
+    model[0].weight = put(model[0].weight, R, Sharded(0))
+    model[0].bias = put(model[0].bias, R, Sharded(0))
+    model[2].weight = put(model[2].weight, R, Sharded(1))
+    model[2].bias = put(model[2].bias, R, R)
+    return model
+
+
+def body_megatron_mlp_adamw_clip(n: int) -> None:
+    """5 AdamW steps with clip_grad_norm_ on a column/row-parallel MLP: the losses,
+    the global grad norms and the parameters equal single-device torch's to 1e-5."""
+    mesh = _mesh(n)
+    torch.manual_seed(0)
+    ref = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 8))
+    model = _megatron(copy.deepcopy(ref), mesh)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    ropt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1)
+    g = torch.Generator().manual_seed(5)
+    for _ in range(5):
+        x, y = torch.randn(8, 16, generator=g), torch.randn(8, 8, generator=g)
+        xs = sw.tensor(x, sharding=PlacementMapping(mesh, [Sharded(0), R]))
+        ys = sw.tensor(y, sharding=PlacementMapping(mesh, [Sharded(0), R]))
+        loss = ((model(xs) - ys) ** 2).mean()
+        rloss = F.mse_loss(ref(x), y)
+        opt.zero_grad()
+        ropt.zero_grad()
+        loss.backward()
+        rloss.backward()
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+        rnorm = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.5)
+        opt.step()
+        ropt.step()
+        assert abs(float(loss) - float(rloss)) <= 1e-5 * abs(float(rloss)), (loss, rloss)
+        assert abs(float(norm) - float(rnorm)) <= 1e-5 * float(rnorm), (norm, rnorm)
+    for p, q in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p.to_torch(), q.detach(), rtol=1e-5, atol=1e-6)
+        for state in opt.state[p].values():
+            if isinstance(state, sw.Tensor) and state.ndim:
+                assert state.dist_layout == p.dist_layout
+                # each process holds only its own shards
+                assert len(state.addressable_shards) == len(p.addressable_shards)
+
+
+def body_torch_ops_on_process_meshes(n: int) -> None:
+    """A transformer's ops on sharded tensors equal torch's on every rank."""
+    mesh = _mesh(n)
+    x = torch.randn(4, 6, 8, generator=torch.Generator().manual_seed(1))
+    xs = sw.tensor(x, sharding=PlacementMapping(mesh, [Sharded(0), Sharded(1)]))
+    w, b = torch.ones(8), torch.zeros(8)
+    cases = [
+        (lambda t: F.layer_norm(t, (8,), w, b), None),
+        (lambda t: F.softmax(t, -1), None),
+        (lambda t: t.transpose(1, 2).reshape(4, -1), None),
+        (lambda t: torch.cat([t, t], 1).sum(1), None),
+        (lambda t: F.scaled_dot_product_attention(t, t, t, is_causal=True), None),
+        (lambda t: t.var(-1), None),
+    ]
+    for fn, _ in cases:
+        torch.testing.assert_close(fn(xs).to_torch(), fn(x), rtol=1e-5, atol=1e-6)
+    torch.manual_seed(3)
+    want = F.dropout(x, 0.3)
+    torch.manual_seed(3)
+    assert torch.equal(F.dropout(xs, 0.3).to_torch(), want)
+
+
+BODIES = ["body_megatron_mlp_adamw_clip", "body_torch_ops_on_process_meshes"]
