@@ -67,10 +67,8 @@ def place(value: torch.Tensor, layout: Layout) -> Tensor:
     first = backend.device_of(mesh, mine[0]) if len(mine) else value.device
     if value.device != first:
         value = value.to(first)
-    repl = Layout.replicated(mesh, len(shape))
     plain = layout.with_partial((None,) * mesh.ndim)
-    shards = backend.assemble([value] * mesh.num_devices, repl, plain, shape)
-    t = Tensor(shards, plain, shape, value.dtype)
+    t = Tensor.from_whole(value, plain)
     return _make_partial_like(t, layout) if layout.is_partial else t
 
 

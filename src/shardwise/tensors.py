@@ -45,6 +45,17 @@ HANDLERS: dict[Any, Callable[..., Any]] = {}
 FALLBACK: list[Callable[[Any, tuple[Any, ...], dict[str, Any]], Any]] = []
 
 
+_REPLICATED: dict[tuple[int, int], tuple[DeviceMesh, Layout]] = {}
+
+
+def _replicated(mesh: DeviceMesh, ndim: int) -> Layout:
+    """``Layout.replicated(mesh, ndim)``, cached by mesh identity (the mesh is kept)."""
+    hit = _REPLICATED.get((id(mesh), ndim))
+    if hit is None:
+        hit = _REPLICATED[(id(mesh), ndim)] = (mesh, Layout.replicated(mesh, ndim))
+    return hit[1]
+
+
 @torch.compiler.disable
 def _route(func: Any, args: Any, kwargs: Any) -> Any:
     """One torch function on shardwise Tensors: its handler, else the fallback.
@@ -87,6 +98,9 @@ class Tensor(torch.Tensor):
     _dtype: torch.dtype
     _open: tuple[bool, ...] | None
     _device: torch.device
+    # The global value whose layout blocks ARE the shards (views), or None. Set only
+    # where no gradient is recorded: ops on it would bypass the shards' autograd.
+    _whole: torch.Tensor | None
 
     @staticmethod
     def __new__(cls, shards: Sequence[torch.Tensor | None], layout: Layout,
@@ -113,7 +127,24 @@ class Tensor(torch.Tensor):
         self._dtype = dtype
         self._open = open_dims
         self._device = device
+        self._whole = None
         return self
+
+    @classmethod
+    def from_whole(cls, whole: torch.Tensor, layout: Layout,
+                   open_dims: tuple[bool, ...] | None = None) -> Tensor:
+        """Internal: the Tensor whose blocks are views of ``whole`` (the global value,
+        no Partial axes) on a mesh held wholly by this process. Elementwise ops may
+        then run once on ``whole`` (see ``ops.execute.apply_elementwise``)."""
+        mesh = layout.mesh
+        shape = tuple(whole.shape)
+        shards = backend_for(mesh).assemble([whole] * mesh.num_devices,
+                                            _replicated(mesh, len(shape)), layout, shape)
+        t = cls(shards, layout, shape, whole.dtype, open_dims=open_dims)
+        if not whole.requires_grad and all(s is not None and s.device == whole.device
+                                           for s in shards):
+            t._whole = whole
+        return t
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         pass  # everything happens in __new__
@@ -386,6 +417,8 @@ class Tensor(torch.Tensor):
             return self
         for s in {id(s): s for s in self._shards if s is not None}.values():
             s.requires_grad_(requires_grad)
+        if requires_grad:
+            self._whole = None
         return self
 
     @property  # type: ignore[override]
@@ -408,6 +441,7 @@ class Tensor(torch.Tensor):
         self._shards, self._layout, self._dtype = new._shards, new._layout, new._dtype
         self._shape, self._size, self._open = new._shape, new._size, new._open
         self._device = new._device
+        self._whole = None
         # keep the C-level metadata (dtype, shape) that torch's C++ code reads in sync
         with torch._C.DisableTorchFunctionSubclass():
             torch._C.TensorBase.data.__set__(self, value)  # type: ignore[attr-defined]

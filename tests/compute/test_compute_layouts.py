@@ -222,10 +222,14 @@ def test_decisions_are_cached() -> None:
     from shardwise.ops.propagation import decide
 
     x = sw.tensor(values(8, 8), sharding=lay(MESH, "dp", "tp"))
-    x + x
+    y = sw.tensor(values(8, 8), sharding=lay(MESH, "tp", None))  # another layout: decided
+    x + y
     before = decide.cache_info().hits
-    x + x
+    x + y
     assert decide.cache_info().hits == before + 1
+    before = decide.cache_info()
+    x + x  # one layout, no Partial: the elementwise fast path decides nothing
+    assert decide.cache_info() == before
 
 
 def test_large_searches_are_cut_and_stay_correct(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -28,7 +28,7 @@ from shardwise.sharding.errors import ShardingError, ShardingTypeError
 from shardwise.sharding.layout import Layout
 from shardwise.tensors import Tensor
 
-__all__ = ["apply"]
+__all__ = ["apply", "apply_elementwise"]
 
 
 def _is_const(x: Any) -> bool:
@@ -173,3 +173,49 @@ def _meta_dtype(fn: Callable[..., torch.Tensor], args: list[Any], dec: Decision,
     if shaped:
         call.append(dec.local_shapes[0])
     return fn(*call).dtype
+
+
+def apply_elementwise(op: str, operands: Sequence[Any], fn: Callable[..., torch.Tensor]
+                      ) -> Tensor:
+    """An elementwise op: when every Tensor operand has one shape and one layout
+    without Partial axes (and the rest are Python numbers) the output keeps that
+    layout with no rule to bind; else :func:`apply`.
+
+    Where every operand also holds its whole value (``_whole``: a simulated mesh,
+    no gradient recorded), ``fn`` runs once on the whole values and the result is
+    cut into blocks: one torch call instead of one per distinct block."""
+    first: Tensor | None = None
+    for x in operands:
+        if isinstance(x, Tensor):
+            if first is None:
+                first = x
+            elif x._layout is not first._layout and (
+                    x._layout != first._layout or x._shape != first._shape):
+                return apply(op, operands, fn)
+            elif x._shape != first._shape:
+                return apply(op, operands, fn)
+        elif not isinstance(x, (int, float)) or isinstance(x, bool):
+            return apply(op, operands, fn)
+    if first is None or first._layout.is_partial or first._whole is None and any(
+            s is None for s in first._shards):
+        return apply(op, operands, fn)
+    layout = first._layout
+    if first._whole is not None and all(
+            not isinstance(x, Tensor) or x._whole is not None for x in operands):
+        whole = fn(*[x._whole if isinstance(x, Tensor) else x for x in operands])
+        if tuple(whole.shape) == first._shape:
+            return Tensor.from_whole(whole, layout, first._open)
+    single = len(operands) == 1
+    memo: dict[Any, torch.Tensor] = {}
+    out: list[torch.Tensor] = []
+    cols = [x._shards if isinstance(x, Tensor) else None for x in operands]
+    for k in range(len(first._shards)):
+        row = [c[k] if c is not None else x for c, x in zip(cols, operands)]
+        key: Any = id(row[0]) if single else tuple(map(id, row))
+        r = memo.get(key)
+        if r is None:
+            r = memo[key] = fn(*row)
+        out.append(r)
+    if tuple(out[0].shape) != tuple(first._shards[0].shape):  # e.g. a broadcast constant
+        return apply(op, operands, fn)
+    return Tensor(out, layout, first._shape, out[0].dtype, open_dims=first._open)

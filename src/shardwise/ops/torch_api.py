@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from shardwise.ops import compute as C
-from shardwise.ops.execute import apply
+from shardwise.ops.execute import apply, apply_elementwise
 from shardwise.sharding.errors import ShardingError, ShardingTypeError
 from shardwise.sharding.layout import Layout, normalize_dim
 from shardwise.tensors import FALLBACK, HANDLERS, Tensor
@@ -85,7 +85,7 @@ def _elementwise(rule: str, func: Any) -> Callable[..., Any]:
                 kw[k] = b
             return func(*call, **kw)
 
-        return apply(rule, operands, local)
+        return apply_elementwise(rule, operands, local)
 
     return handler
 
