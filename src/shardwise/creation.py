@@ -61,7 +61,6 @@ def place(value: torch.Tensor, layout: Layout) -> Tensor:
     """A Tensor whose global value is ``value`` (not copied: shards are views of it
     where the devices share memory), laid out as ``layout``."""
     mesh = layout.mesh
-    shape = tuple(value.shape)
     backend = backend_for(mesh)
     mine = backend.owned(mesh)
     first = backend.device_of(mesh, mine[0]) if len(mine) else value.device

@@ -189,15 +189,13 @@ def apply_elementwise(op: str, operands: Sequence[Any], fn: Callable[..., torch.
         if isinstance(x, Tensor):
             if first is None:
                 first = x
-            elif x._layout is not first._layout and (
-                    x._layout != first._layout or x._shape != first._shape):
-                return apply(op, operands, fn)
-            elif x._shape != first._shape:
+            elif (x._layout is not first._layout and (
+                    x._layout != first._layout or x._shape != first._shape)) or x._shape != first._shape:
                 return apply(op, operands, fn)
         elif not isinstance(x, (int, float)) or isinstance(x, bool):
             return apply(op, operands, fn)
-    if first is None or first._layout.is_partial or first._whole is None and any(
-            s is None for s in first._shards):
+    if first is None or first._layout.is_partial or (first._whole is None and any(
+            s is None for s in first._shards)):
         return apply(op, operands, fn)
     layout = first._layout
     if first._whole is not None and all(
