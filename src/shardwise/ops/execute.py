@@ -189,8 +189,8 @@ def apply_elementwise(op: str, operands: Sequence[Any], fn: Callable[..., torch.
         if isinstance(x, Tensor):
             if first is None:
                 first = x
-            elif (x._layout is not first._layout and (
-                    x._layout != first._layout or x._shape != first._shape)) or x._shape != first._shape:
+            elif x._shape != first._shape or (
+                    x._layout is not first._layout and x._layout != first._layout):
                 return apply(op, operands, fn)
         elif not isinstance(x, (int, float)) or isinstance(x, bool):
             return apply(op, operands, fn)
