@@ -6,6 +6,8 @@ Sections (each documented in its module):
   under glibc's default allocator and with buffer reuse;
 - ``memory``: what a Replicated tensor costs on 8 virtual devices (fresh process);
 - ``profile``: cProfile of the 8x8 hot path;
+- ``torch``: torch ops and a Megatron MLP training step on shardwise Tensors beside
+  plain torch (:mod:`benchmarks.torchnative`);
 - ``gloo``: 4 Gloo ranks, shardwise beside raw torch.distributed and DTensor.
 
 Presets: ``full`` (about 2-3 minutes on 2 cores) and ``quick`` (about 30 s; 4 MiB
@@ -72,6 +74,10 @@ def run_suite(preset: str = "full", *, devices: tuple[int, ...] = (4, 8), gloo: 
         devices=devices, size=cfg["size"], small=cfg["small"], repeat=cfg["repeat"],
         small_repeat=cfg["small_repeat"], small_inner=cfg["small_inner"], modes=modes,
         dtensor=dtensor)
+    from benchmarks import torchnative
+
+    say("torch-native ops and training step ...")
+    res["torch"] = torchnative.run(repeat=cfg["small_repeat"], inner=cfg["small_inner"])
     if memory:
         say("peak memory (fresh process) ...")
         res["memory"] = memory_mod.run(size=cfg["size"], n=max(devices), dtensor=dtensor)

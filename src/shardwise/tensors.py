@@ -56,6 +56,20 @@ def _replicated(mesh: DeviceMesh, ndim: int) -> Layout:
     return hit[1]
 
 
+_LOCAL: dict[tuple[int, torch.device], tuple[DeviceMesh, bool]] = {}
+
+
+def _local_mesh(mesh: DeviceMesh, device: torch.device) -> bool:
+    """Whether this process holds every device of ``mesh``, all on torch ``device``."""
+    hit = _LOCAL.get((id(mesh), device))
+    if hit is None:
+        backend = backend_for(mesh)
+        ok = len(backend.owned(mesh)) == mesh.num_devices and all(
+            backend.device_of(mesh, k) == device for k in range(mesh.num_devices))
+        hit = _LOCAL[(id(mesh), device)] = (mesh, ok)
+    return hit[1]
+
+
 @torch.compiler.disable
 def _route(func: Any, args: Any, kwargs: Any) -> Any:
     """One torch function on shardwise Tensors: its handler, else the fallback.
@@ -91,7 +105,7 @@ class Tensor(torch.Tensor):
         CPU(3)   (1,1)     x[2:4]
     """
 
-    _shards: tuple[torch.Tensor, ...]
+    _blocks: tuple[torch.Tensor, ...] | None  # None: not cut from ``_whole`` yet
     _layout: Layout
     _shape: tuple[int, ...]
     _size: torch.Size
@@ -120,7 +134,7 @@ class Tensor(torch.Tensor):
         # The wrapper holds no data (its C-level requires_grad stays False): values and
         # autograd live on the shards, and every torch function is routed to the registry.
         self = torch.Tensor._make_wrapper_subclass(cls, size, dtype=dtype, device=device)
-        self._shards = parts  # type: ignore[assignment]
+        self._blocks = parts  # type: ignore[assignment]
         self._layout = layout
         self._shape = tuple(size)
         self._size = size
@@ -134,20 +148,44 @@ class Tensor(torch.Tensor):
     def from_whole(cls, whole: torch.Tensor, layout: Layout,
                    open_dims: tuple[bool, ...] | None = None) -> Tensor:
         """Internal: the Tensor whose blocks are views of ``whole`` (the global value,
-        no Partial axes) on a mesh held wholly by this process. Elementwise ops may
-        then run once on ``whole`` (see ``ops.execute.apply_elementwise``)."""
+        no Partial axes). On a mesh this process holds wholly and with no gradient
+        recorded, the blocks are cut lazily and elementwise ops run once on ``whole``
+        (see ``ops.execute.apply_elementwise``)."""
         mesh = layout.mesh
         shape = tuple(whole.shape)
-        shards = backend_for(mesh).assemble([whole] * mesh.num_devices,
-                                            _replicated(mesh, len(shape)), layout, shape)
-        t = cls(shards, layout, shape, whole.dtype, open_dims=open_dims)
-        if not whole.requires_grad and all(s is not None and s.device == whole.device
-                                           for s in shards):
-            t._whole = whole
-        return t
+        if whole.requires_grad or not _local_mesh(mesh, whole.device):
+            shards = backend_for(mesh).assemble([whole] * mesh.num_devices,
+                                                _replicated(mesh, len(shape)), layout, shape)
+            return cls(shards, layout, shape, whole.dtype, open_dims=open_dims)
+        size = whole.shape
+        self = torch.Tensor._make_wrapper_subclass(cls, size, dtype=whole.dtype,
+                                                   device=whole.device)
+        self._blocks = None
+        self._layout = layout
+        self._shape = tuple(size)
+        self._size = size
+        self._dtype = whole.dtype
+        self._open = open_dims
+        self._device = whole.device
+        self._whole = whole
+        return self
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        pass  # everything happens in __new__
+    @property
+    def _shards(self) -> tuple[torch.Tensor, ...]:
+        """Per-device local tensors (views of ``_whole`` cut on first use)."""
+        blocks = self._blocks
+        if blocks is None:
+            whole = self._whole
+            assert whole is not None
+            mesh = self._layout.mesh
+            blocks = self._blocks = tuple(backend_for(mesh).assemble(
+                [whole] * mesh.num_devices, _replicated(mesh, len(self._shape)), self._layout,
+                self._shape))
+        return blocks
+
+    @_shards.setter
+    def _shards(self, value: tuple[torch.Tensor, ...]) -> None:
+        self._blocks = value
 
     @classmethod
     def __torch_function__(cls, func: Any, types: Any, args: Any = (),

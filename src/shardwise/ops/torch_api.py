@@ -71,6 +71,9 @@ def _elementwise(rule: str, func: Any) -> Callable[..., Any]:
     positional arguments are its operands, everything else passes through."""
 
     def handler(*args: Any, **kwargs: Any) -> Any:
+        if not kwargs and all(isinstance(a, (torch.Tensor, int, float)) and not isinstance(
+                a, bool) for a in args):
+            return apply_elementwise(rule, args, func)  # every argument is an operand
         pos = [i for i, a in enumerate(args) if _is_operand(a)]
         kws = [k for k, v in kwargs.items() if isinstance(v, torch.Tensor)]
         operands = [args[i] for i in pos] + [kwargs[k] for k in kws]

@@ -1,0 +1,119 @@
+"""torch-native section: torch ops and a training step on shardwise Tensors beside torch.
+
+- ``ops``: 8x8 float32 Sharded(0) over 4 virtual devices; each op beside the same op
+  on the global tensor in plain torch (``clone`` stands in for the all_gather);
+  the target is an overhead of at most 15 us per op.
+- ``mlp``: one training step (forward, backward, AdamW step) of the Megatron MLP
+  16 -> 64 -> 8 on a simulated 2x4 mesh (dp x tp, batch 32) beside the same model
+  in plain torch on one device; the target is at most 3x.
+Cases are interleaved (see :mod:`benchmarks.timing`); one torch thread.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import shardwise as sw
+from benchmarks.timing import interleave
+from shardwise import DeviceMesh, PlacementMapping, Replicated, Sharded
+
+__all__ = ["run"]
+
+
+def _ops(repeat: int, inner: int) -> list[dict[str, Any]]:
+    mesh = DeviceMesh.cpu(4, "x")
+    g = torch.randn(8, 8)
+    x = sw.tensor(g, sharding=PlacementMapping(mesh, (Sharded(0),)))
+    pairs = {
+        "sw.all_gather (vs clone)": (lambda: sw.all_gather(x), lambda: g.clone()),
+        "torch.add": (lambda: torch.add(x, x), lambda: torch.add(g, g)),
+        "F.gelu": (lambda: F.gelu(x), lambda: F.gelu(g)),
+        "x * 2 + 1": (lambda: x * 2 + 1, lambda: g * 2 + 1),
+    }
+    cases = {}
+    for name, (ours, theirs) in pairs.items():
+        cases[f"{name}/sw"] = ours
+        cases[f"{name}/torch"] = theirs
+    t = interleave(cases, repeat, inner=inner)
+    rows = []
+    for name in pairs:
+        a, b = t[f"{name}/sw"], t[f"{name}/torch"]
+        assert a is not None and b is not None
+        rows.append({"case": name, "shardwise_us": a["median_s"] * 1e6,
+                     "torch_us": b["median_s"] * 1e6,
+                     "overhead_us": (a["median_s"] - b["median_s"]) * 1e6})
+    return rows
+
+
+def _mlp(repeat: int, inner: int) -> dict[str, Any]:
+    torch.manual_seed(0)
+    ref = nn.Sequential(nn.Linear(16, 64), nn.GELU(), nn.Linear(64, 8))
+    model = copy.deepcopy(ref)
+    mesh = DeviceMesh.cpu((2, 4), ("dp", "tp"))
+    R = Replicated()
+
+    def put(p: Any, *places: Any) -> nn.Parameter:
+        return nn.Parameter(sw.tensor(p.detach(), sharding=PlacementMapping(mesh, places)))
+
+    model[0].weight = put(model[0].weight, R, Sharded(0))
+    model[0].bias = put(model[0].bias, R, Sharded(0))
+    model[2].weight = put(model[2].weight, R, Sharded(1))
+    model[2].bias = put(model[2].bias, R, R)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    ropt = torch.optim.AdamW(ref.parameters(), lr=1e-3)
+    x, y = torch.randn(32, 16), torch.randn(32, 8)
+    xs = sw.tensor(x, sharding=PlacementMapping(mesh, (Sharded(0), R)))
+    ys = sw.tensor(y, sharding=PlacementMapping(mesh, (Sharded(0), R)))
+
+    def step_sw() -> None:
+        opt.zero_grad()
+        ((model(xs) - ys) ** 2).mean().backward()
+        opt.step()
+
+    def step_torch() -> None:
+        ropt.zero_grad()
+        ((ref(x) - y) ** 2).mean().backward()
+        ropt.step()
+
+    t = interleave({"sw": step_sw, "torch": step_torch}, repeat, inner=inner)
+    a, b = t["sw"], t["torch"]
+    assert a is not None and b is not None
+    return {"case": "Megatron MLP 16->64->8, AdamW, DeviceMesh(dp=2, tp=4), batch 32",
+            "shardwise_ms": a["median_s"] * 1e3, "torch_ms": b["median_s"] * 1e3,
+            "ratio": a["median_s"] / b["median_s"]}
+
+
+def run(repeat: int = 15, inner: int = 200) -> dict[str, Any]:
+    """Both cases as JSON-ready rows (one torch thread during the run)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return {"ops": _ops(repeat, inner), "mlp": _mlp(repeat, max(inner // 20, 5))}
+    finally:
+        torch.set_num_threads(threads)
+
+
+def tables(res: dict[str, Any]) -> list[str]:
+    lines = ["", "torch-native ops, 8x8 float32 Sharded(0) on 4 virtual devices (median us):",
+             f"  {'op':<26} {'shardwise':>10} {'torch':>8} {'overhead':>9}"]
+    for r in res["ops"]:
+        lines.append(f"  {r['case']:<26} {r['shardwise_us']:>10.1f} {r['torch_us']:>8.1f} "
+                     f"{r['overhead_us']:>9.1f}")
+    m = res["mlp"]
+    lines.append(f"training step: {m['case']}: shardwise {m['shardwise_ms']:.3f} ms, "
+                 f"torch {m['torch_ms']:.3f} ms, {m['ratio']:.2f}x")
+    return lines
+
+
+def main() -> int:
+    print("\n".join(tables(run())))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
