@@ -524,9 +524,17 @@ class Tensor(torch.Tensor):
     @property  # type: ignore[override]
     def grad(self) -> Tensor | None:
         """Accumulated gradient, in this tensor's layout; None before any backward."""
-        if not any(s.grad is not None for s in self._shards if s is not None):
+        grads = [s.grad if s is not None else None for s in self._shards]
+        if all(g is None for g in grads):
             return None
-        return self._wrap_grads({id(s): s.grad for s in self._shards if s is not None})
+        # the same shard gradients give the same Tensor (optimizers read .grad often)
+        key = tuple(map(id, grads))
+        cached = self.__dict__.get("_grad_cache")
+        if cached is not None and cached[0] == key:
+            return cached[1]  # type: ignore[no-any-return]
+        out = self._wrap_grads({id(s): g for s, g in zip(self._shards, grads) if s is not None})
+        self.__dict__["_grad_cache"] = (key, out, grads)  # grads kept: ids stay unique
+        return out
 
     @grad.setter
     def grad(self, value: Tensor | None) -> None:
