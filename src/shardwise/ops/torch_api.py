@@ -822,6 +822,19 @@ def _install_nn() -> None:
         count = C.sum(_to(C.ne(ops[1], ignore_index), per.dtype))
         return C.div(total, count)
 
+    for loss_fn, term in ((F.mse_loss, lambda d: C.mul(d, d)), (F.l1_loss, C.abs_)):
+        def loss(a: Any, b: Any, size_average: Any = None, reduce: Any = None,
+                 reduction: str = "mean", weight: Any = None, _term: Any = term,
+                 _fn: Any = loss_fn) -> Any:
+            if size_average is not None or reduce is not None or weight is not None:
+                return _fallback(_fn, (a, b), dict(size_average=size_average, reduce=reduce,
+                                                   reduction=reduction))
+            per = _term(C.sub(*_on_mesh([a, b])))
+            return per if reduction == "none" else (C.sum(per) if reduction == "sum"
+                                                     else C.mean(per))
+
+        register(loss_fn)(loss)
+
     @register(F.nll_loss)
     def nll_loss(*args: Any, **kwargs: Any) -> Any:
         return _fallback(F.nll_loss, args, kwargs)
