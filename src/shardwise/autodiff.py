@@ -14,10 +14,9 @@ from typing import Any
 import torch
 import torch.autograd.forward_ad as fwAD
 
-from shardwise.creation import as_layout_of
 from shardwise.sharding.errors import ShardingError, ShardingTypeError
 from shardwise.sharding.placements import ReduceOp
-from shardwise.tensors import Tensor
+from shardwise.tensors import Tensor, as_layout_of
 
 __all__ = ["grad", "jvp", "value_and_grad", "vjp"]
 

@@ -24,7 +24,7 @@ from shardwise.sharding.layout import Layout
 from shardwise.sharding.mappings import as_layout
 from shardwise.sharding.mesh import DeviceMesh
 from shardwise.sharding.shapes import local_bounds, local_shape
-from shardwise.tensors import Tensor, with_open_dims
+from shardwise.tensors import Tensor, as_layout_of, place, to_layout, with_open_dims
 
 __all__ = [
     "arange",
@@ -55,20 +55,6 @@ def _target(device: Any, sharding: Any, ndim: int) -> Layout:
             f"Got {device!r} ({type(device).__name__})."
         )
     return Layout.replicated(DeviceMesh.single(device), ndim)
-
-
-def place(value: torch.Tensor, layout: Layout) -> Tensor:
-    """A Tensor whose global value is ``value`` (not copied: shards are views of it
-    where the devices share memory), laid out as ``layout``."""
-    mesh = layout.mesh
-    backend = backend_for(mesh)
-    mine = backend.owned(mesh)
-    first = backend.device_of(mesh, mine[0]) if len(mine) else value.device
-    if value.device != first:
-        value = value.to(first)
-    plain = layout.with_partial((None,) * mesh.ndim)
-    t = Tensor.from_whole(value, plain)
-    return _make_partial_like(t, layout) if layout.is_partial else t
 
 
 def _as_torch(data: Any, dtype: torch.dtype | None) -> torch.Tensor:
@@ -103,9 +89,11 @@ def tensor(data: Any, device: Any = None, sharding: Any = None, *,
     [[[1.0, 2.0], [3.0, 4.0]], [[5.0, 6.0]]]
     """
     if isinstance(data, Tensor):
-        from shardwise.ops.communication import to_device
-
-        out = to_device(data, device, sharding=sharding)
+        out = data
+        if device is not None or sharding is not None:
+            layout = _target(device, sharding, data.ndim)
+            if layout != data.dist_layout:
+                out = with_open_dims(to_layout(data, layout), sharding)
         if dtype is not None and out.dtype != dtype:
             out = out._map_unique(lambda s: s.to(dtype))
         return _leafify(out.detach(), requires_grad) if requires_grad else out
@@ -198,14 +186,8 @@ def _filled(shape: Sequence[int] | int, make: Callable[[tuple[int, ...], Any, tu
                plain, shape,
                next(iter(built.values())).dtype if built else torch.get_default_dtype())
     if layout.is_partial:
-        t = _make_partial_like(t, layout)
+        t = t.relayout(layout)
     return with_open_dims(_leafify(t, requires_grad), sharding)
-
-
-def _make_partial_like(t: Tensor, layout: Layout) -> Tensor:
-    # The planner's make_partial steps lay identities down outer axis first, which
-    # keeps the value for mixed reduce ops (a set of ops iterated here did not).
-    return t.relayout(layout)
 
 
 def full(shape: Sequence[int] | int, fill_value: Any, *, dtype: torch.dtype | None = None,
@@ -262,27 +244,3 @@ def randn(shape: Sequence[int] | int, *, seed: int = 0, dtype: torch.dtype | Non
 def zeros_like(t: Tensor) -> Tensor:
     """Zeros in ``t``'s layout (no Partial axes: zeros reduce to zeros by SUM)."""
     return t._map_unique(torch.zeros_like)
-
-
-def as_layout_of(value: Any, like: Tensor) -> Tensor:
-    """``value`` (a Tensor or data of ``like``'s global shape) in ``like``'s layout."""
-    if isinstance(value, Tensor):
-        if value.shape != like.shape:
-            raise ShardingError(
-                f"Expected a value of global shape {tuple(like.shape)}, got {value!r}."
-            )
-        if value.mesh != like.mesh:
-            from shardwise.ops.communication import to_device
-
-            value = to_device(value, sharding=like.dist_layout)
-        return value.relayout(like.dist_layout)
-    t = value if isinstance(value, torch.Tensor) else _as_torch(value, like.dtype)
-    if tuple(t.shape) != like.shape:
-        raise ShardingError(
-            f"Expected a value of global shape {tuple(like.shape)}, got shape "
-            f"{tuple(t.shape)}."
-        )
-    return place(t.to(like.dtype), like.dist_layout)
-
-
-import shardwise.ops  # noqa: E402, F401  (installs the Tensor operators: x + y, x @ w, x[i])

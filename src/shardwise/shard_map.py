@@ -46,14 +46,13 @@ import torch
 
 from shardwise import lax
 from shardwise import shard_map_io as io
-from shardwise.creation import place
 from shardwise.runtime import collectives as D
 from shardwise.runtime import lax_multiprocess as dist_rt
 from shardwise.runtime import lax_simulated as sim_rt
 from shardwise.sharding.errors import ShardingError, ShardingTypeError
 from shardwise.sharding.layout import Layout
 from shardwise.sharding.mesh import DeviceMesh, current_mesh
-from shardwise.tensors import Tensor
+from shardwise.tensors import Tensor, place
 
 __all__ = ["shard_map"]
 

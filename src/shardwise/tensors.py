@@ -17,6 +17,7 @@ Invariants:
 
 from __future__ import annotations
 
+import importlib
 import math
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -41,6 +42,8 @@ __all__ = ["Tensor"]
 
 #: torch function -> handler, filled by :mod:`shardwise.ops` (the op registry).
 HANDLERS: dict[Any, Callable[..., Any]] = {}
+#: the module that fills HANDLERS and FALLBACK, loaded on the first torch call.
+REGISTRY = "shardwise.ops.torch_api"
 #: called for a torch function without a handler: ``(func, args, kwargs) -> result``.
 FALLBACK: list[Callable[[Any, tuple[Any, ...], dict[str, Any]], Any]] = []
 
@@ -77,6 +80,9 @@ def _route(func: Any, args: Any, kwargs: Any) -> Any:
     handler = HANDLERS.get(func)
     if handler is not None:
         return handler(*args, **(kwargs or {}))
+    if not FALLBACK:  # the registry is filled by the API floor's ops, named here as a
+        importlib.import_module(REGISTRY)  # plugin (no static upward import)
+        return _route(func, args, kwargs)
     return FALLBACK[0](func, tuple(args), kwargs or {})
 
 
@@ -594,8 +600,6 @@ class Tensor(torch.Tensor):
                 )
             first = next(s for s in roots._shards if s is not None)
             gradient = torch.ones((), dtype=self._dtype, device=first.device)
-        from shardwise.creation import as_layout_of
-
         g = as_layout_of(gradient, roots)
         reps, outs = roots.unique_shards()
         torch.autograd.backward(outs, [g._shards[k] for k in reps], retain_graph=retain_graph,
@@ -623,3 +627,51 @@ def with_open_dims(t: Tensor, sharding: object) -> Tensor:
     if want == t._open or (want is not None and len(want) != t.ndim):
         return t
     return Tensor(t._shards, t._layout, t._shape, t._dtype, open_dims=want)
+
+
+# --- placing values (core: used by creation, the ops and autograd) -------------------------
+def place(value: torch.Tensor, layout: Layout) -> Tensor:
+    """A Tensor whose global value is ``value`` (not copied: shards are views of it
+    where the devices share memory), laid out as ``layout``.
+
+    >>> t = place(torch.arange(4.), Layout.replicated(DeviceMesh.cpu(2, "x"), 1))
+    >>> [s.tolist() for s in t.shards]
+    [[0.0, 1.0, 2.0, 3.0], [0.0, 1.0, 2.0, 3.0]]
+    """
+    mesh = layout.mesh
+    backend = backend_for(mesh)
+    mine = backend.owned(mesh)
+    first = backend.device_of(mesh, mine[0]) if len(mine) else value.device
+    if value.device != first:
+        value = value.to(first)
+    plain = layout.with_partial((None,) * mesh.ndim)
+    t = Tensor.from_whole(value, plain)
+    # the planner's make_partial steps lay identities down outer axis first, which
+    # keeps the value for mixed reduce ops
+    return t.relayout(layout) if layout.is_partial else t
+
+
+def to_layout(x: Tensor, layout: Layout) -> Tensor:
+    """``x``'s value laid out as ``layout``: a plan on one mesh, else through the
+    global value onto the other mesh (differentiable either way)."""
+    if layout.mesh == x.mesh:
+        return x.relayout(layout)
+    return place(x._global(), layout)
+
+
+def as_layout_of(value: Any, like: Tensor) -> Tensor:
+    """``value`` (a Tensor or data of ``like``'s global shape) in ``like``'s layout."""
+    if isinstance(value, Tensor):
+        if value.shape != like.shape:
+            raise ShardingError(
+                f"Expected a value of global shape {tuple(like.shape)}, got {value!r}."
+            )
+        return to_layout(value, like.dist_layout)
+    t = value if isinstance(value, torch.Tensor) else torch.as_tensor(value, dtype=like.dtype)
+    if tuple(t.shape) != like._shape:
+        raise ShardingError(
+            f"Expected a value of global shape {tuple(like.shape)}, got shape "
+            f"{tuple(t.shape)}."
+        )
+    return place(t.to(like.dtype), like.dist_layout)
+

@@ -21,7 +21,7 @@ from __future__ import annotations
 import warnings
 from typing import Any
 
-from shardwise.creation import place, tensor
+from shardwise.creation import tensor
 from shardwise.devices import CPU, Accelerator, Device, DeviceError
 from shardwise.ops.checks import need_tensor
 from shardwise.ops.point_to_point import ppermute
@@ -31,7 +31,7 @@ from shardwise.sharding.errors import ShardingError, ShardingTypeError
 from shardwise.sharding.layout import Layout, normalize_dim
 from shardwise.sharding.mappings import DeviceMapping, ShardingSpec, as_layout
 from shardwise.sharding.mesh import DeviceMesh, current_mesh
-from shardwise.tensors import Tensor, with_open_dims
+from shardwise.tensors import Tensor, to_layout, with_open_dims
 
 __all__ = [
     "accelerator",
@@ -49,17 +49,6 @@ __all__ = [
     "to_device",
     "transfer_to",
 ]
-
-def _cross_mesh(x: Tensor, layout: Layout) -> Tensor:
-    """``x``'s global value laid out on another mesh (differentiable)."""
-    return place(x._global(), layout)
-
-
-def _to_layout(x: Tensor, layout: Layout) -> Tensor:
-    if layout.mesh == x.mesh:
-        return x.relayout(layout)
-    return _cross_mesh(x, layout)
-
 
 # --- layout ops -------------------------------------------------------------------------
 def shard(x: Any, mesh: DeviceMesh | None = None, dim_specs: Any = None,
@@ -101,7 +90,7 @@ def shard(x: Any, mesh: DeviceMesh | None = None, dim_specs: Any = None,
                             frozenset(partial_sum_axes or ()))
     if not isinstance(x, Tensor):
         return tensor(x, sharding=spec)
-    return with_open_dims(_to_layout(x, as_layout(spec, x.ndim)), spec)
+    return with_open_dims(to_layout(x, as_layout(spec, x.ndim)), spec)
 
 
 def reshard(*args: Any, **kwargs: Any) -> Tensor:
@@ -198,7 +187,7 @@ def distributed_broadcast(x: Any, mesh: DeviceMesh | None = None) -> Tensor:
         raise ShardingTypeError(f"distributed_broadcast mesh must be a DeviceMesh, got {mesh!r}.")
     if not isinstance(x, Tensor):
         x = tensor(x)
-    return _to_layout(x, Layout.replicated(mesh, x.ndim))
+    return to_layout(x, Layout.replicated(mesh, x.ndim))
 
 
 def to_device(x: Any, device: Device | Any = None, *, sharding: Any = None) -> Tensor:
@@ -233,8 +222,8 @@ def to_device(x: Any, device: Device | Any = None, *, sharding: Any = None) -> T
         layout = Layout.replicated(DeviceMesh.single(device), x.ndim)
         if x.mesh.is_single and x.mesh.devices[0] == device:
             return x
-        return _to_layout(x, layout)
-    return with_open_dims(_to_layout(x, as_layout(sharding, x.ndim)), sharding)
+        return to_layout(x, layout)
+    return with_open_dims(to_layout(x, as_layout(sharding, x.ndim)), sharding)
 
 
 def transfer_to(x: Any, device: Device | Any = None, *, sharding: Any = None) -> Tensor:

@@ -26,7 +26,7 @@ from shardwise.ops.propagation import Decision, decide
 from shardwise.runtime import backend_for
 from shardwise.sharding.errors import ShardingError, ShardingTypeError
 from shardwise.sharding.layout import Layout
-from shardwise.tensors import Tensor
+from shardwise.tensors import Tensor, place
 
 __all__ = ["apply", "apply_elementwise"]
 
@@ -57,8 +57,6 @@ def _operands(op: str, operands: Sequence[Any]) -> list[Any]:
         elif isinstance(x, torch.Tensor) and x.ndim > 0:
             # a plain torch tensor among shardwise ones: Replicated on the mesh (as JAX
             # treats numpy arrays); every process must hold the same value
-            from shardwise.creation import place
-
             out[i] = place(x, Layout.replicated(mesh, x.ndim))
         elif not _is_const(x):
             raise ShardingTypeError(
@@ -67,8 +65,6 @@ def _operands(op: str, operands: Sequence[Any]) -> list[Any]:
                 "shardwise.tensor(x, sharding=...) first."
             )
         elif isinstance(x, torch.Tensor) and x.requires_grad:
-            from shardwise.creation import place
-
             out[i] = place(x, Layout.replicated(mesh, 0))
     return out
 

@@ -33,7 +33,7 @@ from shardwise.ops import compute as C
 from shardwise.ops.execute import apply, apply_elementwise
 from shardwise.sharding.errors import ShardingError, ShardingTypeError
 from shardwise.sharding.layout import Layout, normalize_dim
-from shardwise.tensors import FALLBACK, HANDLERS, Tensor
+from shardwise.tensors import FALLBACK, HANDLERS, Tensor, place
 
 __all__ = ["ShardwiseFallbackWarning", "register"]
 
@@ -265,8 +265,6 @@ def _install_inplace() -> None:
             if value.shape != t.shape:
                 value = C.add(value, zeros_like(t))  # broadcast to t's shape
             return _write(t, value, "copy_")
-        from shardwise.creation import place
-
         value = torch.as_tensor(src).to(t.dtype).expand(t.shape)  # type: ignore[assignment]
         return _write(t, place(value, Layout.replicated(t.mesh, t.ndim)), "copy_")
 
@@ -350,8 +348,6 @@ def _install_like() -> None:
         # drawn globally from torch's generator, then laid out: the same values as
         # single-device torch for the same seed
         def handler(x: Any, *args: Any, dtype: Any = None, **kwargs: Any) -> Any:
-            from shardwise.creation import place
-
             kwargs.pop("memory_format", None)
             kwargs.pop("device", None)
             g = draw(torch.empty(x.shape, dtype=dtype or x.dtype, device=x.device), *args,
@@ -576,16 +572,12 @@ def _install_views() -> None:
 
 
 def _zeros(like: Tensor, shape: tuple[int, ...]) -> Tensor:
-    from shardwise.creation import place
-
     z = torch.zeros((), dtype=like.dtype, device=like.device).expand(shape)
     return place(z, Layout.replicated(like.mesh, len(shape)))
 
 
 def _on_mesh(tensors: Sequence[Any]) -> list[Tensor]:
     """Tensors of one op on the first one's mesh (plain tensors become Replicated)."""
-    from shardwise.creation import place
-
     first = next((t for t in tensors if isinstance(t, Tensor)), None)
     if first is None:
         raise ShardingTypeError("expected at least one shardwise.Tensor among the operands.")
@@ -779,8 +771,6 @@ def _install_nn() -> None:
             return C.mul(x, 0.0)
         # torch's CPU dropout: mask = empty_like(x).bernoulli_(1 - p) / (1 - p); x * mask.
         # Drawn over the global shape, so values equal single-device torch's for a seed.
-        from shardwise.creation import place
-
         noise = torch.empty(x.shape, dtype=x.dtype, device=x.device).bernoulli_(1 - p)
         noise.div_(1 - p)
         mask = place(noise, x.dist_layout.with_partial((None,) * x.mesh.ndim))
@@ -934,8 +924,6 @@ def _fallback(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
 
 
 def _replicate(result: Any, like: Tensor) -> Any:
-    from shardwise.creation import place
-
     if isinstance(result, torch.Tensor) and not isinstance(result, Tensor):
         return place(result, Layout.replicated(like.mesh, result.ndim))
     if isinstance(result, tuple) and hasattr(result, "_fields"):
