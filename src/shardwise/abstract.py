@@ -25,7 +25,6 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 import shardwise.ops  # noqa: F401  (installs the Tensor operators: x + y, x @ w)
 from shardwise.devices import Device, DeviceError, from_torch
-from shardwise.runtime.simulated import rep_indices
 from shardwise.sharding.errors import ShardingTypeError
 from shardwise.sharding.layout import Layout
 from shardwise.sharding.mesh import DeviceMesh
@@ -57,7 +56,7 @@ def _fake_tensor(t: DistributedTensorType) -> Tensor:
     """A Tensor of type ``t`` whose shards are fake (no data)."""
     dtype = _torch_dtype(t.dtype, t)
     layout = t.layout
-    reps = rep_indices(layout)
+    reps = layout.representatives()
     made: dict[int, torch.Tensor] = {}
     shards = []
     for k, local in enumerate(t.local_types):

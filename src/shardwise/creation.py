@@ -18,7 +18,6 @@ import torch
 
 from shardwise.devices import Device, DeviceError, default_device
 from shardwise.runtime import backend_for
-from shardwise.runtime.simulated import rep_indices
 from shardwise.sharding.errors import ShardingError
 from shardwise.sharding.layout import Layout
 from shardwise.sharding.mappings import as_layout
@@ -137,7 +136,7 @@ def from_local(shards: Sequence[Any], sharding: Any, shape: Sequence[int] | None
                 full_shape[d] *= mesh.mesh_shape[a]
         shape = tuple(full_shape)
     shape = tuple(shape)
-    reps = rep_indices(layout)
+    reps = layout.representatives()
     dtype = present[0].dtype
     backend = backend_for(mesh)
     mine = set(backend.owned(mesh))
@@ -172,7 +171,7 @@ def _filled(shape: Sequence[int] | int, make: Callable[[tuple[int, ...], Any, tu
     layout = _target(device, sharding, len(shape))
     mesh = layout.mesh
     plain = layout.with_partial((None,) * mesh.ndim)
-    reps = rep_indices(plain)
+    reps = plain.representatives()
     backend = backend_for(mesh)
     mine = set(backend.owned(mesh))
     built: dict[int, torch.Tensor] = {}

@@ -24,7 +24,6 @@ import torch
 
 from shardwise.runtime import collectives as D
 from shardwise.runtime import lax_multiprocess as dist_rt
-from shardwise.runtime.simulated import rep_indices
 from shardwise.sharding.errors import ShardingError, ShardingTypeError
 from shardwise.sharding.layout import Layout
 from shardwise.sharding.mappings import DeviceMapping, NamedMapping, as_layout
@@ -201,7 +200,7 @@ def _assemble_simulated(vals: Sequence[torch.Tensor], layout: Layout, where: str
                         check: bool) -> Tensor:
     shape = _global_shape(layout, [tuple(v.shape) for v in vals], [v.dtype for v in vals],
                           where)
-    reps = rep_indices(layout)
+    reps = layout.representatives()
     if check:
         for k, r in enumerate(reps):
             if r != k and not torch.allclose(vals[k], vals[r], equal_nan=True):

@@ -28,7 +28,6 @@ from shardwise.debug import comm
 from shardwise.devices import Device
 from shardwise.planner import Plan, make_plan
 from shardwise.runtime import backend_for
-from shardwise.runtime.simulated import rep_indices
 from shardwise.sharding.errors import ConversionError, ShardingError, ShardingTypeError
 from shardwise.sharding.layout import Layout
 from shardwise.sharding.mappings import DeviceMapping, NamedMapping, PlacementMapping
@@ -504,7 +503,7 @@ class Tensor(torch.Tensor):
     def _wrap_grads(self, grads: dict[int, torch.Tensor | None]) -> Tensor:
         """Gradients keyed by id() of this tensor's shard objects -> a Tensor."""
         layout = self._grad_layout()
-        reps = rep_indices(layout)
+        reps = layout.representatives()
         zeros: dict[int, torch.Tensor] = {}
         owner: dict[int, int] = {}  # buffer id -> the one rep device its gradient lands on
         out: list[torch.Tensor | None] = []

@@ -11,7 +11,6 @@ from typing import Any
 from shardwise.debug import comm
 from shardwise.ops.checks import need_tensor
 from shardwise.runtime import backend_for
-from shardwise.runtime.simulated import rep_indices
 from shardwise.sharding.errors import ShardingError
 from shardwise.sharding.layout import Layout
 from shardwise.sharding.shapes import local_shape
@@ -79,7 +78,7 @@ def _ppermute_sources(layout: Layout, shape: tuple[int, ...], permutation: Any,
             else:
                 coord[a] = s
                 source.append(mesh.index_of(coord))
-    reps = rep_indices(layout)
+    reps = layout.representatives()
     for k, src in enumerate(source):
         want = local_shape(shape, layout, mesh.coord_of(k))
         r = reps[k]

@@ -25,17 +25,9 @@ __all__ = ["Node", "assemble_recipe", "rep_indices", "run_node", "source_splits"
 Node: TypeAlias = "tuple[Any, ...]"
 
 
-@functools.lru_cache(maxsize=4096)
 def rep_indices(layout: Layout) -> tuple[int, ...]:
-    """For each device, the device whose object it shares: its coordinate with
-    every replicated mesh axis set to 0."""
-    mesh = layout.mesh
-    used = set(layout.sharded_axes) | set(layout.partial_axes)
-    out = []
-    for k in range(mesh.num_devices):
-        coord = [c if a in used else 0 for a, c in enumerate(mesh.coord_of(k))]
-        out.append(mesh.index_of(coord))
-    return tuple(out)
+    """For each device, the device whose object it shares (:meth:`Layout.representatives`)."""
+    return layout.representatives()
 
 
 def _piece_of(size: int, pieces: int, x: int) -> int:

@@ -134,7 +134,17 @@ class Layout:
 
     @property
     def is_partial(self) -> bool:
-        return any(op is not None for op in self.partial)
+        return bool(self._partial_axes)
+
+    def representatives(self) -> tuple[int, ...]:
+        """For each device (row-major), the device whose block it shares: its
+        coordinate with every replicated mesh axis set to 0.
+
+        >>> mesh = DeviceMesh.cpu((2, 2), ("dp", "tp"))
+        >>> Layout(mesh, ((0,), ()), (None, None)).representatives()
+        (0, 0, 2, 2)
+        """
+        return _representatives(self)
 
     @property
     def is_fully_replicated(self) -> bool:
@@ -217,3 +227,15 @@ def _layout(mesh: DeviceMesh, dims: tuple[tuple[int, ...], ...],
     """Layouts are values: build (and validate) each one once. ``mesh_id`` keeps
     equal-but-distinct meshes apart, so derived layouts keep the very mesh object."""
     return Layout(mesh, dims, partial)
+
+
+@functools.lru_cache(maxsize=4096)
+def _representatives(layout: Layout) -> tuple[int, ...]:
+    mesh = layout.mesh
+    used = set(layout.sharded_axes) | set(layout.partial_axes)
+    out = []
+    for k in range(mesh.num_devices):
+        coord = [c if a in used else 0 for a, c in enumerate(mesh.coord_of(k))]
+        out.append(mesh.index_of(coord))
+    return tuple(out)
+
