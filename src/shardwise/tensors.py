@@ -24,10 +24,10 @@ from typing import Any
 
 import torch
 
-from shardwise.debug import comm
 from shardwise.devices import Device
 from shardwise.planner import Plan, make_plan
 from shardwise.runtime import backend_for
+from shardwise.runtime import observe as comm
 from shardwise.sharding.errors import ConversionError, ShardingError, ShardingTypeError
 from shardwise.sharding.layout import Layout
 from shardwise.sharding.mappings import DeviceMapping, NamedMapping, PlacementMapping

@@ -10,26 +10,10 @@ from __future__ import annotations
 from collections import Counter
 from typing import Any
 
-from shardwise.planner import Step
+from shardwise.runtime import observe
+from shardwise.runtime.observe import active, record
 
-__all__ = ["CommCounter"]
-
-_ACTIVE: list[CommCounter] = []
-
-
-def record(kind: str, nbytes: int, step: Step | None = None) -> None:
-    """Called by the runtime for every collective it runs."""
-    if not _ACTIVE:
-        return
-    kind = str(kind)  # a StepKind counts under its plain name, like lax's "psum"
-    for counter in _ACTIVE:
-        counter.counts[kind] += 1
-        counter.bytes[kind] += nbytes
-        counter.log.append((kind, nbytes, step))
-
-
-def active() -> bool:
-    return bool(_ACTIVE)
+__all__ = ["CommCounter", "active", "record"]
 
 
 class CommCounter:
@@ -52,12 +36,17 @@ class CommCounter:
     def total(self) -> int:
         return sum(self.counts.values())
 
+    def _record(self, kind: str, nbytes: int, step: Any) -> None:
+        self.counts[kind] += 1
+        self.bytes[kind] += nbytes
+        self.log.append((kind, nbytes, step))
+
     def __enter__(self) -> CommCounter:
-        _ACTIVE.append(self)
+        observe.add(self._record)
         return self
 
     def __exit__(self, *exc: object) -> None:
-        _ACTIVE.remove(self)
+        observe.remove(self._record)
 
     def __repr__(self) -> str:
         parts = ", ".join(f"{k}: {v} ({self.bytes[k]} B)" for k, v in sorted(self.counts.items()))

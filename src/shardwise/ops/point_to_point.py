@@ -8,9 +8,9 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
-from shardwise.debug import comm
 from shardwise.ops.checks import need_tensor
 from shardwise.runtime import backend_for
+from shardwise.runtime import observe as comm
 from shardwise.sharding.errors import ShardingError
 from shardwise.sharding.layout import Layout
 from shardwise.sharding.shapes import local_shape

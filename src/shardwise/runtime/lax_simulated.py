@@ -31,7 +31,7 @@ from typing import Any
 import torch
 
 from shardwise import lax
-from shardwise.debug import comm
+from shardwise.runtime import observe as comm
 from shardwise.sharding.errors import ShardingError
 from shardwise.sharding.mesh import DeviceMesh
 from shardwise.sharding.shapes import split_bounds
