@@ -1,0 +1,397 @@
+"""torch's elementwise ops, in-place ops, foreach ops, ``*_like`` and dtype conversions
+on shardwise Tensors (installed into the registry by :mod:`shardwise.ops.torch_api`).
+
+Invariants:
+- Elementwise ops keep torch's own function per alias (``F.relu``'s ``inplace=``,
+  ``F.gelu``'s ``approximate=``) and run it per distinct block, or once on whole values.
+- In-place ops write each distinct local buffer once; a Partial tensor refuses them.
+- Random ``*_like`` ops draw over the global shape (single-device values for a seed).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from shardwise.ops import compute as C
+from shardwise.ops.execute import apply, apply_elementwise
+from shardwise.ops.registry import (
+    TensorMethod,
+    _aliases,
+    _describe,
+    _is_operand,
+    register,
+)
+from shardwise.sharding.errors import ShardingError, ShardingTypeError
+from shardwise.sharding.layout import Layout
+from shardwise.tensors import HANDLERS, Tensor, place
+
+__all__ = ["install"]
+
+
+# --- elementwise ------------------------------------------------------------------------
+def _elementwise(rule: str, func: Any) -> Callable[..., Any]:
+    """A handler running ``func`` per local block; tensors and numbers among the
+    positional arguments are its operands, everything else passes through."""
+
+    def handler(*args: Any, **kwargs: Any) -> Any:
+        if not kwargs and all(isinstance(a, (torch.Tensor, int, float)) and not isinstance(
+                a, bool) for a in args):
+            return apply_elementwise(rule, args, func)  # every argument is an operand
+        pos = [i for i, a in enumerate(args) if _is_operand(a)]
+        kws = [k for k, v in kwargs.items() if isinstance(v, torch.Tensor)]
+        operands = [args[i] for i in pos] + [kwargs[k] for k in kws]
+        npos = len(pos)
+
+        def local(*blocks: Any) -> torch.Tensor:
+            call = list(args)
+            for i, b in zip(pos, blocks):
+                call[i] = b
+            kw = dict(kwargs)
+            for k, b in zip(kws, blocks[npos:]):
+                kw[k] = b
+            return func(*call, **kw)
+
+        return apply_elementwise(rule, operands, local)
+
+    return handler
+
+
+_LINEAR = {"add": "add", "sub": "sub", "subtract": "sub", "neg": "neg", "negative": "neg",
+           "positive": "ew_linear", "mul": "mul", "multiply": "mul", "div": "div",
+           "divide": "div", "true_divide": "div"}
+_NONLINEAR = [
+    "abs", "relu", "gelu", "silu", "sigmoid", "tanh", "exp", "log", "sqrt", "pow",
+    "maximum", "minimum", "eq", "ne", "lt", "le", "gt", "ge", "where",
+    "rsqrt", "reciprocal", "sin", "cos", "erf", "exp2", "expm1", "log1p", "log2", "log10",
+    "floor", "ceil", "round", "trunc", "frac", "sign", "sgn", "square", "logical_not",
+    "isnan", "isinf", "isfinite", "bitwise_not", "nan_to_num", "clamp", "clip", "clamp_min",
+    "clamp_max", "leaky_relu", "elu", "softplus", "hardtanh", "mish", "hardswish",
+    "hardsigmoid", "relu6", "logit", "float_power", "fmax", "fmin", "logical_and",
+    "logical_or", "logical_xor", "bitwise_and", "bitwise_or", "bitwise_xor", "masked_fill",
+    "lerp", "addcmul", "addcdiv", "atan2", "remainder", "fmod", "floor_divide", "copysign",
+    "hypot", "xlogy", "threshold", "logsigmoid", "softsign", "tanhshrink", "greater",
+    "greater_equal", "less", "less_equal", "not_equal", "absolute", "arctan2",
+]
+_RULE_OF = {"clip": "clamp", "absolute": "abs", "arctan2": "atan2", "greater": "gt",
+            "greater_equal": "ge", "less": "lt", "less_equal": "le", "not_equal": "ne",
+            "logsigmoid": "log_sigmoid", "relu6": "relu6"}
+
+_DUNDERS = {"__add__": "add", "__radd__": "add", "__sub__": "sub", "__rsub__": "sub",
+            "__mul__": "mul", "__rmul__": "mul", "__truediv__": "div", "__rtruediv__": "div",
+            "__div__": "div", "__rdiv__": "div", "__pow__": "pow", "__rpow__": "pow",
+            "__neg__": "neg", "__abs__": "abs", "__eq__": "eq", "__ne__": "ne",
+            "__lt__": "lt", "__le__": "le", "__gt__": "gt", "__ge__": "ge",
+            "__and__": "logical_and", "__or__": "logical_or", "__xor__": "logical_xor",
+            "__invert__": "bitwise_not", "__floordiv__": "floor_divide",
+            "__rfloordiv__": "floor_divide", "__mod__": "remainder"}
+_REFLECTED = {"__radd__", "__rsub__", "__rmul__", "__rtruediv__", "__rdiv__", "__rpow__",
+              "__rfloordiv__"}
+
+
+def _install_elementwise() -> None:
+    # each alias runs itself on the blocks, so its own keywords (F.relu's inplace=,
+    # F.gelu's approximate=) keep torch's meaning
+    for name, rule in _LINEAR.items():
+        for f in _aliases(name):
+            if f is not None:
+                register(f)(_elementwise(rule, f))
+    for name in _NONLINEAR:
+        rule = _RULE_OF.get(name, name)
+        for f in _aliases(name):
+            if f is not None:
+                register(f)(_elementwise(rule, f))
+    for dunder, name in _DUNDERS.items():
+        base = getattr(torch, name, None) or getattr(TensorMethod, name)
+        rule = _LINEAR.get(name) or _RULE_OF.get(name, name)
+        if dunder in _REFLECTED:
+            def reflected(a: Any, b: Any, _base: Any = base, _rule: str = rule) -> Any:
+                if not _is_operand(b):
+                    return NotImplemented
+                return _elementwise(_rule, _base)(b, a)
+
+            register(getattr(TensorMethod, dunder))(reflected)
+        else:
+            plain = _elementwise(rule, base)
+
+            def forward(*args: Any, _plain: Any = plain, **kwargs: Any) -> Any:
+                if len(args) > 1 and not _is_operand(args[1]):
+                    return NotImplemented
+                return _plain(*args, **kwargs)
+
+            register(getattr(TensorMethod, dunder))(forward)
+    # nonlinear rounding division: a Partial numerator must be reduced first
+    div_plain = _elementwise("div", torch.div)
+    div_round = _elementwise("div_rounding", torch.div)
+
+    @register(torch.div, TensorMethod.div, torch.divide, TensorMethod.divide)
+    def div(*args: Any, **kwargs: Any) -> Any:
+        return (div_round if kwargs.get("rounding_mode") is not None else div_plain)(
+            *args, **kwargs)
+
+
+# --- in place: write each distinct local buffer once --------------------------------------
+def _target(x: Any, name: str) -> Tensor:
+    if not isinstance(x, Tensor):
+        raise ShardingTypeError(
+            f"{name}: the tensor written in place is a {type(x).__name__}, but an operand is "
+            "a shardwise.Tensor. Write into a shardwise.Tensor, or gather the operand first "
+            "with .to_torch()."
+        )
+    return x
+
+
+def _write(self: Tensor, value: Tensor, name: str) -> Tensor:
+    """Copy ``value`` (same global shape) into ``self``'s own buffers."""
+    if value.shape != self.shape:
+        raise ShardingError(
+            f"{name}: the result has shape {tuple(value.shape)} but the tensor written in "
+            f"place has shape {tuple(self.shape)}; in-place ops cannot change the shape."
+        )
+    if self.dist_layout.is_partial:
+        raise ShardingError(
+            f"{name} on {self!r}: a Partial tensor cannot be written in place (its devices "
+            "hold addends, not the value). Reduce it first (x = x.redistribute(...) or "
+            "shardwise.all_reduce(x))."
+        )
+    src = value.relayout(self.dist_layout) if value.mesh == self.mesh else None
+    if src is None:
+        raise ShardingError(f"{name}: the operands live on {value.mesh!r} and {self.mesh!r}.")
+    seen: set[int] = set()
+    for s, v in zip(self._shards, src._shards):
+        if s is not None and id(s) not in seen:
+            seen.add(id(s))
+            s.copy_(v)
+    return self
+
+
+def _same_layout_rows(self: Tensor, operands: Sequence[Any]) -> bool:
+    lay = self.dist_layout
+    if lay.is_partial:
+        return False
+    for a in operands:
+        if isinstance(a, Tensor):
+            if a.dist_layout != lay and not (a.ndim == 0 and not a.dist_layout.is_partial):
+                return False
+        elif isinstance(a, torch.Tensor) and a.ndim != 0:
+            return False
+    return True
+
+
+def _inplace(name: str, method: Any, out_of_place: Callable[..., Any] | None
+             ) -> Callable[..., Any]:
+    """``x.op_(...)``: run ``method`` on each distinct local buffer when every operand
+    is laid out like ``x``; else compute ``out_of_place`` and copy it into ``x``."""
+
+    def handler(self: Any, *args: Any, **kwargs: Any) -> Any:
+        t = _target(self, name)
+        if _same_layout_rows(t, list(args) + list(kwargs.values())):
+            seen: set[int] = set()
+            for k, s in enumerate(t._shards):
+                if s is None or id(s) in seen:
+                    continue
+                seen.add(id(s))
+                call = [a._shards[k] if isinstance(a, Tensor) else a for a in args]
+                kw = {key: (v._shards[k] if isinstance(v, Tensor) else v)
+                      for key, v in kwargs.items()}
+                method(s, *call, **kw)
+            return t
+        if out_of_place is None:
+            raise ShardingError(
+                f"{name} has no sharding rule for these operands ({_describe((self, *args))}). "
+                "Lay the operands out like the tensor written in place, or use the "
+                "out-of-place op."
+            )
+        return _write(t, out_of_place(t, *args, **kwargs), name)
+
+    return handler
+
+
+def _install_inplace() -> None:
+    names = set(_LINEAR) | set(_NONLINEAR) | {"copy", "zero", "fill", "uniform", "normal"}
+    for name in sorted(names):
+        method = getattr(TensorMethod, name + "_", None)
+        if method is None:
+            continue
+        out = HANDLERS.get(getattr(TensorMethod, name, None))
+        register(method)(_inplace(name + "_", method, out))
+    for dunder, name in (("__iadd__", "add"), ("__isub__", "sub"), ("__imul__", "mul"),
+                         ("__itruediv__", "div"), ("__ipow__", "pow")):
+        register(getattr(TensorMethod, dunder))(
+            _inplace(dunder, getattr(TensorMethod, name + "_"),
+                     HANDLERS[getattr(TensorMethod, name)]))
+
+    @register(TensorMethod.copy_)
+    def copy_(self: Any, src: Any, non_blocking: bool = False) -> Any:
+        t = _target(self, "copy_")
+        if isinstance(src, Tensor):
+            value: Tensor = src if src.dtype == t.dtype else _to(src, t.dtype)
+            if value.shape != t.shape:
+                value = C.add(value, zeros_like(t))  # broadcast to t's shape
+            return _write(t, value, "copy_")
+        value = torch.as_tensor(src).to(t.dtype).expand(t.shape)  # type: ignore[assignment]
+        return _write(t, place(value, Layout.replicated(t.mesh, t.ndim)), "copy_")
+
+    @register(TensorMethod.zero_)
+    def zero_(self: Any) -> Any:
+        t = _target(self, "zero_")
+        for s in {id(s): s for s in t._shards if s is not None}.values():
+            s.zero_()
+        return t
+
+    @register(TensorMethod.fill_)
+    def fill_(self: Any, value: Any) -> Any:
+        t = _target(self, "fill_")
+        if t.dist_layout.is_partial:
+            raise ShardingError(f"fill_ on the Partial tensor {t!r}: reduce it first.")
+        v = value.item() if isinstance(value, torch.Tensor) else value
+        for s in {id(s): s for s in t._shards if s is not None}.values():
+            s.fill_(v)
+        return t
+
+
+# --- foreach (torch.optim, clip_grad_norm_) -----------------------------------------------
+def _foreach(name: str) -> Callable[..., Any]:
+    """``torch._foreach_op(lists...)`` as the per-tensor op over the lists."""
+    base = name[len("_foreach_"):]
+    inplace = base.endswith("_")
+    plain = base.rstrip("_")
+    per: Any = getattr(TensorMethod, base, None) if inplace else (
+        getattr(torch, base, None) or getattr(TensorMethod, base, None))
+    if base == "norm":
+        per = torch.linalg.vector_norm
+    if per is None and inplace and hasattr(torch, plain):
+        op = getattr(torch, plain)
+
+        def per(x: Any, *args: Any, **kwargs: Any) -> Any:
+            return x.copy_(op(x, *args, **kwargs))
+    if per is None:
+        def per(*args: Any, **kwargs: Any) -> Any:
+            raise ShardingError(f"torch.{name} has no shardwise rule; loop over the tensors "
+                                "with the per-tensor op instead.")
+
+    def handler(*args: Any, **kwargs: Any) -> Any:
+        n = len(args[0])
+        out = []
+        for i in range(n):
+            call = [a[i] if isinstance(a, (list, tuple)) else a for a in args]
+            kw = kwargs
+            if plain in ("addcmul", "addcdiv") and len(call) > 3:  # value is keyword-only
+                kw = {**kwargs, "value": call.pop()}
+            out.append(per(*call, **kw))
+        return None if inplace else out
+
+    return handler
+
+
+def _install_foreach() -> None:
+    for attr in dir(torch):
+        if attr.startswith("_foreach_"):
+            register(getattr(torch, attr))(_foreach(attr))
+
+
+# --- creation like an existing tensor -----------------------------------------------------
+def zeros_like(x: Tensor) -> Tensor:
+    return _like(torch.zeros_like, x)
+
+
+def _like(fn: Any, x: Any, *args: Any, **kwargs: Any) -> Tensor:
+    """``fn(x_block, ...)`` per distinct block, in x's layout without its Partial axes."""
+    t = x if not x.dist_layout.is_partial else x.relayout(
+        x.dist_layout.with_partial((None,) * x.mesh.ndim))
+    kwargs.pop("memory_format", None)
+    return t._map_unique(lambda s: fn(s, *args, **kwargs))
+
+
+def _install_like() -> None:
+    for name in ("zeros_like", "ones_like", "empty_like", "full_like"):
+        fn = getattr(torch, name)
+        register(fn)(functools.partial(_like, fn))
+
+    def random_like(draw: Callable[..., torch.Tensor]) -> Callable[..., Any]:
+        # drawn globally from torch's generator, then laid out: the same values as
+        # single-device torch for the same seed
+        def handler(x: Any, *args: Any, dtype: Any = None, **kwargs: Any) -> Any:
+            kwargs.pop("memory_format", None)
+            kwargs.pop("device", None)
+            g = draw(torch.empty(x.shape, dtype=dtype or x.dtype, device=x.device), *args,
+                     **kwargs)
+            return place(g, x.dist_layout.with_partial((None,) * x.mesh.ndim))
+
+        return handler
+
+    register(torch.rand_like)(random_like(torch.rand_like))
+    register(torch.randn_like)(random_like(torch.randn_like))
+    register(torch.randint_like)(random_like(torch.randint_like))
+
+
+# --- conversions, copies, views -----------------------------------------------------------
+def _to(x: Any, *args: Any, **kwargs: Any) -> Any:
+    """``x.to(dtype)`` / ``.to(device)`` / ``.to(other)``: dtype casts per block; the
+    torch device must already be the shards' (move meshes with shardwise.to_device)."""
+    dtype = kwargs.pop("dtype", None)
+    device = kwargs.pop("device", None)
+    kwargs.pop("non_blocking", None)
+    kwargs.pop("copy", None)
+    kwargs.pop("memory_format", None)
+    for a in args:
+        if isinstance(a, torch.dtype):
+            dtype = a
+        elif isinstance(a, (str, torch.device)):
+            device = a
+        elif isinstance(a, torch.Tensor):
+            dtype, device = a.dtype, a.device
+    if device is not None and torch.device(device) != x.device:
+        raise ShardingError(
+            f"{x!r} lives on {x.device} shards; .to({device!r}) would move a distributed "
+            "tensor's shards behind its mesh. Use shardwise.to_device(x, sharding=...) to "
+            "move it to a mesh of other devices."
+        )
+    if dtype is None or dtype == x.dtype:
+        return x
+    return apply("to", (x,), lambda s: s.to(dtype))
+
+
+def _install_conversions() -> None:
+    register(TensorMethod.to)(_to)
+    for name, dtype in (("float", torch.float32), ("double", torch.float64),
+                        ("half", torch.float16), ("bfloat16", torch.bfloat16),
+                        ("int", torch.int32), ("long", torch.int64), ("bool", torch.bool)):
+        register(getattr(TensorMethod, name))(
+            lambda x, *a, _d=dtype, **k: _to(x, _d))
+
+    @register(TensorMethod.type_as)
+    def type_as(x: Any, other: Any) -> Any:
+        return _to(x, other.dtype)
+
+    @register(torch.clone, TensorMethod.clone)
+    def clone(x: Any, memory_format: Any = None) -> Any:
+        return apply("clone", (x,), torch.clone)
+
+    @register(TensorMethod.contiguous)
+    def contiguous(x: Any, memory_format: Any = None) -> Any:
+        if all(s is None or s.is_contiguous() for s in x._shards):
+            return x
+        return x._map_unique(lambda s: s.contiguous())
+
+    @register(TensorMethod.cpu)
+    def cpu(x: Any, *args: Any, **kwargs: Any) -> Any:
+        return _to(x, "cpu")
+
+    @register(TensorMethod.conj, torch.conj, TensorMethod.resolve_conj, torch.resolve_conj,
+              TensorMethod.resolve_neg, torch.resolve_neg)
+    def conj(x: Any) -> Any:
+        if x.is_complex():
+            return x._map_unique(torch.conj)
+        return x
+
+
+def install() -> None:
+    _install_elementwise()
+    _install_conversions()
+    _install_like()
+    _install_inplace()
+    _install_foreach()
