@@ -59,3 +59,43 @@ def test_initialize_without_rank_is_a_clear_error(monkeypatch: pytest.MonkeyPatc
 def test_collective_error_is_in_the_family() -> None:
     assert issubclass(sd.CollectiveError, sw.ShardingError)
     assert issubclass(sd.CollectiveError, RuntimeError)
+
+
+FORGOT = Path(__file__).resolve().parent / "forgot_initialize.py"
+
+
+def _torchrun(*args: str) -> subprocess.CompletedProcess[str]:
+    torchrun = Path(sys.executable).with_name("torchrun")
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    return subprocess.run([str(torchrun), "--nproc-per-node", "2", "--master-port",
+                           str(free_port()), *args], capture_output=True, text=True,
+                          timeout=150, check=False, env=env)
+
+
+def test_forgotten_initialize_under_torchrun_is_an_error() -> None:
+    out = _torchrun(str(FORGOT))
+    assert out.returncode != 0, out.stdout
+    assert "holds" not in out.stdout  # nothing was simulated silently
+    assert "shardwise.distributed.initialize()" in out.stderr, out.stderr[-3000:]
+    assert "WORLD_SIZE=2" in out.stderr
+
+
+def test_initialized_under_torchrun_holds_own_shards() -> None:
+    out = _torchrun(str(FORGOT), "--init")
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert sorted(out.stdout.split("\n"))[-2:] == [
+        "process 0 holds [0]; psum 2.0", "process 1 holds [1]; psum 2.0"], out.stdout
+
+
+@pytest.mark.parametrize(("world", "fails"), [("2", True), ("1", False)])
+def test_world_size_from_the_environment(world: str, fails: bool) -> None:
+    """The check reads the launcher's WORLD_SIZE; a world of one simulates as before."""
+    env = {**os.environ, "WORLD_SIZE": world, "RANK": "0", "OMP_NUM_THREADS": "1"}
+    out = subprocess.run([sys.executable, str(FORGOT)], capture_output=True, text=True,
+                         timeout=120, check=False, env=env)
+    if fails:
+        assert out.returncode != 0 and "maybe_initialize()" in out.stderr, out.stderr[-2000:]
+        assert "holds" not in out.stdout
+    else:
+        assert out.returncode == 0, out.stderr[-2000:]
+        assert "process 0 holds [0, 1]; psum 2.0" in out.stdout

@@ -8,6 +8,7 @@ device of the mesh in this process) and, for meshes over processes, the
 from __future__ import annotations
 
 import importlib
+import os
 from collections.abc import Sequence
 from typing import Any, Protocol
 
@@ -71,13 +72,44 @@ def _module(name: str) -> Any:
 
 def backend_for(mesh: DeviceMesh) -> Backend:
     """The backend that executes ops on ``mesh``: the torch.distributed backend when
-    the mesh's devices are processes of an initialized world, else the simulated one."""
+    the mesh's devices are processes of an initialized world, else the simulated one.
+
+    Under torchrun (``WORLD_SIZE`` > 1) without ``initialize()``, a mesh of several
+    devices raises instead of being simulated whole in every process.
+    """
     # Fast path first: this runs on every op, and most programs never initialize.
     if not (_dist_available and dist.is_initialized()):
+        if mesh.num_devices > 1 and _launched_world() > 1:
+            _forgotten_initialize(mesh)
         return _module("simulated")
     if _module("collectives").process_mesh(mesh):
         return _module("multiprocess")
     return _module("simulated")
+
+
+_WORLD: list[int] = []
+
+
+def _launched_world() -> int:
+    """``WORLD_SIZE`` from the launcher's environment (1 when absent), read once:
+    torchrun sets it before the process starts."""
+    if not _WORLD:
+        try:
+            _WORLD.append(int(os.environ.get("WORLD_SIZE", "1")))
+        except ValueError:
+            _WORLD.append(1)
+    return _WORLD[0]
+
+
+def _forgotten_initialize(mesh: DeviceMesh) -> None:
+    raise ShardingError(
+        f"This process is one of WORLD_SIZE={_launched_world()} processes (launched by "
+        f"torchrun; RANK={os.environ.get('RANK', '?')}), but the multi-process runtime was "
+        f"not started, so {mesh!r} would be simulated whole in every process: each would do "
+        "all the work and none would talk to the others. Call "
+        "shardwise.distributed.initialize() (or maybe_initialize(), which also runs "
+        "unchanged without torchrun) before building tensors on a mesh."
+    )
 
 
 def check_average(x: torch.Tensor, op: ReduceOp) -> None:
