@@ -125,6 +125,11 @@ def from_local(shards: Sequence[Any], sharding: Any, shape: Sequence[int] | None
     values; the first one along each replicated axis is used. ``shape`` is the
     global shape; if omitted it is derived, assuming an even split.
 
+    The Tensor **shares** the given local tensors (no copy; one already on its
+    device is used as is, like DTensor's ``from_local``). shardwise never writes
+    to them, but writing to them afterwards changes the Tensor's value: pass
+    ``[s.clone() for s in shards]`` if you keep writing to yours.
+
     >>> mesh = DeviceMesh.cpu(2, "x")
     >>> t = from_local([torch.ones(2), torch.zeros(1)], PlacementMapping(mesh, [Sharded(0)]),
     ...                shape=(3,))
