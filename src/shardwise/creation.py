@@ -19,11 +19,11 @@ import torch
 from shardwise.devices import Device, DeviceError, default_device
 from shardwise.runtime import backend_for
 from shardwise.runtime.simulated import rep_indices
-from shardwise.sharding.errors import ShardingError
+from shardwise.sharding.errors import ShardingError, check_items
 from shardwise.sharding.layout import Layout
 from shardwise.sharding.mappings import as_layout
 from shardwise.sharding.mesh import DeviceMesh
-from shardwise.sharding.shapes import local_bounds, local_shape
+from shardwise.sharding.shapes import check_shape, local_bounds, local_shape
 from shardwise.tensors import Tensor, with_open_dims
 
 __all__ = [
@@ -136,7 +136,8 @@ def from_local(shards: Sequence[Any], sharding: Any, shape: Sequence[int] | None
     >>> t.to_torch().tolist()
     [1.0, 1.0, 0.0]
     """
-    items = list(shards)
+    items = list(check_items(shards, "from_local shards", "a list with one local tensor "
+                             "per mesh device (row-major)"))
     if not any(s is not None for s in items):
         raise ShardingError("from_local needs one local value per mesh device; got none.")
     locals_ = [s if isinstance(s, torch.Tensor) or s is None else _as_torch(s, None)
@@ -156,7 +157,7 @@ def from_local(shards: Sequence[Any], sharding: Any, shape: Sequence[int] | None
             for a in axes:
                 full_shape[d] *= mesh.mesh_shape[a]
         shape = tuple(full_shape)
-    shape = tuple(shape)
+    shape = check_shape(shape, "from_local shape")
     reps = rep_indices(layout)
     dtype = present[0].dtype
     backend = backend_for(mesh)
@@ -188,7 +189,7 @@ def from_local(shards: Sequence[Any], sharding: Any, shape: Sequence[int] | None
 def _filled(shape: Sequence[int] | int, make: Callable[[tuple[int, ...], Any, tuple[
         tuple[int, int], ...], int], torch.Tensor], device: Any, sharding: Any,
             requires_grad: bool) -> Tensor:
-    shape = (shape,) if isinstance(shape, int) else tuple(shape)
+    shape = check_shape(shape)
     layout = _target(device, sharding, len(shape))
     mesh = layout.mesh
     plain = layout.with_partial((None,) * mesh.ndim)

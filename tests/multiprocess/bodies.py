@@ -591,3 +591,29 @@ def _check_ppermute(mesh: DeviceMesh, y: torch.Tensor, weight: torch.Tensor,
 
 
 BODIES += ["body_reduce_op_grads", "body_partial_op_grads", "body_ppermute_grads_not_self_inverse"]
+
+
+def body_reduce_dtype_errors(n: int) -> None:
+    """A reduce op the dtype cannot do is the same ShardingTypeError on every runtime
+    (before any collective runs, so no rank is left waiting); the others still work."""
+    from shardwise.sharding.errors import ShardingTypeError
+
+    mesh = DeviceMesh.cpu((n,), ("x",))
+    for dtype, op, needle in [(torch.complex64, "max", "no order"),
+                              (torch.complex64, "min", "no order"),
+                              (torch.bool, "sum", "count")]:
+        p = sw.tensor(torch.ones(2 * n, dtype=dtype), sharding=PlacementMapping(mesh,
+                                                                                [Partial(op)]))
+        for fn in (sw.all_reduce, lambda t: sw.reduce_scatter(t, 0)):
+            try:
+                fn(p)
+            except ShardingTypeError as err:
+                assert str(dtype) in str(err) and needle in str(err), err
+            else:
+                raise AssertionError(f"{op} of {dtype} was accepted")
+    ok = sw.tensor(torch.ones(2 * n, dtype=torch.complex64),
+                   sharding=PlacementMapping(mesh, [Partial("sum")]))
+    assert torch.equal(sw.all_reduce(ok).to_torch(), torch.ones(2 * n, dtype=torch.complex64))
+
+
+BODIES.append("body_reduce_dtype_errors")

@@ -14,6 +14,7 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
+from shardwise.sharding.errors import ShardingTypeError
 from shardwise.sharding.shapes import local_bounds
 
 if TYPE_CHECKING:
@@ -53,6 +54,11 @@ def visualize(t: Tensor, *, console: Console | None = None, color: bool = True) 
     >>> visualize(shardwise.zeros((4, 4), sharding=PlacementMapping(mesh, [Sharded(0)])))
     ... # doctest: +SKIP
     """
+    from shardwise.tensors import Tensor
+
+    if not isinstance(t, Tensor):
+        raise ShardingTypeError(f"visualize needs a shardwise.Tensor. Got {type(t).__name__}; "
+                                "make one with shardwise.tensor(data, sharding=...).")
     cells = _cells(t)
     title = f"{list(t.shape)} {t.dist_layout}"
     table = Table(title=title, show_header=False, show_lines=True, expand=False)

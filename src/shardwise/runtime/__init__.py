@@ -16,12 +16,12 @@ import torch
 import torch.distributed as dist
 
 from shardwise.planner import Plan, Step
-from shardwise.sharding.errors import ShardingError
+from shardwise.sharding.errors import ShardingError, ShardingTypeError
 from shardwise.sharding.layout import Layout
 from shardwise.sharding.mesh import DeviceMesh
 from shardwise.sharding.placements import ReduceOp
 
-__all__ = ["Backend", "backend_for", "check_average"]
+__all__ = ["Backend", "backend_for", "check_average", "check_reduce"]
 
 _dist_available = dist.is_available()
 
@@ -112,14 +112,33 @@ def _forgotten_initialize(mesh: DeviceMesh) -> None:
     )
 
 
-def check_average(x: torch.Tensor, op: ReduceOp) -> None:
-    """Refuse an AVG reduction of integer values (both runtimes reduce through here:
-    the mean of integers is not an integer, and torch would truncate or fail).
+def check_reduce(x: torch.Tensor, op: ReduceOp) -> None:
+    """Refuse a reduction that ``x``'s dtype cannot do, with the same
+    :class:`ShardingTypeError` on every runtime and mesh size (torch would fail
+    inside a collective, truncate, or, for bool sums, change the dtype):
+    AVG of integers or bools, SUM of bools, MIN/MAX of complex numbers.
 
-    >>> check_average(torch.ones(2, dtype=torch.int64), ReduceOp.SUM)  # fine
+    >>> check_reduce(torch.ones(2, dtype=torch.int64), ReduceOp.SUM)  # fine
     """
-    if op is ReduceOp.AVG and not (x.is_floating_point() or x.is_complex()):
-        raise ShardingError(
-            f"Cannot average (ReduceOp.AVG) values of integer dtype {x.dtype}: the mean is "
-            "not an integer. Cast to a floating dtype first, or use SUM."
-        )
+    dtype = x.dtype
+    if op is ReduceOp.SUM:
+        if dtype is torch.bool:
+            _refuse(dtype, op, "a sum of bools is a count; cast to an integer dtype first "
+                    "(or use MAX for 'any', MIN for 'all')")
+    elif op is ReduceOp.AVG:
+        if not (x.is_floating_point() or x.is_complex()):
+            _refuse(dtype, op, f"the mean of integer dtype {dtype} values is not an integer; "
+                    "cast to a floating dtype first, or use SUM")
+    elif (op is ReduceOp.MAX or op is ReduceOp.MIN) and x.is_complex():
+        _refuse(dtype, op, "complex numbers have no order; reduce .real/.abs() or use "
+                "SUM/AVG/PROD")
+
+
+check_average = check_reduce  # the name collectives.py imports
+
+
+def _refuse(dtype: torch.dtype, op: ReduceOp, why: str) -> None:
+    raise ShardingTypeError(
+        f"Cannot reduce values of dtype {dtype} with ReduceOp.{op.name} ({op.value!r}): "
+        f"{why}."
+    )
