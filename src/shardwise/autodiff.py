@@ -15,7 +15,7 @@ import torch
 import torch.autograd.forward_ad as fwAD
 
 from shardwise.creation import as_layout_of
-from shardwise.sharding.errors import ShardingError, ShardingTypeError
+from shardwise.sharding.errors import ShardingError, ShardingTypeError, check_items
 from shardwise.sharding.placements import ReduceOp
 from shardwise.tensors import Tensor
 
@@ -82,6 +82,8 @@ def value_and_grad(fn: Callable[..., Any], argnums: int | Sequence[int] = 0,
     >>> f = lambda w: shardwise.all_reduce(w * w).sum()       # doctest: +SKIP
     >>> value, g = value_and_grad(f)(w)                       # g in w's layout
     """
+    _need_callable(fn, "value_and_grad")
+
     def wrapped(*args: Any) -> Any:
         nums = _argnums(argnums, len(args))
         inputs = list(args)
@@ -119,6 +121,7 @@ def vjp(fn: Callable[..., Any], *primals: Any) -> tuple[Any, Callable[[Any], tup
 
     The cotangent may be a Tensor in any layout (or data) of the output's global shape.
     """
+    _need_callable(fn, "vjp")
     inputs = [_fresh(p, f"primal {i}") for i, p in enumerate(primals)]
     with torch.enable_grad():
         out = fn(*inputs)
@@ -140,7 +143,9 @@ def jvp(fn: Callable[..., Any], primals: Sequence[Any],
     output's layout. Each tangent may be a Tensor in any layout, or data, of its
     primal's global shape.
     """
-    primals, tangents = tuple(primals), tuple(tangents)
+    _need_callable(fn, "jvp")
+    primals = check_items(primals, "jvp primals", "a sequence of inputs, e.g. (x,)")
+    tangents = check_items(tangents, "jvp tangents", "a sequence of tangents, e.g. (t,)")
     if len(primals) != len(tangents):
         raise ShardingError(
             f"jvp got {len(primals)} primals and {len(tangents)} tangents: give one tangent "
@@ -181,3 +186,9 @@ def _tangent_like(t: Tensor) -> Tensor:
 def _tangent(s: torch.Tensor) -> torch.Tensor:
     tan = fwAD.unpack_dual(s).tangent
     return torch.zeros_like(s).detach() if tan is None else tan.detach()
+
+
+def _need_callable(fn: Any, op: str) -> None:
+    if not callable(fn):
+        raise ShardingTypeError(f"{op} needs a function fn. Got {fn!r} ({type(fn).__name__}).")
+

@@ -19,7 +19,7 @@ import torch
 from shardwise.devices import Device, DeviceError, default_device
 from shardwise.runtime import backend_for
 from shardwise.runtime.simulated import rep_indices
-from shardwise.sharding.errors import ShardingError, check_items
+from shardwise.sharding.errors import ShardingError, ShardingTypeError, check_items
 from shardwise.sharding.layout import Layout
 from shardwise.sharding.mappings import as_layout
 from shardwise.sharding.mesh import DeviceMesh
@@ -75,6 +75,9 @@ def place(value: torch.Tensor, layout: Layout) -> Tensor:
 
 
 def _as_torch(data: Any, dtype: torch.dtype | None) -> torch.Tensor:
+    if dtype is not None and not isinstance(dtype, torch.dtype):
+        raise ShardingTypeError(f"dtype must be a torch.dtype such as torch.float32. Got "
+                                f"{dtype!r} ({type(dtype).__name__}).")
     if isinstance(data, torch.Tensor):
         out = data.detach().clone()
         return out if dtype is None else out.to(dtype)
@@ -92,6 +95,9 @@ def _as_torch(data: Any, dtype: torch.dtype | None) -> torch.Tensor:
 def _leafify(t: Tensor, requires_grad: bool) -> Tensor:
     if not requires_grad:
         return t
+    if not (t.dtype.is_floating_point or t.dtype.is_complex):
+        raise ShardingTypeError(f"requires_grad=True needs a floating or complex dtype. Got "
+                                f"{t.dtype}; pass dtype=torch.float32 (or cast) first.")
     return t._map_unique(lambda s: s.detach().requires_grad_(True))
 
 

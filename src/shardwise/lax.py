@@ -109,7 +109,7 @@ def _env(op: str) -> AxisEnv:
 def _axes(env: AxisEnv, axis_name: Any, op: str) -> tuple[int, ...]:
     names = (axis_name,) if isinstance(axis_name, str) else axis_name
     if not isinstance(names, (tuple, list)) or not all(isinstance(n, str) for n in names):
-        raise ShardingError(
+        raise ShardingTypeError(
             f"lax.{op}: axis_name is a mesh axis name or a tuple of names. Got "
             f"{axis_name!r}; the mesh {env.mesh!r} has axes {list(env.mesh.axis_names)}."
         )
@@ -250,7 +250,7 @@ def _check_perm(perm: Any, size: int, axis_name: Any) -> tuple[tuple[int, int], 
     except TypeError:
         ok = False
     if not ok:
-        raise ShardingError(
+        raise ShardingTypeError(
             f"lax.ppermute: perm is a sequence of (source, destination) int pairs. Got {perm!r}."
         )
     pairs = tuple((int(s), int(d)) for s, d in items)

@@ -112,6 +112,11 @@ def shard_map(fn: Callable[..., Any] | None = None, mesh: DeviceMesh | None = No
         from shardwise.distributed import DEFAULT_TIMEOUT_S
 
         timeout_s = DEFAULT_TIMEOUT_S
+    if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)):
+        raise ShardingTypeError(f"shard_map timeout_s must be a number of seconds. Got "
+                                f"{timeout_s!r} ({type(timeout_s).__name__}).")
+    if not timeout_s > 0:
+        raise ShardingError(f"shard_map timeout_s must be > 0 seconds. Got {timeout_s!r}.")
 
     @functools.wraps(fn)
     def mapped(*args: Any, **kwargs: Any) -> Any:

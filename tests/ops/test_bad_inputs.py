@@ -48,6 +48,25 @@ TYPE_CASES: dict[str, tuple[Any, list[str]]] = {
     "all_to_all split_axis": (lambda: sw.all_to_all(sw.tensor(X, sharding=PlacementMapping(
         M2, [Sharded(0)])), None, 0), ["all_to_all split_axis", "None"]),
     "visualize": (lambda: sw.visualize(5), ["visualize needs a shardwise.Tensor", "int"]),
+    "tensor dtype": (lambda: sw.tensor(X, dtype=5), ["dtype must be a torch.dtype", "5 (int)"]),
+    "requires_grad int": (lambda: sw.tensor(torch.ones(2, dtype=torch.int64),
+                                            requires_grad=True),
+                          ["requires_grad=True", "floating", "torch.int64"]),
+    "ppermute permutation": (lambda: sw.ppermute(sw.tensor(X, sharding=PlacementMapping(
+        M2, [Sharded(0)])), 5), ["ppermute permutation", "pairs", "5"]),
+    "ppermute pair": (lambda: sw.ppermute(sw.tensor(X, sharding=PlacementMapping(
+        M2, [Sharded(0)])), [(0, "a")]), ["(src, dst) pairs of ints", "(0, 'a')"]),
+    "lax axis_name": (lambda: sw.shard_map(lambda a: lax.psum(a, 5), M2, (None,), None)(X),
+                      ["lax.psum: axis_name", "Got 5"]),
+    "lax perm": (lambda: sw.shard_map(lambda a: lax.ppermute(a, "x", 5), M2, (None,),
+                                      None)(X), ["lax.ppermute: perm", "Got 5"]),
+    "shard_map timeout_s": (lambda: sw.shard_map(lambda a: a, M2, (None,), None,
+                                                 timeout_s="a"), ["timeout_s", "'a' (str)"]),
+    "eval_shape fn": (lambda: sw.eval_shape(5, X), ["eval_shape needs a function", "5"]),
+    "grad fn": (lambda: sw.grad(5), ["value_and_grad needs a function", "5 (int)"]),
+    "jvp primals": (lambda: sw.jvp(lambda a: a, 5, 5), ["jvp primals", "5 (int)"]),
+    "mesh groups": (lambda: M2.groups(5), ["groups axes", "5 (int)"]),
+    "mesh devices_along": (lambda: M2.devices_along("x", 0), ["devices_along coord", "0"]),
 }
 
 

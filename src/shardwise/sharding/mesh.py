@@ -211,7 +211,7 @@ class DeviceMesh:
 
     def index_of(self, coord: Sequence[int]) -> int:
         """Flat device index of coordinate ``coord``."""
-        coord = tuple(coord)
+        coord = check_items(coord, "index_of coord", "one int per mesh axis")
         if len(coord) != self.ndim:
             raise ShardingError(
                 f"Coordinate {coord} has {len(coord)} entries but {self!r} has {self.ndim} "
@@ -233,7 +233,7 @@ class DeviceMesh:
     def devices_along(self, axis: str | int, coord: Sequence[int]) -> tuple[Any, ...]:
         """The devices that share ``coord`` on every axis but ``axis``, in axis order."""
         a = self.axis_index(axis)
-        base = list(coord)
+        base = list(check_items(coord, "devices_along coord", "one int per mesh axis"))
         self.index_of(base)  # validates the coordinate
         out = []
         for i in range(self.mesh_shape[a]):
@@ -247,7 +247,8 @@ class DeviceMesh:
         ``axes`` are mesh axis names or indices (negative counts from the end).
         Within a group the order is row-major over ``axes`` (in the given order).
         """
-        idx = [self.axis_index(a) for a in axes]
+        idx = [self.axis_index(a) for a in check_items(
+            axes, "groups axes", "a sequence of mesh axis names or indices, e.g. ['tp']")]
         if len(set(idx)) != len(idx):
             raise ShardingError(
                 f"groups({list(axes)!r}) names a mesh axis twice; {self!r} has axes "
