@@ -157,3 +157,21 @@ def test_pool_under_threads_never_shares_a_live_buffer(pool: None) -> None:
     assert not errors
     assert sorted(finished) == [0.0, 1.0, 2.0, 3.0], finished
     assert buffers._pool.idle_bytes <= buffers.pool_limit()
+
+
+def test_dispatch_modes_bypass_the_pool_unless_they_only_observe() -> None:
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from shardwise.shard_map_guard import _Guard
+
+    class Other(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+            return func(*args, **(kwargs or {}))
+
+    assert not buffers._modes_active()
+    with Other():
+        assert buffers._modes_active()
+    with _Guard({}):
+        assert not buffers._modes_active()  # shard_map's write guard: plain memory
+        with Other():
+            assert buffers._modes_active()

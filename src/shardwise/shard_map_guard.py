@@ -70,6 +70,8 @@ def storages(args: Iterable[tuple[int, torch.Tensor | None]]) -> dict[int, int]:
 class _Guard(TorchDispatchMode):
     """Raises before an op writes to one of the protected storages."""
 
+    plain_memory = True  # observes only: tensors made under it are ordinary memory
+
     def __init__(self, protected: dict[int, int]) -> None:
         super().__init__()
         self.protected = protected
