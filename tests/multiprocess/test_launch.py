@@ -4,6 +4,7 @@ distributed API behaves without torchrun."""
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -64,12 +65,21 @@ def test_collective_error_is_in_the_family() -> None:
 FORGOT = Path(__file__).resolve().parent / "forgot_initialize.py"
 
 
-def _torchrun(*args: str) -> subprocess.CompletedProcess[str]:
+def _torchrun(*args: str, limit_s: float = 150) -> subprocess.CompletedProcess[str]:
+    """torchrun with 2 ranks under a hard limit: on timeout the whole process group
+    (torchrun and its ranks) is killed and the test fails."""
     torchrun = Path(sys.executable).with_name("torchrun")
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    return subprocess.run([str(torchrun), "--nproc-per-node", "2", "--master-port",
-                           str(free_port()), *args], capture_output=True, text=True,
-                          timeout=150, check=False, env=env)
+    cmd = [str(torchrun), "--nproc-per-node", "2", "--master-port", str(free_port()), *args]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=env, start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=limit_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+        pytest.fail(f"torchrun {args} did not finish within {limit_s} s")
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
 
 
 def test_forgotten_initialize_under_torchrun_is_an_error() -> None:
