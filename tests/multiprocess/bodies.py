@@ -601,7 +601,7 @@ def body_reduce_dtype_errors(n: int) -> None:
     mesh = DeviceMesh.cpu((n,), ("x",))
     for dtype, op, needle in [(torch.complex64, "max", "no order"),
                               (torch.complex64, "min", "no order"),
-                              (torch.bool, "sum", "count")]:
+                              (torch.int64, "avg", "not an integer")]:
         p = sw.tensor(torch.ones(2 * n, dtype=dtype), sharding=PlacementMapping(mesh,
                                                                                 [Partial(op)]))
         for fn in (sw.all_reduce, lambda t: sw.reduce_scatter(t, 0)):

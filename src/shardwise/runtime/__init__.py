@@ -115,17 +115,15 @@ def _forgotten_initialize(mesh: DeviceMesh) -> None:
 def check_reduce(x: torch.Tensor, op: ReduceOp) -> None:
     """Refuse a reduction that ``x``'s dtype cannot do, with the same
     :class:`ShardingTypeError` on every runtime and mesh size (torch would fail
-    inside a collective, truncate, or, for bool sums, change the dtype):
-    AVG of integers or bools, SUM of bools, MIN/MAX of complex numbers.
+    inside a collective or truncate): AVG of integers or bools, MIN/MAX of complex
+    numbers. (SUM of bools is a logical or on both runtimes, as torch's bool add.)
 
     >>> check_reduce(torch.ones(2, dtype=torch.int64), ReduceOp.SUM)  # fine
     """
-    dtype = x.dtype
     if op is ReduceOp.SUM:
-        if dtype is torch.bool:
-            _refuse(dtype, op, "a sum of bools is a count; cast to an integer dtype first "
-                    "(or use MAX for 'any', MIN for 'all')")
-    elif op is ReduceOp.AVG:
+        return
+    dtype = x.dtype
+    if op is ReduceOp.AVG:
         if not (x.is_floating_point() or x.is_complex()):
             _refuse(dtype, op, f"the mean of integer dtype {dtype} values is not an integer; "
                     "cast to a floating dtype first, or use SUM")
