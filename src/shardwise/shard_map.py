@@ -144,8 +144,8 @@ def _inputs(mesh: DeviceMesh, in_specs: Any, args: Sequence[Any]) -> list[Tensor
                 "in_specs=(('x', None),) for one argument split over 'x' on dim 0."
             )
     else:
-        raise ShardingError(f"in_specs is {in_specs!r}: give a tuple with one spec per "
-                            f"argument. {io.HINT}")
+        raise ShardingTypeError(f"in_specs is {in_specs!r} ({type(in_specs).__name__}): give "
+                                f"a tuple with one spec per argument. {io.HINT}")
     placed = []
     for i, (x, spec) in enumerate(zip(args, specs)):
         if isinstance(x, Tensor):
