@@ -3,6 +3,13 @@
 One protocol (:class:`Backend`), two backends: the simulated backend (every
 device of the mesh in this process) and, for meshes over processes, the
 ``torch.distributed`` backend. Ops pick the backend from the mesh.
+
+Invariants:
+- A multi-device mesh is never simulated in a process that torchrun launched as
+  one of several (``WORLD_SIZE`` > 1) before ``initialize()``: that is an error
+  naming the fix, not every process silently doing all the work.
+- A reduction the dtype cannot do fails here, before any collective, with the
+  same ``ShardingTypeError`` on both runtimes and every mesh size.
 """
 
 from __future__ import annotations
