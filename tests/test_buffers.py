@@ -131,20 +131,47 @@ def test_pool_under_threads_never_shares_a_live_buffer(pool: None) -> None:
     like = torch.empty(0)
     n = (buffers.MAPPED + 2**20) // 4
     errors: list[str] = []
+    finished: list[float] = []
 
     def work(tag: float) -> None:
-        for _ in range(5):
-            t = buffers.empty((n,), like)
-            t.fill_(tag)
-            if not bool(t.eq(tag).all()):
-                errors.append(f"buffer of {tag} overwritten")
-            del t
-            gc.collect()
+        # A thread that crashes or hangs must fail the test: record the crash, and
+        # count the threads that got to the end.
+        try:
+            for _ in range(5):
+                t = buffers.empty((n,), like)
+                t.fill_(tag)
+                if not bool(t.eq(tag).all()):
+                    errors.append(f"buffer of {tag} overwritten")
+                del t
+                gc.collect()
+            finished.append(tag)
+        except BaseException as err:
+            errors.append(f"thread {tag}: {err!r}")
 
-    threads = [threading.Thread(target=work, args=(float(i),)) for i in range(4)]
+    threads = [threading.Thread(target=work, args=(float(i),), daemon=True) for i in range(4)]
     for th in threads:
         th.start()
     for th in threads:
         th.join(timeout=60)
+    assert not [th for th in threads if th.is_alive()], "a thread hung"
     assert not errors
+    assert sorted(finished) == [0.0, 1.0, 2.0, 3.0], finished
     assert buffers._pool.idle_bytes <= buffers.pool_limit()
+
+
+def test_dispatch_modes_bypass_the_pool_unless_they_only_observe() -> None:
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from shardwise.shard_map_guard import _Guard
+
+    class Other(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+            return func(*args, **(kwargs or {}))
+
+    assert not buffers._modes_active()
+    with Other():
+        assert buffers._modes_active()
+    with _Guard({}):
+        assert not buffers._modes_active()  # shard_map's write guard: plain memory
+        with Other():
+            assert buffers._modes_active()

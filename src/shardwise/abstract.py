@@ -140,6 +140,9 @@ def eval_shape(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         input       [2**19, 2**16]      [2**19, 2**16]
         output      [2**20, 2**16]      [2**20, 2**16]   (types only)
     """
+    if not callable(fn):
+        raise ShardingTypeError(f"eval_shape needs a function fn. Got {fn!r} "
+                                f"({type(fn).__name__}).")
     with FakeTensorMode(allow_non_fake_inputs=True), warnings.catch_warnings():
         # Tensor.to_torch compares storage pointers, which fake tensors warn about.
         warnings.filterwarnings("ignore", "Accessing the data pointer of FakeTensor")

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 import torch.autograd.forward_ad as fwAD
 
-from shardwise.sharding.errors import ShardingError, ShardingTypeError
+from shardwise.sharding.errors import ShardingError, ShardingTypeError, check_items
 from shardwise.sharding.placements import ReduceOp
 from shardwise.tensors import Tensor, as_layout_of
 
@@ -84,6 +84,8 @@ def value_and_grad(fn: Callable[..., Any], argnums: int | Sequence[int] = 0,
     >>> value.to_torch().item(), g.to_torch().tolist(), g.dist_layout == w.dist_layout
     (30.0, [2.0, 4.0, 6.0, 8.0], True)
     """
+    _need_callable(fn, "value_and_grad")
+
     def wrapped(*args: Any) -> Any:
         nums = _argnums(argnums, len(args))
         inputs = list(args)
@@ -125,6 +127,7 @@ def vjp(fn: Callable[..., Any], *primals: Any) -> tuple[Any, Callable[[Any], tup
 
     The cotangent may be a Tensor in any layout (or data) of the output's global shape.
     """
+    _need_callable(fn, "vjp")
     inputs = [_fresh(p, f"primal {i}") for i, p in enumerate(primals)]
     with torch.enable_grad():
         out = fn(*inputs)
@@ -146,7 +149,9 @@ def jvp(fn: Callable[..., Any], primals: Sequence[Any],
     output's layout. Each tangent may be a Tensor in any layout, or data, of its
     primal's global shape.
     """
-    primals, tangents = tuple(primals), tuple(tangents)
+    _need_callable(fn, "jvp")
+    primals = check_items(primals, "jvp primals", "a sequence of inputs, e.g. (x,)")
+    tangents = check_items(tangents, "jvp tangents", "a sequence of tangents, e.g. (t,)")
     if len(primals) != len(tangents):
         raise ShardingError(
             f"jvp got {len(primals)} primals and {len(tangents)} tangents: give one tangent "
@@ -187,3 +192,9 @@ def _tangent_like(t: Tensor) -> Tensor:
 def _tangent(s: torch.Tensor) -> torch.Tensor:
     tan = fwAD.unpack_dual(s).tangent
     return torch.zeros_like(s).detach() if tan is None else tan.detach()
+
+
+def _need_callable(fn: Any, op: str) -> None:
+    if not callable(fn):
+        raise ShardingTypeError(f"{op} needs a function fn. Got {fn!r} ({type(fn).__name__}).")
+

@@ -18,11 +18,11 @@ import torch
 
 from shardwise.devices import Device, DeviceError, default_device
 from shardwise.runtime import backend_for
-from shardwise.sharding.errors import ShardingError
+from shardwise.sharding.errors import ShardingError, ShardingTypeError, check_items
 from shardwise.sharding.layout import Layout
 from shardwise.sharding.mappings import as_layout
 from shardwise.sharding.mesh import DeviceMesh
-from shardwise.sharding.shapes import local_bounds, local_shape
+from shardwise.sharding.shapes import check_shape, local_bounds, local_shape
 from shardwise.tensors import Tensor, as_layout_of, place, to_layout, with_open_dims
 
 __all__ = [
@@ -57,6 +57,9 @@ def _target(device: Any, sharding: Any, ndim: int) -> Layout:
 
 
 def _as_torch(data: Any, dtype: torch.dtype | None) -> torch.Tensor:
+    if dtype is not None and not isinstance(dtype, torch.dtype):
+        raise ShardingTypeError(f"dtype must be a torch.dtype such as torch.float32. Got "
+                                f"{dtype!r} ({type(dtype).__name__}).")
     if isinstance(data, torch.Tensor):
         out = data.detach().clone()
         return out if dtype is None else out.to(dtype)
@@ -74,6 +77,9 @@ def _as_torch(data: Any, dtype: torch.dtype | None) -> torch.Tensor:
 def _leafify(t: Tensor, requires_grad: bool) -> Tensor:
     if not requires_grad:
         return t
+    if not (t.dtype.is_floating_point or t.dtype.is_complex):
+        raise ShardingTypeError(f"requires_grad=True needs a floating or complex dtype. Got "
+                                f"{t.dtype}; pass dtype=torch.float32 (or cast) first.")
     return t._map_unique(lambda s: s.detach().requires_grad_(True))
 
 
@@ -109,13 +115,19 @@ def from_local(shards: Sequence[Any], sharding: Any, shape: Sequence[int] | None
     values; the first one along each replicated axis is used. ``shape`` is the
     global shape; if omitted it is derived, assuming an even split.
 
+    The Tensor **shares** the given local tensors (no copy; one already on its
+    device is used as is, like DTensor's ``from_local``). shardwise never writes
+    to them, but writing to them afterwards changes the Tensor's value: pass
+    ``[s.clone() for s in shards]`` if you keep writing to yours.
+
     >>> mesh = DeviceMesh.cpu(2, "x")
     >>> t = from_local([torch.ones(2), torch.zeros(1)], PlacementMapping(mesh, [Sharded(0)]),
     ...                shape=(3,))
     >>> t.to_torch().tolist()
     [1.0, 1.0, 0.0]
     """
-    items = list(shards)
+    items = list(check_items(shards, "from_local shards", "a list with one local tensor "
+                             "per mesh device (row-major)"))
     if not any(s is not None for s in items):
         raise ShardingError("from_local needs one local value per mesh device; got none.")
     locals_ = [s if isinstance(s, torch.Tensor) or s is None else _as_torch(s, None)
@@ -135,7 +147,7 @@ def from_local(shards: Sequence[Any], sharding: Any, shape: Sequence[int] | None
             for a in axes:
                 full_shape[d] *= mesh.mesh_shape[a]
         shape = tuple(full_shape)
-    shape = tuple(shape)
+    shape = check_shape(shape, "from_local shape")
     reps = layout.representatives()
     dtype = present[0].dtype
     backend = backend_for(mesh)
@@ -167,7 +179,7 @@ def from_local(shards: Sequence[Any], sharding: Any, shape: Sequence[int] | None
 def _filled(shape: Sequence[int] | int, make: Callable[[tuple[int, ...], Any, tuple[
         tuple[int, int], ...], int], torch.Tensor], device: Any, sharding: Any,
             requires_grad: bool) -> Tensor:
-    shape = (shape,) if isinstance(shape, int) else tuple(shape)
+    shape = check_shape(shape)
     layout = _target(device, sharding, len(shape))
     mesh = layout.mesh
     plain = layout.with_partial((None,) * mesh.ndim)

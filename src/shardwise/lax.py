@@ -39,9 +39,11 @@ from typing import Any, Protocol
 
 import torch
 
+from shardwise.runtime import check_reduce
 from shardwise.sharding.errors import ShardingError, ShardingTypeError
 from shardwise.sharding.layout import normalize_dim
 from shardwise.sharding.mesh import DeviceMesh
+from shardwise.sharding.placements import ReduceOp
 
 __all__ = [
     "all_gather",
@@ -107,7 +109,7 @@ def _env(op: str) -> AxisEnv:
 def _axes(env: AxisEnv, axis_name: Any, op: str) -> tuple[int, ...]:
     names = (axis_name,) if isinstance(axis_name, str) else axis_name
     if not isinstance(names, (tuple, list)) or not all(isinstance(n, str) for n in names):
-        raise ShardingError(
+        raise ShardingTypeError(
             f"lax.{op}: axis_name is a mesh axis name or a tuple of names. Got "
             f"{axis_name!r}; the mesh {env.mesh!r} has axes {list(env.mesh.axis_names)}."
         )
@@ -141,6 +143,9 @@ def _tensor(x: Any, op: str) -> torch.Tensor:
 
 
 # --- reductions ---------------------------------------------------------------------------
+_REDUCE_OP = {"psum": ReduceOp.SUM, "pmax": ReduceOp.MAX, "pmin": ReduceOp.MIN}
+
+
 def _reduce(op: str, x: Any, axis_name: AxisName) -> Any:
     env, axes, size = _setup(op, axis_name)
     if isinstance(x, (tuple, list)):
@@ -148,6 +153,7 @@ def _reduce(op: str, x: Any, axis_name: AxisName) -> Any:
     if isinstance(x, (bool, int, float)):  # a constant: the same on every device
         return x * size if op == "psum" else x
     x = _tensor(x, op)
+    check_reduce(x, _REDUCE_OP[op])  # on one device too: the same error on every mesh size
     return x if size == 1 else env.collective(op, x, axes, ())
 
 
@@ -210,6 +216,7 @@ def psum_scatter(x: torch.Tensor, axis_name: AxisName, *, scatter_dimension: int
     """
     env, axes, size = _setup("psum_scatter", axis_name)
     x = _tensor(x, "psum_scatter")
+    check_reduce(x, ReduceOp.SUM)
     d = normalize_dim(scatter_dimension, x.ndim, "psum_scatter scatter_dimension")
     if not tiled and x.shape[d] != size:
         raise ShardingError(
@@ -244,7 +251,7 @@ def _check_perm(perm: Any, size: int, axis_name: Any) -> tuple[tuple[int, int], 
     except TypeError:
         ok = False
     if not ok:
-        raise ShardingError(
+        raise ShardingTypeError(
             f"lax.ppermute: perm is a sequence of (source, destination) int pairs. Got {perm!r}."
         )
     pairs = tuple((int(s), int(d)) for s, d in items)

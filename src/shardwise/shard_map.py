@@ -23,7 +23,9 @@ Invariants:
   input is one value every device uses (its gradient sums theirs); a replicated
   output is coordinate 0's block (the other devices' blocks get no gradient).
 - fn must not modify its inputs in place (they share memory with the caller's
-  values and, simulated, with other devices' blocks); this is checked.
+  values and, simulated, with other devices' blocks): a write to an input block
+  raises before anything is written (``shard_map_guard``), so the caller's
+  tensors are intact after the error.
 
 On ``DeviceMesh(dp=2, tp=2)``, ``shard_map(f, mesh, in_specs=(("dp", None),),
 out_specs=("dp", None))(x)`` for a 4-row ``x``::
@@ -45,6 +47,7 @@ from typing import Any
 import torch
 
 from shardwise import lax
+from shardwise import shard_map_guard as guard
 from shardwise import shard_map_io as io
 from shardwise.runtime import collectives as D
 from shardwise.runtime import lax_multiprocess as dist_rt
@@ -61,7 +64,8 @@ _MISSING: Any = type("_Missing", (), {"__repr__": lambda self: "<missing>"})()
 
 def shard_map(fn: Callable[..., Any] | None = None, mesh: DeviceMesh | None = None,
               in_specs: Any = _MISSING, out_specs: Any = _MISSING, *,
-              check_replicated: bool = False, timeout_s: float | None = None) -> Any:
+              check_replicated: bool = False, timeout_s: float | None = None,
+              check_writes: bool = True) -> Any:
     """``fn`` mapped over the devices of ``mesh``: returns a function of the global
     arguments (shardwise Tensors, torch tensors or data) that gives shardwise Tensors.
 
@@ -74,6 +78,8 @@ def shard_map(fn: Callable[..., Any] | None = None, mesh: DeviceMesh | None = No
             leaves replicated (costs one comparison, or collective, per output).
         timeout_s: simulated runtime: how long devices wait for each other at a
             collective before giving up (default ``distributed.DEFAULT_TIMEOUT_S``).
+        check_writes: stop fn before it writes to an input block (a few µs per torch
+            op in fn; ``False`` still reports such a write, but only after it).
 
     >>> mesh = DeviceMesh.cpu(4, "x")
     >>> def f(a, w):                                  # a: this device's rows, w: all of w
@@ -87,7 +93,8 @@ def shard_map(fn: Callable[..., Any] | None = None, mesh: DeviceMesh | None = No
     """
     if fn is None:
         return functools.partial(shard_map, mesh=mesh, in_specs=in_specs, out_specs=out_specs,
-                                 check_replicated=check_replicated, timeout_s=timeout_s)
+                                 check_replicated=check_replicated, timeout_s=timeout_s,
+                                 check_writes=check_writes)
     if not callable(fn):
         raise ShardingTypeError(f"shard_map needs a function fn. Got {fn!r}.")
     mesh = mesh if mesh is not None else current_mesh()
@@ -107,6 +114,11 @@ def shard_map(fn: Callable[..., Any] | None = None, mesh: DeviceMesh | None = No
         from shardwise.distributed import DEFAULT_TIMEOUT_S
 
         timeout_s = DEFAULT_TIMEOUT_S
+    if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)):
+        raise ShardingTypeError(f"shard_map timeout_s must be a number of seconds. Got "
+                                f"{timeout_s!r} ({type(timeout_s).__name__}).")
+    if not timeout_s > 0:
+        raise ShardingError(f"shard_map timeout_s must be > 0 seconds. Got {timeout_s!r}.")
 
     @functools.wraps(fn)
     def mapped(*args: Any, **kwargs: Any) -> Any:
@@ -115,7 +127,8 @@ def shard_map(fn: Callable[..., Any] | None = None, mesh: DeviceMesh | None = No
                 f"A shard_map'd function takes positional arguments only (each gets an "
                 f"in_spec). Got keywords {sorted(kwargs)}; bind them with functools.partial."
             )
-        return _call(fn, mesh, in_specs, out_specs, args, check_replicated, float(timeout_s))
+        return _call(fn, mesh, in_specs, out_specs, args, check_replicated, float(timeout_s),
+                     check_writes)
 
     return mapped
 
@@ -133,8 +146,8 @@ def _inputs(mesh: DeviceMesh, in_specs: Any, args: Sequence[Any]) -> list[Tensor
                 "in_specs=(('x', None),) for one argument split over 'x' on dim 0."
             )
     else:
-        raise ShardingError(f"in_specs is {in_specs!r}: give a tuple with one spec per "
-                            f"argument. {io.HINT}")
+        raise ShardingTypeError(f"in_specs is {in_specs!r} ({type(in_specs).__name__}): give "
+                                f"a tuple with one spec per argument. {io.HINT}")
     placed = []
     for i, (x, spec) in enumerate(zip(args, specs)):
         if isinstance(x, Tensor):
@@ -180,7 +193,7 @@ def _check_unmodified(versions: Sequence[tuple[int, torch.Tensor, int]]) -> None
 
 # --- running ------------------------------------------------------------------------------
 def _call(fn: Callable[..., Any], mesh: DeviceMesh, in_specs: Any, out_specs: Any,
-          args: Sequence[Any], check: bool, timeout_s: float) -> Any:
+          args: Sequence[Any], check: bool, timeout_s: float, check_writes: bool) -> Any:
     if lax.current_env() is not None:
         raise ShardingError(
             "shard_map was called inside the fn of another shard_map: nesting is not "
@@ -188,13 +201,17 @@ def _call(fn: Callable[..., Any], mesh: DeviceMesh, in_specs: Any, out_specs: An
         )
     placed = _inputs(mesh, in_specs, args)
     versions = _versions(placed)
+    protected = (guard.storages((i, s) for i, t in enumerate(placed) for s in t.shards)
+                 if check_writes else {})
     if D.is_process_mesh(mesh):
         k = _process_index(mesh)
         blocks = [dist_rt.replicate(t.shards[k], mesh, io.replicated_axes(t.dist_layout))
                   for t in placed]
+        if check_writes:
+            protected.update(guard.storages(enumerate(blocks)))
         prev = lax.enter(dist_rt.DistEnv(mesh, k))
         try:
-            out = fn(*blocks)
+            out = guard.guarded(fn, protected)(*blocks)
         finally:
             lax.enter(prev)
         _check_unmodified(versions)
@@ -202,7 +219,7 @@ def _call(fn: Callable[..., Any], mesh: DeviceMesh, in_specs: Any, out_specs: An
         outs[k] = out
         return io.outputs(outs, k, mesh, out_specs, check)
     blocks_per_device = [[t.shards[k] for t in placed] for k in range(mesh.num_devices)]
-    results = sim_rt.run(fn, mesh, blocks_per_device, timeout_s)
+    results = sim_rt.run(guard.guarded(fn, protected), mesh, blocks_per_device, timeout_s)
     _check_unmodified(versions)
     return io.outputs(results, None, mesh, out_specs, check)
 

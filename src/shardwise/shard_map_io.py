@@ -72,8 +72,8 @@ def layout_of(spec: Any, ndim: int, mesh: DeviceMesh, where: str) -> Layout:
         except ShardingError as err:
             raise ShardingError(f"{where} = {spec!r} does not fit: {err}") from None
     hint = f" For dim 0 split over {spec!r} write ({spec!r},)." if isinstance(spec, str) else ""
-    raise ShardingError(f"{where} is {spec!r} ({type(spec).__name__}), not a spec. {HINT}"
-                        f"{hint}")
+    raise ShardingTypeError(f"{where} is {spec!r} ({type(spec).__name__}), not a spec. "
+                            f"{HINT}{hint}")
 
 
 def replicated_axes(layout: Layout) -> tuple[int, ...]:

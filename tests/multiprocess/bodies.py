@@ -481,3 +481,139 @@ def body_demo_parity(n: int) -> None:
 
 
 BODIES.append("body_demo_parity")
+
+
+def _owned(mesh: DeviceMesh) -> list[int]:
+    """The flat mesh indices whose local values this process holds."""
+    return [_me(mesh)] if _is_dist() else list(range(mesh.num_devices))
+
+
+REFERENCE = {"sum": lambda s: s.sum(0), "avg": lambda s: s.mean(0), "max": lambda s: s.amax(0),
+             "min": lambda s: s.amin(0), "prod": lambda s: s.prod(0)}
+
+
+def body_reduce_op_grads(n: int) -> None:
+    """Gradients through all_reduce / reduce_scatter of a Partial(op), for every op,
+    equal single-device torch's (each device's term is a leaf; the reference
+    reduces the stacked terms). Terms are distinct and nonzero: no ties, no 0/0."""
+    for mesh in meshes(n):
+        size = mesh.num_devices  # Partial over every mesh axis: one term per device
+        for op in OPS:
+            pm = PlacementMapping(mesh, [Partial(op)] * mesh.ndim)
+            coords = list(range(size))
+            terms = [(data(2 * size, 3) + 0.5) * (1 + 0.3 * c) for c in range(size)]
+            weight = data(2 * size, 3) / 3 + 1
+            refs = [t.clone().requires_grad_(True) for t in terms]
+            (REFERENCE[op](torch.stack(refs)) * weight).sum().backward()
+            for fn in (sw.all_reduce, lambda p: sw.reduce_scatter(p, 0)):
+                owned = _owned(mesh)
+                leaves = [terms[coords[k]].clone().requires_grad_(True) if k in owned else None
+                          for k in range(mesh.num_devices)]
+                p = sw.from_local(leaves, pm, shape=(2 * size, 3))
+                out = fn(p).to_torch()
+                assert torch.allclose(out, REFERENCE[op](torch.stack(terms)), atol=1e-5), op
+                (out * weight).sum().backward()
+                for k in owned:
+                    got, want = leaves[k].grad, refs[coords[k]].grad  # type: ignore[union-attr]
+                    assert got is not None and want is not None, (op, k)
+                    assert torch.allclose(got, want, atol=1e-5), (mesh, op, k, got, want)
+
+
+def body_partial_op_grads(n: int) -> None:
+    """Replicated -> Partial(op) -> Replicated (and -> Sharded) is the identity for
+    every op, gradient included; all_reduce(op) of a replicated value is op over n
+    equal copies (x * n for sum, x ** n for prod, x otherwise), gradient too."""
+    mesh = DeviceMesh.cpu((n,), ("x",))
+    x = data(4, 3) / 4 + 1.25  # nonzero, so prod's gradient is finite
+    rep = PlacementMapping(mesh, [Replicated()])
+    for op in OPS:
+        part = PlacementMapping(mesh, [Partial(op)])
+        _check_grad(lambda t, part=part: sw.shard(t, dim_specs=part), x, rep)
+        _check_grad(lambda t, part=part: sw.shard(sw.shard(t, dim_specs=part), dim_specs=rep),
+                    x, rep)
+        _check_grad(lambda t, part=part: sw.shard(sw.shard(t, dim_specs=part),
+                                                  dim_specs=PlacementMapping(mesh, [Sharded(0)])),
+                    x, rep)
+        w = sw.tensor(x, sharding=rep, requires_grad=True)
+        weight = data(4, 3) + 4
+        out = sw.all_reduce(w, reduce_op=op).to_torch()
+        ref = x.clone().requires_grad_(True)
+        want = {"sum": ref * n, "prod": ref ** n}.get(op, ref)
+        assert torch.allclose(out, want, rtol=1e-5), op
+        (out * weight).sum().backward()
+        (want * weight).sum().backward()
+        assert w.grad is not None and ref.grad is not None
+        assert torch.allclose(w.grad.to_torch(), ref.grad, rtol=1e-5), (op, w.grad, ref.grad)
+
+
+def body_ppermute_grads_not_self_inverse(n: int) -> None:
+    """ppermute gradients for permutations that are not their own inverse (a single
+    pair, a reversed ring, a 3-cycle), against the same move done on the torch
+    blocks; also along one axis of a 2x2 mesh."""
+    y = data(3 * n, 2) + 0.5
+    weight = data(3 * n, 2) / 5 + 2
+    perms = [[(0, 1)], [(i, (i - 1) % n) for i in range(n)]]
+    if n >= 3:
+        perms.append([(0, 2), (2, 1), (1, 0)])
+    mesh = DeviceMesh.cpu((n,), ("x",))
+    for perm in perms:
+        _check_ppermute(mesh, y, weight, perm, None)
+    if n == 4:
+        _check_ppermute(DeviceMesh.cpu((2, 2), ("dp", "tp")), y, weight, [(0, 1)], "tp")
+        _check_ppermute(DeviceMesh.cpu((2, 2), ("dp", "tp")), y, weight, [(0, 1)], "dp")
+
+
+def _check_ppermute(mesh: DeviceMesh, y: torch.Tensor, weight: torch.Tensor,
+                    perm: list[tuple[int, int]], axis_name: str | None) -> None:
+    n = mesh.num_devices
+    rows = y.shape[0] // n
+    pm = sw.NamedMapping(mesh, (mesh.axis_names, None))
+    w = sw.tensor(y, sharding=pm, requires_grad=True)
+    moved = sw.ppermute(w, perm, axis_name=axis_name).to_torch()
+    ref = y.clone().requires_grad_(True)
+    blocks = list(ref.split(rows))
+    out_blocks = [torch.zeros_like(b) for b in blocks]
+    for k in range(n):
+        coord = list(mesh.coord_of(k))
+        a = None if axis_name is None else mesh.axis_index(axis_name)
+        for src, dst in perm:
+            if a is None and k == dst:
+                out_blocks[k] = blocks[src]
+            elif a is not None and coord[a] == dst:
+                coord[a] = src
+                out_blocks[k] = blocks[mesh.index_of(coord)]
+    want = torch.cat(out_blocks)
+    assert torch.equal(moved, want), (perm, axis_name)
+    (moved * weight).sum().backward()
+    (want * weight).sum().backward()
+    assert w.grad is not None and ref.grad is not None
+    assert torch.equal(w.grad.to_torch(), ref.grad), (perm, axis_name, w.grad, ref.grad)
+
+
+BODIES += ["body_reduce_op_grads", "body_partial_op_grads", "body_ppermute_grads_not_self_inverse"]
+
+
+def body_reduce_dtype_errors(n: int) -> None:
+    """A reduce op the dtype cannot do is the same ShardingTypeError on every runtime
+    (before any collective runs, so no rank is left waiting); the others still work."""
+    from shardwise.sharding.errors import ShardingTypeError
+
+    mesh = DeviceMesh.cpu((n,), ("x",))
+    for dtype, op, needle in [(torch.complex64, "max", "no order"),
+                              (torch.complex64, "min", "no order"),
+                              (torch.int64, "avg", "not an integer")]:
+        p = sw.tensor(torch.ones(2 * n, dtype=dtype), sharding=PlacementMapping(mesh,
+                                                                                [Partial(op)]))
+        for fn in (sw.all_reduce, lambda t: sw.reduce_scatter(t, 0)):
+            try:
+                fn(p)
+            except ShardingTypeError as err:
+                assert str(dtype) in str(err) and needle in str(err), err
+            else:
+                raise AssertionError(f"{op} of {dtype} was accepted")
+    ok = sw.tensor(torch.ones(2 * n, dtype=torch.complex64),
+                   sharding=PlacementMapping(mesh, [Partial("sum")]))
+    assert torch.equal(sw.all_reduce(ok).to_torch(), torch.ones(2 * n, dtype=torch.complex64))
+
+
+BODIES.append("body_reduce_dtype_errors")

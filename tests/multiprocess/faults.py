@@ -60,3 +60,9 @@ def body_same_size_mismatch_checked(n: int) -> None:
         _expect_error(lambda: sw.all_reduce(p, reduce_op="max"))
     else:
         _expect_error(lambda: sw.all_reduce(p))
+
+
+def body_rank_exits_silently(n: int) -> None:
+    """The last rank leaves without reporting (exit code 0); the others pass."""
+    if process_index() == n - 1:
+        os._exit(0)

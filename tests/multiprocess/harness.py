@@ -18,6 +18,8 @@ from typing import Any
 
 import torch.multiprocessing as mp
 
+_REPORT_GRACE_S = 1.0
+
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -68,6 +70,7 @@ def run_on_ranks(target: str, names: list[str], world: int, *, limit_s: float = 
         p.start()
     out: dict[int, dict[str, str | None]] = {}
     deadline = time.monotonic() + limit_s
+    exited: dict[int, float] = {}
     try:
         while len(out) < world and time.monotonic() < deadline:
             try:
@@ -75,9 +78,14 @@ def run_on_ranks(target: str, names: list[str], world: int, *, limit_s: float = 
                 out[rank] = res
             except queue_mod.Empty:
                 pass
+            now = time.monotonic()
             for r, p in enumerate(procs):
-                if r not in out and p.exitcode is not None and p.exitcode != 0:
-                    # A rank that died without reporting (e.g. killed on purpose).
+                if r in out or p.exitcode is None:
+                    continue
+                # A rank that died without reporting (killed on purpose, os._exit, a
+                # crash): give its report a moment to arrive through the pipe first.
+                exited.setdefault(r, now)
+                if now - exited[r] > _REPORT_GRACE_S:
                     out[r] = {"<exit>": f"exit code {p.exitcode}"}
     finally:
         for p in procs:
@@ -102,6 +110,17 @@ def check_body(target: str, names: Sequence[str], world: int, name: str) -> None
         _RESULTS[key] = run_on_ranks(target, list(names), world)
     results = _RESULTS[key]
     assert sorted(results) == list(range(world)), f"ranks that reported: {sorted(results)}"
-    failures = {r: res.get("<setup>") or res.get(name) for r, res in results.items()}
+    failures = {r: _failure(res, name) for r, res in results.items()}
     failures = {r: tb for r, tb in failures.items() if tb}
     assert not failures, "\n".join(f"--- rank {r}\n{tb}" for r, tb in failures.items())
+
+
+def _failure(res: dict[str, str | None], name: str) -> str | None:
+    """What went wrong for body ``name`` on one rank, or None if it passed. A rank
+    that died without reporting (``"<exit>"``) or never ran the body has failed."""
+    for key in ("<setup>", "<exit>"):
+        if res.get(key):
+            return f"{key}: {res[key]}"
+    if name not in res:
+        return f"body {name!r} did not run on this rank (it reported {sorted(res)})"
+    return res[name]

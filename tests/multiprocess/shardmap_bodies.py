@@ -314,3 +314,45 @@ def body_forward_mode(n: int) -> None:
 
 BODIES = ["body_collective_values", "body_uneven", "body_gradients", "body_outputs",
           "body_errors", "body_forward_mode"]
+
+
+def body_no_write_through(n: int) -> None:
+    """fn writing to its input block (in place, through a view, after a collective,
+    under autograd) is stopped before the write: the caller's torch tensor and
+    shardwise Tensor are intact on every process. Writes to fn's own tensors pass."""
+    mesh = DeviceMesh.cpu((n,), ("x",))
+    x = data(2 * n, 3)
+    writes: list[Fn] = [lambda a: a.mul_(0), lambda a: a[1:].zero_(),
+                        lambda a: (lax.psum(a, "x"), a.copy_(torch.zeros_like(a)))[1],
+                        lambda a: torch.mul(a.detach(), 0, out=a.detach())]
+    for spec in [("x",), None]:
+        for write in writes:
+            caller = x.clone()
+            t = sw.tensor(x.clone(), sharding=PlacementMapping(mesh, [Sharded(0)]))
+            leaf = sw.tensor(x.clone(), sharding=PlacementMapping(mesh, [Sharded(0)]),
+                             requires_grad=True)
+            for arg in (caller, t, leaf):
+                try:
+                    sw.shard_map(write, mesh, in_specs=(spec,), out_specs=spec)(arg)
+                except sw.ShardingError as err:
+                    assert "about to write to argument 0" in str(err), err
+                except RuntimeError as err:  # autograd may refuse first (grad leaf views)
+                    assert arg is leaf and "inplace" in str(err).replace("-", ""), err
+                else:
+                    raise AssertionError(f"a write to an input block passed ({spec})")
+            assert torch.equal(caller, x), spec
+            assert torch.equal(t.to_torch(), x), spec
+            assert torch.equal(leaf.to_torch(), x), spec
+
+    def own(a: torch.Tensor) -> torch.Tensor:
+        out = torch.empty_like(a)
+        torch.mul(a, 2, out=out)
+        s = lax.psum(out, "x")
+        s.add_(1)
+        return s
+
+    got = sw.shard_map(own, mesh, in_specs=(("x",),), out_specs=None)(x)
+    assert torch.allclose(got.to_torch(), (2 * x).reshape(n, 2, 3).sum(0) + 1)
+
+
+BODIES.append("body_no_write_through")

@@ -5,7 +5,8 @@ from __future__ import annotations
 import time
 
 import faults
-from harness import run_on_ranks
+import pytest
+from harness import check_body, run_on_ranks
 
 
 def test_dead_rank_makes_others_raise() -> None:
@@ -35,3 +36,9 @@ def test_same_size_mismatch_is_caught_when_checking() -> None:
         assert results[r].get("<setup>") is None, results[r]
         assert results[r]["body_same_size_mismatch_checked"] is None, \
             results[r]["body_same_size_mismatch_checked"]
+
+
+def test_a_rank_that_dies_without_reporting_fails_the_body() -> None:
+    """The harness must not count a silent exit as a pass (exit code 0 included)."""
+    with pytest.raises(AssertionError, match=r"rank 1\n<exit>: exit code 0"):
+        check_body("faults", ["body_rank_exits_silently"], 2, "body_rank_exits_silently")

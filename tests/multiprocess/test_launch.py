@@ -4,6 +4,8 @@ distributed API behaves without torchrun."""
 from __future__ import annotations
 
 import os
+import re
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -59,3 +61,52 @@ def test_initialize_without_rank_is_a_clear_error(monkeypatch: pytest.MonkeyPatc
 def test_collective_error_is_in_the_family() -> None:
     assert issubclass(sd.CollectiveError, sw.ShardingError)
     assert issubclass(sd.CollectiveError, RuntimeError)
+
+
+FORGOT = Path(__file__).resolve().parent / "forgot_initialize.py"
+
+
+def _torchrun(*args: str, limit_s: float = 150) -> subprocess.CompletedProcess[str]:
+    """torchrun with 2 ranks under a hard limit: on timeout the whole process group
+    (torchrun and its ranks) is killed and the test fails."""
+    torchrun = Path(sys.executable).with_name("torchrun")
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    cmd = [str(torchrun), "--nproc-per-node", "2", "--master-port", str(free_port()), *args]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=env, start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=limit_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+        pytest.fail(f"torchrun {args} did not finish within {limit_s} s")
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+
+
+def test_forgotten_initialize_under_torchrun_is_an_error() -> None:
+    out = _torchrun(str(FORGOT))
+    assert out.returncode != 0, out.stdout
+    assert "holds" not in out.stdout  # nothing was simulated silently
+    assert "shardwise.distributed.initialize()" in out.stderr, out.stderr[-3000:]
+    assert "WORLD_SIZE=2" in out.stderr
+
+
+def test_initialized_under_torchrun_holds_own_shards() -> None:
+    out = _torchrun(str(FORGOT), "--init")
+    assert out.returncode == 0, out.stderr[-3000:]
+    found = sorted(re.findall(r"process (\d) holds \[(\d)\]; psum 2\.0", out.stdout))
+    assert found == [("0", "0"), ("1", "1")], (out.stdout, out.stderr[-3000:])
+
+
+@pytest.mark.parametrize(("world", "fails"), [("2", True), ("1", False)])
+def test_world_size_from_the_environment(world: str, fails: bool) -> None:
+    """The check reads the launcher's WORLD_SIZE; a world of one simulates as before."""
+    env = {**os.environ, "WORLD_SIZE": world, "RANK": "0", "OMP_NUM_THREADS": "1"}
+    out = subprocess.run([sys.executable, str(FORGOT)], capture_output=True, text=True,
+                         timeout=120, check=False, env=env)
+    if fails:
+        assert out.returncode != 0 and "maybe_initialize()" in out.stderr, out.stderr[-2000:]
+        assert "holds" not in out.stdout
+    else:
+        assert out.returncode == 0, out.stderr[-2000:]
+        assert "process 0 holds [0, 1]; psum 2.0" in out.stdout

@@ -157,10 +157,50 @@ def test_untiled_sizes_and_permutations_are_checked() -> None:
         smap(lambda a: lax.all_gather(a, "x", axis=3))(X)
 
 
-def test_fn_must_not_modify_its_inputs() -> None:
-    x = sw.tensor(X, sharding=PlacementMapping(MESH, [Sharded(0)]))
-    with pytest.raises(ShardingError, match=r"modified argument 0's local block in place"):
-        smap(lambda a: a.mul_(2))(x)
+WRITES = {
+    "mul_": lambda a: a.mul_(2),
+    "setitem": lambda a: a.__setitem__(0, 5.0),
+    "view zero_": lambda a: a[0].zero_(),
+    "detached fill_": lambda a: a.detach().fill_(1.0),
+    "copy_": lambda a: a.copy_(torch.zeros_like(a)),
+    "out=": lambda a: torch.add(a.detach(), 1, out=a.detach()),
+    "after a collective": lambda a: (lax.psum(a, "x").add_(1), a.sub_(1))[1],
+}
+
+
+@pytest.mark.parametrize("name", list(WRITES))
+@pytest.mark.parametrize("spec", [("x",), None])
+def test_fn_writing_to_an_input_is_stopped_before_the_write(name: str, spec: Any) -> None:
+    """Sharded and replicated inputs, torch and shardwise callers: the error comes
+    before the write, so the caller's tensors are intact afterwards."""
+    caller = X.clone()
+    t = sw.tensor(X.clone(), sharding=PlacementMapping(MESH, [Sharded(0)]))
+    before = [s.clone() for s in t.shards]
+    for arg in (caller, t):
+        with pytest.raises(ShardingError, match=r"about to write to argument 0's local block"):
+            smap(WRITES[name], in_specs=(spec,), out_specs=spec)(arg)
+    assert torch.equal(caller, X)
+    assert all(torch.equal(s, b) for s, b in zip(t.shards, before))
+    assert torch.equal(t.to_torch(), X)
+
+
+def test_fn_may_write_to_its_own_tensors() -> None:
+    """No false alarms: writes to clones, fresh tensors and collective results pass."""
+
+    def fn(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        c = a.clone()
+        c.mul_(2)
+        out = torch.empty_like(a)
+        torch.add(c, b, out=out)
+        s = lax.psum(out, "x")
+        s.add_(1)
+        empty = a[:0]
+        empty.zero_() if empty.numel() else None
+        return s
+
+    got = smap(fn, in_specs=(("x",), ("x",)), out_specs=None)(X, X + 1)
+    assert torch.allclose(got.to_torch(), (3 * X + 1).reshape(4, 2, 3).sum(0) + 1)
+    assert torch.equal(X, torch.arange(24.0).reshape(8, 3))
 
 
 def test_bad_values_and_calls() -> None:
@@ -183,3 +223,10 @@ def test_check_replicated() -> None:
         smap(lambda a: a, out_specs=None, check_replicated=True)(X)
     out = smap(lambda a: lax.pmean(a, "x"), out_specs=None, check_replicated=True)(X)
     assert torch.allclose(out.to_torch(), X.reshape(4, 2, 3).mean(0))
+
+
+def test_check_writes_false_still_reports_the_write_afterwards() -> None:
+    caller = X.clone()
+    with pytest.raises(ShardingError, match=r"modified argument 0's local block in place"):
+        smap(lambda a: a.mul_(2), check_writes=False)(caller)
+    assert torch.equal(caller, X * 2)  # the opt-out: stopped after the write, not before

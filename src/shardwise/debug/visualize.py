@@ -12,6 +12,7 @@ from __future__ import annotations
 import io
 from typing import TYPE_CHECKING
 
+from shardwise.sharding.errors import ShardingTypeError
 from shardwise.sharding.shapes import local_bounds
 
 if TYPE_CHECKING:
@@ -99,6 +100,11 @@ def visualize(t: Tensor, *, console: Console | None = None, color: bool = True) 
     ...                  color=False)
     [4]...CPU 0...CPU 1...[0:2]...[2:4]...
     """
+    from shardwise.tensors import Tensor
+
+    if not isinstance(t, Tensor):
+        raise ShardingTypeError(f"visualize needs a shardwise.Tensor. Got {type(t).__name__}; "
+                                "make one with shardwise.tensor(data, sharding=...).")
     headers, rows = _grid(t)
     title = f"{list(t.shape)} {t.dist_layout}"
     try:

@@ -9,7 +9,8 @@ Invariants:
   ``TensorType`` may stand in for it, and then every op only checks and
   returns output types (abstract evaluation, no allocation).
 - The participants of a collective are given by its signal buffers
-  (:class:`Signals`): at least 2, on distinct devices, in input order.
+  (:class:`Signals`): at least 1 (one is a no-op), on distinct devices, in
+  input order.
 - Ops never modify their inputs; outputs are new values, bit-identical to the
   torch expressions they document, and differentiable.
 - :func:`to_tensor` / :func:`from_tensor` convert between a list of

@@ -26,8 +26,10 @@ __all__ = ["sum", "sum_in_device_order"]
 
 
 def sum_in_device_order(locs: Sequence[Local], target: torch.device) -> torch.Tensor:
-    """``((x0 + x1) + x2) + ...`` computed on ``target`` (at least 2 inputs)."""
+    """``((x0 + x1) + x2) + ...`` computed on ``target`` (a copy for one input)."""
     parts = [loc.tensor().to(target) for loc in locs]
+    if len(parts) == 1:
+        return parts[0].clone()  # a fresh output, as with more inputs
     out = parts[0] + parts[1]
     for part in parts[2:]:
         out = out + part
@@ -41,13 +43,13 @@ def sum(inputs: Iterable[Any], signal_buffers: Iterable[Any]) -> list[PerDevice]
         inputs: one single-device Tensor (or TensorType) per participating
             device, in the order of ``signal_buffers``; all of one shape and dtype.
         signal_buffers: one signal buffer per participating device (e.g.
-            ``Signals(devices)``); at least 2, on distinct devices.
+            ``Signals(devices)``); at least 1 (a no-op), on distinct devices.
 
     Returns:
         One output per device (in buffer order), each the sum in device order.
 
     Raises:
-        ShardingError (ValueError): counts differ, fewer than 2 or repeated
+        ShardingError (ValueError): counts differ, no or repeated
             devices, an input off its buffer's device, shapes or dtypes differ.
 
     With ``signals = Signals([CPU(0), CPU(1)])``::

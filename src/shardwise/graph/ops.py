@@ -10,7 +10,8 @@ Invariants:
   or ``TensorType`` values for abstract evaluation: then the outputs are
   ``TensorType`` values, the same checks run, and nothing is allocated.
 - Input ``i`` of a collective lives on signal buffer ``i``'s device; output
-  ``i`` is placed there. At least 2 participants, on distinct devices.
+  ``i`` is placed there. At least 1 participant (one is a no-op), on distinct
+  devices.
 - Validation is stricter than the reference where it is silent (DESIGN.md §5):
   counts match, devices unique, ranks / dtypes / non-axis dims equal; a bad
   axis raises :class:`AxisError` (an ``IndexError`` and a ``ValueError``).
@@ -63,7 +64,7 @@ def allgather(inputs: Iterable[Any], signal_buffers: Iterable[Any],
             device, in the order of ``signal_buffers``. Same rank and dtype; the
             sizes may differ along ``axis`` only (uneven gathers are allowed).
         signal_buffers: one signal buffer per participating device (e.g.
-            ``Signals(devices)``); at least 2, on distinct devices.
+            ``Signals(devices)``); at least 1 (a no-op), on distinct devices.
         axis: the axis to concatenate along (negative counts from the end).
 
     Returns:
@@ -71,7 +72,7 @@ def allgather(inputs: Iterable[Any], signal_buffers: Iterable[Any],
         ``torch.cat([x0, x1, ...], axis)``, placed on that device.
 
     Raises:
-        ShardingError (ValueError): counts differ, fewer than 2 or repeated
+        ShardingError (ValueError): counts differ, no or repeated
             devices, an input off its buffer's device, ranks / dtypes / non-axis
             dims differ.
         AxisError (IndexError): ``axis`` out of range.
@@ -101,7 +102,7 @@ def distributed_broadcast(input: Any, signal_buffers: Iterable[Any]) -> list[Per
     Args:
         input: a single-device Tensor (or TensorType); its device is the root
             and must be one of the signal buffers' devices.
-        signal_buffers: one signal buffer per participating device; at least 2,
+        signal_buffers: one signal buffer per participating device; at least 1,
             on distinct devices. Their count is the number of outputs.
 
     Returns:
@@ -110,7 +111,7 @@ def distributed_broadcast(input: Any, signal_buffers: Iterable[Any]) -> list[Per
 
     Raises:
         ShardingError (ValueError): the root is not among the buffers' devices,
-            repeated devices, or fewer than 2 signal buffers.
+            repeated devices, or no signal buffers.
 
     With ``x`` on ``CPU(1)`` and ``Signals([CPU(0), CPU(1)])``::
 

@@ -39,7 +39,7 @@ def sum(inputs: Iterable[Any], signal_buffers: Iterable[Any],
         inputs: one single-device Tensor (or TensorType) per participating
             device, in the order of ``signal_buffers``; all of one shape and dtype.
         signal_buffers: one signal buffer per participating device (e.g.
-            ``Signals(devices)``); at least 2, on distinct devices.
+            ``Signals(devices)``); at least 1 (a no-op), on distinct devices.
         axis: the axis to split the sum along (negative counts from the end).
 
     Returns:

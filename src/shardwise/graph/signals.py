@@ -1,7 +1,8 @@
 """Signal buffers: which devices take part in a per-device collective.
 
 Invariants:
-- ``Signals(devices)`` is a frozen value: at least 2 distinct shardwise devices.
+- ``Signals(devices)`` is a frozen value: at least 1 (one device makes every
+  collective a no-op, so code stays generic across mesh sizes), distinct devices.
 - It gives one signal buffer per device, in the order given; the number of
   signal buffers passed to a collective *is* its number of participants, and
   their devices fix the order of the inputs and outputs.
@@ -30,18 +31,17 @@ SIGNAL_BUFFER_BYTES = 64
 
 
 def _check_devices(devices: tuple[Any, ...], what: str) -> None:
-    """At least 2 devices, all shardwise Devices, no repeats."""
+    """At least 1 device (one is a no-op collective), all shardwise Devices, no repeats."""
     for i, dev in enumerate(devices):
         if not isinstance(dev, Device):
             raise DeviceError(
                 f"{what}: entry {i} is {dev!r} ({type(dev).__name__}), not a shardwise device. "
                 "Use CPU(i) or Accelerator(i)."
             )
-    if len(devices) < 2:
+    if not devices:
         raise ShardingError(
-            f"{what} needs at least 2 participating devices, got {len(devices)}: "
-            f"{list(devices)}. A collective over one device is a no-op; pass 2 or more, e.g. "
-            "Signals([CPU(0), CPU(1)])."
+            f"{what} needs at least 1 participating device, got none. Pass one signal "
+            "buffer per device, e.g. Signals([CPU(0), CPU(1)]) (one device is a no-op)."
         )
     seen: set[Device] = set()
     for dev in devices:
@@ -121,7 +121,7 @@ class Signals:
 
 
 def participants(signal_buffers: Iterable[Any], op: str) -> tuple[Device, ...]:
-    """The devices of ``signal_buffers`` (checked: >= 2, distinct), in order."""
+    """The devices of ``signal_buffers`` (checked: >= 1, distinct), in order."""
     if isinstance(signal_buffers, (SignalBuffer, BufferType)):
         signal_buffers = [signal_buffers]
     try:

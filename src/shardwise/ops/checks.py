@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from shardwise.sharding.errors import ShardingError, ShardingTypeError
+from shardwise.sharding.errors import ShardingError, ShardingTypeError, check_items
 from shardwise.sharding.mesh import DeviceMesh
 from shardwise.tensors import Tensor
 
@@ -23,6 +23,7 @@ def need_tensor(x: Any, op: str) -> Tensor:
 def mesh_axes(mesh: DeviceMesh, axes: Any, what: str) -> tuple[int, ...]:
     if isinstance(axes, (str, int)):
         axes = (axes,)
+    axes = check_items(axes, what, "a mesh axis name or index, or a sequence of them")
     out = tuple(mesh.axis_index(a) for a in axes)
     if len(set(out)) != len(out):
         names = [mesh.axis_names[a] for a in out]

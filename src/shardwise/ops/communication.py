@@ -86,8 +86,8 @@ def shard(x: Any, mesh: DeviceMesh | None = None, dim_specs: Any = None,
             )
         if dim_specs is None:
             raise ShardingError("shard() needs dim_specs: one DimSpec (or None) per tensor dim.")
-        spec = ShardingSpec(mesh, dim_specs, frozenset(replicated_axes or ()),
-                            frozenset(partial_sum_axes or ()))
+        spec = ShardingSpec(mesh, dim_specs, replicated_axes or frozenset(),  # type: ignore[arg-type]
+                            partial_sum_axes or frozenset())
     if not isinstance(x, Tensor):
         return tensor(x, sharding=spec)
     return with_open_dims(to_layout(x, as_layout(spec, x.ndim)), spec)

@@ -11,7 +11,7 @@ from typing import Any
 from shardwise.ops.checks import need_tensor
 from shardwise.runtime import backend_for
 from shardwise.runtime import observe as comm
-from shardwise.sharding.errors import ShardingError
+from shardwise.sharding.errors import ShardingError, ShardingTypeError
 from shardwise.sharding.layout import Layout
 from shardwise.sharding.shapes import local_shape
 from shardwise.tensors import Tensor
@@ -23,7 +23,7 @@ def _check_permutation(permutation: Any, n: int, where: str) -> dict[int, int]:
     try:
         pairs = [tuple(p) for p in permutation]
     except TypeError:
-        raise ShardingError(
+        raise ShardingTypeError(
             f"ppermute permutation must be a list of (src, dst) pairs. Got {permutation!r}."
         ) from None
     dst_to_src: dict[int, int] = {}
@@ -31,7 +31,7 @@ def _check_permutation(permutation: Any, n: int, where: str) -> dict[int, int]:
     for pair in pairs:
         if len(pair) != 2 or not all(isinstance(i, int) and not isinstance(i, bool)
                                      for i in pair):
-            raise ShardingError(
+            raise ShardingTypeError(
                 f"ppermute permutation entries are (src, dst) pairs of ints. Got {pair!r}."
             )
         src, dst = pair

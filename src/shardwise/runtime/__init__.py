@@ -3,11 +3,19 @@
 One protocol (:class:`Backend`), two backends: the simulated backend (every
 device of the mesh in this process) and, for meshes over processes, the
 ``torch.distributed`` backend. Ops pick the backend from the mesh.
+
+Invariants:
+- A multi-device mesh is never simulated in a process that torchrun launched as
+  one of several (``WORLD_SIZE`` > 1) before ``initialize()``: that is an error
+  naming the fix, not every process silently doing all the work.
+- A reduction the dtype cannot do fails here, before any collective, with the
+  same ``ShardingTypeError`` on both runtimes and every mesh size.
 """
 
 from __future__ import annotations
 
 import importlib
+import os
 from collections.abc import Sequence
 from typing import Any, Protocol
 
@@ -15,12 +23,12 @@ import torch
 import torch.distributed as dist
 
 from shardwise.planner import Plan, Step
-from shardwise.sharding.errors import ShardingError
+from shardwise.sharding.errors import ShardingError, ShardingTypeError
 from shardwise.sharding.layout import Layout
 from shardwise.sharding.mesh import DeviceMesh
 from shardwise.sharding.placements import ReduceOp
 
-__all__ = ["Backend", "backend_for", "check_average"]
+__all__ = ["Backend", "backend_for", "check_average", "check_reduce"]
 
 _dist_available = dist.is_available()
 
@@ -71,23 +79,71 @@ def _module(name: str) -> Any:
 
 def backend_for(mesh: DeviceMesh) -> Backend:
     """The backend that executes ops on ``mesh``: the torch.distributed backend when
-    the mesh's devices are processes of an initialized world, else the simulated one."""
+    the mesh's devices are processes of an initialized world, else the simulated one.
+
+    Under torchrun (``WORLD_SIZE`` > 1) without ``initialize()``, a mesh of several
+    devices raises instead of being simulated whole in every process.
+    """
     # Fast path first: this runs on every op, and most programs never initialize.
     if not (_dist_available and dist.is_initialized()):
+        if mesh.num_devices > 1 and _launched_world() > 1:
+            _forgotten_initialize(mesh)
         return _module("simulated")
     if _module("collectives").process_mesh(mesh):
         return _module("multiprocess")
     return _module("simulated")
 
 
-def check_average(x: torch.Tensor, op: ReduceOp) -> None:
-    """Refuse an AVG reduction of integer values (both runtimes reduce through here:
-    the mean of integers is not an integer, and torch would truncate or fail).
+_WORLD: list[int] = []
 
-    >>> check_average(torch.ones(2, dtype=torch.int64), ReduceOp.SUM)  # fine
+
+def _launched_world() -> int:
+    """``WORLD_SIZE`` from the launcher's environment (1 when absent), read once:
+    torchrun sets it before the process starts."""
+    if not _WORLD:
+        try:
+            _WORLD.append(int(os.environ.get("WORLD_SIZE", "1")))
+        except ValueError:
+            _WORLD.append(1)
+    return _WORLD[0]
+
+
+def _forgotten_initialize(mesh: DeviceMesh) -> None:
+    raise ShardingError(
+        f"This process is one of WORLD_SIZE={_launched_world()} processes (launched by "
+        f"torchrun; RANK={os.environ.get('RANK', '?')}), but the multi-process runtime was "
+        f"not started, so {mesh!r} would be simulated whole in every process: each would do "
+        "all the work and none would talk to the others. Call "
+        "shardwise.distributed.initialize() (or maybe_initialize(), which also runs "
+        "unchanged without torchrun) before building tensors on a mesh."
+    )
+
+
+def check_reduce(x: torch.Tensor, op: ReduceOp) -> None:
+    """Refuse a reduction that ``x``'s dtype cannot do, with the same
+    :class:`ShardingTypeError` on every runtime and mesh size (torch would fail
+    inside a collective or truncate): AVG of integers or bools, MIN/MAX of complex
+    numbers. (SUM of bools is a logical or on both runtimes, as torch's bool add.)
+
+    >>> check_reduce(torch.ones(2, dtype=torch.int64), ReduceOp.SUM)  # fine
     """
-    if op is ReduceOp.AVG and not (x.is_floating_point() or x.is_complex()):
-        raise ShardingError(
-            f"Cannot average (ReduceOp.AVG) values of integer dtype {x.dtype}: the mean is "
-            "not an integer. Cast to a floating dtype first, or use SUM."
-        )
+    if op is ReduceOp.SUM:
+        return
+    dtype = x.dtype
+    if op is ReduceOp.AVG:
+        if not (x.is_floating_point() or x.is_complex()):
+            _refuse(dtype, op, f"the mean of integer dtype {dtype} values is not an integer; "
+                    "cast to a floating dtype first, or use SUM")
+    elif (op is ReduceOp.MAX or op is ReduceOp.MIN) and x.is_complex():
+        _refuse(dtype, op, "complex numbers have no order; reduce .real/.abs() or use "
+                "SUM/AVG/PROD")
+
+
+check_average = check_reduce  # the name collectives.py imports
+
+
+def _refuse(dtype: torch.dtype, op: ReduceOp, why: str) -> None:
+    raise ShardingTypeError(
+        f"Cannot reduce values of dtype {dtype} with ReduceOp.{op.name} ({op.value!r}): "
+        f"{why}."
+    )

@@ -226,9 +226,13 @@ def _pooled(shape: Sequence[int], dtype: torch.dtype, nbytes: int) -> torch.Tens
 
 def _modes_active() -> bool:
     """True under a torch dispatch mode (e.g. FakeTensorMode), where new tensors are
-    not plain memory."""
-    count = getattr(torch._C, "_len_torch_dispatch_mode", None)
-    return bool(count()) if count is not None else False
+    not plain memory. Modes that only observe (``plain_memory = True``, e.g. the
+    shard_map write guard) do not count."""
+    # (torch._C._len_torch_dispatch_mode, used before, does not exist in torch 2.13: the
+    # check was always False.)
+    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+
+    return not all(getattr(m, "plain_memory", False) for m in _get_current_dispatch_mode_stack())
 
 
 def empty(shape: Sequence[int], like: torch.Tensor) -> torch.Tensor:

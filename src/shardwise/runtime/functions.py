@@ -220,10 +220,9 @@ class Relabel(Function):
         grp, op = ctx.spec
         if grp is None or grp.size == 1:
             return g, None
-        if op is ReduceOp.SUM:
+        if op in (ReduceOp.SUM, ReduceOp.AVG):
+            # Linear ops: dL/dp_i is the same on every replica, so their sum is a product.
             return g * grp.size, None
-        if op is ReduceOp.AVG:
-            return g, None
         return D.all_reduce(g, grp, ReduceOp.SUM), None
 
     @staticmethod

@@ -41,7 +41,7 @@ from typing import Any, TypeAlias
 import torch
 
 from shardwise.planner import Plan, Step, StepKind, check_handlers, permute_sources
-from shardwise.runtime import blocks, check_average
+from shardwise.runtime import blocks, check_reduce
 from shardwise.runtime import host_paths as hp
 from shardwise.runtime.blocks import rep_indices
 from shardwise.runtime.buffers import buffer_reuse, set_buffer_reuse
@@ -109,9 +109,9 @@ def _combine(objs: Sequence[torch.Tensor], op: ReduceOp) -> torch.Tensor:
     ``stack(...).sum(0)`` (torch's reduction order and accumulation, e.g. float
     accumulation for half types; equal within rounding)."""
     first = objs[0]
+    check_reduce(first, op)  # on one device too: the same error on every mesh size
     if len(objs) == 1:
         return first
-    check_average(first, op)
     if op is ReduceOp.SUM or op is ReduceOp.AVG:
         floating = first.is_floating_point() or first.is_complex()
         if (floating and len(objs) > 3 and first.nbytes * len(objs) <= hp.SMALL_BYTES

@@ -5,7 +5,10 @@ Every message says what failed, the offending value, the rule, and how to fix it
 
 from __future__ import annotations
 
-__all__ = ["ConversionError", "ShardingError", "ShardingTypeError"]
+from collections.abc import Iterable
+from typing import Any
+
+__all__ = ["ConversionError", "ShardingError", "ShardingTypeError", "check_items"]
 
 
 class ShardingError(ValueError):
@@ -19,3 +22,16 @@ class ConversionError(ShardingError):
 class ShardingTypeError(ShardingError, TypeError):
     """A value of the wrong kind was passed (e.g. a torch.Tensor where a shardwise
     Tensor is required). Both a ``ValueError`` and a ``TypeError``."""
+
+
+def check_items(value: Any, arg: str, expected: str) -> tuple[Any, ...]:
+    """``value`` as a tuple, or a :class:`ShardingTypeError` naming ``arg`` and what
+    it takes (a str is not taken as a sequence of characters).
+
+    >>> check_items([1, 2], "sizes", "a list of ints")
+    (1, 2)
+    """
+    if isinstance(value, (str, bytes)) or not isinstance(value, Iterable):
+        raise ShardingTypeError(f"{arg} must be {expected}. Got {value!r} "
+                                f"({type(value).__name__}).")
+    return tuple(value)

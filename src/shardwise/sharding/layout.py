@@ -18,7 +18,7 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass, field
 
-from shardwise.sharding.errors import ConversionError, ShardingError
+from shardwise.sharding.errors import ConversionError, ShardingError, ShardingTypeError
 from shardwise.sharding.mesh import DeviceMesh
 from shardwise.sharding.placements import Partial, Placement, ReduceOp, Replicated, Sharded
 
@@ -28,7 +28,7 @@ __all__ = ["Layout", "normalize_dim"]
 def normalize_dim(dim: int, ndim: int, what: str = "tensor dim") -> int:
     """``dim`` as a non-negative index into a rank-``ndim`` tensor, or a clear error."""
     if isinstance(dim, bool) or not isinstance(dim, int):
-        raise ShardingError(f"A {what} must be an int. Got {dim!r} ({type(dim).__name__}).")
+        raise ShardingTypeError(f"{what} must be an int. Got {dim!r} ({type(dim).__name__}).")
     if not -ndim <= dim < ndim:
         raise ShardingError(
             f"{what.capitalize()} {dim} is out of range for a tensor of rank {ndim}: "

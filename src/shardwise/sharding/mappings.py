@@ -21,7 +21,12 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import TypeAlias
 
-from shardwise.sharding.errors import ConversionError, ShardingError
+from shardwise.sharding.errors import (
+    ConversionError,
+    ShardingError,
+    ShardingTypeError,
+    check_items,
+)
 from shardwise.sharding.layout import Layout
 from shardwise.sharding.mesh import DeviceMesh
 from shardwise.sharding.placements import Placement, ReduceOp
@@ -43,7 +48,10 @@ tuple of axis names (split over several mesh axes, major to minor)."""
 
 def _check_mesh(mesh: object, owner: str) -> DeviceMesh:
     if not isinstance(mesh, DeviceMesh):
-        raise ShardingError(f"{owner} needs a DeviceMesh. Got {mesh!r} ({type(mesh).__name__}).")
+        raise ShardingTypeError(
+            f"{owner} needs a DeviceMesh. Got {mesh!r} ({type(mesh).__name__}); build one "
+            "with e.g. DeviceMesh.cpu((2, 2), ('dp', 'tp'))."
+        )
     return mesh
 
 
@@ -85,10 +93,10 @@ def _axis_set(names: Iterable[str] | None, mesh: DeviceMesh, what: str) -> froze
         return frozenset()
     if isinstance(names, str):
         names = (names,)
-    names = tuple(names)
+    names = check_items(names, what, "a set of mesh axis names (str)")
     for name in names:
         if not isinstance(name, str):
-            raise ShardingError(f"{what} holds mesh axis names (str). Got {name!r}.")
+            raise ShardingTypeError(f"{what} holds mesh axis names (str). Got {name!r}.")
         mesh.axis_index(name)
     return frozenset(names)
 
@@ -132,7 +140,8 @@ class PlacementMapping(DeviceMapping):
 
     def __post_init__(self) -> None:
         mesh = _check_mesh(self.mesh, "PlacementMapping")
-        placements = tuple(self.placements)
+        placements = check_items(self.placements, "PlacementMapping placements",
+                            "a list with one placement per mesh axis, e.g. [Sharded(0)]")
         if len(placements) != mesh.ndim:
             raise ShardingError(
                 f"{mesh!r} has {mesh.ndim} axes but {len(placements)} placements were given "
@@ -140,7 +149,7 @@ class PlacementMapping(DeviceMapping):
             )
         for p in placements:
             if not isinstance(p, Placement):
-                raise ShardingError(
+                raise ShardingTypeError(
                     f"PlacementMapping placements must be Replicated(), Sharded(axis) or "
                     f"Partial(op). Got {p!r} ({type(p).__name__})."
                 )
@@ -187,7 +196,8 @@ class NamedMapping(DeviceMapping):
             )
         spec: list[SpecEntry] = []
         used: list[str] = []
-        for d, entry in enumerate(self.spec):
+        for d, entry in enumerate(check_items(self.spec, "NamedMapping spec", "a tuple with "
+                                         "one entry per tensor dim, e.g. ('dp', None)")):
             axes = _entry_axes(entry, mesh, f"NamedMapping spec entry {d}")
             used.extend(axes)
             spec.append(None if not axes else axes[0] if len(axes) == 1 else axes)
@@ -334,7 +344,9 @@ class ShardingSpec(DeviceMapping):
                 "ShardingSpec dim_specs is a list with one DimSpec per tensor dim. "
                 f"Got {self.dim_specs!r}; wrap it in a list."
             )
-        specs = tuple(DimSpec.of(s) for s in self.dim_specs)
+        specs = tuple(DimSpec.of(s) for s in check_items(
+            self.dim_specs, "ShardingSpec dim_specs",
+            "a list with one DimSpec (or None, an axis name) per tensor dim, e.g. ['x', None]"))
         used = [n for s in specs for n in s.axes]
         for name in used:
             mesh.axis_index(name)
@@ -427,7 +439,7 @@ def as_layout(sharding: object, ndim: int) -> Layout:
         return sharding
     if isinstance(sharding, DeviceMapping):
         return _cached_layout(sharding, ndim, id(sharding.mesh))
-    raise ShardingError(
+    raise ShardingTypeError(
         "A sharding is a PlacementMapping, NamedMapping or ShardingSpec. "
         f"Got {sharding!r} ({type(sharding).__name__})."
     )

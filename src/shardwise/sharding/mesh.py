@@ -17,7 +17,7 @@ from collections.abc import Hashable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from shardwise.sharding.errors import ShardingError
+from shardwise.sharding.errors import ShardingError, ShardingTypeError, check_items
 
 __all__ = ["DeviceMesh", "current_mesh"]
 
@@ -55,21 +55,14 @@ class DeviceMesh:
     _hash: int = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        devices = tuple(self.devices)
-        shape = tuple(self.mesh_shape) if not isinstance(self.mesh_shape, int) else (
-            self.mesh_shape,
-        )
-        names = (self.axis_names,) if isinstance(self.axis_names, str) else tuple(
-            self.axis_names
-        )
+        devices = check_items(self.devices, "DeviceMesh devices",
+                              "a sequence of devices, e.g. (CPU(0), CPU(1))")
+        shape = _mesh_shape(self.mesh_shape, "DeviceMesh")
+        names = _axis_names(self.axis_names, "DeviceMesh")
         if not devices:
-            raise ShardingError("DeviceMesh needs at least one device. Got devices=().")
-        for size in shape:
-            if isinstance(size, bool) or not isinstance(size, int) or size < 1:
-                raise ShardingError(
-                    f"DeviceMesh mesh_shape={shape}: every axis size must be an int >= 1. "
-                    f"Got {size!r}."
-                )
+            raise ShardingError(
+                f"DeviceMesh needs at least one device. Got devices=() for mesh_shape={shape}."
+            )
         if math.prod(shape) != len(devices):
             raise ShardingError(
                 f"DeviceMesh mesh_shape={shape} holds {math.prod(shape)} devices but "
@@ -116,9 +109,9 @@ class DeviceMesh:
         """A simulated mesh of virtual CPU devices ``CPU(0) .. CPU(n-1)``."""
         from shardwise.devices import CPU
 
-        shape = (mesh_shape,) if isinstance(mesh_shape, int) else tuple(mesh_shape)
-        return cls(tuple(CPU(i) for i in range(math.prod(shape))), shape, tuple(axis_names)
-                   if not isinstance(axis_names, str) else (axis_names,))
+        shape = _mesh_shape(mesh_shape, "DeviceMesh.cpu")
+        names = _axis_names(axis_names, "DeviceMesh.cpu")
+        return cls(tuple(CPU(i) for i in range(math.prod(shape))), shape, names)
 
     @classmethod
     def single(cls, device: Any, axis_name: str = "_") -> DeviceMesh:
@@ -218,7 +211,7 @@ class DeviceMesh:
 
     def index_of(self, coord: Sequence[int]) -> int:
         """Flat device index of coordinate ``coord``."""
-        coord = tuple(coord)
+        coord = check_items(coord, "index_of coord", "one int per mesh axis")
         if len(coord) != self.ndim:
             raise ShardingError(
                 f"Coordinate {coord} has {len(coord)} entries but {self!r} has {self.ndim} "
@@ -240,7 +233,7 @@ class DeviceMesh:
     def devices_along(self, axis: str | int, coord: Sequence[int]) -> tuple[Any, ...]:
         """The devices that share ``coord`` on every axis but ``axis``, in axis order."""
         a = self.axis_index(axis)
-        base = list(coord)
+        base = list(check_items(coord, "devices_along coord", "one int per mesh axis"))
         self.index_of(base)  # validates the coordinate
         out = []
         for i in range(self.mesh_shape[a]):
@@ -254,7 +247,8 @@ class DeviceMesh:
         ``axes`` are mesh axis names or indices (negative counts from the end).
         Within a group the order is row-major over ``axes`` (in the given order).
         """
-        idx = [self.axis_index(a) for a in axes]
+        idx = [self.axis_index(a) for a in check_items(
+            axes, "groups axes", "a sequence of mesh axis names or indices, e.g. ['tp']")]
         if len(set(idx)) != len(idx):
             raise ShardingError(
                 f"groups({list(axes)!r}) names a mesh axis twice; {self!r} has axes "
@@ -287,6 +281,29 @@ class DeviceMesh:
 
     def __iter__(self) -> Iterator[Any]:
         return iter(self.devices)
+
+
+def _mesh_shape(value: Any, where: str) -> tuple[int, ...]:
+    """``value`` (an int or a sequence of ints) as a shape of sizes >= 1, or a clear error."""
+    shape = (value,) if isinstance(value, int) else check_items(
+        value, f"{where} mesh_shape", "an int or a sequence of ints, e.g. (2, 4)")
+    for a, size in enumerate(shape):
+        if isinstance(size, bool) or not isinstance(size, int):
+            raise ShardingTypeError(
+                f"{where} mesh_shape={shape}: every axis size must be an int >= 1. Got "
+                f"{size!r} ({type(size).__name__}) at axis {a}; use ints, e.g. (2, 4)."
+            )
+        if size < 1:
+            raise ShardingError(
+                f"{where} mesh_shape={shape}: every axis size must be an int >= 1. Got "
+                f"{size!r} at axis {a}; an axis of size 1 keeps the name without a split."
+            )
+    return shape
+
+
+def _axis_names(value: Any, where: str) -> tuple[str, ...]:
+    return (value,) if isinstance(value, str) else check_items(
+        value, f"{where} axis_names", "a str or a sequence of str, e.g. ('dp', 'tp')")
 
 
 def _unravel(index: int, shape: Sequence[int]) -> list[int]:

@@ -16,12 +16,13 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from shardwise.sharding.errors import ShardingError
+from shardwise.sharding.errors import ShardingError, ShardingTypeError, check_items
 from shardwise.sharding.layout import Layout
 from shardwise.sharding.mesh import DeviceMesh
 from shardwise.sharding.placements import Placement
 
 __all__ = [
+    "check_shape",
     "global_shape_from_local",
     "local_bounds",
     "local_shape",
@@ -95,12 +96,24 @@ def _check_rank(global_shape: Sequence[int], layout: Layout) -> None:
         )
 
 
-def _check_shape(shape: Sequence[int], what: str) -> tuple[int, ...]:
-    out = tuple(shape)
-    for s in out:
-        if isinstance(s, bool) or not isinstance(s, int) or s < 0:
-            raise ShardingError(f"{what} {out} must hold ints >= 0. Got {s!r}.")
+def check_shape(shape: Sequence[int] | int, what: str = "shape") -> tuple[int, ...]:
+    """``shape`` (an int or a sequence of ints >= 0) as a tuple, or an error naming
+    ``what``: :class:`ShardingTypeError` for a wrong type, ShardingError for a negative size.
+
+    >>> check_shape(4), check_shape([2, 3])
+    ((4,), (2, 3))
+    """
+    if isinstance(shape, int) and not isinstance(shape, bool):
+        shape = (shape,)
+    out = check_items(shape, what, "an int or a sequence of ints, e.g. (4, 2)")
+    for d, s in enumerate(out):
+        if isinstance(s, bool) or not isinstance(s, int):
+            raise ShardingTypeError(f"{what} {out} must hold ints >= 0. Got {s!r} "
+                                    f"({type(s).__name__}) at dim {d}.")
+        if s < 0:
+            raise ShardingError(f"{what} {out} must hold ints >= 0. Got {s!r} at dim {d}.")
     return out
+
 
 
 def shard_shape(
@@ -113,7 +126,7 @@ def shard_shape(
     >>> shard_shape((8, 6), [Sharded(0), Sharded(1)], (2, 4))
     (4, 2)
     """
-    shape = _check_shape(global_shape, "global_shape")
+    shape = check_shape(global_shape, "global_shape")
     mesh = DeviceMesh(tuple(range(_prod(mesh_shape))), tuple(mesh_shape),
                       tuple(f"a{i}" for i in range(len(tuple(mesh_shape)))))
     layout = Layout.from_placements(mesh, tuple(placements), len(shape))
@@ -129,7 +142,7 @@ def local_shard_shape_from_global(
     >>> local_shard_shape_from_global((5, 3), mesh, [Sharded(0)])
     [(3, 3), (2, 3)]
     """
-    shape = _check_shape(global_shape, "global_shape")
+    shape = check_shape(global_shape, "global_shape")
     layout = Layout.from_placements(mesh, tuple(placements), len(shape))
     return [local_shape(shape, layout, mesh.coord_of(k)) for k in range(mesh.num_devices)]
 
@@ -150,7 +163,7 @@ def global_shape_from_local(
     >>> global_shape_from_local((3, 3), DeviceMesh.cpu(2, "x"), [Sharded(0)])
     (6, 3)
     """
-    shape = _check_shape(local_shape, "local_shape")
+    shape = check_shape(local_shape, "local_shape")
     layout = Layout.from_placements(mesh, tuple(placements), len(shape))
     if local_shapes is None:
         out = list(shape)
@@ -158,7 +171,7 @@ def global_shape_from_local(
             for a in axes:
                 out[d] *= mesh.mesh_shape[a]
         return tuple(out)
-    shapes = [_check_shape(s, "local_shapes entry") for s in local_shapes]
+    shapes = [check_shape(s, "local_shapes entry") for s in local_shapes]
     if len(shapes) != mesh.num_devices:
         raise ShardingError(
             f"local_shapes gives {len(shapes)} shapes for {mesh!r} with {mesh.num_devices} "
