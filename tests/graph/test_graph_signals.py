@@ -111,7 +111,7 @@ def test_one_buffer_makes_every_collective_a_no_op() -> None:
     }
     for name, out in outs.items():
         assert len(out) == 1, name
-        assert out[0].device == CPU(1), name
+        assert out[0].dist_device == CPU(1), name
         assert torch.equal(out[0].to_torch(), x.to_torch()), name
     with pytest.raises(ShardingError, match=r"at least 1 participating device, got none"):
         ops.allgather([x], [])

@@ -10,10 +10,7 @@ from __future__ import annotations
 from collections import Counter
 from typing import Any
 
-from shardwise.runtime import observe
-from shardwise.runtime.observe import active, record
-
-__all__ = ["CommCounter", "active", "record"]
+__all__ = ["CommCounter"]
 
 
 class CommCounter:
@@ -42,10 +39,15 @@ class CommCounter:
         self.log.append((kind, nbytes, step))
 
     def __enter__(self) -> CommCounter:
+        # imported here: ``import shardwise.debug`` stays torch-free (the runtime is torch)
+        from shardwise.runtime import observe
+
         observe.add(self._record)
         return self
 
     def __exit__(self, *exc: object) -> None:
+        from shardwise.runtime import observe
+
         observe.remove(self._record)
 
     def __repr__(self) -> str:
