@@ -404,13 +404,24 @@ class Tensor(torch.Tensor):
 
     def unique_shards(self) -> tuple[list[int], list[torch.Tensor]]:
         """Representative device indices and their (distinct) local tensors."""
+        reps = list(self._unique())
+        return reps, [self._shards[k] for k in reps]
+
+    def _unique(self) -> tuple[int, ...]:
+        """Indices of the first device holding each distinct local tensor (cached)."""
+        shards = self._shards
+        cached = self.__dict__.get("_uniq")
+        if cached is not None and cached[0] is shards:
+            return cached[1]
         reps: list[int] = []
         seen: set[int] = set()
-        for k, s in enumerate(self._shards):
+        for k, s in enumerate(shards):
             if s is not None and id(s) not in seen:
                 seen.add(id(s))
                 reps.append(k)
-        return reps, [self._shards[k] for k in reps]
+        out = tuple(reps)
+        self.__dict__["_uniq"] = (shards, out)
+        return out
 
     def _map_unique(self, fn: Any, layout: Layout | None = None) -> Tensor:
         """Apply ``fn`` once per distinct local tensor, keeping the sharing pattern."""
@@ -529,16 +540,17 @@ class Tensor(torch.Tensor):
     @property  # type: ignore[override]
     def grad(self) -> Tensor | None:
         """Accumulated gradient, in this tensor's layout; None before any backward."""
-        grads = [s.grad if s is not None else None for s in self._shards]
+        shards = self._shards
+        grads = [shards[k].grad for k in self._unique()]
         if all(g is None for g in grads):
             return None
         # the same shard gradients give the same Tensor (optimizers read .grad often)
-        key = tuple(map(id, grads))
         cached = self.__dict__.get("_grad_cache")
-        if cached is not None and cached[0] == key:
+        if cached is not None and len(cached[0]) == len(grads) and all(
+                a is b for a, b in zip(cached[0], grads)):
             return cached[1]
-        out = self._wrap_grads({id(s): g for s, g in zip(self._shards, grads) if s is not None})
-        self.__dict__["_grad_cache"] = (key, out, grads)  # grads kept: ids stay unique
+        out = self._wrap_grads({id(s): s.grad for s in shards if s is not None})
+        self.__dict__["_grad_cache"] = (grads, out)
         return out
 
     @grad.setter

@@ -189,15 +189,21 @@ def _inplace(name: str, method: Any, out_of_place: Callable[..., Any] | None
     def handler(self: Any, *args: Any, **kwargs: Any) -> Any:
         t = _target(self, name)
         if _same_layout_rows(t, list(args) + list(kwargs.values())):
-            seen: set[int] = set()
-            for k, s in enumerate(t._shards):
-                if s is None or id(s) in seen:
-                    continue
-                seen.add(id(s))
-                call = [a._shards[k] if isinstance(a, Tensor) else a for a in args]
-                kw = {key: (v._shards[k] if isinstance(v, Tensor) else v)
-                      for key, v in kwargs.items()}
-                method(s, *call, **kw)
+            shards = t._shards
+            tensors = [i for i, a in enumerate(args) if isinstance(a, Tensor)]
+            tkw = [key for key, v in kwargs.items() if isinstance(v, Tensor)]
+            if not tensors and not tkw:  # numbers only: the same call on every buffer
+                for k in t._unique():
+                    method(shards[k], *args, **kwargs)
+                return t
+            call = list(args)
+            kw = dict(kwargs)
+            for k in t._unique():
+                for i in tensors:
+                    call[i] = args[i]._shards[k]
+                for key in tkw:
+                    kw[key] = kwargs[key]._shards[k]
+                method(shards[k], *call, **kw)
             return t
         if out_of_place is None:
             raise ShardingError(
