@@ -11,13 +11,18 @@ Invariants:
   each device holds its piece; on Partial axes device ``i`` holds dL/dp_i.
   Each step's backward maps that convention through it (see ``multiprocess.py``).
 - Inputs are never mutated: collectives run on fresh buffers.
+- Every collective first agrees on its fingerprint with its group (``agreement.py``:
+  one fixed-size control message; a small float all_reduce travels inside it) and
+  every wait is bounded by the run's timeout: a skipped, mismatched, stalled or dead
+  peer raises :class:`CollectiveError` on the others, never a hang or a Gloo abort.
+  The fingerprint holds only what every member sees alike (global sizes, not the
+  local block's).
 """
 
 from __future__ import annotations
 
 import math
 import os
-import zlib
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -25,6 +30,7 @@ import torch
 import torch.distributed as dist
 
 from shardwise.distributed import CollectiveError
+from shardwise.runtime import agreement as A
 from shardwise.runtime import buffers, check_average
 from shardwise.sharding.errors import ShardingError
 from shardwise.sharding.layout import Layout
@@ -36,24 +42,21 @@ __all__ = ["Group", "group", "is_process_mesh", "my_index", "reset_groups"]
 
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-_TORCH_OP = {
-    ReduceOp.SUM: dist.ReduceOp.SUM, ReduceOp.AVG: dist.ReduceOp.AVG,
-    ReduceOp.MIN: dist.ReduceOp.MIN, ReduceOp.MAX: dist.ReduceOp.MAX,
-    ReduceOp.PROD: dist.ReduceOp.PRODUCT,
-}
+_TORCH_OP = A._TORCH_OP
 
 
 class Group:
     """A process group over mesh axes, as seen from this process."""
 
-    __slots__ = ("members", "pg", "pos", "ranks", "slot")
+    __slots__ = ("label", "members", "pg", "pos", "ranks", "slot")
 
     def __init__(self, pg: Any, members: tuple[int, ...], ranks: tuple[int, ...],
-                 pos: int) -> None:
+                 pos: int, label: str = "") -> None:
         self.pg = pg            # torch ProcessGroup (None when this process is not a member)
         self.members = members  # flat mesh indices, row-major over the axes
         self.ranks = ranks
         self.pos = pos          # this process's position among the members
+        self.label = label      # e.g. "mesh axes ('tp',) of DeviceMesh(dp=2, tp=2)"
         # torch orders a group's members by global rank; slot[p] is member p's place
         # in that order (None when it is the members' own order).
         order = sorted(ranks)
@@ -85,6 +88,7 @@ def reset_groups() -> None:
     _GROUPS.clear()
     _INDEX.clear()
     _CHECKED.clear()
+    A.reset()
     from shardwise.runtime import multiprocess
 
     multiprocess._SPECS.clear()
@@ -147,36 +151,42 @@ def group(mesh: DeviceMesh, axes: tuple[int, ...]) -> Group:
     if hit is not None:
         return hit
     me = my_index(mesh)
+    label = f"mesh axes {tuple(mesh.axis_names[a] for a in axes)} of {mesh!r}"
     base_axes = tuple(sorted(axes))
     if base_axes != axes:
         base = group(mesh, base_axes)
-        result = Group(None, (), (), -1)
+        result = Group(None, (), (), -1, label)
         if base.pos >= 0 and me is not None:
             members = next(m for m in mesh.groups(axes) if me in m)
             ranks = tuple(mesh.devices[k].id for k in members)
-            result = Group(base.pg, tuple(members), ranks, members.index(me))
+            result = Group(base.pg, tuple(members), ranks, members.index(me), label)
         _GROUPS[key] = result
         return result
-    world = dist.get_world_size()
+    world = world_group()
+    # Creating groups is collective over the world, matched by call order: processes
+    # creating different groups would pair them up silently, so they agree first.
+    A.agree(world.pg, world.ranks, world.label,
+            A.fingerprint("create process groups", None, world.label, (), None, label))
     found: Group | None = None
     for members in mesh.groups(axes):
         ranks = tuple(mesh.devices[k].id for k in members)
-        if ranks == tuple(range(world)):
+        if ranks == world.ranks:
             pg: Any = dist.group.WORLD
         elif len(ranks) == 1:
             pg = None
-        else:
-            pg = dist.new_group(list(ranks))  # every process calls this, member or not
+        else:  # every process calls this, member or not
+            pg = A.run("creating process groups", world.label, world.ranks, lambda r=ranks:
+                       dist.new_group(list(r), timeout=A.timeout()))
         if me is not None and me in members:
-            found = Group(pg, tuple(members), ranks, members.index(me))
-    result = found or Group(None, (), (), -1)
+            found = Group(pg, tuple(members), ranks, members.index(me), label)
+    result = found or Group(None, (), (), -1, label)
     _GROUPS[key] = result
     return result
 
 
 def world_group() -> Group:
     world = dist.get_world_size()
-    return Group(dist.group.WORLD, tuple(range(world)), tuple(range(world)), rank())
+    return Group(dist.group.WORLD, tuple(range(world)), tuple(range(world)), rank(), "world")
 
 
 def sizes_along(shape: tuple[int, ...], layout: Layout, members: Sequence[int], dim: int,
@@ -187,44 +197,56 @@ def sizes_along(shape: tuple[int, ...], layout: Layout, members: Sequence[int], 
 CHECK = {"enabled": os.environ.get("SHARDWISE_CHECK_COLLECTIVES", "") == "1"}
 
 
-def _check(what: str, g: Group, sig: str) -> None:
-    """Compare a fingerprint of the collective across the group (one tiny all_gather):
-    two processes that call different collectives of the same size would otherwise
-    exchange data silently and produce wrong values."""
-    code = zlib.crc32(f"{what}|{sig}".encode())
-    mine = torch.tensor([code], dtype=torch.int64)
+def _agree(what: str, g: Group, shape: tuple[int, ...], dtype: Any, tag: str,
+           op: ReduceOp | None = None, sizes: tuple[int, ...] = (),
+           device: torch.device | None = None) -> A.Fingerprint:
+    """The control message of one collective (see ``agreement.py``); with the debug
+    check on, also an all_gather of every member's full fingerprint."""
+    if CHECK["enabled"]:
+        tag += " [debug check]"  # members that differ in the mode disagree here
+    fp = A.fingerprint(what, op, g.label, shape, dtype, tag, sizes)
+    A.agree(g.pg, g.ranks, g.label, fp, device=device)
+    if CHECK["enabled"]:
+        _check(g, fp)
+    return fp
+
+
+def _check(g: Group, fp: A.Fingerprint) -> None:
+    """Debug mode: compare every member's fingerprint code explicitly (one all_gather
+    after the control message), independent of the tail's arithmetic."""
+    mine = torch.tensor([fp.code], dtype=torch.int64)
     got = torch.empty(g.size, dtype=torch.int64)
-    _all_gather(got, mine, group=g.pg)
+    A.run(fp.what, g.label, g.ranks, lambda: _all_gather(got, mine, group=g.pg))
     codes = got.tolist()
-    if any(c != code for c in codes):
-        others = [g.ranks[p] for p in range(g.size) if codes[g.slot[p] if g.slot else p] != code]
+    if any(c != fp.code for c in codes):
+        others = [g.ranks[p] for p in range(g.size) if codes[g.slot[p] if g.slot else p]
+                  != fp.code]
         raise CollectiveError(
-            f"Collective mismatch: rank {rank()} called {what} {sig} over ranks "
-            f"{list(g.ranks)}, but ranks {others} called a different collective. Every "
-            "process must run the same ops in the same order (check rank-dependent code)."
+            f"Collective mismatch (debug check): rank {rank()} called {fp.what} over "
+            f"{g.label} ({fp.values}), but ranks {others} called a different collective. "
+            "Every process must run the same ops in the same order (check rank-dependent "
+            "code)."
         )
 
 
-def _call(what: str, g: Group, fn: Callable[[], Any], sig: str = "") -> None:
-    try:
-        if CHECK["enabled"] and g.pg is not None:
-            _check(what, g, sig)
-        fn()
-    except (RuntimeError, ValueError) as err:  # DistBackendError is a RuntimeError
-        if isinstance(err, CollectiveError):
-            raise
-        raise CollectiveError(
-            f"{what} over ranks {list(g.ranks)} failed on rank {rank()}: a peer died, timed "
-            "out, or called a different collective (every process must run the same ops in "
-            f"the same order). Underlying error: {err}"
-        ) from err
+def _call(what: str, g: Group, fn: Callable[[], Any], sig: str = "") -> Any:
+    """Run the data exchange of an agreed collective (every one passes here once)."""
+    return A.run(what, g.label, g.ranks, fn)
+
+
+def _shape(shape: Sequence[int], dims: dict[int, int]) -> tuple[int, ...]:
+    """``shape`` with some dims replaced: the rank-independent shape of a call."""
+    return tuple(dims.get(d, s) for d, s in enumerate(shape))
 
 
 # --- primitives on local tensors (no autograd) -------------------------------------------
-def all_gather(x: torch.Tensor, dim: int, g: Group, sizes: Sequence[int]) -> torch.Tensor:
+def all_gather(x: torch.Tensor, dim: int, g: Group, sizes: Sequence[int], tag: str = ""
+               ) -> torch.Tensor:
     """Concatenate the members' blocks along ``dim`` (uneven sizes padded in transit)."""
     if g.size == 1:
         return x
+    _agree("all_gather", g, _shape(x.shape, {dim: sum(sizes)}), x.dtype, tag,
+           sizes=tuple(sizes), device=x.device)
     if x.device.type == "cpu":
         return _all_gather_by_exchange(x, dim, g, sizes)
     m = max(sizes)
@@ -233,7 +255,7 @@ def all_gather(x: torch.Tensor, dim: int, g: Group, sizes: Sequence[int]) -> tor
         xm = torch.cat([xm, xm.new_zeros((m - xm.shape[0], *xm.shape[1:]))])
     xm = xm.contiguous()
     out = buffers.empty((g.size * m, *xm.shape[1:]), xm)
-    _call("all_gather", g, lambda: _all_gather(out, xm, group=g.pg), f"{tuple(xm.shape)}")
+    _call("all_gather", g, lambda: _all_gather(out, xm, group=g.pg))
     if g.slot is not None or any(s != m for s in sizes):
         slots = g.slot or range(g.size)
         out = torch.cat([out.narrow(0, slots[p] * m, s) for p, s in enumerate(sizes)])
@@ -261,26 +283,32 @@ def _all_gather_by_exchange(x: torch.Tensor, dim: int, g: Group, sizes: Sequence
             ops.append(dist.P2POp(dist.irecv, out.narrow(0, starts[frm], sizes[frm]),
                                   g.ranks[frm], g.pg))
     if ops:
-        _call("all_gather", g, lambda: [r.wait() for r in dist.batch_isend_irecv(ops)],
-              f"{tuple(xm.shape[1:])} {tuple(sizes)}")
+        _call("all_gather", g, lambda: A.wait_all(dist.batch_isend_irecv(ops)))
     return out.movedim(0, dim)
 
 
-def all_reduce(x: torch.Tensor, g: Group, op: ReduceOp) -> torch.Tensor:
+def all_reduce(x: torch.Tensor, g: Group, op: ReduceOp, tag: str = "") -> torch.Tensor:
     check_average(x, op)
+    if g.size == 1:
+        return buffers.empty(x.shape, x).copy_(x)
+    if A.foldable(x, op) and not CHECK["enabled"]:  # data inside the control message
+        fp = A.fingerprint("all_reduce", op, g.label, tuple(x.shape), x.dtype, tag)
+        out: torch.Tensor = _call("all_reduce", g,
+                                  lambda: A.agree(g.pg, g.ranks, g.label, fp, x, op))
+        return out
+    _agree("all_reduce", g, tuple(x.shape), x.dtype, tag, op, device=x.device)
     out = buffers.empty(x.shape, x).copy_(x)  # a clone (huge pages when large)
-    if g.size > 1:
-        _call("all_reduce", g, lambda: dist.all_reduce(out, _TORCH_OP[op], group=g.pg),
-              f"{tuple(out.shape)} {op.value}")
+    _call("all_reduce", g, lambda: dist.all_reduce(out, _TORCH_OP[op], group=g.pg))
     return out
 
 
 def reduce_scatter(x: torch.Tensor, dim: int, g: Group, sizes: Sequence[int],
-                   op: ReduceOp) -> torch.Tensor:
+                   op: ReduceOp, tag: str = "") -> torch.Tensor:
     """Reduce the members' full blocks and keep this member's piece along ``dim``."""
     if g.size == 1:
         return x.clone()
     check_average(x, op)
+    _agree("reduce_scatter", g, tuple(x.shape), x.dtype, tag, op, tuple(sizes), x.device)
     if x.device.type == "cpu":
         return _reduce_scatter_by_exchange(x, dim, g, sizes, op)
     m = max(sizes)
@@ -297,8 +325,7 @@ def reduce_scatter(x: torch.Tensor, dim: int, g: Group, sizes: Sequence[int],
             parts.append(piece)
         inp = torch.cat(g.by_slot(parts))
     out = inp.new_empty((m, *inp.shape[1:]))
-    _call("reduce_scatter", g, lambda: _reduce_scatter(out, inp, _TORCH_OP[op], group=g.pg),
-          f"{tuple(inp.shape)} {op.value}")
+    _call("reduce_scatter", g, lambda: _reduce_scatter(out, inp, _TORCH_OP[op], group=g.pg))
     return out.narrow(0, 0, sizes[g.pos]).movedim(0, dim)
 
 
@@ -324,13 +351,12 @@ def _reduce_scatter_by_exchange(x: torch.Tensor, dim: int, g: Group, sizes: Sequ
     out = buffers.empty((g.size * mine * rest,), x)
     in_splits = [p.shape[0] * rest for p in pieces]
     _call("reduce_scatter", g, lambda: dist.all_to_all_single(
-        out, inp.view(-1), [mine * rest] * g.size, in_splits, group=g.pg),
-        f"{tuple(x.shape)} {op.value}")
+        out, inp.view(-1), [mine * rest] * g.size, in_splits, group=g.pg))
     return _LOCAL_REDUCE[op](out.view(g.size, mine, *xm.shape[1:])).movedim(0, dim)
 
 
 def all_to_all(x: torch.Tensor, dim: int, dim2: int, g: Group, send: Sequence[int],
-               recv: Sequence[int]) -> torch.Tensor:
+               recv: Sequence[int], tag: str = "") -> torch.Tensor:
     """Split ``x`` along ``dim2`` (``send[j]`` to member j); concatenate what
     arrives along ``dim`` (``recv[i]`` from member i).
 
@@ -338,6 +364,9 @@ def all_to_all(x: torch.Tensor, dim: int, dim2: int, g: Group, send: Sequence[in
     what arrives is already the concatenation along ``dim``: no unpack copy."""
     if g.size == 1:
         return x
+    # send/recv are this member's row and column of the exchange: not rank-independent
+    _agree("all_to_all", g, _shape(x.shape, {dim: -1, dim2: -1}), x.dtype,
+           f"{tag} dim {dim}<-{dim2}", device=x.device)
     chunks = g.by_slot([c.movedim(dim, 0) for c in x.split(list(send), dim2)])
     in_splits = [c.numel() for c in chunks]
     flat_in = x.new_empty(sum(in_splits))
@@ -357,7 +386,7 @@ def all_to_all(x: torch.Tensor, dim: int, dim2: int, g: Group, send: Sequence[in
     out_splits = g.by_slot([s * rest for s in recv])
     flat_out = buffers.empty((sum(out_splits),), x)
     _call("all_to_all", g, lambda: dist.all_to_all_single(
-        flat_out, flat_in, out_splits, in_splits, group=g.pg), f"{sum(in_splits)}")
+        flat_out, flat_in, out_splits, in_splits, group=g.pg))
     if g.slot is None:
         return flat_out.view(sum(recv), *moved[1:]).movedim(0, dim)
     pieces = g.by_member(list(flat_out.split(out_splits)))
@@ -365,8 +394,14 @@ def all_to_all(x: torch.Tensor, dim: int, dim2: int, g: Group, send: Sequence[in
 
 
 def permute(x: torch.Tensor | None, send_to: int | None, recv_from: int | None,
-            like: torch.Tensor) -> torch.Tensor:
-    """Send ``x`` to rank ``send_to`` and receive from ``recv_from`` (zeros if None)."""
+            like: torch.Tensor, g: Group | None = None, tag: str = "") -> torch.Tensor:
+    """Send ``x`` to rank ``send_to`` and receive from ``recv_from`` (zeros if None).
+
+    ``g``: the group of every process taking part (each calls this, also one that
+    keeps its own block, so that all agree first); ``tag`` must be the same on all
+    of them (e.g. the whole permutation), the block shape may differ."""
+    if g is not None:
+        agree_permute(g, like, tag)
     ops = []
     # Receivers are overwritten whole; only a device that receives nothing holds zeros.
     out = (torch.zeros_like(like, memory_format=torch.contiguous_format) if recv_from is None
@@ -376,13 +411,23 @@ def permute(x: torch.Tensor | None, send_to: int | None, recv_from: int | None,
     if recv_from is not None:
         ops.append(dist.P2POp(dist.irecv, out, recv_from))
     if ops:
-        g = Group(None, (), (send_to or 0, recv_from or 0), 0)
-        _call("ppermute", g, lambda: [r.wait() for r in dist.batch_isend_irecv(ops)])
+        peers = (send_to or 0, recv_from or 0)
+        pair = g or Group(None, (), peers, 0, f"ranks {peers}")
+        _call("ppermute", pair, lambda: A.wait_all(dist.batch_isend_irecv(ops)))
     return out
 
 
-def broadcast(x: torch.Tensor, src_rank: int, g: Group) -> torch.Tensor:
+def agree_permute(g: Group, like: torch.Tensor, tag: str) -> None:
+    """The control message of a point-to-point exchange among ``g``'s members
+    (rank-independent fingerprint: dtype, ndim and ``tag``)."""
+    if g.size > 1:
+        _agree("ppermute", g, (like.dim(),), like.dtype, tag, device=like.device)
+
+
+def broadcast(x: torch.Tensor, src_rank: int, g: Group, tag: str = "") -> torch.Tensor:
     out = x.clone(memory_format=torch.contiguous_format)
     if g.size > 1:
+        _agree("broadcast", g, tuple(x.shape), x.dtype, f"{tag} from rank {src_rank}",
+               device=x.device)
         _call("broadcast", g, lambda: dist.broadcast(out, src_rank, group=g.pg))
     return out

@@ -56,6 +56,7 @@ def _spec(step: Step, shape: tuple[int, ...], k: int) -> tuple[Any, tuple[Any, .
     kind = step.kind
     grp = D.group(mesh, step.axes)
     coord = mesh.coord_of(k)
+    tag = f"{step.before} -> {step.after}"  # the layouts, in every member's fingerprint
     out: tuple[Any, tuple[Any, ...]]
     if kind == "make_partial":
         out = F.MakePartial, (grp, step.reduce_op, all(coord[a] == 0 for a in step.axes))
@@ -64,21 +65,22 @@ def _spec(step: Step, shape: tuple[int, ...], k: int) -> tuple[Any, tuple[Any, .
         d = step.dim
         lo_before = local_bounds(shape, step.before, coord)[d][0]
         lo, hi = local_bounds(shape, step.after, coord)[d]
-        out = F.Slice, (d, lo - lo_before, hi - lo, grp, _sizes(step.after, grp, d, shape))
+        out = F.Slice, (d, lo - lo_before, hi - lo, grp, _sizes(step.after, grp, d, shape),
+                        tag)
     elif kind == "all_gather":
         assert step.dim is not None
-        out = F.AllGather, (step.dim, grp, _sizes(step.before, grp, step.dim, shape))
+        out = F.AllGather, (step.dim, grp, _sizes(step.before, grp, step.dim, shape), tag)
     elif kind == "all_to_all":
         assert step.dim is not None and step.dim2 is not None
         send = _sizes(step.after, grp, step.dim2, shape)
         recv = _sizes(step.before, grp, step.dim, shape)
-        out = F.AllToAll, (step.dim, step.dim2, grp, send, recv)
+        out = F.AllToAll, (step.dim, step.dim2, grp, send, recv, tag)
     elif kind == "all_reduce":
-        out = F.AllReduce, (grp, step.reduce_op)
+        out = F.AllReduce, (grp, step.reduce_op, tag)
     elif kind == "reduce_scatter":
         assert step.dim is not None
         out = F.ReduceScatter, (step.dim, grp, _sizes(step.after, grp, step.dim, shape),
-                               step.reduce_op)
+                               step.reduce_op, tag)
     else:
         raise AssertionError(f"unknown step kind {kind!r}")
     _SPECS[key] = out
@@ -174,17 +176,20 @@ def make_partial(shards: Sequence[torch.Tensor | None], layout: Layout, axes: tu
 
 def permute(shards: Sequence[torch.Tensor | None], layout: Layout, source: Sequence[int | None],
             shape: tuple[int, ...]) -> Shards:
-    """Device k receives device source[k]'s block (zeros when None)."""
+    """Device k receives device source[k]'s block (zeros when None). Every member runs
+    the Function, also one that keeps its block, so that all agree first (forward and
+    backward)."""
     mesh = layout.mesh
+    grp = D.group(mesh, tuple(range(mesh.ndim)))  # collective creation: every process
     k = D.my_index(mesh)
     out: list[torch.Tensor | None] = [None] * mesh.num_devices
     if k is None:
         return out
     x = shards[k]
     assert x is not None
-    spec = _peers(mesh, tuple(source), k)
-    # None: it sends to and receives from itself
-    out[k] = x if spec is None else _run(F.Permute, x, spec)
+    send_to, recv_from = _peers(mesh, tuple(source), k) or (F.KEEP, F.KEEP)
+    out[k] = _run(F.Permute, x, (send_to, recv_from, grp,
+                                 f"{layout} {tuple(shape)} from {tuple(source)}"))
     return out
 
 

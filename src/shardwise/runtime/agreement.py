@@ -1,0 +1,332 @@
+"""Agreement before data: every collective on a process group proves, in a control
+message every member sends, that all members call the same collective, and every
+wait is bounded by the run's timeout.
+
+The control message of a group is one float64 all_reduce of fixed length
+``DATA + 3 * CODE`` (the same bytes on every member, so a disagreement can never
+make Gloo abort on a size mismatch). Its tail carries the collective's
+fingerprint (op, reduce op, group, shape, dtype, layout, sizes, and the group's
+sequence number) as bytes ``p`` in 1..256, written ``[p, -p, p*p]``: after a SUM
+every member finds ``n * tail`` and after MAX/MIN/AVG ``tail`` exactly when all
+fingerprints are equal (sum and sum of squares agree only when the variance is
+zero; max and -min agree only when max == min). A small all_reduce of a float
+dtype travels in the first ``DATA`` elements of the same message (one Gloo call
+in all); every other collective sends a header-only message (MAX) first.
+
+Invariants:
+- Every message a group's members exchange is either a control message or the data
+  of a collective whose control message every member has checked: sizes, dtypes and
+  ops then agree, so nothing reaches Gloo with mismatched buffers.
+- Each group (torch ProcessGroup) counts its collectives; a member that skips or adds
+  one disagrees on the sequence number at the next control message.
+- A mismatch raises :class:`CollectiveError` on every member (all read the same
+  reduced tail); the message names the collective, the field and the ranks, read
+  from the members' fingerprints in the rendezvous store.
+- Waits: control messages, p2p and collectives end within ``timeout_s`` (+ a
+  small slack for naming the ranks that did not arrive).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import functools
+import json
+import time
+import zlib
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from shardwise.distributed import CollectiveError
+from shardwise.sharding.placements import ReduceOp
+
+__all__ = ["DATA", "Fingerprint", "agree", "fingerprint", "foldable", "run", "wait_all"]
+
+DATA = 512            # elements of data a control message carries (4 KiB as float64)
+CODE = 8              # fingerprint bytes in the tail
+_TAIL = 3 * CODE
+STATE: dict[str, Any] = {"timeout_s": 60.0}
+_NOTE_AFTER_S = 1.0   # a control message slower than this leaves a note in the store
+_SLACK_S = 2.0        # at most this long to read the peers' notes after a failure
+_FOLD = {torch.float32, torch.float64, torch.float16, torch.bfloat16}
+_TORCH_OP = {
+    ReduceOp.SUM: dist.ReduceOp.SUM, ReduceOp.AVG: dist.ReduceOp.AVG,
+    ReduceOp.MIN: dist.ReduceOp.MIN, ReduceOp.MAX: dist.ReduceOp.MAX,
+    ReduceOp.PROD: dist.ReduceOp.PRODUCT,
+}
+FIELDS = ("collective", "reduce op", "group", "shape", "dtype", "layout", "sizes")
+
+
+@dataclass(frozen=True)
+class Fingerprint:
+    """What a collective call is, as every member must see it."""
+
+    values: tuple[str, ...]   # one per FIELDS entry
+    code: int                 # crc32 of the values
+
+    @property
+    def what(self) -> str:
+        return self.values[0]
+
+
+@functools.lru_cache(maxsize=8192)
+def fingerprint(what: str, op: ReduceOp | None, group: str, shape: tuple[int, ...],
+                dtype: Any, layout: str = "", sizes: tuple[int, ...] = ()) -> Fingerprint:
+    """The fingerprint of one collective call (cached: the hot path is one lookup).
+
+    >>> fingerprint("all_reduce", ReduceOp.SUM, "x", (8, 8), torch.float32).values[:2]
+    ('all_reduce', 'sum')
+    """
+    values = (what, "-" if op is None else op.value, group, str(tuple(shape)),
+              str(dtype).replace("torch.", ""), layout, str(tuple(sizes)))
+    return Fingerprint(values, zlib.crc32("|".join(values).encode()))
+
+
+def timeout() -> datetime.timedelta:
+    return datetime.timedelta(seconds=STATE["timeout_s"])
+
+
+class Channel:
+    """One process group's agreement state: its control buffer and sequence number."""
+
+    __slots__ = ("arr", "buf", "key", "mismatches", "pg", "ranks", "seq")
+
+    def __init__(self, pg: Any, ranks: tuple[int, ...], device: torch.device) -> None:
+        self.pg = pg
+        self.ranks = tuple(sorted(ranks))
+        self.key = "-".join(map(str, self.ranks))
+        self.seq = 0
+        self.mismatches = 0
+        self.buf = torch.zeros(DATA + _TAIL, dtype=torch.float64, device=device)
+        self.arr = self.buf.numpy() if device.type == "cpu" else None
+
+
+_CHANNELS: dict[tuple[int, str], Channel] = {}
+
+
+def channel(pg: Any, ranks: tuple[int, ...], device: torch.device) -> Channel:
+    key = (id(pg), device.type)
+    ch = _CHANNELS.get(key)
+    if ch is None:
+        ch = _CHANNELS[key] = Channel(pg, ranks, device)
+    return ch
+
+
+def reset() -> None:
+    _CHANNELS.clear()
+
+
+def foldable(x: torch.Tensor, op: ReduceOp) -> bool:
+    """True when an all_reduce of ``x`` travels inside the control message: small,
+    a float dtype that float64 holds exactly, an op the tail check reads."""
+    return x.numel() <= DATA and x.dtype in _FOLD and op is not ReduceOp.PROD
+
+
+def _tail(code: int, seq: int) -> np.ndarray:
+    h = ((code & 0xFFFFFFFF) << 32) | (seq & 0xFFFFFFFF)
+    p = np.frombuffer(h.to_bytes(8, "little"), np.uint8).astype(np.float64) + 1.0
+    return np.concatenate([p, -p, p * p])
+
+
+def agree(pg: Any, ranks: tuple[int, ...], label: str, fp: Fingerprint,
+          x: torch.Tensor | None = None, op: ReduceOp = ReduceOp.MAX,
+          device: torch.device | None = None) -> torch.Tensor | None:
+    """Send one control message over ``pg``: check that every member calls ``fp``
+    and, when ``x`` is given (see :func:`foldable`), all_reduce it by ``op`` in the
+    same message. Returns the reduced ``x`` (a new tensor) or None.
+
+    Raises :class:`CollectiveError` on every member when the fingerprints differ,
+    and when a member does not arrive within the timeout.
+    """
+    dev = x.device if x is not None else device or torch.device("cpu")
+    ch = channel(pg, ranks, dev if dev.type != "meta" else torch.device("cpu"))
+    ch.seq += 1
+    tail = _tail(fp.code, ch.seq)
+    buf = ch.buf
+    n = 0
+    if x is not None:
+        n = x.numel()
+        buf[:n].copy_(x.reshape(-1))
+    if ch.arr is not None:
+        ch.arr[DATA:] = tail
+    else:
+        buf[DATA:].copy_(torch.from_numpy(tail))
+    work = _start(lambda: dist.all_reduce(buf, _TORCH_OP[op], group=pg, async_op=True),
+                  ch, label, fp)
+    _wait_control(work, ch, label, fp)
+    got = ch.arr[DATA:] if ch.arr is not None else buf[DATA:].cpu().numpy()
+    want = tail * len(ch.ranks) if op is ReduceOp.SUM else tail
+    if not np.array_equal(got, want):
+        raise _mismatch(ch, label, fp)
+    if x is None:
+        return None
+    out = buf[:n].to(x.dtype) if x.dtype != torch.float64 else buf[:n].clone()
+    return out.view(x.shape)
+
+
+def _start(fn: Any, ch: Channel, label: str, fp: Fingerprint) -> Any:
+    try:
+        return fn()
+    except RuntimeError as err:
+        raise CollectiveError(_failed_text(ch, label, fp, err, [])) from err
+
+
+def _wait_control(work: Any, ch: Channel, label: str, fp: Fingerprint) -> None:
+    total = STATE["timeout_s"]
+    first = min(_NOTE_AFTER_S, total / 2)
+    start = time.monotonic()
+    try:
+        work.wait(timeout=datetime.timedelta(seconds=first))
+        return
+    except RuntimeError as err:
+        if "timed out" not in str(err).lower():
+            raise _arrival_error(ch, label, fp, err) from err
+    _note(ch)  # slow: say where this rank waits, so that the others can name the absent
+    try:
+        work.wait(timeout=datetime.timedelta(seconds=max(total - (time.monotonic() - start),
+                                                         0.01)))
+    except RuntimeError as err:
+        raise _arrival_error(ch, label, fp, err) from err
+
+
+# --- naming the ranks (rendezvous store; only on the slow or failing path) --------------
+def _store() -> Any:
+    try:
+        from torch.distributed.distributed_c10d import _get_default_store
+
+        return _get_default_store()
+    except Exception:  # no store (not initialized, or an old torch): names stay unknown
+        return None
+
+
+def _note_key(ch: Channel, rank: int) -> str:
+    return f"shardwise/waiting/{ch.key}/{ch.seq}/{rank}"
+
+
+def _note(ch: Channel) -> None:
+    store = _store()
+    if store is not None:
+        with contextlib.suppress(Exception):  # the store's host may be the dead rank
+            store.set(_note_key(ch, dist.get_rank()), "1")
+
+
+def _absent(ch: Channel) -> list[int] | None:
+    """Members with no note at this sequence number (read for up to the slack), or
+    None when the store cannot be read."""
+    store = _store()
+    if store is None:
+        return None
+    me = dist.get_rank()
+    deadline = time.monotonic() + _SLACK_S
+    missing = [r for r in ch.ranks if r != me]
+    try:
+        while missing:
+            missing = [r for r in missing if not store.check([_note_key(ch, r)])]
+            if not missing or time.monotonic() > deadline:
+                break
+            time.sleep(0.05)
+    except Exception:
+        return None
+    return missing
+
+
+def _arrival_error(ch: Channel, label: str, fp: Fingerprint, err: Exception
+                   ) -> CollectiveError:
+    _note(ch)
+    absent = _absent(ch)
+    return CollectiveError(_failed_text(ch, label, fp, err, absent))
+
+
+def _failed_text(ch: Channel, label: str, fp: Fingerprint, err: Exception,
+                 absent: list[int] | None) -> str:
+    timed_out = "timed out" in str(err).lower() or "timeout" in str(err).lower()
+    how = (f"timed out after {STATE['timeout_s']:g} s" if timed_out
+           else "failed (a peer closed its connection or errored)")
+    who = ("" if not absent else
+           f"; rank{'s' if len(absent) > 1 else ''} {absent} did not arrive (dead, stalled, "
+           "or waiting in another collective)")
+    return (f"{fp.what} over {label} (ranks {list(ch.ranks)}, collective #{ch.seq} of this "
+            f"group) {how} on rank {dist.get_rank()}{who}. Every process must run the same "
+            f"collectives in the same order; look for a rank-dependent branch, a crash or a "
+            f"stall on the absent rank. Underlying error: {str(err)[:300]}")
+
+
+def _mismatch(ch: Channel, label: str, fp: Fingerprint) -> CollectiveError:
+    """Every member detected it: publish this member's fingerprint in the store, read
+    the others' (bounded), and name the fields that differ and who holds what."""
+    ch.mismatches += 1
+    me = dist.get_rank()
+    mine = {"seq": str(ch.seq), **dict(zip(FIELDS, fp.values))}
+    store = _store()
+    views: dict[int, dict[str, str]] = {me: mine}
+    if store is not None:
+        prefix = f"shardwise/mismatch/{ch.key}/{ch.mismatches}/"
+        try:
+            store.set(prefix + str(me), json.dumps(mine))
+            deadline = time.monotonic() + _SLACK_S
+            pending = [r for r in ch.ranks if r != me]
+            while pending and time.monotonic() < deadline:
+                for r in list(pending):
+                    if store.check([prefix + str(r)]):
+                        views[r] = json.loads(store.get(prefix + str(r)).decode())
+                        pending.remove(r)
+                if pending:
+                    time.sleep(0.02)
+        except Exception:  # the store is best effort: the error is raised regardless
+            pass
+    return CollectiveError(_mismatch_text(ch, label, fp, views))
+
+
+def _mismatch_text(ch: Channel, label: str, fp: Fingerprint,
+                   views: dict[int, dict[str, str]]) -> str:
+    me = dist.get_rank()
+    lines = []
+    for field in ("seq", *FIELDS):
+        held: dict[str, list[int]] = {}
+        for r in sorted(views):
+            held.setdefault(views[r][field], []).append(r)
+        if len(held) > 1:
+            name = "sequence number (collectives so far on this group)" if field == "seq" \
+                else field
+            parts = "; ".join(f"rank{'s' if len(rs) > 1 else ''} {', '.join(map(str, rs))}: "
+                              f"{v}" for v, rs in held.items())
+            lines.append(f"{name}: {parts}")
+    unknown = [r for r in ch.ranks if r not in views]
+    detail = (" They disagree on " + " | ".join(lines) + "." if lines else
+              " Their fingerprints differ.")
+    if unknown:
+        detail += f" (No fingerprint from ranks {unknown}.)"
+    return (f"Collective mismatch on rank {me}: {fp.what} over {label} (ranks "
+            f"{list(ch.ranks)}) was not the collective every member called.{detail} Every "
+            "process must call the same collectives in the same order with the same "
+            "arguments; look for a rank-dependent branch before this call. Nothing was "
+            "exchanged.")
+
+
+# --- bounded waits for the data of an agreed collective -----------------------------------
+def run(what: str, label: str, ranks: tuple[int, ...], fn: Any) -> Any:
+    """Run ``fn`` (a collective whose control message agreed), converting torch's
+    errors (a peer died, the group's timeout) into :class:`CollectiveError`."""
+    try:
+        return fn()
+    except (RuntimeError, ValueError) as err:  # DistBackendError is a RuntimeError
+        if isinstance(err, CollectiveError):
+            raise
+        raise CollectiveError(
+            f"{what} over {label} (ranks {list(ranks)}) failed on rank {dist.get_rank()} "
+            "after every member agreed to it: a peer died, stalled past the timeout "
+            f"({STATE['timeout_s']:g} s) or closed its connection. Underlying error: "
+            f"{str(err)[:300]}"
+        ) from err
+
+
+def wait_all(works: list[Any]) -> None:
+    """Wait for point-to-point requests, each bounded by the timeout (Gloo's own
+    send/recv wait has none)."""
+    limit = timeout()
+    for w in works:
+        w.wait(timeout=limit)
