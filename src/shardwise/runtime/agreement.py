@@ -2,16 +2,18 @@
 message every member sends, that all members call the same collective, and every
 wait is bounded by the run's timeout.
 
-The control message of a group is one float64 all_reduce of fixed length
-``DATA + 3 * CODE`` (the same bytes on every member, so a disagreement can never
-make Gloo abort on a size mismatch). Its tail carries the collective's
-fingerprint (op, reduce op, group, shape, dtype, layout, sizes, and the group's
-sequence number) as bytes ``p`` in 1..256, written ``[p, -p, p*p]``: after a SUM
-every member finds ``n * tail`` and after MAX/MIN/AVG ``tail`` exactly when all
-fingerprints are equal (sum and sum of squares agree only when the variance is
-zero; max and -min agree only when max == min). A small all_reduce of a float
-dtype travels in the first ``DATA`` elements of the same message (one Gloo call
-in all); every other collective sends a header-only message (MAX) first.
+The control message of a group is one float64 all_reduce(SUM) of fixed length
+``DATA + 2 * CODE`` (the same bytes and op on every member, so a disagreement can
+never make Gloo abort on a size mismatch, nor mix reduce ops). Its tail carries the
+collective's fingerprint (op, reduce op, group, shape, dtype, layout, sizes, and the
+group's sequence number) as bytes ``p`` in 1..256, written ``[p, p*p]``: every
+member finds ``n * tail`` exactly when all fingerprints are equal (the sum and the
+sum of squares of n values are n*p and n*p*p only when all are p: zero variance).
+A small SUM/AVG all_reduce of a float dtype travels in the first ``DATA`` elements
+of the same message (one Gloo call in all); every other collective sends a
+header-only message first. (A MAX or MIN message would not do: with mixed ops each
+chunk of the message is reduced by whichever rank's op, and a max of ``p`` beside a
+min of ``-p`` can pass for agreement.)
 
 Invariants:
 - Every message a group's members exchange is either a control message or the data
@@ -48,7 +50,7 @@ __all__ = ["DATA", "Fingerprint", "agree", "fingerprint", "foldable", "run", "wa
 
 DATA = 512            # elements of data a control message carries (4 KiB as float64)
 CODE = 8              # fingerprint bytes in the tail
-_TAIL = 3 * CODE
+_TAIL = 2 * CODE
 STATE: dict[str, Any] = {"timeout_s": 60.0}
 _NOTE_AFTER_S = 1.0   # a control message slower than this leaves a note in the store
 _SLACK_S = 2.0        # at most this long to read the peers' notes after a failure
@@ -82,7 +84,7 @@ def fingerprint(what: str, op: ReduceOp | None, group: str, shape: tuple[int, ..
     ('all_reduce', 'sum')
     """
     values = (what, "-" if op is None else op.value, group, str(tuple(shape)),
-              str(dtype).replace("torch.", ""), layout, str(tuple(sizes)))
+              str(dtype).replace("torch.", ""), layout.strip(), str(tuple(sizes)))
     return Fingerprint(values, zlib.crc32("|".join(values).encode()))
 
 
@@ -106,6 +108,10 @@ class Channel:
 
 
 _CHANNELS: dict[tuple[int, str], Channel] = {}
+# Process groups (by id) on which a wait failed or timed out, with the first error:
+# Gloo's state is then unknown (a message may still arrive), so later collectives on
+# the group raise at once instead of pairing with stale messages.
+_BROKEN: dict[int, str] = {}
 
 
 def channel(pg: Any, ranks: tuple[int, ...], device: torch.device) -> Channel:
@@ -118,30 +124,42 @@ def channel(pg: Any, ranks: tuple[int, ...], device: torch.device) -> Channel:
 
 def reset() -> None:
     _CHANNELS.clear()
+    _BROKEN.clear()
+
+
+def _broken(pg: Any, err: CollectiveError) -> CollectiveError:
+    _BROKEN.setdefault(id(pg), str(err))
+    return err
 
 
 def foldable(x: torch.Tensor, op: ReduceOp) -> bool:
     """True when an all_reduce of ``x`` travels inside the control message: small,
-    a float dtype that float64 holds exactly, an op the tail check reads."""
-    return x.numel() <= DATA and x.dtype in _FOLD and op is not ReduceOp.PROD
+    a float dtype that float64 holds exactly, a sum or mean (the message is summed)."""
+    return x.numel() <= DATA and x.dtype in _FOLD and op in (ReduceOp.SUM, ReduceOp.AVG)
 
 
 def _tail(code: int, seq: int) -> np.ndarray:
     h = ((code & 0xFFFFFFFF) << 32) | (seq & 0xFFFFFFFF)
     p = np.frombuffer(h.to_bytes(8, "little"), np.uint8).astype(np.float64) + 1.0
-    return np.concatenate([p, -p, p * p])
+    return np.concatenate([p, p * p])
 
 
 def agree(pg: Any, ranks: tuple[int, ...], label: str, fp: Fingerprint,
-          x: torch.Tensor | None = None, op: ReduceOp = ReduceOp.MAX,
+          x: torch.Tensor | None = None, op: ReduceOp = ReduceOp.SUM,
           device: torch.device | None = None) -> torch.Tensor | None:
     """Send one control message over ``pg``: check that every member calls ``fp``
-    and, when ``x`` is given (see :func:`foldable`), all_reduce it by ``op`` in the
-    same message. Returns the reduced ``x`` (a new tensor) or None.
+    and, when ``x`` is given (see :func:`foldable`), all_reduce it by ``op`` (SUM or
+    AVG) in the same message. Returns the reduced ``x`` (a new tensor) or None.
 
     Raises :class:`CollectiveError` on every member when the fingerprints differ,
     and when a member does not arrive within the timeout.
     """
+    if id(pg) in _BROKEN:
+        raise CollectiveError(
+            f"{fp.what} over {label} (ranks {sorted(ranks)}) refused on rank "
+            f"{dist.get_rank()}: this group failed earlier, and its processes cannot exchange "
+            "data reliably any more. Stop the program (or shutdown() and initialize() "
+            f"again). The earlier error: {_BROKEN[id(pg)][:400]}")
     dev = x.device if x is not None else device or torch.device("cpu")
     ch = channel(pg, ranks, dev if dev.type != "meta" else torch.device("cpu"))
     ch.seq += 1
@@ -155,16 +173,18 @@ def agree(pg: Any, ranks: tuple[int, ...], label: str, fp: Fingerprint,
         ch.arr[DATA:] = tail
     else:
         buf[DATA:].copy_(torch.from_numpy(tail))
-    work = _start(lambda: dist.all_reduce(buf, _TORCH_OP[op], group=pg, async_op=True),
+    work = _start(lambda: dist.all_reduce(buf, dist.ReduceOp.SUM, group=pg, async_op=True),
                   ch, label, fp)
     _wait_control(work, ch, label, fp)
     got = ch.arr[DATA:] if ch.arr is not None else buf[DATA:].cpu().numpy()
-    want = tail * len(ch.ranks) if op is ReduceOp.SUM else tail
-    if not np.array_equal(got, want):
+    if not np.array_equal(got, tail * len(ch.ranks)):
         raise _mismatch(ch, label, fp)
     if x is None:
         return None
-    out = buf[:n].to(x.dtype) if x.dtype != torch.float64 else buf[:n].clone()
+    out = buf[:n]
+    if op is ReduceOp.AVG:
+        out = out / len(ch.ranks)
+    out = out.to(x.dtype) if x.dtype != torch.float64 or op is not ReduceOp.SUM else out.clone()
     return out.view(x.shape)
 
 
@@ -172,7 +192,7 @@ def _start(fn: Any, ch: Channel, label: str, fp: Fingerprint) -> Any:
     try:
         return fn()
     except RuntimeError as err:
-        raise CollectiveError(_failed_text(ch, label, fp, err, [])) from err
+        raise _broken(ch.pg, CollectiveError(_failed_text(ch, label, fp, err, []))) from err
 
 
 def _wait_control(work: Any, ch: Channel, label: str, fp: Fingerprint) -> None:
@@ -238,7 +258,7 @@ def _arrival_error(ch: Channel, label: str, fp: Fingerprint, err: Exception
                    ) -> CollectiveError:
     _note(ch)
     absent = _absent(ch)
-    return CollectiveError(_failed_text(ch, label, fp, err, absent))
+    return _broken(ch.pg, CollectiveError(_failed_text(ch, label, fp, err, absent)))
 
 
 def _failed_text(ch: Channel, label: str, fp: Fingerprint, err: Exception,
@@ -265,20 +285,31 @@ def _mismatch(ch: Channel, label: str, fp: Fingerprint) -> CollectiveError:
     views: dict[int, dict[str, str]] = {me: mine}
     if store is not None:
         prefix = f"shardwise/mismatch/{ch.key}/{ch.mismatches}/"
+        deadline = time.monotonic() + _SLACK_S
         try:
             store.set(prefix + str(me), json.dumps(mine))
-            deadline = time.monotonic() + _SLACK_S
-            pending = [r for r in ch.ranks if r != me]
-            while pending and time.monotonic() < deadline:
-                for r in list(pending):
-                    if store.check([prefix + str(r)]):
-                        views[r] = json.loads(store.get(prefix + str(r)).decode())
-                        pending.remove(r)
-                if pending:
-                    time.sleep(0.02)
+            for r in _present(store, prefix, ch.ranks, deadline):
+                views[r] = json.loads(store.get(prefix + str(r)).decode())
+            # The store lives in one of the processes: none leaves before all have read.
+            store.set(prefix + f"read/{me}", "1")
+            _present(store, prefix + "read/", ch.ranks, deadline)
         except Exception:  # the store is best effort: the error is raised regardless
             pass
     return CollectiveError(_mismatch_text(ch, label, fp, views))
+
+
+def _present(store: Any, prefix: str, ranks: tuple[int, ...], deadline: float) -> list[int]:
+    """The ranks whose key ``prefix + rank`` appears in the store before ``deadline``."""
+    pending, found = list(ranks), []
+    while pending:
+        for r in list(pending):
+            if store.check([prefix + str(r)]):
+                found.append(r)
+                pending.remove(r)
+        if not pending or time.monotonic() > deadline:
+            break
+        time.sleep(0.02)
+    return found
 
 
 def _mismatch_text(ch: Channel, label: str, fp: Fingerprint,
@@ -308,20 +339,21 @@ def _mismatch_text(ch: Channel, label: str, fp: Fingerprint,
 
 
 # --- bounded waits for the data of an agreed collective -----------------------------------
-def run(what: str, label: str, ranks: tuple[int, ...], fn: Any) -> Any:
+def run(what: str, label: str, ranks: tuple[int, ...], fn: Any, pg: Any = None) -> Any:
     """Run ``fn`` (a collective whose control message agreed), converting torch's
-    errors (a peer died, the group's timeout) into :class:`CollectiveError`."""
+    errors (a peer died, the group's timeout) into :class:`CollectiveError`; ``pg``
+    (when given) is then refused from now on."""
     try:
         return fn()
     except (RuntimeError, ValueError) as err:  # DistBackendError is a RuntimeError
         if isinstance(err, CollectiveError):
             raise
-        raise CollectiveError(
+        raise _broken(pg, CollectiveError(
             f"{what} over {label} (ranks {list(ranks)}) failed on rank {dist.get_rank()} "
             "after every member agreed to it: a peer died, stalled past the timeout "
             f"({STATE['timeout_s']:g} s) or closed its connection. Underlying error: "
             f"{str(err)[:300]}"
-        ) from err
+        )) from err
 
 
 def wait_all(works: list[Any]) -> None:

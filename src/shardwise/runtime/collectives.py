@@ -166,7 +166,7 @@ def group(mesh: DeviceMesh, axes: tuple[int, ...]) -> Group:
     # Creating groups is collective over the world, matched by call order: processes
     # creating different groups would pair them up silently, so they agree first.
     A.agree(world.pg, world.ranks, world.label,
-            A.fingerprint("create process groups", None, world.label, (), None, label))
+            A.fingerprint("create process groups", None, label, (), None))
     found: Group | None = None
     for members in mesh.groups(axes):
         ranks = tuple(mesh.devices[k].id for k in members)
@@ -231,7 +231,7 @@ def _check(g: Group, fp: A.Fingerprint) -> None:
 
 def _call(what: str, g: Group, fn: Callable[[], Any], sig: str = "") -> Any:
     """Run the data exchange of an agreed collective (every one passes here once)."""
-    return A.run(what, g.label, g.ranks, fn)
+    return A.run(what, g.label, g.ranks, fn, g.pg or dist.group.WORLD)
 
 
 def _shape(shape: Sequence[int], dims: dict[int, int]) -> tuple[int, ...]:
@@ -245,7 +245,7 @@ def all_gather(x: torch.Tensor, dim: int, g: Group, sizes: Sequence[int], tag: s
     """Concatenate the members' blocks along ``dim`` (uneven sizes padded in transit)."""
     if g.size == 1:
         return x
-    _agree("all_gather", g, _shape(x.shape, {dim: sum(sizes)}), x.dtype, tag,
+    _agree("all_gather", g, _shape(x.shape, {dim: sum(sizes)}), x.dtype, f"{tag} dim {dim}",
            sizes=tuple(sizes), device=x.device)
     if x.device.type == "cpu":
         return _all_gather_by_exchange(x, dim, g, sizes)
@@ -308,7 +308,8 @@ def reduce_scatter(x: torch.Tensor, dim: int, g: Group, sizes: Sequence[int],
     if g.size == 1:
         return x.clone()
     check_average(x, op)
-    _agree("reduce_scatter", g, tuple(x.shape), x.dtype, tag, op, tuple(sizes), x.device)
+    _agree("reduce_scatter", g, tuple(x.shape), x.dtype, f"{tag} dim {dim}", op, tuple(sizes),
+           x.device)
     if x.device.type == "cpu":
         return _reduce_scatter_by_exchange(x, dim, g, sizes, op)
     m = max(sizes)
