@@ -379,6 +379,46 @@ def time_cases(cases: list[Case], repeat: int, warmup: int, unit: str) -> list[d
     return rows
 
 
+# --- the cost of the default collective agreement (issue 13) --------------------------------
+def agreement_overhead(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """Time shardwise's all_reduce (Partial -> Replicated) with the collective agreement
+    on (the default) and off, interleaved, on an 8x8 and a ``--size`` x ``--size``
+    float32 tensor; ``overhead`` = on / off - 1. Off is a measurement switch only
+    (``runtime.agreement.STATE["on"]``; every rank flips it alike, before each call)."""
+    from shardwise.runtime import agreement
+
+    w, r = dist.get_world_size(), dist.get_rank()
+    mesh = DeviceMesh.cpu((w,), ("x",))
+    rows = []
+    for n, repeat, unit in ((args.small, args.small_repeat, "us"), (args.size, args.repeat, "ms")):
+        part = sw.from_local([_randn(n, 1000 + r) if k == r else None for k in range(w)],
+                             PlacementMapping(mesh, (Partial(),)), shape=(n, n))
+
+        def call(on: bool, part: Any = part) -> torch.Tensor:
+            agreement.STATE["on"] = on
+            out: torch.Tensor = sw.all_reduce(part).shards[r]
+            return out
+
+        try:
+            a, b = call(True), call(False)
+            if not _agree([torch.allclose(a, b, rtol=1e-5, atol=1e-5)])[0]:
+                raise AssertionError("all_reduce with and without the agreement differ")
+            t = dist_time({"on": lambda: call(True), "off": lambda: call(False)}, repeat,
+                          args.warmup if unit == "ms" else 5)
+        finally:
+            agreement.STATE["on"] = True
+        scale = {"ms": 1e3, "us": 1e6}[unit]
+        on, off = t["on"], t["off"]
+        assert on is not None and off is not None
+        rows.append({"case": f"all_reduce {n}x{n} float32 (Partial->Replicated)", "unit": unit,
+                     "on": on["median"] * scale, "off": off["median"] * scale,
+                     "on_min": on["min"] * scale, "off_min": off["min"] * scale,
+                     "overhead": on["median"] / off["median"] - 1.0,
+                     "overhead_min": on["min"] / off["min"] - 1.0, "repeat": repeat,
+                     "limit": 0.05 if n == args.small else 0.01})
+    return rows
+
+
 def rank_body(args: argparse.Namespace) -> dict[str, Any]:
     # DTensor logs once that Gloo has no alltoall and it falls back to all_gather + chunk.
     logging.getLogger("torch.distributed.tensor._collective_utils").setLevel(logging.ERROR)
@@ -411,9 +451,11 @@ def rank_body(args: argparse.Namespace) -> dict[str, Any]:
     small_cases = small.cases()
     small_validation = validate_cases(small_cases)
     small_rows = time_cases(small_cases, args.small_repeat, 5, "us")
+    overhead = agreement_overhead(args)
     n = args.size
     return {
         "benchmark": "gloo",
+        "agreement_overhead": overhead,
         "meta": {
             "torch": torch.__version__, "backend": "gloo", "world_size": w,
             "launcher": "torch.multiprocessing spawn" if args.spawned else "torchrun",

@@ -205,7 +205,8 @@ def _agree(what: str, g: Group, shape: tuple[int, ...], dtype: Any, tag: str,
     if CHECK["enabled"]:
         tag += " [debug check]"  # members that differ in the mode disagree here
     fp = A.fingerprint(what, op, g.label, shape, dtype, tag, sizes)
-    A.agree(g.pg, g.ranks, g.label, fp, device=device)
+    if A.STATE["on"]:
+        A.agree(g.pg, g.ranks, g.label, fp, device=device)
     if CHECK["enabled"]:
         _check(g, fp)
     return fp
@@ -291,7 +292,7 @@ def all_reduce(x: torch.Tensor, g: Group, op: ReduceOp, tag: str = "") -> torch.
     check_average(x, op)
     if g.size == 1:
         return buffers.empty(x.shape, x).copy_(x)
-    if A.foldable(x, op) and not CHECK["enabled"]:  # data inside the control message
+    if A.foldable(x, op) and A.STATE["on"] and not CHECK["enabled"]:  # data in the message
         fp = A.fingerprint("all_reduce", op, g.label, tuple(x.shape), x.dtype, tag)
         out: torch.Tensor = _call("all_reduce", g,
                                   lambda: A.agree(g.pg, g.ranks, g.label, fp, x, op))
