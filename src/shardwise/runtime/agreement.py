@@ -30,10 +30,8 @@ Invariants:
 
 from __future__ import annotations
 
-import contextlib
 import datetime
 import functools
-import json
 import struct
 import time
 import zlib
@@ -45,6 +43,7 @@ import torch
 import torch.distributed as dist
 
 from shardwise.distributed import CollectiveError
+from shardwise.runtime import diagnose
 from shardwise.sharding.placements import ReduceOp
 
 __all__ = ["DATA", "Fingerprint", "agree", "fingerprint", "foldable", "run", "wait_all"]
@@ -56,7 +55,6 @@ _TAIL = 2 * CODE
 # every process must switch alike, or Gloo pairs a control message with data.
 STATE: dict[str, Any] = {"timeout_s": 60.0, "on": True}
 _NOTE_AFTER_S = 1.0   # a control message slower than this leaves a note in the store
-_SLACK_S = 2.0        # at most this long to read the peers' notes after a failure
 _FOLD = {torch.float32, torch.float64, torch.float16, torch.bfloat16}
 _NUMPY = {torch.float32: np.float32, torch.float64: np.float64}
 _TORCH_OP = {
@@ -112,7 +110,7 @@ class Channel:
         self.mismatches = 0
         self.buf = torch.zeros(DATA + _TAIL, dtype=torch.float64, device=device)
         self.arr = self.buf.numpy() if device.type == "cpu" else None
-        self.mem = None if self.arr is None else memoryview(self.arr).cast("B")
+        self.mem = None if self.arr is None else self.arr.data.cast("B")
 
 
 _CHANNELS: dict[tuple[int, str], Channel] = {}
@@ -179,6 +177,7 @@ def agree(pg: Any, ranks: tuple[int, ...], label: str, fp: Fingerprint,
     if x is not None:
         n = x.numel()
         if fast:  # numpy: a third of torch's per-call cost on tiny tensors
+            assert arr is not None
             arr[:n] = (x.detach() if x.requires_grad else x).numpy().reshape(-1)
         else:
             buf[:n].copy_(x.reshape(-1))
@@ -193,7 +192,9 @@ def agree(pg: Any, ranks: tuple[int, ...], label: str, fp: Fingerprint,
            else tuple(buf[DATA:].tolist()))
     size = len(ch.ranks)
     if got != tuple(v * size for v in tail):
-        raise _mismatch(ch, label, fp)
+        ch.mismatches += 1
+        raise CollectiveError(diagnose.mismatch(ch, label, dict(zip(FIELDS, fp.values)),
+                                                fp.what))
     if x is None:
         return None
     if fast:
@@ -208,7 +209,8 @@ def _start(fn: Any, ch: Channel, label: str, fp: Fingerprint) -> Any:
     try:
         return fn()
     except RuntimeError as err:
-        raise _broken(ch.pg, CollectiveError(_failed_text(ch, label, fp, err, []))) from err
+        raise _broken(ch.pg, CollectiveError(
+            diagnose.failed_text(ch, label, fp.what, err, [], STATE["timeout_s"]))) from err
 
 
 def _wait_control(work: Any, ch: Channel, label: str, fp: Fingerprint) -> None:
@@ -222,7 +224,7 @@ def _wait_control(work: Any, ch: Channel, label: str, fp: Fingerprint) -> None:
     except RuntimeError as err:
         if "timed out" not in str(err).lower():
             raise _arrival_error(ch, label, fp, err) from err
-    _note(ch)  # slow: say where this rank waits, so that the others can name the absent
+    diagnose.note(ch)  # slow: say where this rank waits, so the others can name the absent
     try:
         work.wait(timeout=datetime.timedelta(seconds=max(total - (time.monotonic() - start),
                                                          0.01)))
@@ -230,129 +232,32 @@ def _wait_control(work: Any, ch: Channel, label: str, fp: Fingerprint) -> None:
         raise _arrival_error(ch, label, fp, err) from err
 
 
-# --- naming the ranks (rendezvous store; only on the slow or failing path) --------------
-def _store() -> Any:
-    try:
-        from torch.distributed.distributed_c10d import _get_default_store
-
-        return _get_default_store()
-    except Exception:  # no store (not initialized, or an old torch): names stay unknown
-        return None
-
-
-def _note_key(ch: Channel, rank: int) -> str:
-    return f"shardwise/waiting/{ch.key}/{ch.seq}/{rank}"
-
-
-def _note(ch: Channel) -> None:
-    store = _store()
-    if store is not None:
-        with contextlib.suppress(Exception):  # the store's host may be the dead rank
-            store.set(_note_key(ch, dist.get_rank()), "1")
-
-
-def _absent(ch: Channel) -> list[int] | None:
-    """Members with no note at this sequence number (read for up to the slack), or
-    None when the store cannot be read."""
-    store = _store()
-    if store is None:
-        return None
-    me = dist.get_rank()
-    deadline = time.monotonic() + _SLACK_S
-    missing = [r for r in ch.ranks if r != me]
-    try:
-        while missing:
-            missing = [r for r in missing if not store.check([_note_key(ch, r)])]
-            if not missing or time.monotonic() > deadline:
-                break
-            time.sleep(0.05)
-    except Exception:
-        return None
-    return missing
-
-
 def _arrival_error(ch: Channel, label: str, fp: Fingerprint, err: Exception
                    ) -> CollectiveError:
-    _note(ch)
-    absent = _absent(ch)
-    return _broken(ch.pg, CollectiveError(_failed_text(ch, label, fp, err, absent)))
+    diagnose.note(ch)
+    absent = diagnose.absent(ch)
+    return _broken(ch.pg, CollectiveError(
+        diagnose.failed_text(ch, label, fp.what, err, absent, STATE["timeout_s"])))
 
 
-def _failed_text(ch: Channel, label: str, fp: Fingerprint, err: Exception,
-                 absent: list[int] | None) -> str:
-    timed_out = "timed out" in str(err).lower() or "timeout" in str(err).lower()
-    how = (f"timed out after {STATE['timeout_s']:g} s" if timed_out
-           else "failed (a peer closed its connection or errored)")
-    who = ("" if not absent else
-           f"; rank{'s' if len(absent) > 1 else ''} {absent} did not arrive (dead, stalled, "
-           "or waiting in another collective)")
-    return (f"{fp.what} over {label} (ranks {list(ch.ranks)}, collective #{ch.seq} of this "
-            f"group) {how} on rank {dist.get_rank()}{who}. Every process must run the same "
-            f"collectives in the same order; look for a rank-dependent branch, a crash or a "
-            f"stall on the absent rank. Underlying error: {str(err)[:300]}")
-
-
-def _mismatch(ch: Channel, label: str, fp: Fingerprint) -> CollectiveError:
-    """Every member detected it: publish this member's fingerprint in the store, read
-    the others' (bounded), and name the fields that differ and who holds what."""
-    ch.mismatches += 1
-    me = dist.get_rank()
-    mine = {"seq": str(ch.seq), **dict(zip(FIELDS, fp.values))}
-    store = _store()
-    views: dict[int, dict[str, str]] = {me: mine}
-    if store is not None:
-        prefix = f"shardwise/mismatch/{ch.key}/{ch.mismatches}/"
-        deadline = time.monotonic() + _SLACK_S
-        try:
-            store.set(prefix + str(me), json.dumps(mine))
-            for r in _present(store, prefix, ch.ranks, deadline):
-                views[r] = json.loads(store.get(prefix + str(r)).decode())
-            # The store lives in one of the processes: none leaves before all have read.
-            store.set(prefix + f"read/{me}", "1")
-            _present(store, prefix + "read/", ch.ranks, deadline)
-        except Exception:  # the store is best effort: the error is raised regardless
-            pass
-    return CollectiveError(_mismatch_text(ch, label, fp, views))
-
-
-def _present(store: Any, prefix: str, ranks: tuple[int, ...], deadline: float) -> list[int]:
-    """The ranks whose key ``prefix + rank`` appears in the store before ``deadline``."""
-    pending, found = list(ranks), []
-    while pending:
-        for r in list(pending):
-            if store.check([prefix + str(r)]):
-                found.append(r)
-                pending.remove(r)
-        if not pending or time.monotonic() > deadline:
-            break
-        time.sleep(0.02)
-    return found
-
-
-def _mismatch_text(ch: Channel, label: str, fp: Fingerprint,
-                   views: dict[int, dict[str, str]]) -> str:
-    me = dist.get_rank()
-    lines = []
-    for field in ("seq", *FIELDS):
-        held: dict[str, list[int]] = {}
-        for r in sorted(views):
-            held.setdefault(views[r][field], []).append(r)
-        if len(held) > 1:
-            name = "sequence number (collectives so far on this group)" if field == "seq" \
-                else field
-            parts = "; ".join(f"rank{'s' if len(rs) > 1 else ''} {', '.join(map(str, rs))}: "
-                              f"{v}" for v, rs in held.items())
-            lines.append(f"{name}: {parts}")
-    unknown = [r for r in ch.ranks if r not in views]
-    detail = (" They disagree on " + " | ".join(lines) + "." if lines else
-              " Their fingerprints differ.")
-    if unknown:
-        detail += f" (No fingerprint from ranks {unknown}.)"
-    return (f"Collective mismatch on rank {me}: {fp.what} over {label} (ranks "
-            f"{list(ch.ranks)}) was not the collective every member called.{detail} Every "
-            "process must call the same collectives in the same order with the same "
-            "arguments; look for a rank-dependent branch before this call. Nothing was "
-            "exchanged.")
+def debug_check(pg: Any, ranks: tuple[int, ...], slot: Any, label: str, fp: Fingerprint
+                ) -> None:
+    """Debug mode (``check_collectives=True``): compare every member's fingerprint code
+    explicitly (one all_gather after the control message), independent of the tail's
+    arithmetic. ``slot[p]``: member p's place in torch's rank order (None: the same)."""
+    mine = torch.tensor([fp.code], dtype=torch.int64)
+    got = torch.empty(len(ranks), dtype=torch.int64)
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    run(fp.what, label, ranks, lambda: gather(got, mine, group=pg), pg)
+    codes = got.tolist()
+    others = [ranks[p] for p in range(len(ranks)) if codes[slot[p] if slot else p] != fp.code]
+    if others:
+        raise CollectiveError(
+            f"Collective mismatch (debug check): rank {dist.get_rank()} called {fp.what} over "
+            f"{label} ({fp.values}), but ranks {others} called a different collective. "
+            "Every process must run the same ops in the same order (check rank-dependent "
+            "code)."
+        )
 
 
 # --- bounded waits for the data of an agreed collective -----------------------------------

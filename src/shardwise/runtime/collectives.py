@@ -29,7 +29,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from shardwise.distributed import CollectiveError
 from shardwise.runtime import agreement as A
 from shardwise.runtime import buffers, check_average
 from shardwise.sharding.errors import ShardingError
@@ -208,26 +207,8 @@ def _agree(what: str, g: Group, shape: tuple[int, ...], dtype: Any, tag: str,
     if A.STATE["on"]:
         A.agree(g.pg, g.ranks, g.label, fp, device=device)
     if CHECK["enabled"]:
-        _check(g, fp)
+        A.debug_check(g.pg, g.ranks, g.slot, g.label, fp)
     return fp
-
-
-def _check(g: Group, fp: A.Fingerprint) -> None:
-    """Debug mode: compare every member's fingerprint code explicitly (one all_gather
-    after the control message), independent of the tail's arithmetic."""
-    mine = torch.tensor([fp.code], dtype=torch.int64)
-    got = torch.empty(g.size, dtype=torch.int64)
-    A.run(fp.what, g.label, g.ranks, lambda: _all_gather(got, mine, group=g.pg))
-    codes = got.tolist()
-    if any(c != fp.code for c in codes):
-        others = [g.ranks[p] for p in range(g.size) if codes[g.slot[p] if g.slot else p]
-                  != fp.code]
-        raise CollectiveError(
-            f"Collective mismatch (debug check): rank {rank()} called {fp.what} over "
-            f"{g.label} ({fp.values}), but ranks {others} called a different collective. "
-            "Every process must run the same ops in the same order (check rank-dependent "
-            "code)."
-        )
 
 
 def _call(what: str, g: Group, fn: Callable[[], Any], sig: str = "") -> Any:
