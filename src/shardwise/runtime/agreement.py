@@ -46,7 +46,8 @@ from shardwise.distributed import CollectiveError
 from shardwise.runtime import diagnose
 from shardwise.sharding.placements import ReduceOp
 
-__all__ = ["DATA", "Fingerprint", "agree", "fingerprint", "foldable", "run", "wait_all"]
+__all__ = ["DATA", "Fingerprint", "agree", "fingerprint", "foldable", "foldable_gather", "run",
+           "wait_all"]
 
 DATA = 256            # elements of data a control message carries (2 KiB as float64)
 CODE = 8              # fingerprint bytes in the tail
@@ -138,6 +139,12 @@ def _broken(pg: Any, err: CollectiveError) -> CollectiveError:
     return err
 
 
+def foldable_gather(x: torch.Tensor, total: int) -> bool:
+    """True when a gather (or broadcast) of ``total`` elements like ``x`` travels
+    inside the control message (a float dtype that float64 holds exactly)."""
+    return total <= DATA and x.dtype in _FOLD
+
+
 def foldable(x: torch.Tensor, op: ReduceOp) -> bool:
     """True when an all_reduce of ``x`` travels inside the control message: small,
     a float dtype that float64 holds exactly, a sum or mean (the message is summed)."""
@@ -153,10 +160,20 @@ def _tail(code: int, seq: int) -> tuple[float, ...]:
 
 def agree(pg: Any, ranks: tuple[int, ...], label: str, fp: Fingerprint,
           x: torch.Tensor | None = None, op: ReduceOp = ReduceOp.SUM,
-          device: torch.device | None = None) -> torch.Tensor | None:
+          device: torch.device | None = None, place: tuple[int, int] | None = None,
+          deferred: list[Any] | None = None) -> torch.Tensor | None:
     """Send one control message over ``pg``: check that every member calls ``fp``
     and, when ``x`` is given (see :func:`foldable`), all_reduce it by ``op`` (SUM or
     AVG) in the same message. Returns the reduced ``x`` (a new tensor) or None.
+
+    ``place=(at, total)``: ``x`` is this member's piece of a gather instead: written
+    at element ``at`` of ``total``, -0.0 elsewhere (``x + -0.0`` is ``x`` for every
+    float, -0.0 and NaN included), so the sum is the members' pieces, exactly; the
+    result is flat (``total`` elements).
+
+    ``deferred`` (a list; header-only messages): return once the message is sent and
+    append the wait-and-check to it, so that the caller prepares its data (a 64 MiB
+    clone) while the message travels; it must call that before sending any data.
 
     Raises :class:`CollectiveError` on every member when the fingerprints differ,
     and when a member does not arrive within the timeout.
@@ -167,42 +184,64 @@ def agree(pg: Any, ranks: tuple[int, ...], label: str, fp: Fingerprint,
             f"{dist.get_rank()}: this group failed earlier, and its processes cannot exchange "
             "data reliably any more. Stop the program (or shutdown() and initialize() "
             f"again). The earlier error: {_BROKEN[id(pg)][:400]}")
-    dev = x.device if x is not None else device or torch.device("cpu")
+    dev = x.device if x is not None else device or _device_of(pg)
     ch = channel(pg, ranks, dev if dev.type != "meta" else torch.device("cpu"))
     ch.seq += 1
     tail = _tail(fp.code, ch.seq)
     buf, arr = ch.buf, ch.arr
     fast = arr is not None and x is not None and x.dtype in _NUMPY
-    n = 0
+    n = at = 0
     if x is not None:
         n = x.numel()
+        if place is not None:
+            at, total = place
+            buf[:total].fill_(-0.0)
         if fast:  # numpy: a third of torch's per-call cost on tiny tensors
             assert arr is not None
-            arr[:n] = (x.detach() if x.requires_grad else x).numpy().reshape(-1)
+            arr[at:at + n] = (x.detach() if x.requires_grad else x).numpy().reshape(-1)
         else:
-            buf[:n].copy_(x.reshape(-1))
+            buf[at:at + n].copy_(x.reshape(-1))
     if ch.mem is not None:
         _PACK.pack_into(ch.mem, DATA * 8, *tail)
     else:
         buf[DATA:].copy_(torch.tensor(tail, dtype=torch.float64))
     work = _start(lambda: dist.all_reduce(buf, dist.ReduceOp.SUM, group=pg, async_op=True),
                   ch, label, fp)
-    _wait_control(work, ch, label, fp)
-    got = (_PACK.unpack_from(ch.mem, DATA * 8) if ch.mem is not None
-           else tuple(buf[DATA:].tolist()))
-    size = len(ch.ranks)
-    if got != tuple(v * size for v in tail):
-        ch.mismatches += 1
-        raise CollectiveError(diagnose.mismatch(ch, label, dict(zip(FIELDS, fp.values)),
-                                                fp.what))
+    if x is None and deferred is not None:  # the caller prepares its data meanwhile
+        deferred.append(lambda: _finish(work, ch, label, fp, tail))
+        return None
+    _finish(work, ch, label, fp, tail)
     if x is None:
         return None
+    size = len(ch.ranks)
+    if place is not None:
+        return buf[:place[1]].to(x.dtype, copy=True)
     if fast:
         assert arr is not None
         got_x = arr[:n] / size if op is ReduceOp.AVG else arr[:n]
         return torch.from_numpy(got_x.astype(_NUMPY[x.dtype]).reshape(tuple(x.shape)))
     out = buf[:n] / size if op is ReduceOp.AVG else buf[:n].clone()
     return out.to(x.dtype).view(x.shape)
+
+
+def _finish(work: Any, ch: Channel, label: str, fp: Fingerprint, tail: tuple[float, ...]
+            ) -> None:
+    """Wait for a control message (bounded) and check its tail."""
+    _wait_control(work, ch, label, fp)
+    got = (_PACK.unpack_from(ch.mem, DATA * 8) if ch.mem is not None
+           else tuple(ch.buf[DATA:].tolist()))
+    size = len(ch.ranks)
+    if got != tuple(v * size for v in tail):
+        ch.mismatches += 1
+        raise CollectiveError(diagnose.mismatch(ch, label, dict(zip(FIELDS, fp.values)),
+                                                fp.what))
+
+
+def _device_of(pg: Any) -> torch.device:
+    """Where a header-only message with no data to follow lives (NCCL: this GPU)."""
+    if dist.get_backend(pg) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
 
 
 def _start(fn: Any, ch: Channel, label: str, fp: Fingerprint) -> Any:

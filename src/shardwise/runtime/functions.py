@@ -257,7 +257,7 @@ def _permute(x: torch.Tensor, spec: tuple[Any, ...], inverse: bool) -> torch.Ten
     if inverse:
         send_to, recv_from, tag = recv_from, send_to, f"grad of {tag}"
     if send_to == KEEP:
-        D.agree_permute(grp, x, tag)
+        D.agree_permute(grp, x, tag)()
         return x.view_as(x)
     return D.permute(x, send_to, recv_from, x, grp, tag)
 

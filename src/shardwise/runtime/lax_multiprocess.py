@@ -184,7 +184,7 @@ def _exchange(x: torch.Tensor, grp: D.Group, peers: tuple[int | None, int | None
     that keeps its block."""
     send_to, recv_from = peers
     if send_to == _KEEP:
-        D.agree_permute(grp, x, tag)
+        D.agree_permute(grp, x, tag)()
         return x.view_as(x)
     return D.permute(x, send_to, recv_from, x.new_empty(recv_shape), grp, tag)
 
