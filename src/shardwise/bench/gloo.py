@@ -382,9 +382,16 @@ def time_cases(cases: list[Case], repeat: int, warmup: int, unit: str) -> list[d
 # --- the cost of the default collective agreement (issue 13) --------------------------------
 def agreement_overhead(args: argparse.Namespace) -> list[dict[str, Any]]:
     """Time shardwise's all_reduce (Partial -> Replicated) with the collective agreement
-    on (the default) and off, interleaved, on an 8x8 and a ``--size`` x ``--size``
-    float32 tensor; ``overhead`` = on / off - 1. Off is a measurement switch only
-    (``runtime.agreement.STATE["on"]``; every rank flips it alike, before each call)."""
+    on (the default) and off, on an 8x8 and a ``--size`` x ``--size`` float32 tensor.
+
+    Paired: each iteration times one call of each, adjacent, the order alternating,
+    each behind a barrier and as the max over ranks; ``overhead`` is the median over
+    iterations of on / off - 1 (robust to the load drifting on a shared machine), and
+    ``overhead_of_medians`` the ratio of the two medians. Off is a measurement switch
+    only (``runtime.agreement.STATE["on"]``; every rank flips it alike)."""
+    import statistics
+    import time
+
     from shardwise.runtime import agreement
 
     w, r = dist.get_world_size(), dist.get_rank()
@@ -399,23 +406,32 @@ def agreement_overhead(args: argparse.Namespace) -> list[dict[str, Any]]:
             out: torch.Tensor = sw.all_reduce(part).shards[r]
             return out
 
+        times = torch.empty(2, repeat, dtype=torch.float64)
         try:
             a, b = call(True), call(False)
             if not _agree([torch.allclose(a, b, rtol=1e-5, atol=1e-5)])[0]:
                 raise AssertionError("all_reduce with and without the agreement differ")
-            t = dist_time({"on": lambda: call(True), "off": lambda: call(False)}, repeat,
-                          args.warmup if unit == "ms" else 5)
+            for i in range(-3, repeat):  # 3 warm-up pairs
+                for on in ((True, False) if i % 2 else (False, True)):
+                    dist.barrier()
+                    t0 = time.perf_counter()
+                    call(on)
+                    if i >= 0:
+                        times[0 if on else 1, i] = time.perf_counter() - t0
         finally:
             agreement.STATE["on"] = True
+        dist.all_reduce(times, op=dist.ReduceOp.MAX)
+        on_t, off_t = times[0].tolist(), times[1].tolist()
         scale = {"ms": 1e3, "us": 1e6}[unit]
-        on, off = t["on"], t["off"]
-        assert on is not None and off is not None
-        rows.append({"case": f"all_reduce {n}x{n} float32 (Partial->Replicated)", "unit": unit,
-                     "on": on["median"] * scale, "off": off["median"] * scale,
-                     "on_min": on["min"] * scale, "off_min": off["min"] * scale,
-                     "overhead": on["median"] / off["median"] - 1.0,
-                     "overhead_min": on["min"] / off["min"] - 1.0, "repeat": repeat,
-                     "limit": 0.05 if n == args.small else 0.01})
+        rows.append({
+            "case": f"all_reduce {n}x{n} float32 (Partial->Replicated)", "unit": unit,
+            "on": statistics.median(on_t) * scale, "off": statistics.median(off_t) * scale,
+            "on_min": min(on_t) * scale, "off_min": min(off_t) * scale,
+            "overhead": statistics.median(on_i / off_i for on_i, off_i in zip(on_t, off_t))
+            - 1.0,
+            "overhead_of_medians": statistics.median(on_t) / statistics.median(off_t) - 1.0,
+            "overhead_min": min(on_t) / min(off_t) - 1.0, "repeat": repeat,
+            "limit": 0.05 if n == args.small else 0.01})
     return rows
 
 
