@@ -9,9 +9,9 @@ collective's fingerprint (op, reduce op, group, shape, dtype, layout, sizes, and
 group's sequence number) as bytes ``p`` in 1..256, written ``[p, p*p]``: every
 member finds ``n * tail`` exactly when all fingerprints are equal (the sum and the
 sum of squares of n values are n*p and n*p*p only when all are p: zero variance).
-A small SUM/AVG all_reduce of a float dtype travels in the first ``DATA`` elements
-of the same message (one Gloo call in all); every other collective sends a
-header-only message first. (A MAX or MIN message would not do: with mixed ops each
+A small SUM/AVG all_reduce, all_gather or broadcast of a float dtype travels in the
+first ``DATA`` elements of the same message (one Gloo call in all); every other
+collective sends a header-only message first, while it prepares its data. (A MAX or MIN message would not do: with mixed ops each
 chunk of the message is reduced by whichever rank's op, and a max of ``p`` beside a
 min of ``-p`` can pass for agreement.)
 
@@ -19,8 +19,10 @@ Invariants:
 - Every message a group's members exchange is either a control message or the data
   of a collective whose control message every member has checked: sizes, dtypes and
   ops then agree, so nothing reaches Gloo with mismatched buffers.
-- Each group (torch ProcessGroup) counts its collectives; a member that skips or adds
-  one disagrees on the sequence number at the next control message.
+- Each group (torch ProcessGroup) counts its collectives: the count is in the
+  fingerprint and names the position in errors ("collective #k of this group").
+  Control messages pair by order, so a member that skipped one is caught by the
+  next field that differs (or by the timeout), not by the count itself.
 - A mismatch raises :class:`CollectiveError` on every member (all read the same
   reduced tail); the message names the collective, the field and the ranks, read
   from the members' fingerprints in the rendezvous store.
