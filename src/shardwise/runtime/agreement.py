@@ -9,11 +9,12 @@ collective's fingerprint (op, reduce op, group, shape, dtype, layout, sizes, and
 group's sequence number) as bytes ``p`` in 1..256, written ``[p, p*p]``: every
 member finds ``n * tail`` exactly when all fingerprints are equal (the sum and the
 sum of squares of n values are n*p and n*p*p only when all are p: zero variance).
-A small SUM/AVG all_reduce, all_gather or broadcast of a float dtype travels in the
-first ``DATA`` elements of the same message (one Gloo call in all); every other
-collective sends a header-only message first, while it prepares its data. (A MAX or MIN message would not do: with mixed ops each
-chunk of the message is reduced by whichever rank's op, and a max of ``p`` beside a
-min of ``-p`` can pass for agreement.)
+A small SUM/AVG all_reduce or reduce_scatter, all_gather or broadcast of a float
+dtype travels in the first ``DATA`` elements of the same message (one Gloo call in
+all); every other collective sends a header-only message first, while it prepares
+its data. (A MAX or MIN message would not do: with mixed ops each chunk of the
+message is reduced by whichever rank's op, and a max of ``p`` beside a min of ``-p``
+can pass for agreement.)
 
 Invariants:
 - Every message a group's members exchange is either a control message or the data

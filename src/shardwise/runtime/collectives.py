@@ -173,6 +173,12 @@ def reduce_scatter(x: torch.Tensor, dim: int, g: Group, sizes: Sequence[int],
     if g.size == 1:
         return x.clone()
     check_average(x, op)
+    if A.foldable(x, op) and A.STATE["on"] and not CHECK["enabled"]:  # data in the message
+        fp = A.fingerprint("reduce_scatter", op, g.label, tuple(x.shape), x.dtype,
+                           f"{tag} dim {dim}", tuple(sizes))
+        full: torch.Tensor = _call("reduce_scatter", g,
+                                   lambda: A.agree(g.pg, g.ranks, g.label, fp, x, op))
+        return full.narrow(dim, sum(sizes[:g.pos]), sizes[g.pos])
     done = _agree("reduce_scatter", g, tuple(x.shape), x.dtype, f"{tag} dim {dim}", op,
                   tuple(sizes), x.device)
     if x.device.type == "cpu":
