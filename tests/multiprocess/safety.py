@@ -114,6 +114,15 @@ def body_other_collective(n: int) -> None:
         expect_error(lambda: sw.all_to_all(t, 1, 0), "all_to_all")
 
 
+def body_reduce_scatter_vs_all_reduce(n: int) -> None:
+    """Both travel in the control message when small: still told apart, both raise."""
+    p = sw.tensor(torch.ones(2 * n, 2), sharding=pm(line(n), Partial()))
+    fn = (lambda: sw.reduce_scatter(p, 0)) if process_index() == 0 else \
+        (lambda: sw.all_reduce(p))
+    expect_error(fn, "collective: ", "reduce_scatter", "all_reduce")
+    assert torch.equal(sw.reduce_scatter(p, 0).to_torch(), torch.ones(2 * n, 2))  # global value
+
+
 def body_lax_mismatch(n: int) -> None:
     """shard_map's process collectives: psum against pmax, gather axis 0 against 1."""
     mesh = line(n)
