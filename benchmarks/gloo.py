@@ -379,6 +379,62 @@ def time_cases(cases: list[Case], repeat: int, warmup: int, unit: str) -> list[d
     return rows
 
 
+# --- the cost of the default collective agreement (issue 13) --------------------------------
+def agreement_overhead(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """Time shardwise's all_reduce (Partial -> Replicated) with the collective agreement
+    on (the default) and off, on an 8x8 and a ``--size`` x ``--size`` float32 tensor.
+
+    Paired: each iteration times one call of each, adjacent, the order alternating,
+    each behind a barrier and as the max over ranks; ``overhead`` is the median over
+    iterations of on / off - 1 (robust to the load drifting on a shared machine), and
+    ``overhead_of_medians`` the ratio of the two medians. Off is a measurement switch
+    only (``runtime.agreement.STATE["on"]``; every rank flips it alike)."""
+    import statistics
+    import time
+
+    from shardwise.runtime import agreement
+
+    w, r = dist.get_world_size(), dist.get_rank()
+    mesh = DeviceMesh.cpu((w,), ("x",))
+    rows = []
+    for n, repeat, unit in ((args.small, args.small_repeat, "us"), (args.size, args.repeat, "ms")):
+        part = sw.from_local([_randn(n, 1000 + r) if k == r else None for k in range(w)],
+                             PlacementMapping(mesh, (Partial(),)), shape=(n, n))
+
+        def call(on: bool, part: Any = part) -> torch.Tensor:
+            agreement.STATE["on"] = on
+            out: torch.Tensor = sw.all_reduce(part).shards[r]
+            return out
+
+        times = torch.empty(2, repeat, dtype=torch.float64)
+        try:
+            a, b = call(True), call(False)
+            if not _agree([torch.allclose(a, b, rtol=1e-5, atol=1e-5)])[0]:
+                raise AssertionError("all_reduce with and without the agreement differ")
+            for i in range(-3, repeat):  # 3 warm-up pairs
+                for on in ((True, False) if i % 2 else (False, True)):
+                    dist.barrier()
+                    t0 = time.perf_counter()
+                    call(on)
+                    if i >= 0:
+                        times[0 if on else 1, i] = time.perf_counter() - t0
+        finally:
+            agreement.STATE["on"] = True
+        dist.all_reduce(times, op=dist.ReduceOp.MAX)
+        on_t, off_t = times[0].tolist(), times[1].tolist()
+        scale = {"ms": 1e3, "us": 1e6}[unit]
+        rows.append({
+            "case": f"all_reduce {n}x{n} float32 (Partial->Replicated)", "unit": unit,
+            "on": statistics.median(on_t) * scale, "off": statistics.median(off_t) * scale,
+            "on_min": min(on_t) * scale, "off_min": min(off_t) * scale,
+            "overhead": statistics.median(on_i / off_i for on_i, off_i in zip(on_t, off_t))
+            - 1.0,
+            "overhead_of_medians": statistics.median(on_t) / statistics.median(off_t) - 1.0,
+            "overhead_min": min(on_t) / min(off_t) - 1.0, "repeat": repeat,
+            "limit": 0.05 if n == args.small else 0.01})
+    return rows
+
+
 def rank_body(args: argparse.Namespace) -> dict[str, Any]:
     # DTensor logs once that Gloo has no alltoall and it falls back to all_gather + chunk.
     logging.getLogger("torch.distributed.tensor._collective_utils").setLevel(logging.ERROR)
@@ -411,9 +467,11 @@ def rank_body(args: argparse.Namespace) -> dict[str, Any]:
     small_cases = small.cases()
     small_validation = validate_cases(small_cases)
     small_rows = time_cases(small_cases, args.small_repeat, 5, "us")
+    overhead = agreement_overhead(args)
     n = args.size
     return {
         "benchmark": "gloo",
+        "agreement_overhead": overhead,
         "meta": {
             "torch": torch.__version__, "backend": "gloo", "world_size": w,
             "launcher": "torch.multiprocessing spawn" if args.spawned else "torchrun",

@@ -11,20 +11,26 @@ Invariants:
 - Process ``i`` owns the mesh devices whose id is ``i``.
 - Process groups are created once per (mesh, axes) and reused; creation is a
   collective call that every process makes in the same order (SPMD).
-- Every collective has a timeout; a dead or mismatched peer raises
-  :class:`CollectiveError` within it instead of hanging.
+- Every collective first agrees with its group on what it is (op, reduce op, group,
+  shape, dtype, layout, sequence number; ``runtime/agreement.py``), and every wait
+  (collectives, point-to-point, barriers, the rendezvous) is bounded by
+  ``timeout_s``: a peer that skips a collective, calls another one, stalls, dies or
+  is killed makes the others raise :class:`CollectiveError` naming the collective,
+  the group and, where known, the absent rank; never a hang, never a Gloo abort.
 """
 
 from __future__ import annotations
 
 import datetime
 import os
+import time
 from typing import Any
 
 from shardwise.sharding.errors import ShardingError
 
 __all__ = [
     "CollectiveError",
+    "barrier",
     "initialize",
     "is_initialized",
     "maybe_initialize",
@@ -56,11 +62,13 @@ def initialize(backend: str | None = None, *, rank: int | None = None,
     Reads the torchrun environment (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``,
     ``MASTER_PORT``, ``LOCAL_RANK``); explicit arguments override it.
     ``backend`` defaults to ``"nccl"`` when an accelerator is present and
-    ``"gloo"`` otherwise. ``timeout_s`` bounds every collective.
-    ``check_collectives=True`` (or ``SHARDWISE_CHECK_COLLECTIVES=1``) compares a
-    fingerprint of every collective across its group first (one tiny extra
-    all_gather each): processes that call different collectives of the same size
-    then raise :class:`CollectiveError` instead of exchanging the wrong data.
+    ``"gloo"`` otherwise. ``timeout_s`` bounds every wait: the rendezvous, every
+    collective and point-to-point exchange. Every collective checks, in the same
+    message or in a tiny one before it, that all processes of its group call the
+    same collective (op, reduce op, axes, shape, dtype, layout, count so far); a
+    disagreement raises :class:`CollectiveError` on all of them.
+    ``check_collectives=True`` (or ``SHARDWISE_CHECK_COLLECTIVES=1``) adds a debug
+    check: one more all_gather per collective comparing the full fingerprints.
 
     Under ``torchrun --nproc-per-node 4`` (not run as a doctest: it needs the launcher)::
 
@@ -103,14 +111,48 @@ def initialize(backend: str | None = None, *, rank: int | None = None,
         local = int(env.get("LOCAL_RANK", "0"))
         torch.cuda.set_device(local)
         kwargs["device_id"] = torch.device("cuda", local)
-    dist.init_process_group(
-        backend, init_method=init_method, rank=rank, world_size=world_size,
-        timeout=datetime.timedelta(seconds=timeout_s), **kwargs,
-    )
-    if check_collectives is not None:
-        from shardwise.runtime import collectives
+    from shardwise.runtime import agreement, collectives
 
+    agreement.STATE["timeout_s"] = float(timeout_s)
+    if check_collectives is not None:
         collectives.CHECK["enabled"] = check_collectives
+    where = init_method or f"{env['MASTER_ADDR']}:{env.get('MASTER_PORT')}"
+    start = time.monotonic()
+    try:
+        dist.init_process_group(
+            backend, init_method=init_method, rank=rank, world_size=world_size,
+            timeout=datetime.timedelta(seconds=timeout_s), **kwargs,
+        )
+    except (RuntimeError, ValueError) as err:  # DistStoreError, DistNetworkError
+        raise CollectiveError(
+            f"initialize(): rank {rank} could not complete the rendezvous of {world_size} "
+            f"processes at {where} within {timeout_s:g} s (it gave up after "
+            f"{time.monotonic() - start:.1f} s): some process did not start, died, or uses "
+            "another address/port or world size. Underlying error: "
+            f"{str(err)[:300]}"
+        ) from err
+    try:  # every process is connected and runs with the same settings
+        barrier(f"initialize({backend}, timeout_s={timeout_s:g})")
+    except CollectiveError:
+        dist.destroy_process_group()
+        collectives.reset_groups()
+        raise
+
+
+def barrier(label: str = "barrier") -> None:
+    """Wait until every process arrives (bounded by the run's timeout): raises
+    :class:`CollectiveError` on all of them if one does not arrive in time or calls
+    another collective (a different ``label`` counts as another collective).
+
+    >>> shardwise.distributed.barrier()   # under torchrun  # doctest: +SKIP
+    """
+    if not is_initialized():
+        return
+    from shardwise.runtime import agreement, collectives
+
+    world = collectives.world_group()
+    agreement.agree(world.pg, world.ranks, world.label,
+                    agreement.fingerprint(label, None, world.label, (), None))
 
 
 def maybe_initialize(**kwargs: Any) -> bool:

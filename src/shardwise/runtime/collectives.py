@@ -11,237 +11,118 @@ Invariants:
   each device holds its piece; on Partial axes device ``i`` holds dL/dp_i.
   Each step's backward maps that convention through it (see ``multiprocess.py``).
 - Inputs are never mutated: collectives run on fresh buffers.
+- Every collective first agrees on its fingerprint with its group (``agreement.py``:
+  one fixed-size control message; a small float all_reduce travels inside it) and
+  every wait is bounded by the run's timeout: a skipped, mismatched, stalled or dead
+  peer raises :class:`CollectiveError` on the others, never a hang or a Gloo abort.
+  The fingerprint holds only what every member sees alike (global sizes, not the
+  local block's).
 """
 
 from __future__ import annotations
 
 import math
 import os
-import zlib
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from shardwise.distributed import CollectiveError
+from shardwise.runtime import agreement as A
 from shardwise.runtime import buffers, check_average
-from shardwise.sharding.errors import ShardingError
-from shardwise.sharding.layout import Layout
-from shardwise.sharding.mesh import DeviceMesh
+from shardwise.runtime.groups import (  # re-exported: the runtime reaches groups here
+    Group,
+    group,
+    is_process_mesh,
+    my_index,
+    process_mesh,
+    rank,
+    reset_groups,
+    sizes_along,
+    world_group,
+)
 from shardwise.sharding.placements import ReduceOp
-from shardwise.sharding.shapes import local_shape
 
-__all__ = ["Group", "group", "is_process_mesh", "my_index", "reset_groups"]
+__all__ = ["Group", "group", "is_process_mesh", "my_index", "process_mesh", "reset_groups",
+           "sizes_along", "world_group"]
 
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-_TORCH_OP = {
-    ReduceOp.SUM: dist.ReduceOp.SUM, ReduceOp.AVG: dist.ReduceOp.AVG,
-    ReduceOp.MIN: dist.ReduceOp.MIN, ReduceOp.MAX: dist.ReduceOp.MAX,
-    ReduceOp.PROD: dist.ReduceOp.PRODUCT,
-}
-
-
-class Group:
-    """A process group over mesh axes, as seen from this process."""
-
-    __slots__ = ("members", "pg", "pos", "ranks", "slot")
-
-    def __init__(self, pg: Any, members: tuple[int, ...], ranks: tuple[int, ...],
-                 pos: int) -> None:
-        self.pg = pg            # torch ProcessGroup (None when this process is not a member)
-        self.members = members  # flat mesh indices, row-major over the axes
-        self.ranks = ranks
-        self.pos = pos          # this process's position among the members
-        # torch orders a group's members by global rank; slot[p] is member p's place
-        # in that order (None when it is the members' own order).
-        order = sorted(ranks)
-        slot = tuple(order.index(r) for r in ranks)
-        self.slot = None if slot == tuple(range(len(ranks))) else slot
-
-    def by_slot(self, items: Sequence[Any]) -> list[Any]:
-        """Per-member items -> the order torch's collective uses."""
-        if self.slot is None:
-            return list(items)
-        out: list[Any] = [None] * len(items)
-        for p, item in enumerate(items):
-            out[self.slot[p]] = item
-        return out
-
-    def by_member(self, items: Sequence[Any]) -> list[Any]:
-        """Items in torch's order -> per-member order."""
-        return list(items) if self.slot is None else [items[j] for j in self.slot]
-
-    @property
-    def size(self) -> int:
-        return len(self.members)
-
-
-_GROUPS: dict[tuple[DeviceMesh, tuple[int, ...]], Group] = {}
-
-
-def reset_groups() -> None:
-    _GROUPS.clear()
-    _INDEX.clear()
-    _CHECKED.clear()
-    from shardwise.runtime import multiprocess
-
-    multiprocess._SPECS.clear()
-
-
-def rank() -> int:
-    return int(dist.get_rank())
-
-
-# Per mesh: this process's index in it (None: not a member). Cached because every
-# op asks; valid for one world, so reset_groups() (shardwise.distributed.shutdown)
-# clears it with the process groups.
-_INDEX: dict[DeviceMesh, int | None] = {}
-_CHECKED: set[DeviceMesh] = set()  # meshes that fit the world
-
-
-def is_process_mesh(mesh: DeviceMesh) -> bool:
-    """True when the mesh's devices are processes of the initialized world."""
-    return dist.is_available() and dist.is_initialized() and process_mesh(mesh)
-
-
-def process_mesh(mesh: DeviceMesh) -> bool:
-    """:func:`is_process_mesh` once the world is known to be initialized (errors
-    when the mesh names more devices than there are processes)."""
-    if mesh in _CHECKED:
-        return True
-    world = dist.get_world_size()
-    big = [d for d in mesh.devices if getattr(d, "id", -1) >= world]
-    if big:
-        raise ShardingError(
-            f"{mesh!r} names devices {big[:4]} but this run has {world} processes (device i "
-            f"is process i): build meshes of at most {world} devices, or launch more "
-            "processes (torchrun --nproc-per-node)."
-        )
-    _CHECKED.add(mesh)
-    return True
-
-
-def my_index(mesh: DeviceMesh) -> int | None:
-    """This process's flat index among ``mesh``'s devices, or None."""
-    try:
-        return _INDEX[mesh]
-    except KeyError:
-        pass
-    me = rank()
-    k = next((k for k, d in enumerate(mesh.devices) if d.id == me), None)
-    _INDEX[mesh] = k
-    return k
-
-
-def group(mesh: DeviceMesh, axes: tuple[int, ...]) -> Group:
-    """This process's group over ``axes`` of ``mesh`` (created once, collectively),
-    its members row-major over ``axes`` in the order given.
-
-    Only sorted axes create process groups; axes in another order reuse those of
-    their sorted order (the same members), so naming them needs no collective
-    call once the sorted group exists (shard_map creates every sorted one up front)."""
-    key = (mesh, axes)
-    hit = _GROUPS.get(key)
-    if hit is not None:
-        return hit
-    me = my_index(mesh)
-    base_axes = tuple(sorted(axes))
-    if base_axes != axes:
-        base = group(mesh, base_axes)
-        result = Group(None, (), (), -1)
-        if base.pos >= 0 and me is not None:
-            members = next(m for m in mesh.groups(axes) if me in m)
-            ranks = tuple(mesh.devices[k].id for k in members)
-            result = Group(base.pg, tuple(members), ranks, members.index(me))
-        _GROUPS[key] = result
-        return result
-    world = dist.get_world_size()
-    found: Group | None = None
-    for members in mesh.groups(axes):
-        ranks = tuple(mesh.devices[k].id for k in members)
-        if ranks == tuple(range(world)):
-            pg: Any = dist.group.WORLD
-        elif len(ranks) == 1:
-            pg = None
-        else:
-            pg = dist.new_group(list(ranks))  # every process calls this, member or not
-        if me is not None and me in members:
-            found = Group(pg, tuple(members), ranks, members.index(me))
-    result = found or Group(None, (), (), -1)
-    _GROUPS[key] = result
-    return result
-
-
-def world_group() -> Group:
-    world = dist.get_world_size()
-    return Group(dist.group.WORLD, tuple(range(world)), tuple(range(world)), rank())
-
-
-def sizes_along(shape: tuple[int, ...], layout: Layout, members: Sequence[int], dim: int,
-                mesh: DeviceMesh) -> list[int]:
-    return [local_shape(shape, layout, mesh.coord_of(m))[dim] for m in members]
+_TORCH_OP = A._TORCH_OP
 
 
 CHECK = {"enabled": os.environ.get("SHARDWISE_CHECK_COLLECTIVES", "") == "1"}
 
 
-def _check(what: str, g: Group, sig: str) -> None:
-    """Compare a fingerprint of the collective across the group (one tiny all_gather):
-    two processes that call different collectives of the same size would otherwise
-    exchange data silently and produce wrong values."""
-    code = zlib.crc32(f"{what}|{sig}".encode())
-    mine = torch.tensor([code], dtype=torch.int64)
-    got = torch.empty(g.size, dtype=torch.int64)
-    _all_gather(got, mine, group=g.pg)
-    codes = got.tolist()
-    if any(c != code for c in codes):
-        others = [g.ranks[p] for p in range(g.size) if codes[g.slot[p] if g.slot else p] != code]
-        raise CollectiveError(
-            f"Collective mismatch: rank {rank()} called {what} {sig} over ranks "
-            f"{list(g.ranks)}, but ranks {others} called a different collective. Every "
-            "process must run the same ops in the same order (check rank-dependent code)."
-        )
+def _agree(what: str, g: Group, shape: tuple[int, ...], dtype: Any, tag: str,
+           op: ReduceOp | None = None, sizes: tuple[int, ...] = (),
+           device: torch.device | None = None) -> Callable[[], None]:
+    """Send the control message of one collective (see ``agreement.py``). Returns the
+    wait-and-check, which the caller runs after preparing its buffers and before any
+    data moves; with the debug check on, that also all_gathers every member's full
+    fingerprint."""
+    if CHECK["enabled"]:
+        tag += " [debug check]"  # members that differ in the mode disagree here
+    fp = A.fingerprint(what, op, g.label, shape, dtype, tag, sizes)
+    pending: list[Callable[[], None]] = []
+    if A.STATE["on"]:
+        A.agree(g.pg, g.ranks, g.label, fp, device=device, deferred=pending)
+
+    def done() -> None:
+        for finish in pending:
+            finish()
+        if CHECK["enabled"]:
+            A.debug_check(g.pg, g.ranks, g.slot, g.label, fp)
+    return done
 
 
-def _call(what: str, g: Group, fn: Callable[[], Any], sig: str = "") -> None:
-    try:
-        if CHECK["enabled"] and g.pg is not None:
-            _check(what, g, sig)
-        fn()
-    except (RuntimeError, ValueError) as err:  # DistBackendError is a RuntimeError
-        if isinstance(err, CollectiveError):
-            raise
-        raise CollectiveError(
-            f"{what} over ranks {list(g.ranks)} failed on rank {rank()}: a peer died, timed "
-            "out, or called a different collective (every process must run the same ops in "
-            f"the same order). Underlying error: {err}"
-        ) from err
+def _call(what: str, g: Group, fn: Callable[[], Any], sig: str = "") -> Any:
+    """Run the data exchange of an agreed collective (every one passes here once)."""
+    return A.run(what, g.label, g.ranks, fn, g.pg or dist.group.WORLD)
+
+
+def _shape(shape: Sequence[int], dims: dict[int, int]) -> tuple[int, ...]:
+    """``shape`` with some dims replaced: the rank-independent shape of a call."""
+    return tuple(dims.get(d, s) for d, s in enumerate(shape))
 
 
 # --- primitives on local tensors (no autograd) -------------------------------------------
-def all_gather(x: torch.Tensor, dim: int, g: Group, sizes: Sequence[int]) -> torch.Tensor:
+def all_gather(x: torch.Tensor, dim: int, g: Group, sizes: Sequence[int], tag: str = ""
+               ) -> torch.Tensor:
     """Concatenate the members' blocks along ``dim`` (uneven sizes padded in transit)."""
     if g.size == 1:
         return x
+    shape = _shape(x.shape, {dim: sum(sizes)})
+    if _fold_gather(x, math.prod(shape)):  # the pieces ride in the control message
+        xm = x.movedim(dim, 0).contiguous()
+        rest = math.prod(xm.shape[1:])
+        fp = A.fingerprint("all_gather", None, g.label, shape, x.dtype, f"{tag} dim {dim}",
+                           tuple(sizes))
+        flat = _call("all_gather", g, lambda: A.agree(
+            g.pg, g.ranks, g.label, fp, xm, place=(sum(sizes[:g.pos]) * rest,
+                                                   math.prod(shape))))
+        return flat.view(sum(sizes), *xm.shape[1:]).movedim(0, dim)
+    done = _agree("all_gather", g, shape, x.dtype, f"{tag} dim {dim}", sizes=tuple(sizes),
+                  device=x.device)
     if x.device.type == "cpu":
-        return _all_gather_by_exchange(x, dim, g, sizes)
+        return _all_gather_by_exchange(x, dim, g, sizes, done)
     m = max(sizes)
     xm = x.movedim(dim, 0)
     if xm.shape[0] < m:
         xm = torch.cat([xm, xm.new_zeros((m - xm.shape[0], *xm.shape[1:]))])
     xm = xm.contiguous()
     out = buffers.empty((g.size * m, *xm.shape[1:]), xm)
-    _call("all_gather", g, lambda: _all_gather(out, xm, group=g.pg), f"{tuple(xm.shape)}")
+    done()
+    _call("all_gather", g, lambda: _all_gather(out, xm, group=g.pg))
     if g.slot is not None or any(s != m for s in sizes):
         slots = g.slot or range(g.size)
         out = torch.cat([out.narrow(0, slots[p] * m, s) for p, s in enumerate(sizes)])
     return out.movedim(0, dim)
 
 
-def _all_gather_by_exchange(x: torch.Tensor, dim: int, g: Group, sizes: Sequence[int]
-                            ) -> torch.Tensor:
+def _all_gather_by_exchange(x: torch.Tensor, dim: int, g: Group, sizes: Sequence[int],
+                            agreed: Callable[[], None]) -> torch.Tensor:
     """all_gather as point-to-point sends of this block to every peer, each received
     straight into its place in the result. Why on CPU: Gloo's all_gather was measured
     1.5x slower (64 MiB on 4 ranks: 190-207 ms against 114-132 ms). Uneven pieces
@@ -252,6 +133,7 @@ def _all_gather_by_exchange(x: torch.Tensor, dim: int, g: Group, sizes: Sequence
     for s in sizes:
         starts.append(starts[-1] + s)
     out.narrow(0, starts[g.pos], sizes[g.pos]).copy_(xm)
+    agreed()  # the control message travelled while this copied
     ops = []
     for step in range(1, g.size):  # staggered peers, so no rank is everyone's first
         to, frm = (g.pos + step) % g.size, (g.pos - step) % g.size
@@ -261,28 +143,46 @@ def _all_gather_by_exchange(x: torch.Tensor, dim: int, g: Group, sizes: Sequence
             ops.append(dist.P2POp(dist.irecv, out.narrow(0, starts[frm], sizes[frm]),
                                   g.ranks[frm], g.pg))
     if ops:
-        _call("all_gather", g, lambda: [r.wait() for r in dist.batch_isend_irecv(ops)],
-              f"{tuple(xm.shape[1:])} {tuple(sizes)}")
+        _call("all_gather", g, lambda: A.wait_all(dist.batch_isend_irecv(ops)))
     return out.movedim(0, dim)
 
 
-def all_reduce(x: torch.Tensor, g: Group, op: ReduceOp) -> torch.Tensor:
+def _fold_gather(x: torch.Tensor, total: int) -> bool:
+    return A.foldable_gather(x, total) and A.STATE["on"] and not CHECK["enabled"]
+
+
+def all_reduce(x: torch.Tensor, g: Group, op: ReduceOp, tag: str = "") -> torch.Tensor:
     check_average(x, op)
+    if g.size == 1:
+        return buffers.empty(x.shape, x).copy_(x)
+    if A.foldable(x, op) and A.STATE["on"] and not CHECK["enabled"]:  # data in the message
+        fp = A.fingerprint("all_reduce", op, g.label, tuple(x.shape), x.dtype, tag)
+        out: torch.Tensor = _call("all_reduce", g,
+                                  lambda: A.agree(g.pg, g.ranks, g.label, fp, x, op))
+        return out
+    done = _agree("all_reduce", g, tuple(x.shape), x.dtype, tag, op, device=x.device)
     out = buffers.empty(x.shape, x).copy_(x)  # a clone (huge pages when large)
-    if g.size > 1:
-        _call("all_reduce", g, lambda: dist.all_reduce(out, _TORCH_OP[op], group=g.pg),
-              f"{tuple(out.shape)} {op.value}")
+    done()  # the control message travelled while this copied
+    _call("all_reduce", g, lambda: dist.all_reduce(out, _TORCH_OP[op], group=g.pg))
     return out
 
 
 def reduce_scatter(x: torch.Tensor, dim: int, g: Group, sizes: Sequence[int],
-                   op: ReduceOp) -> torch.Tensor:
+                   op: ReduceOp, tag: str = "") -> torch.Tensor:
     """Reduce the members' full blocks and keep this member's piece along ``dim``."""
     if g.size == 1:
         return x.clone()
     check_average(x, op)
+    if A.foldable(x, op) and A.STATE["on"] and not CHECK["enabled"]:  # data in the message
+        fp = A.fingerprint("reduce_scatter", op, g.label, tuple(x.shape), x.dtype,
+                           f"{tag} dim {dim}", tuple(sizes))
+        full: torch.Tensor = _call("reduce_scatter", g,
+                                   lambda: A.agree(g.pg, g.ranks, g.label, fp, x, op))
+        return full.narrow(dim, sum(sizes[:g.pos]), sizes[g.pos])
+    done = _agree("reduce_scatter", g, tuple(x.shape), x.dtype, f"{tag} dim {dim}", op,
+                  tuple(sizes), x.device)
     if x.device.type == "cpu":
-        return _reduce_scatter_by_exchange(x, dim, g, sizes, op)
+        return _reduce_scatter_by_exchange(x, dim, g, sizes, op, done)
     m = max(sizes)
     xm = x.movedim(dim, 0)
     if g.slot is None and all(s == m for s in sizes):
@@ -297,8 +197,8 @@ def reduce_scatter(x: torch.Tensor, dim: int, g: Group, sizes: Sequence[int],
             parts.append(piece)
         inp = torch.cat(g.by_slot(parts))
     out = inp.new_empty((m, *inp.shape[1:]))
-    _call("reduce_scatter", g, lambda: _reduce_scatter(out, inp, _TORCH_OP[op], group=g.pg),
-          f"{tuple(inp.shape)} {op.value}")
+    done()
+    _call("reduce_scatter", g, lambda: _reduce_scatter(out, inp, _TORCH_OP[op], group=g.pg))
     return out.narrow(0, 0, sizes[g.pos]).movedim(0, dim)
 
 
@@ -310,7 +210,7 @@ _LOCAL_REDUCE: dict[ReduceOp, Callable[[torch.Tensor], torch.Tensor]] = {
 
 
 def _reduce_scatter_by_exchange(x: torch.Tensor, dim: int, g: Group, sizes: Sequence[int],
-                                op: ReduceOp) -> torch.Tensor:
+                                op: ReduceOp, agreed: Callable[[], None]) -> torch.Tensor:
     """reduce_scatter as one all_to_all (member j gets everyone's piece j) and a local
     reduction. Why on CPU: Gloo's reduce_scatter is a clone, a whole-tensor ring
     all_reduce and a copy, which moves 2(n-1)/n of the tensor per rank; this moves
@@ -323,14 +223,14 @@ def _reduce_scatter_by_exchange(x: torch.Tensor, dim: int, g: Group, sizes: Sequ
     mine = sizes[g.pos]
     out = buffers.empty((g.size * mine * rest,), x)
     in_splits = [p.shape[0] * rest for p in pieces]
+    agreed()
     _call("reduce_scatter", g, lambda: dist.all_to_all_single(
-        out, inp.view(-1), [mine * rest] * g.size, in_splits, group=g.pg),
-        f"{tuple(x.shape)} {op.value}")
+        out, inp.view(-1), [mine * rest] * g.size, in_splits, group=g.pg))
     return _LOCAL_REDUCE[op](out.view(g.size, mine, *xm.shape[1:])).movedim(0, dim)
 
 
 def all_to_all(x: torch.Tensor, dim: int, dim2: int, g: Group, send: Sequence[int],
-               recv: Sequence[int]) -> torch.Tensor:
+               recv: Sequence[int], tag: str = "") -> torch.Tensor:
     """Split ``x`` along ``dim2`` (``send[j]`` to member j); concatenate what
     arrives along ``dim`` (``recv[i]`` from member i).
 
@@ -338,6 +238,9 @@ def all_to_all(x: torch.Tensor, dim: int, dim2: int, g: Group, send: Sequence[in
     what arrives is already the concatenation along ``dim``: no unpack copy."""
     if g.size == 1:
         return x
+    # send/recv are this member's row and column of the exchange: not rank-independent
+    done = _agree("all_to_all", g, _shape(x.shape, {dim: -1, dim2: -1}), x.dtype,
+                  f"{tag} dim {dim}<-{dim2}", device=x.device)
     chunks = g.by_slot([c.movedim(dim, 0) for c in x.split(list(send), dim2)])
     in_splits = [c.numel() for c in chunks]
     flat_in = x.new_empty(sum(in_splits))
@@ -356,8 +259,9 @@ def all_to_all(x: torch.Tensor, dim: int, dim2: int, g: Group, send: Sequence[in
         rest *= v
     out_splits = g.by_slot([s * rest for s in recv])
     flat_out = buffers.empty((sum(out_splits),), x)
+    done()  # the control message travelled while this packed
     _call("all_to_all", g, lambda: dist.all_to_all_single(
-        flat_out, flat_in, out_splits, in_splits, group=g.pg), f"{sum(in_splits)}")
+        flat_out, flat_in, out_splits, in_splits, group=g.pg))
     if g.slot is None:
         return flat_out.view(sum(recv), *moved[1:]).movedim(0, dim)
     pieces = g.by_member(list(flat_out.split(out_splits)))
@@ -365,24 +269,54 @@ def all_to_all(x: torch.Tensor, dim: int, dim2: int, g: Group, send: Sequence[in
 
 
 def permute(x: torch.Tensor | None, send_to: int | None, recv_from: int | None,
-            like: torch.Tensor) -> torch.Tensor:
-    """Send ``x`` to rank ``send_to`` and receive from ``recv_from`` (zeros if None)."""
+            like: torch.Tensor, g: Group | None = None, tag: str = "") -> torch.Tensor:
+    """Send ``x`` to rank ``send_to`` and receive from ``recv_from`` (zeros if None).
+
+    ``g``: the group of every process taking part (each calls this, also one that
+    keeps its own block, so that all agree first); ``tag`` must be the same on all
+    of them (e.g. the whole permutation), the block shape may differ."""
+    done = agree_permute(g, like, tag) if g is not None else None
     ops = []
     # Receivers are overwritten whole; only a device that receives nothing holds zeros.
     out = (torch.zeros_like(like, memory_format=torch.contiguous_format) if recv_from is None
            else torch.empty_like(like, memory_format=torch.contiguous_format))
+    if done is not None:
+        done()
     if send_to is not None and x is not None:
         ops.append(dist.P2POp(dist.isend, x.contiguous(), send_to))
     if recv_from is not None:
         ops.append(dist.P2POp(dist.irecv, out, recv_from))
     if ops:
-        g = Group(None, (), (send_to or 0, recv_from or 0), 0)
-        _call("ppermute", g, lambda: [r.wait() for r in dist.batch_isend_irecv(ops)])
+        peers = (send_to or 0, recv_from or 0)
+        pair = g or Group(None, (), peers, 0, f"ranks {peers}")
+        _call("ppermute", pair, lambda: A.wait_all(dist.batch_isend_irecv(ops)))
     return out
 
 
-def broadcast(x: torch.Tensor, src_rank: int, g: Group) -> torch.Tensor:
-    out = x.clone(memory_format=torch.contiguous_format)
+def agree_permute(g: Group, like: torch.Tensor, tag: str) -> Callable[[], None]:
+    """Send the control message of a point-to-point exchange among ``g``'s members
+    (rank-independent fingerprint: dtype, ndim and ``tag``); returns its wait-and-check."""
     if g.size > 1:
-        _call("broadcast", g, lambda: dist.broadcast(out, src_rank, group=g.pg))
+        return _agree("ppermute", g, (like.dim(),), like.dtype, tag, device=like.device)
+    return _nothing
+
+
+def _nothing() -> None:
+    pass
+
+
+def broadcast(x: torch.Tensor, src_rank: int, g: Group, tag: str = "") -> torch.Tensor:
+    if g.size == 1:
+        return x.clone(memory_format=torch.contiguous_format)
+    tag = f"{tag} from rank {src_rank}"
+    if _fold_gather(x, x.numel()):  # the source's data rides in the control message
+        fp = A.fingerprint("broadcast", None, g.label, tuple(x.shape), x.dtype, tag)
+        piece = x if rank() == src_rank else x.reshape(-1)[:0]
+        flat = _call("broadcast", g, lambda: A.agree(g.pg, g.ranks, g.label, fp, piece,
+                                                     place=(0, x.numel())))
+        return flat.view(x.shape)
+    done = _agree("broadcast", g, tuple(x.shape), x.dtype, tag, device=x.device)
+    out = x.clone(memory_format=torch.contiguous_format)
+    done()
+    _call("broadcast", g, lambda: dist.broadcast(out, src_rank, group=g.pg))
     return out

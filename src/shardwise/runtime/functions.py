@@ -62,18 +62,18 @@ class Slice(Function):
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, spec: tuple[Any, ...]) -> torch.Tensor:
-        dim, start, length, _grp, _sizes = spec
+        dim, start, length, _grp, _sizes, _tag = spec
         ctx.spec = spec
         return x.narrow(dim, start, length)
 
     @staticmethod
     def backward(ctx: Any, g: torch.Tensor) -> Any:
-        dim, _, _, grp, sizes = ctx.spec
-        return D.all_gather(g, dim, grp, sizes), None
+        dim, _, _, grp, sizes, tag = ctx.spec
+        return D.all_gather(g, dim, grp, sizes, f"grad of slice {tag}"), None
 
     @staticmethod
     def jvp(ctx: Any, t: torch.Tensor, _: Any) -> torch.Tensor:
-        dim, start, length, _, _ = ctx.spec
+        dim, start, length, _, _, _ = ctx.spec
         return t.narrow(dim, start, length)
 
 
@@ -83,18 +83,18 @@ class AllGather(Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, spec: tuple[Any, ...]) -> torch.Tensor:
         ctx.spec = spec
-        dim, grp, sizes = spec
-        return D.all_gather(x, dim, grp, sizes)
+        dim, grp, sizes, tag = spec
+        return D.all_gather(x, dim, grp, sizes, tag)
 
     @staticmethod
     def backward(ctx: Any, g: torch.Tensor) -> Any:
-        dim, grp, sizes = ctx.spec
+        dim, grp, sizes, _ = ctx.spec
         return g.narrow(dim, sum(sizes[: grp.pos]), sizes[grp.pos]), None
 
     @staticmethod
     def jvp(ctx: Any, t: torch.Tensor, _: Any) -> torch.Tensor:
-        dim, grp, sizes = ctx.spec
-        return D.all_gather(t, dim, grp, sizes)
+        dim, grp, sizes, tag = ctx.spec
+        return D.all_gather(t, dim, grp, sizes, f"tangent of {tag}")
 
 
 class AllToAll(Function):
@@ -103,18 +103,18 @@ class AllToAll(Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, spec: tuple[Any, ...]) -> torch.Tensor:
         ctx.spec = spec
-        dim, dim2, grp, send, recv = spec
-        return D.all_to_all(x, dim, dim2, grp, send, recv)
+        dim, dim2, grp, send, recv, tag = spec
+        return D.all_to_all(x, dim, dim2, grp, send, recv, tag)
 
     @staticmethod
     def backward(ctx: Any, g: torch.Tensor) -> Any:
-        dim, dim2, grp, send, recv = ctx.spec
-        return D.all_to_all(g, dim2, dim, grp, recv, send), None
+        dim, dim2, grp, send, recv, tag = ctx.spec
+        return D.all_to_all(g, dim2, dim, grp, recv, send, f"grad of {tag}"), None
 
     @staticmethod
     def jvp(ctx: Any, t: torch.Tensor, _: Any) -> torch.Tensor:
-        dim, dim2, grp, send, recv = ctx.spec
-        return D.all_to_all(t, dim, dim2, grp, send, recv)
+        dim, dim2, grp, send, recv, tag = ctx.spec
+        return D.all_to_all(t, dim, dim2, grp, send, recv, f"tangent of {tag}")
 
 
 class AllReduce(Function):
@@ -122,8 +122,8 @@ class AllReduce(Function):
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, spec: tuple[Any, ...]) -> torch.Tensor:
-        grp, op = spec
-        out = D.all_reduce(x, grp, op)
+        grp, op, tag = spec
+        out = D.all_reduce(x, grp, op, tag)
         ctx.spec = spec
         ctx.save_for_backward(x, out)
         ctx.fw = (x, out)
@@ -132,12 +132,12 @@ class AllReduce(Function):
     @staticmethod
     def backward(ctx: Any, g: torch.Tensor) -> Any:
         x, out = ctx.saved_tensors
-        grp, op = ctx.spec
+        grp, op, _ = ctx.spec
         return _reduce_grad(g, x, out, grp, op), None
 
     @staticmethod
     def jvp(ctx: Any, t: torch.Tensor, _: Any) -> torch.Tensor:
-        grp, op = ctx.spec
+        grp, op, _ = ctx.spec
         x, out = ctx.fw
         return _reduce_tangent(t, x, out, grp, op)
 
@@ -147,9 +147,9 @@ class ReduceScatter(Function):
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, spec: tuple[Any, ...]) -> torch.Tensor:
-        dim, grp, sizes, op = spec
+        dim, grp, sizes, op, tag = spec
         ctx.spec = spec
-        out = D.reduce_scatter(x, dim, grp, sizes, op)
+        out = D.reduce_scatter(x, dim, grp, sizes, op, tag)
         ctx.save_for_backward(x, out)
         ctx.fw = (x,)
         return out
@@ -157,7 +157,7 @@ class ReduceScatter(Function):
     @staticmethod
     def backward(ctx: Any, g: torch.Tensor) -> Any:
         x, out = ctx.saved_tensors
-        dim, grp, sizes, op = ctx.spec
+        dim, grp, sizes, op, _ = ctx.spec
         g_full = D.all_gather(g, dim, grp, sizes)
         if op is ReduceOp.SUM:
             return g_full, None
@@ -166,7 +166,7 @@ class ReduceScatter(Function):
 
     @staticmethod
     def jvp(ctx: Any, t: torch.Tensor, _: Any) -> torch.Tensor:
-        dim, grp, sizes, op = ctx.spec
+        dim, grp, sizes, op, _ = ctx.spec
         (x,) = ctx.fw
         full = D.all_reduce(x, grp, op)
         tan = _reduce_tangent(t, x, full, grp, op)
@@ -236,18 +236,29 @@ class Permute(Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, spec: tuple[Any, ...]) -> torch.Tensor:
         ctx.spec = spec
-        send_to, recv_from = spec
-        return D.permute(x, send_to, recv_from, x)
+        return _permute(x, spec, False)
 
     @staticmethod
     def backward(ctx: Any, g: torch.Tensor) -> Any:
-        send_to, recv_from = ctx.spec
-        return D.permute(g, recv_from, send_to, g), None
+        return _permute(g, ctx.spec, True), None
 
     @staticmethod
     def jvp(ctx: Any, t: torch.Tensor, _: Any) -> torch.Tensor:
-        send_to, recv_from = ctx.spec
-        return D.permute(t, send_to, recv_from, t)
+        return _permute(t, ctx.spec, False)
+
+
+KEEP = -1  # Permute peers (KEEP, KEEP): the member is its own source (identity)
+
+
+def _permute(x: torch.Tensor, spec: tuple[Any, ...], inverse: bool) -> torch.Tensor:
+    """A member that keeps its block still takes part in the agreement."""
+    send_to, recv_from, grp, tag = spec
+    if inverse:
+        send_to, recv_from, tag = recv_from, send_to, f"grad of {tag}"
+    if send_to == KEEP:
+        D.agree_permute(grp, x, tag)()
+        return x.view_as(x)
+    return D.permute(x, send_to, recv_from, x, grp, tag)
 
 
 class Diverge(Function):

@@ -44,11 +44,11 @@ __all__ = ["DistEnv", "replicate", "take_first"]
 def sizes_of(n: int, grp: D.Group, device: torch.device) -> list[int]:
     """Every member's ``n`` (axis order), by one small all_gather."""
     t = torch.tensor([n], dtype=torch.int64, device=device)
-    return [int(v) for v in D.all_gather(t, 0, grp, [1] * grp.size).tolist()]
+    return [int(v) for v in D.all_gather(t, 0, grp, [1] * grp.size, "lax: sizes").tolist()]
 
 
 def _sum(x: torch.Tensor, grp: D.Group) -> torch.Tensor:
-    return D.all_reduce(x, grp, ReduceOp.SUM)
+    return D.all_reduce(x, grp, ReduceOp.SUM, "lax")
 
 
 # --- the collectives, each with its transpose -----------------------------------------------
@@ -75,7 +75,7 @@ class _PExtreme(Function):
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, grp: D.Group, op: ReduceOp) -> torch.Tensor:
-        out = D.all_reduce(x, grp, op)
+        out = D.all_reduce(x, grp, op, "lax")
         ctx.grp = grp
         ctx.save_for_backward(x, out)
         ctx.fw = (x, out)
@@ -158,35 +158,52 @@ class _PPermute(Function):
     """send/recv in forward, the inverse send/recv in backward."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, send_to: int | None, recv_from: int | None,
-                recv_shape: tuple[int, ...]) -> torch.Tensor:
-        ctx.spec = (send_to, recv_from, tuple(x.shape), recv_shape)
-        return D.permute(x, send_to, recv_from, x.new_empty(recv_shape))
+    def forward(ctx: Any, x: torch.Tensor, grp: D.Group, peers: tuple[int | None, int | None],
+                recv_shape: tuple[int, ...], tag: str) -> torch.Tensor:
+        ctx.spec = (grp, peers, tuple(x.shape), recv_shape, tag)
+        return _exchange(x, grp, peers, recv_shape, tag)
 
     @staticmethod
     def backward(ctx: Any, g: torch.Tensor) -> Any:
-        send_to, recv_from, shape, _ = ctx.spec
-        return D.permute(g, recv_from, send_to, g.new_empty(shape)), None, None, None
+        grp, (send_to, recv_from), shape, _, tag = ctx.spec
+        return (_exchange(g, grp, (recv_from, send_to), shape, f"grad of {tag}"),
+                None, None, None, None)
 
     @staticmethod
     def jvp(ctx: Any, t: torch.Tensor, *_: Any) -> torch.Tensor:
-        send_to, recv_from, _, recv_shape = ctx.spec
-        return D.permute(t, send_to, recv_from, t.new_empty(recv_shape))
+        grp, peers, _, recv_shape, tag = ctx.spec
+        return _exchange(t, grp, peers, recv_shape, f"tangent of {tag}")
+
+
+_KEEP = -1  # peers (_KEEP, _KEEP): this member is its own source (identity)
+
+
+def _exchange(x: torch.Tensor, grp: D.Group, peers: tuple[int | None, int | None],
+              recv_shape: tuple[int, ...], tag: str) -> torch.Tensor:
+    """One send/recv; every member of ``grp`` calls it (so all agree first), also one
+    that keeps its block."""
+    send_to, recv_from = peers
+    if send_to == _KEEP:
+        D.agree_permute(grp, x, tag)()
+        return x.view_as(x)
+    return D.permute(x, send_to, recv_from, x.new_empty(recv_shape), grp, tag)
 
 
 def _ppermute(x: torch.Tensor, grp: D.Group, pairs: tuple[tuple[int, int], ...]
               ) -> torch.Tensor:
     dst = {s: d for s, d in pairs}.get(grp.pos)
     src = {d: s for s, d in pairs}.get(grp.pos)
-    if src is not None and src == grp.pos:
-        return x
-    send_to = None if dst is None else grp.ranks[dst]
-    recv_from = None if src is None else grp.ranks[src]
+    tag = f"lax.ppermute {pairs}"
+    peers: tuple[int | None, int | None] = (
+        (_KEEP, _KEEP) if src is not None and src == grp.pos else
+        (None if dst is None else grp.ranks[dst], None if src is None else grp.ranks[src]))
     # The receiver learns the sender's shape first (blocks may be uneven).
     shape = torch.tensor(list(x.shape), dtype=torch.int64, device=x.device)
-    got = D.permute(shape, send_to, recv_from, shape)
-    recv_shape = tuple(int(v) for v in got.tolist()) if src is not None else tuple(x.shape)
-    return _PPermute.apply(x, send_to, recv_from, recv_shape)
+    got = _exchange(shape, grp, peers, tuple(shape.shape), f"{tag}: shapes of {x.dtype} blocks")
+    recv_shape = (tuple(int(v) for v in got.tolist()) if peers[1] not in (None, _KEEP)
+                  else tuple(x.shape))
+    out: torch.Tensor = _PPermute.apply(x, grp, peers, recv_shape, tag)
+    return out
 
 
 def _all_gather(x: torch.Tensor, grp: D.Group, params: tuple[Any, ...]) -> torch.Tensor:

@@ -46,6 +46,11 @@ Spec: TypeAlias = tuple[Any, tuple[Any, ...]]
 SpecOf: TypeAlias = Callable[[Step, D.Group, tuple[int, ...], tuple[int, ...]], Spec]
 
 
+def _tag(step: Step) -> str:
+    """The step's layouts, carried in every member's collective fingerprint."""
+    return f"{step.before} -> {step.after}"
+
+
 def _make_partial_spec(step: Step, grp: D.Group, coord: tuple[int, ...],
                        shape: tuple[int, ...]) -> Spec:
     return F.MakePartial, (grp, step.reduce_op, all(coord[a] == 0 for a in step.axes))
@@ -57,13 +62,14 @@ def _slice_spec(step: Step, grp: D.Group, coord: tuple[int, ...], shape: tuple[i
     d = step.dim
     lo_before = local_bounds(shape, step.before, coord)[d][0]
     lo, hi = local_bounds(shape, step.after, coord)[d]
-    return F.Slice, (d, lo - lo_before, hi - lo, grp, _sizes(step.after, grp, d, shape))
+    return F.Slice, (d, lo - lo_before, hi - lo, grp, _sizes(step.after, grp, d, shape),
+                     _tag(step))
 
 
 def _all_gather_spec(step: Step, grp: D.Group, coord: tuple[int, ...],
                      shape: tuple[int, ...]) -> Spec:
     assert step.dim is not None
-    return F.AllGather, (step.dim, grp, _sizes(step.before, grp, step.dim, shape))
+    return F.AllGather, (step.dim, grp, _sizes(step.before, grp, step.dim, shape), _tag(step))
 
 
 def _all_to_all_spec(step: Step, grp: D.Group, coord: tuple[int, ...],
@@ -71,19 +77,19 @@ def _all_to_all_spec(step: Step, grp: D.Group, coord: tuple[int, ...],
     assert step.dim is not None and step.dim2 is not None
     send = _sizes(step.after, grp, step.dim2, shape)
     recv = _sizes(step.before, grp, step.dim, shape)
-    return F.AllToAll, (step.dim, step.dim2, grp, send, recv)
+    return F.AllToAll, (step.dim, step.dim2, grp, send, recv, _tag(step))
 
 
 def _all_reduce_spec(step: Step, grp: D.Group, coord: tuple[int, ...],
                      shape: tuple[int, ...]) -> Spec:
-    return F.AllReduce, (grp, step.reduce_op)
+    return F.AllReduce, (grp, step.reduce_op, _tag(step))
 
 
 def _reduce_scatter_spec(step: Step, grp: D.Group, coord: tuple[int, ...],
                          shape: tuple[int, ...]) -> Spec:
     assert step.dim is not None
     return F.ReduceScatter, (step.dim, grp, _sizes(step.after, grp, step.dim, shape),
-                             step.reduce_op)
+                             step.reduce_op, _tag(step))
 
 
 # The autograd Function (and its arguments) of each step kind run per device; permute
@@ -204,17 +210,20 @@ def make_partial(shards: Sequence[torch.Tensor | None], layout: Layout, axes: tu
 
 def permute(shards: Sequence[torch.Tensor | None], layout: Layout, source: Sequence[int | None],
             shape: tuple[int, ...]) -> Shards:
-    """Device k receives device source[k]'s block (zeros when None)."""
+    """Device k receives device source[k]'s block (zeros when None). Every member runs
+    the Function, also one that keeps its block, so that all agree first (forward and
+    backward)."""
     mesh = layout.mesh
+    grp = D.group(mesh, tuple(range(mesh.ndim)))  # collective creation: every process
     k = D.my_index(mesh)
     out: list[torch.Tensor | None] = [None] * mesh.num_devices
     if k is None:
         return out
     x = shards[k]
     assert x is not None
-    spec = _peers(mesh, tuple(source), k)
-    # None: it sends to and receives from itself
-    out[k] = x if spec is None else _run(F.Permute, x, spec)
+    send_to, recv_from = _peers(mesh, tuple(source), k) or (F.KEEP, F.KEEP)
+    out[k] = _run(F.Permute, x, (send_to, recv_from, grp,
+                                 f"{layout} {tuple(shape)} from {tuple(source)}"))
     return out
 
 

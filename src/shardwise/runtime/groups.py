@@ -1,0 +1,176 @@
+"""Process groups over mesh axes, as seen from this process.
+
+Invariants:
+- Process ``i`` owns the mesh devices whose id is ``i``; :func:`my_index` caches
+  this process's index per mesh (valid for one world: :func:`reset_groups` clears it).
+- Process groups are created once per (mesh, sorted axes), collectively, every process
+  in the same order, after agreeing over the world on which group it creates
+  (torch pairs ``new_group`` calls by order); axes in another order reuse them.
+- Every group is created with the run's timeout (torch's default for new groups is
+  30 minutes).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch.distributed as dist
+
+from shardwise.runtime import agreement as A
+from shardwise.sharding.errors import ShardingError
+from shardwise.sharding.layout import Layout
+from shardwise.sharding.mesh import DeviceMesh
+from shardwise.sharding.shapes import local_shape
+
+__all__ = ["Group", "group", "is_process_mesh", "my_index", "process_mesh", "reset_groups",
+           "world_group"]
+
+
+class Group:
+    """A process group over mesh axes, as seen from this process."""
+
+    __slots__ = ("label", "members", "pg", "pos", "ranks", "slot")
+
+    def __init__(self, pg: Any, members: tuple[int, ...], ranks: tuple[int, ...],
+                 pos: int, label: str = "") -> None:
+        self.pg = pg            # torch ProcessGroup (None when this process is not a member)
+        self.members = members  # flat mesh indices, row-major over the axes
+        self.ranks = ranks
+        self.pos = pos          # this process's position among the members
+        self.label = label      # e.g. "mesh axes ('tp',) of DeviceMesh(dp=2, tp=2)"
+        # torch orders a group's members by global rank; slot[p] is member p's place
+        # in that order (None when it is the members' own order).
+        order = sorted(ranks)
+        slot = tuple(order.index(r) for r in ranks)
+        self.slot = None if slot == tuple(range(len(ranks))) else slot
+
+    def by_slot(self, items: Sequence[Any]) -> list[Any]:
+        """Per-member items -> the order torch's collective uses."""
+        if self.slot is None:
+            return list(items)
+        out: list[Any] = [None] * len(items)
+        for p, item in enumerate(items):
+            out[self.slot[p]] = item
+        return out
+
+    def by_member(self, items: Sequence[Any]) -> list[Any]:
+        """Items in torch's order -> per-member order."""
+        return list(items) if self.slot is None else [items[j] for j in self.slot]
+
+    @property
+    def size(self) -> int:
+        return len(self.members)
+
+
+_GROUPS: dict[tuple[DeviceMesh, tuple[int, ...]], Group] = {}
+
+
+def reset_groups() -> None:
+    _GROUPS.clear()
+    _INDEX.clear()
+    _CHECKED.clear()
+    A.reset()
+    from shardwise.runtime import multiprocess
+
+    multiprocess._SPECS.clear()
+
+
+def rank() -> int:
+    return int(dist.get_rank())
+
+
+# Per mesh: this process's index in it (None: not a member). Cached because every
+# op asks; valid for one world, so reset_groups() (shardwise.distributed.shutdown)
+# clears it with the process groups.
+_INDEX: dict[DeviceMesh, int | None] = {}
+_CHECKED: set[DeviceMesh] = set()  # meshes that fit the world
+
+
+def is_process_mesh(mesh: DeviceMesh) -> bool:
+    """True when the mesh's devices are processes of the initialized world."""
+    return dist.is_available() and dist.is_initialized() and process_mesh(mesh)
+
+
+def process_mesh(mesh: DeviceMesh) -> bool:
+    """:func:`is_process_mesh` once the world is known to be initialized (errors
+    when the mesh names more devices than there are processes)."""
+    if mesh in _CHECKED:
+        return True
+    world = dist.get_world_size()
+    big = [d for d in mesh.devices if getattr(d, "id", -1) >= world]
+    if big:
+        raise ShardingError(
+            f"{mesh!r} names devices {big[:4]} but this run has {world} processes (device i "
+            f"is process i): build meshes of at most {world} devices, or launch more "
+            "processes (torchrun --nproc-per-node)."
+        )
+    _CHECKED.add(mesh)
+    return True
+
+
+def my_index(mesh: DeviceMesh) -> int | None:
+    """This process's flat index among ``mesh``'s devices, or None."""
+    try:
+        return _INDEX[mesh]
+    except KeyError:
+        pass
+    me = rank()
+    k = next((k for k, d in enumerate(mesh.devices) if d.id == me), None)
+    _INDEX[mesh] = k
+    return k
+
+
+def group(mesh: DeviceMesh, axes: tuple[int, ...]) -> Group:
+    """This process's group over ``axes`` of ``mesh`` (created once, collectively),
+    its members row-major over ``axes`` in the order given.
+
+    Only sorted axes create process groups; axes in another order reuse those of
+    their sorted order (the same members), so naming them needs no collective
+    call once the sorted group exists (shard_map creates every sorted one up front)."""
+    key = (mesh, axes)
+    hit = _GROUPS.get(key)
+    if hit is not None:
+        return hit
+    me = my_index(mesh)
+    label = f"mesh axes {tuple(mesh.axis_names[a] for a in axes)} of {mesh!r}"
+    base_axes = tuple(sorted(axes))
+    if base_axes != axes:
+        base = group(mesh, base_axes)
+        result = Group(None, (), (), -1, label)
+        if base.pos >= 0 and me is not None:
+            members = next(m for m in mesh.groups(axes) if me in m)
+            ranks = tuple(mesh.devices[k].id for k in members)
+            result = Group(base.pg, tuple(members), ranks, members.index(me), label)
+        _GROUPS[key] = result
+        return result
+    world = world_group()
+    # Creating groups is collective over the world, matched by call order: processes
+    # creating different groups would pair them up silently, so they agree first.
+    A.agree(world.pg, world.ranks, world.label,
+            A.fingerprint("create process groups", None, label, (), None))
+    found: Group | None = None
+    for members in mesh.groups(axes):
+        ranks = tuple(mesh.devices[k].id for k in members)
+        if ranks == world.ranks:
+            pg: Any = dist.group.WORLD
+        elif len(ranks) == 1:
+            pg = None
+        else:  # every process calls this, member or not
+            pg = A.run("creating process groups", world.label, world.ranks, lambda r=ranks:
+                       dist.new_group(list(r), timeout=A.timeout()))
+        if me is not None and me in members:
+            found = Group(pg, tuple(members), ranks, members.index(me), label)
+    result = found or Group(None, (), (), -1, label)
+    _GROUPS[key] = result
+    return result
+
+
+def world_group() -> Group:
+    world = dist.get_world_size()
+    return Group(dist.group.WORLD, tuple(range(world)), tuple(range(world)), rank(), "world")
+
+
+def sizes_along(shape: tuple[int, ...], layout: Layout, members: Sequence[int], dim: int,
+                mesh: DeviceMesh) -> list[int]:
+    return [local_shape(shape, layout, mesh.coord_of(m))[dim] for m in members]
