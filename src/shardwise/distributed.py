@@ -26,7 +26,7 @@ import os
 import time
 from typing import Any
 
-from shardwise.sharding.errors import ShardingError
+from shardwise.sharding.errors import CollectiveError, ShardingError
 
 __all__ = [
     "CollectiveError",
@@ -40,10 +40,6 @@ __all__ = [
 ]
 
 DEFAULT_TIMEOUT_S = 60.0
-
-
-class CollectiveError(ShardingError, RuntimeError):
-    """A collective failed: a peer died, timed out, or called a different collective."""
 
 
 def is_initialized() -> bool:

@@ -33,16 +33,15 @@ On ``DeviceMesh(dp=2, tp=2)`` with local values ``v(dp, tp)``::
 from __future__ import annotations
 
 import math
-import threading
 from collections.abc import Sequence
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 
 from shardwise.runtime import check_reduce
+from shardwise.runtime.spmd import AxisEnv, current_env
 from shardwise.sharding.errors import ShardingError, ShardingTypeError
 from shardwise.sharding.layout import normalize_dim
-from shardwise.sharding.mesh import DeviceMesh
 from shardwise.sharding.placements import ReduceOp
 
 __all__ = [
@@ -59,39 +58,6 @@ __all__ = [
 ]
 
 AxisName = str | Sequence[str]
-
-
-class AxisEnv(Protocol):
-    """What a runtime provides to the collectives while one device runs ``fn``.
-
-    ``collective`` runs one of the primitive ops "psum", "pmax", "pmin",
-    "all_gather" (params ``(axis, even)``), "psum_scatter" (``(dim,)``),
-    "ppermute" (``(pairs,)``), "all_to_all" (``(split, concat, even)``) over the
-    group of mesh ``axes`` (indices, in the order named) holding this device.
-    ``even`` says every member holds the same shape. Groups have >= 2 members.
-    """
-
-    mesh: DeviceMesh
-    index: int
-    coord: tuple[int, ...]
-
-    def collective(self, op: str, x: torch.Tensor, axes: tuple[int, ...],
-                   params: tuple[Any, ...]) -> torch.Tensor: ...
-
-
-_STATE = threading.local()
-
-
-def current_env() -> AxisEnv | None:
-    """The axis environment of the shard_map running on this thread, or None."""
-    return getattr(_STATE, "env", None)
-
-
-def enter(env: AxisEnv | None) -> AxisEnv | None:
-    """Install ``env`` for this thread; returns the previous one, to restore after."""
-    prev = current_env()
-    _STATE.env = env
-    return prev
 
 
 def _env(op: str) -> AxisEnv:

@@ -46,12 +46,12 @@ from typing import Any
 
 import torch
 
-from shardwise import lax
 from shardwise import shard_map_guard as guard
 from shardwise import shard_map_io as io
 from shardwise.runtime import collectives as D
 from shardwise.runtime import lax_multiprocess as dist_rt
 from shardwise.runtime import lax_simulated as sim_rt
+from shardwise.runtime import spmd
 from shardwise.sharding.errors import ShardingError, ShardingTypeError
 from shardwise.sharding.layout import Layout
 from shardwise.sharding.mesh import DeviceMesh, current_mesh
@@ -194,7 +194,7 @@ def _check_unmodified(versions: Sequence[tuple[int, torch.Tensor, int]]) -> None
 # --- running ------------------------------------------------------------------------------
 def _call(fn: Callable[..., Any], mesh: DeviceMesh, in_specs: Any, out_specs: Any,
           args: Sequence[Any], check: bool, timeout_s: float, check_writes: bool) -> Any:
-    if lax.current_env() is not None:
+    if spmd.current_env() is not None:
         raise ShardingError(
             "shard_map was called inside the fn of another shard_map: nesting is not "
             "supported. Call the inner function directly on the local blocks."
@@ -209,11 +209,11 @@ def _call(fn: Callable[..., Any], mesh: DeviceMesh, in_specs: Any, out_specs: An
                   for t in placed]
         if check_writes:
             protected.update(guard.storages(enumerate(blocks)))
-        prev = lax.enter(dist_rt.DistEnv(mesh, k))
+        prev = spmd.enter(dist_rt.DistEnv(mesh, k))
         try:
             out = guard.guarded(fn, protected)(*blocks)
         finally:
-            lax.enter(prev)
+            spmd.enter(prev)
         _check_unmodified(versions)
         outs: list[Any] = [None] * mesh.num_devices
         outs[k] = out

@@ -45,8 +45,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from shardwise.distributed import CollectiveError
 from shardwise.runtime import diagnose
+from shardwise.sharding.errors import CollectiveError
 from shardwise.sharding.placements import ReduceOp
 
 __all__ = ["DATA", "Fingerprint", "agree", "fingerprint", "foldable", "foldable_gather", "run",

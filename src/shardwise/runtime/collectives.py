@@ -36,6 +36,7 @@ from shardwise.runtime.groups import (  # re-exported: the runtime reaches group
     group,
     is_process_mesh,
     my_index,
+    on_reset,
     process_mesh,
     rank,
     reset_groups,
@@ -44,8 +45,8 @@ from shardwise.runtime.groups import (  # re-exported: the runtime reaches group
 )
 from shardwise.sharding.placements import ReduceOp
 
-__all__ = ["Group", "group", "is_process_mesh", "my_index", "process_mesh", "reset_groups",
-           "sizes_along", "world_group"]
+__all__ = ["Group", "group", "is_process_mesh", "my_index", "on_reset", "process_mesh",
+           "reset_groups", "sizes_along", "world_group"]
 
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor

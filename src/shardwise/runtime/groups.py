@@ -66,14 +66,21 @@ class Group:
 _GROUPS: dict[tuple[DeviceMesh, tuple[int, ...]], Group] = {}
 
 
+_ON_RESET: list[Any] = []
+
+
+def on_reset(clear: Any) -> None:
+    """Call ``clear()`` whenever the world's groups are reset (caches valid for one world)."""
+    _ON_RESET.append(clear)
+
+
 def reset_groups() -> None:
     _GROUPS.clear()
     _INDEX.clear()
     _CHECKED.clear()
     A.reset()
-    from shardwise.runtime import multiprocess
-
-    multiprocess._SPECS.clear()
+    for clear in _ON_RESET:
+        clear()
 
 
 def rank() -> int:

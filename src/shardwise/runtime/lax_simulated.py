@@ -30,8 +30,8 @@ from typing import Any
 
 import torch
 
-from shardwise import lax
 from shardwise.runtime import observe as comm
+from shardwise.runtime import spmd
 from shardwise.sharding.errors import ShardingError
 from shardwise.sharding.mesh import DeviceMesh
 from shardwise.sharding.shapes import split_bounds
@@ -301,7 +301,7 @@ def run(fn: Callable[..., Any], mesh: DeviceMesh, args: Sequence[Sequence[Any]],
     modes = _thread_modes()
 
     def work(k: int) -> None:
-        prev = lax.enter(SimEnv(mesh, k, rdv))
+        prev = spmd.enter(SimEnv(mesh, k, rdv))
         try:
             with contextlib.ExitStack() as stack:
                 if k:
@@ -314,7 +314,7 @@ def run(fn: Callable[..., Any], mesh: DeviceMesh, args: Sequence[Sequence[Any]],
         except BaseException as err:
             rdv.fail(k, err)
         finally:
-            lax.enter(prev)
+            spmd.enter(prev)
             if k:
                 done.release()
 

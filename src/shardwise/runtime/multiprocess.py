@@ -106,6 +106,7 @@ check_handlers(_SPEC_OF, "the multi-process runtime", elsewhere=[StepKind.PERMUT
 
 
 _SPECS: dict[tuple[Step, tuple[int, ...], int], tuple[Any, tuple[Any, ...]]] = {}
+D.on_reset(_SPECS.clear)  # specs hold one world's groups
 
 
 def _spec(step: Step, shape: tuple[int, ...], k: int) -> tuple[Any, tuple[Any, ...]]:

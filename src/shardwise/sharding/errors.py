@@ -8,7 +8,9 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
-__all__ = ["ConversionError", "ShardingError", "ShardingTypeError", "check_items"]
+__all__ = [
+    "CollectiveError", "ConversionError", "ShardingError", "ShardingTypeError", "check_items",
+]
 
 
 class ShardingError(ValueError):
@@ -22,6 +24,10 @@ class ConversionError(ShardingError):
 class ShardingTypeError(ShardingError, TypeError):
     """A value of the wrong kind was passed (e.g. a torch.Tensor where a shardwise
     Tensor is required). Both a ``ValueError`` and a ``TypeError``."""
+
+
+class CollectiveError(ShardingError, RuntimeError):
+    """A collective failed: a peer died, timed out, or called a different collective."""
 
 
 def check_items(value: Any, arg: str, expected: str) -> tuple[Any, ...]:
