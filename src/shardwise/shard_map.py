@@ -81,6 +81,7 @@ def shard_map(fn: Callable[..., Any] | None = None, mesh: DeviceMesh | None = No
         check_writes: stop fn before it writes to an input block (a few µs per torch
             op in fn; ``False`` still reports such a write, but only after it).
 
+    >>> from shardwise import lax
     >>> mesh = DeviceMesh.cpu(4, "x")
     >>> def f(a, w):                                  # a: this device's rows, w: all of w
     ...     return lax.psum((a @ w).sum(0), "x")
