@@ -64,7 +64,8 @@ def check_targets(res: dict[str, Any]) -> list[dict[str, Any]]:
                 "tensor_mib"], 1.25, "x tensor bytes"))
     tn = res.get("torch") or {}
     for r in tn.get("ops", []):
-        out.append(_t("torch_op", r["case"], r["overhead_us"], 15.0, "us"))
+        ops = 2 if "two ops" in r["case"] else 1
+        out.append(_t("torch_op", r["case"], r["overhead_us"] / ops, 15.0, "us per op"))
     if tn.get("mlp"):
         out.append(_t("torch_step", tn["mlp"]["case"], tn["mlp"]["ratio"], 3.0, "x torch"))
     gloo = res.get("gloo") or {}

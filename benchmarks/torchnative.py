@@ -2,7 +2,7 @@
 
 - ``ops``: 8x8 float32 Sharded(0) over 4 virtual devices; each op beside the same op
   on the global tensor in plain torch (``clone`` stands in for the all_gather);
-  the target is an overhead of at most 15 us per op.
+  the target is an overhead of at most 15 us per op (``x * 2 + 1`` is two ops).
 - ``mlp``: one training step (forward, backward, AdamW step) of the Megatron MLP
   16 -> 64 -> 8 on a simulated 2x4 mesh (dp x tp, batch 32) beside the same model
   in plain torch on one device; the target is at most 3x.
@@ -33,7 +33,7 @@ def _ops(repeat: int, inner: int) -> list[dict[str, Any]]:
         "sw.all_gather (vs clone)": (lambda: sw.all_gather(x), lambda: g.clone()),
         "torch.add": (lambda: torch.add(x, x), lambda: torch.add(g, g)),
         "F.gelu": (lambda: F.gelu(x), lambda: F.gelu(g)),
-        "x * 2 + 1": (lambda: x * 2 + 1, lambda: g * 2 + 1),
+        "x * 2 + 1 (two ops)": (lambda: x * 2 + 1, lambda: g * 2 + 1),
     }
     cases = {}
     for name, (ours, theirs) in pairs.items():
