@@ -22,7 +22,8 @@ def _mesh(n: int) -> DeviceMesh:
                                                                                   ("dp", "tp"))
 
 
-def _megatron(model: nn.Sequential, mesh: DeviceMesh) -> nn.Sequential:
+def megatron(model: nn.Sequential, mesh: DeviceMesh) -> nn.Sequential:
+    """Column-parallel first layer, row-parallel second, over mesh axis 1 ("tp")."""
     def put(p: torch.Tensor, *places: Any) -> nn.Parameter:
         return nn.Parameter(sw.tensor(p.detach(), sharding=PlacementMapping(mesh, places)))
 
@@ -39,7 +40,7 @@ def body_megatron_mlp_adamw_clip(n: int) -> None:
     mesh = _mesh(n)
     torch.manual_seed(0)
     ref = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 8))
-    model = _megatron(copy.deepcopy(ref), mesh)
+    model = megatron(copy.deepcopy(ref), mesh)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
     ropt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1)
     g = torch.Generator().manual_seed(5)

@@ -11,6 +11,7 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch_bodies import megatron
 
 import shardwise as sw
 from shardwise import DeviceMesh, PlacementMapping, Replicated, Sharded
@@ -21,18 +22,6 @@ R = Replicated()
 def mlp(seed: int = 0) -> nn.Sequential:
     torch.manual_seed(seed)
     return nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 8))
-
-
-def megatron(model: nn.Sequential, mesh: DeviceMesh) -> nn.Sequential:
-    """Column-parallel first layer, row-parallel second, over mesh axis 1 ("tp")."""
-    def put(p: torch.Tensor, *places: Any) -> nn.Parameter:
-        return nn.Parameter(sw.tensor(p.detach(), sharding=PlacementMapping(mesh, places)))
-
-    model[0].weight = put(model[0].weight, R, Sharded(0))
-    model[0].bias = put(model[0].bias, R, Sharded(0))
-    model[2].weight = put(model[2].weight, R, Sharded(1))
-    model[2].bias = put(model[2].bias, R, R)
-    return model
 
 
 def batches(n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
