@@ -110,6 +110,11 @@ class Tensor(torch.Tensor):
         CPU(3)   (1,1)     x[2:4]
     """
 
+    # slots for the fields every op sets (cheaper than the instance dict, which
+    # torch.Tensor still provides for nn.Parameter's flag and our caches)
+    __slots__ = ("_blocks", "_device", "_dtype", "_layout", "_open", "_shape", "_size",
+                 "_whole")
+
     _blocks: tuple[torch.Tensor, ...] | None  # None: not cut from ``_whole`` yet
     _layout: Layout
     _shape: tuple[int, ...]
