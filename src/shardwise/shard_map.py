@@ -38,7 +38,6 @@ out_specs=("dp", None))(x)`` for a 4-row ``x``::
 from __future__ import annotations
 
 import functools
-import itertools
 import sys
 import types
 from collections.abc import Callable, Sequence
@@ -48,10 +47,7 @@ import torch
 
 from shardwise import shard_map_guard as guard
 from shardwise import shard_map_io as io
-from shardwise.runtime import collectives as D
-from shardwise.runtime import lax_multiprocess as dist_rt
-from shardwise.runtime import lax_simulated as sim_rt
-from shardwise.runtime import spmd
+from shardwise.runtime import backend_for, spmd
 from shardwise.sharding.errors import ShardingError, ShardingTypeError
 from shardwise.sharding.layout import Layout
 from shardwise.sharding.mesh import DeviceMesh, current_mesh
@@ -204,42 +200,11 @@ def _call(fn: Callable[..., Any], mesh: DeviceMesh, in_specs: Any, out_specs: An
     versions = _versions(placed)
     protected = (guard.storages((i, s) for i, t in enumerate(placed) for s in t.shards)
                  if check_writes else {})
-    if D.is_process_mesh(mesh):
-        k = _process_index(mesh)
-        blocks = [dist_rt.replicate(t.shards[k], mesh, io.replicated_axes(t.dist_layout))
-                  for t in placed]
-        if check_writes:
-            protected.update(guard.storages(enumerate(blocks)))
-        prev = spmd.enter(dist_rt.DistEnv(mesh, k))
-        try:
-            out = guard.guarded(fn, protected)(*blocks)
-        finally:
-            spmd.enter(prev)
-        _check_unmodified(versions)
-        outs: list[Any] = [None] * mesh.num_devices
-        outs[k] = out
-        return io.outputs(outs, k, mesh, out_specs, check)
-    blocks_per_device = [[t.shards[k] for t in placed] for k in range(mesh.num_devices)]
-    results = sim_rt.run(guard.guarded(fn, protected), mesh, blocks_per_device, timeout_s)
+    results, k = backend_for(mesh).run_spmd(
+        guard.guarded(fn, protected), mesh, [(t.shards, t.dist_layout) for t in placed],
+        timeout_s)
     _check_unmodified(versions)
-    return io.outputs(results, None, mesh, out_specs, check)
-
-
-def _process_index(mesh: DeviceMesh) -> int:
-    # Group creation is collective over every process: make all the groups fn may
-    # use now, on every process, in one order.
-    for r in range(1, mesh.ndim + 1):
-        for axes in itertools.combinations(range(mesh.ndim), r):
-            D.group(mesh, axes)
-    k = D.my_index(mesh)
-    if k is None:
-        raise ShardingError(
-            f"shard_map on {mesh!r} in process {D.rank()}, which holds none of its devices: "
-            "fn has no block to run on here (this process did take part in creating the "
-            "mesh's process groups, which every process must). Build the mesh over every "
-            "process, or skip this call where D.my_index(mesh) is None after that."
-        )
-    return k
+    return io.outputs(results, k, mesh, out_specs, check)
 
 
 class _CallableModule(types.ModuleType):

@@ -77,8 +77,7 @@ def layout_of(spec: Any, ndim: int, mesh: DeviceMesh, where: str) -> Layout:
 
 
 def replicated_axes(layout: Layout) -> tuple[int, ...]:
-    used = set(layout.sharded_axes) | set(layout.partial_axes)
-    return tuple(a for a in range(layout.mesh.ndim) if a not in used)
+    return layout.replicated_axes()
 
 
 # --- outputs --------------------------------------------------------------------------------

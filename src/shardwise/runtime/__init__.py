@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import importlib
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 import torch
@@ -63,6 +63,15 @@ class Backend(Protocol):
     def device_of(self, mesh: DeviceMesh, k: int) -> torch.device: ...
 
     def owned(self, mesh: DeviceMesh) -> Sequence[int]: ...
+
+    def run_spmd(self, fn: Callable[..., Any], mesh: DeviceMesh,
+                 inputs: Sequence[tuple[Sequence[torch.Tensor | None], Layout]],
+                 timeout_s: float) -> tuple[list[Any], int | None]:
+        """Run a shard_map body once per device this process holds, on that device's
+        block of each input, with the ``lax`` collectives in scope; returns the
+        per-device outputs (None where another process holds the device) and this
+        process's device index (None when this process holds every device)."""
+        ...
 
 
 _LOADED: dict[str, Any] = {}

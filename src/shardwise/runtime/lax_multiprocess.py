@@ -27,6 +27,8 @@ Invariants:
 
 from __future__ import annotations
 
+import itertools
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -34,11 +36,14 @@ from torch.autograd import Function
 
 from shardwise.runtime import collectives as D
 from shardwise.runtime import functions as F
+from shardwise.runtime import spmd
+from shardwise.sharding.errors import ShardingError
+from shardwise.sharding.layout import Layout
 from shardwise.sharding.mesh import DeviceMesh
 from shardwise.sharding.placements import ReduceOp
 from shardwise.sharding.shapes import split_size
 
-__all__ = ["DistEnv", "replicate", "take_first"]
+__all__ = ["DistEnv", "replicate", "run_spmd", "take_first"]
 
 
 def sizes_of(n: int, grp: D.Group, device: torch.device) -> list[int]:
@@ -297,3 +302,44 @@ def take_first(x: torch.Tensor, mesh: DeviceMesh, index: int, axes: tuple[int, .
         return x
     out: torch.Tensor = _TakeFirst.apply(x)
     return out
+
+
+def process_index(mesh: DeviceMesh) -> int:
+    """This process's device of ``mesh``, after creating every group a body may use."""
+    # Group creation is collective over every process: make all the groups fn may
+    # use now, on every process, in one order.
+    for r in range(1, mesh.ndim + 1):
+        for axes in itertools.combinations(range(mesh.ndim), r):
+            D.group(mesh, axes)
+    k = D.my_index(mesh)
+    if k is None:
+        raise ShardingError(
+            f"shard_map on {mesh!r} in process {D.rank()}, which holds none of its devices: "
+            "fn has no block to run on here (this process did take part in creating the "
+            "mesh's process groups, which every process must). Build the mesh over every "
+            "process, or skip this call where D.my_index(mesh) is None after that."
+        )
+    return k
+
+
+def run_spmd(fn: Callable[..., Any], mesh: DeviceMesh,
+             inputs: Sequence[tuple[Sequence[torch.Tensor | None], Layout]], timeout_s: float
+             ) -> tuple[list[Any], int | None]:
+    """Run ``fn`` on this process's blocks (one per input), with the lax collectives
+    over torch.distributed groups; returns the per-device outputs (None for the
+    other processes' devices) and this process's device index."""
+    k = process_index(mesh)
+    blocks = []
+    for shards, layout in inputs:
+        block = shards[k]
+        assert block is not None
+        blocks.append(replicate(block, mesh, layout.replicated_axes()))
+    prev = spmd.enter(DistEnv(mesh, k))
+    try:
+        out = fn(*blocks)
+    finally:
+        spmd.enter(prev)
+    outs: list[Any] = [None] * mesh.num_devices
+    outs[k] = out
+    return outs, k
+

@@ -328,3 +328,14 @@ def run(fn: Callable[..., Any], mesh: DeviceMesh, args: Sequence[Sequence[Any]],
     if err is not None:
         raise err
     return results
+
+
+def run_spmd(fn: Callable[..., Any], mesh: DeviceMesh,
+             inputs: Sequence[tuple[Sequence[torch.Tensor | None], Any]], timeout_s: float
+             ) -> tuple[list[Any], int | None]:
+    """Run ``fn`` once per device on its blocks (one per input), the lax collectives
+    meeting across threads; returns the per-device outputs and None (every device
+    is in this process)."""
+    blocks = [[shards[k] for shards, _ in inputs] for k in range(mesh.num_devices)]
+    return run(fn, mesh, blocks, timeout_s), None
+

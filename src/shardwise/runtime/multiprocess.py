@@ -18,6 +18,7 @@ import torch.autograd.forward_ad as fwAD
 from shardwise.planner import Plan, Step, StepKind, check_handlers, permute_sources
 from shardwise.runtime import collectives as D
 from shardwise.runtime import functions as F
+from shardwise.runtime.lax_multiprocess import run_spmd
 from shardwise.sharding.layout import Layout
 from shardwise.sharding.placements import ReduceOp
 from shardwise.sharding.shapes import local_bounds
@@ -32,6 +33,7 @@ __all__ = [
     "owned",
     "permute",
     "relabel",
+    "run_spmd",
     "run_step",
 ]
 

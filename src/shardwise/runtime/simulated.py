@@ -45,6 +45,7 @@ from shardwise.runtime import blocks, check_reduce
 from shardwise.runtime import host_paths as hp
 from shardwise.runtime.blocks import rep_indices
 from shardwise.runtime.buffers import buffer_reuse, set_buffer_reuse
+from shardwise.runtime.lax_simulated import run_spmd
 from shardwise.sharding.layout import Layout
 from shardwise.sharding.mesh import DeviceMesh
 from shardwise.sharding.placements import ReduceOp
@@ -64,6 +65,7 @@ __all__ = [
     "reduce_scatter",
     "relabel",
     "rep_indices",
+    "run_spmd",
     "run_step",
     "set_buffer_reuse",
 ]

@@ -136,6 +136,15 @@ class Layout:
     def is_partial(self) -> bool:
         return bool(self._partial_axes)
 
+    def replicated_axes(self) -> tuple[int, ...]:
+        """The mesh axes along which every device holds the same block.
+
+        >>> Layout(DeviceMesh.cpu((2, 2), ("dp", "tp")), ((0,), ()), (None, None)).replicated_axes()
+        (1,)
+        """
+        used = set(self.sharded_axes) | set(self._partial_axes)
+        return tuple(a for a in range(self.mesh.ndim) if a not in used)
+
     def representatives(self) -> tuple[int, ...]:
         """For each device (row-major), the device whose block it shares: its
         coordinate with every replicated mesh axis set to 0.
