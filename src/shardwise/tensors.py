@@ -669,14 +669,26 @@ def place(value: torch.Tensor, layout: Layout) -> Tensor:
 
 def to_layout(x: Tensor, layout: Layout) -> Tensor:
     """``x``'s value laid out as ``layout``: a plan on one mesh, else through the
-    global value onto the other mesh (differentiable either way)."""
+    global value onto the other mesh (differentiable either way).
+
+    >>> mesh = DeviceMesh.cpu(2, "x")
+    >>> x = place(torch.arange(4.), Layout.replicated(mesh, 1))
+    >>> y = to_layout(x, Layout(mesh, ((0,),), (None,)))
+    >>> [s.tolist() for s in y.shards]
+    [[0.0, 1.0], [2.0, 3.0]]
+    """
     if layout.mesh == x.mesh:
         return x.relayout(layout)
     return place(x._global(), layout)
 
 
 def as_layout_of(value: Any, like: Tensor) -> Tensor:
-    """``value`` (a Tensor or data of ``like``'s global shape) in ``like``'s layout."""
+    """``value`` (a Tensor or data of ``like``'s global shape) in ``like``'s layout.
+
+    >>> like = place(torch.zeros(4), Layout(DeviceMesh.cpu(2, "x"), ((0,),), (None,)))
+    >>> [s.tolist() for s in as_layout_of([1., 2., 3., 4.], like).shards]
+    [[1.0, 2.0], [3.0, 4.0]]
+    """
     if isinstance(value, Tensor):
         if value.shape != like.shape:
             raise ShardingError(
