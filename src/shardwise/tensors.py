@@ -7,9 +7,16 @@ Invariants:
 - The global value is defined by the layout: sharded dims concatenate their
   shards (split rule of :mod:`shardwise.sharding.shapes`), replicated axes hold
   equal copies, Partial axes hold values whose reduction is the global value.
-- Values are immutable: no shardwise op mutates a Tensor or its shards, so
-  replicas share one buffer and shards may be views of a larger buffer.
+- It is a ``torch.Tensor`` (a wrapper with no storage): its torch metadata is the
+  global value's, and every torch function goes through ``__torch_function__`` to
+  the op registry (``HANDLERS``, filled by :data:`REGISTRY` on first use).
+- Only torch's in-place ops (``add_``, ``copy_``, the optimizers' updates) mutate a
+  Tensor, writing each distinct local buffer once; every other op leaves its inputs
+  alone, so replicas share one buffer and shards may be views of a larger buffer.
   ``local()``/``shards`` expose those buffers: read them, never write them.
+- ``_whole``, when set, is the global value whose layout blocks are the shards
+  (views, cut lazily); it is set only on a mesh this process holds wholly and
+  while no gradient is recorded, because autograd lives on the shards.
 - Gradients: ``.grad`` is in the tensor's own layout; the Partial(SUM) axes of
   a tensor hold equal gradients and come back Replicated, other Partial ops
   come back as per-device derivatives under Partial(SUM).
