@@ -388,11 +388,11 @@ def agreement_overhead(args: argparse.Namespace) -> list[dict[str, Any]]:
     each behind a barrier and as the max over ranks; ``overhead`` is the median over
     iterations of on / off - 1 (robust to the load drifting on a shared machine), and
     ``overhead_of_medians`` the ratio of the two medians. Off is a measurement switch
-    only (``runtime.agreement.STATE["on"]``; every rank flips it alike)."""
+    only (``runtime.world.WORLD.agreement``; every rank flips it alike)."""
     import statistics
     import time
 
-    from shardwise.runtime import agreement
+    from shardwise.runtime.world import WORLD
 
     w, r = dist.get_world_size(), dist.get_rank()
     mesh = DeviceMesh.cpu((w,), ("x",))
@@ -402,7 +402,7 @@ def agreement_overhead(args: argparse.Namespace) -> list[dict[str, Any]]:
                              PlacementMapping(mesh, (Partial(),)), shape=(n, n))
 
         def call(on: bool, part: Any = part) -> torch.Tensor:
-            agreement.STATE["on"] = on
+            WORLD.agreement = on
             out: torch.Tensor = sw.all_reduce(part).shards[r]
             return out
 
@@ -419,7 +419,7 @@ def agreement_overhead(args: argparse.Namespace) -> list[dict[str, Any]]:
                     if i >= 0:
                         times[0 if on else 1, i] = time.perf_counter() - t0
         finally:
-            agreement.STATE["on"] = True
+            WORLD.agreement = True
         dist.all_reduce(times, op=dist.ReduceOp.MAX)
         on_t, off_t = times[0].tolist(), times[1].tolist()
         scale = {"ms": 1e3, "us": 1e6}[unit]

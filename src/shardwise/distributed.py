@@ -107,11 +107,12 @@ def initialize(backend: str | None = None, *, rank: int | None = None,
         local = int(env.get("LOCAL_RANK", "0"))
         torch.cuda.set_device(local)
         kwargs["device_id"] = torch.device("cuda", local)
-    from shardwise.runtime import agreement, collectives
+    from shardwise.runtime import collectives
+    from shardwise.runtime.world import WORLD
 
-    agreement.STATE["timeout_s"] = float(timeout_s)
+    WORLD.timeout_s = float(timeout_s)
     if check_collectives is not None:
-        collectives.CHECK["enabled"] = check_collectives
+        WORLD.check_collectives = check_collectives
     where = init_method or f"{env['MASTER_ADDR']}:{env.get('MASTER_PORT')}"
     start = time.monotonic()
     try:

@@ -50,9 +50,9 @@ def body_mismatched_collective(n: int) -> None:
 def body_same_size_mismatch_checked(n: int) -> None:
     """Two different collectives of the same size would exchange data silently;
     with collective checking on, both sides raise instead."""
-    from shardwise.runtime import collectives
+    from shardwise.runtime.world import WORLD
 
-    collectives.CHECK["enabled"] = True
+    WORLD.check_collectives = True
     mesh = DeviceMesh.cpu((n,), ("x",))
     p = sw.tensor(torch.ones(4, 2), sharding=PlacementMapping(mesh, [sw.Partial()]))
     sw.all_reduce(p)

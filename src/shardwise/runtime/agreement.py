@@ -46,6 +46,7 @@ import torch
 import torch.distributed as dist
 
 from shardwise.runtime import diagnose
+from shardwise.runtime.world import WORLD
 from shardwise.sharding.errors import CollectiveError
 from shardwise.sharding.placements import ReduceOp
 
@@ -57,7 +58,6 @@ CODE = 8              # fingerprint bytes in the tail
 _TAIL = 2 * CODE
 # on: the agreement runs (default). Off only to measure its cost (``shardwise bench``):
 # every process must switch alike, or Gloo pairs a control message with data.
-STATE: dict[str, Any] = {"timeout_s": 60.0, "on": True}
 _NOTE_AFTER_S = 1.0   # a control message slower than this leaves a note in the store
 _FOLD = {torch.float32, torch.float64, torch.float16, torch.bfloat16}
 _NUMPY = {torch.float32: np.float32, torch.float64: np.float64}
@@ -98,7 +98,7 @@ def fingerprint(what: str, op: ReduceOp | None, group: str, shape: tuple[int, ..
 
 
 def timeout() -> datetime.timedelta:
-    return datetime.timedelta(seconds=STATE["timeout_s"])
+    return datetime.timedelta(seconds=WORLD.timeout_s)
 
 
 class Channel:
@@ -117,28 +117,26 @@ class Channel:
         self.mem = None if self.arr is None else self.arr.data.cast("B")
 
 
-_CHANNELS: dict[tuple[int, str], Channel] = {}
-# Process groups (by id) on which a wait failed or timed out, with the first error:
-# Gloo's state is then unknown (a message may still arrive), so later collectives on
-# the group raise at once instead of pairing with stale messages.
-_BROKEN: dict[int, str] = {}
+# WORLD.broken: process groups (by id) on which a wait failed or timed out, with the
+# first error: Gloo's state is then unknown (a message may still arrive), so later
+# collectives on the group raise at once instead of pairing with stale messages.
 
 
 def channel(pg: Any, ranks: tuple[int, ...], device: torch.device) -> Channel:
     key = (id(pg), device.type)
-    ch = _CHANNELS.get(key)
+    ch = WORLD.channels.get(key)
     if ch is None:
-        ch = _CHANNELS[key] = Channel(pg, ranks, device)
+        ch = WORLD.channels[key] = Channel(pg, ranks, device)
     return ch
 
 
 def reset() -> None:
-    _CHANNELS.clear()
-    _BROKEN.clear()
+    WORLD.channels.clear()
+    WORLD.broken.clear()
 
 
 def _broken(pg: Any, err: CollectiveError) -> CollectiveError:
-    _BROKEN.setdefault(id(pg), str(err))
+    WORLD.broken.setdefault(id(pg), str(err))
     return err
 
 
@@ -181,12 +179,12 @@ def agree(pg: Any, ranks: tuple[int, ...], label: str, fp: Fingerprint,
     Raises :class:`CollectiveError` on every member when the fingerprints differ,
     and when a member does not arrive within the timeout.
     """
-    if id(pg) in _BROKEN:
+    if id(pg) in WORLD.broken:
         raise CollectiveError(
             f"{fp.what} over {label} (ranks {sorted(ranks)}) refused on rank "
             f"{dist.get_rank()}: this group failed earlier, and its processes cannot exchange "
             "data reliably any more. Stop the program (or shutdown() and initialize() "
-            f"again). The earlier error: {_BROKEN[id(pg)][:400]}")
+            f"again). The earlier error: {WORLD.broken[id(pg)][:400]}")
     dev = x.device if x is not None else device or _device_of(pg)
     ch = channel(pg, ranks, dev if dev.type != "meta" else torch.device("cpu"))
     ch.seq += 1
@@ -252,11 +250,11 @@ def _start(fn: Any, ch: Channel, label: str, fp: Fingerprint) -> Any:
         return fn()
     except RuntimeError as err:
         raise _broken(ch.pg, CollectiveError(
-            diagnose.failed_text(ch, label, fp.what, err, [], STATE["timeout_s"]))) from err
+            diagnose.failed_text(ch, label, fp.what, err, [], WORLD.timeout_s))) from err
 
 
 def _wait_control(work: Any, ch: Channel, label: str, fp: Fingerprint) -> None:
-    total = STATE["timeout_s"]
+    total = WORLD.timeout_s
     first = min(_NOTE_AFTER_S, total / 2)
     start = time.monotonic()
     try:
@@ -279,7 +277,7 @@ def _arrival_error(ch: Channel, label: str, fp: Fingerprint, err: Exception
     diagnose.note(ch)
     absent = diagnose.absent(ch)
     return _broken(ch.pg, CollectiveError(
-        diagnose.failed_text(ch, label, fp.what, err, absent, STATE["timeout_s"])))
+        diagnose.failed_text(ch, label, fp.what, err, absent, WORLD.timeout_s)))
 
 
 def debug_check(pg: Any, ranks: tuple[int, ...], slot: Any, label: str, fp: Fingerprint
@@ -315,7 +313,7 @@ def run(what: str, label: str, ranks: tuple[int, ...], fn: Any, pg: Any = None) 
         raise _broken(pg, CollectiveError(
             f"{what} over {label} (ranks {list(ranks)}) failed on rank {dist.get_rank()} "
             "after every member agreed to it: a peer died, stalled past the timeout "
-            f"({STATE['timeout_s']:g} s) or closed its connection. Underlying error: "
+            f"({WORLD.timeout_s:g} s) or closed its connection. Underlying error: "
             f"{str(err)[:300]}"
         )) from err
 

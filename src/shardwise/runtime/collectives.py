@@ -22,7 +22,6 @@ Invariants:
 from __future__ import annotations
 
 import math
-import os
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -36,24 +35,22 @@ from shardwise.runtime.groups import (  # re-exported: the runtime reaches group
     group,
     is_process_mesh,
     my_index,
-    on_reset,
     process_mesh,
     rank,
     reset_groups,
     sizes_along,
     world_group,
 )
+from shardwise.runtime.world import WORLD
 from shardwise.sharding.placements import ReduceOp
 
-__all__ = ["Group", "group", "is_process_mesh", "my_index", "on_reset", "process_mesh",
+__all__ = ["Group", "group", "is_process_mesh", "my_index", "process_mesh",
            "reset_groups", "sizes_along", "world_group"]
 
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 _TORCH_OP = A._TORCH_OP
 
-
-CHECK = {"enabled": os.environ.get("SHARDWISE_CHECK_COLLECTIVES", "") == "1"}
 
 
 def _agree(what: str, g: Group, shape: tuple[int, ...], dtype: Any, tag: str,
@@ -63,17 +60,17 @@ def _agree(what: str, g: Group, shape: tuple[int, ...], dtype: Any, tag: str,
     wait-and-check, which the caller runs after preparing its buffers and before any
     data moves; with the debug check on, that also all_gathers every member's full
     fingerprint."""
-    if CHECK["enabled"]:
+    if WORLD.check_collectives:
         tag += " [debug check]"  # members that differ in the mode disagree here
     fp = A.fingerprint(what, op, g.label, shape, dtype, tag, sizes)
     pending: list[Callable[[], None]] = []
-    if A.STATE["on"]:
+    if WORLD.agreement:
         A.agree(g.pg, g.ranks, g.label, fp, device=device, deferred=pending)
 
     def done() -> None:
         for finish in pending:
             finish()
-        if CHECK["enabled"]:
+        if WORLD.check_collectives:
             A.debug_check(g.pg, g.ranks, g.slot, g.label, fp)
     return done
 
@@ -149,14 +146,14 @@ def _all_gather_by_exchange(x: torch.Tensor, dim: int, g: Group, sizes: Sequence
 
 
 def _fold_gather(x: torch.Tensor, total: int) -> bool:
-    return A.foldable_gather(x, total) and A.STATE["on"] and not CHECK["enabled"]
+    return A.foldable_gather(x, total) and WORLD.agreement and not WORLD.check_collectives
 
 
 def all_reduce(x: torch.Tensor, g: Group, op: ReduceOp, tag: str = "") -> torch.Tensor:
     check_average(x, op)
     if g.size == 1:
         return buffers.empty(x.shape, x).copy_(x)
-    if A.foldable(x, op) and A.STATE["on"] and not CHECK["enabled"]:  # data in the message
+    if A.foldable(x, op) and WORLD.agreement and not WORLD.check_collectives:  # data in the message
         fp = A.fingerprint("all_reduce", op, g.label, tuple(x.shape), x.dtype, tag)
         out: torch.Tensor = _call("all_reduce", g,
                                   lambda: A.agree(g.pg, g.ranks, g.label, fp, x, op))
@@ -174,7 +171,7 @@ def reduce_scatter(x: torch.Tensor, dim: int, g: Group, sizes: Sequence[int],
     if g.size == 1:
         return x.clone()
     check_average(x, op)
-    if A.foldable(x, op) and A.STATE["on"] and not CHECK["enabled"]:  # data in the message
+    if A.foldable(x, op) and WORLD.agreement and not WORLD.check_collectives:  # data in the message
         fp = A.fingerprint("reduce_scatter", op, g.label, tuple(x.shape), x.dtype,
                            f"{tag} dim {dim}", tuple(sizes))
         full: torch.Tensor = _call("reduce_scatter", g,

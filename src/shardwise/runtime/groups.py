@@ -18,6 +18,7 @@ from typing import Any
 import torch.distributed as dist
 
 from shardwise.runtime import agreement as A
+from shardwise.runtime.world import WORLD
 from shardwise.sharding.errors import ShardingError
 from shardwise.sharding.layout import Layout
 from shardwise.sharding.mesh import DeviceMesh
@@ -63,24 +64,11 @@ class Group:
         return len(self.members)
 
 
-_GROUPS: dict[tuple[DeviceMesh, tuple[int, ...]], Group] = {}
-
-
-_ON_RESET: list[Any] = []
-
-
-def on_reset(clear: Any) -> None:
-    """Call ``clear()`` whenever the world's groups are reset (caches valid for one world)."""
-    _ON_RESET.append(clear)
 
 
 def reset_groups() -> None:
-    _GROUPS.clear()
-    _INDEX.clear()
-    _CHECKED.clear()
-    A.reset()
-    for clear in _ON_RESET:
-        clear()
+    """Forget this world's groups, channels, checks and specs (shutdown/initialize)."""
+    WORLD.reset()
 
 
 def rank() -> int:
@@ -90,8 +78,6 @@ def rank() -> int:
 # Per mesh: this process's index in it (None: not a member). Cached because every
 # op asks; valid for one world, so reset_groups() (shardwise.distributed.shutdown)
 # clears it with the process groups.
-_INDEX: dict[DeviceMesh, int | None] = {}
-_CHECKED: set[DeviceMesh] = set()  # meshes that fit the world
 
 
 def is_process_mesh(mesh: DeviceMesh) -> bool:
@@ -102,7 +88,7 @@ def is_process_mesh(mesh: DeviceMesh) -> bool:
 def process_mesh(mesh: DeviceMesh) -> bool:
     """:func:`is_process_mesh` once the world is known to be initialized (errors
     when the mesh names more devices than there are processes)."""
-    if mesh in _CHECKED:
+    if mesh in WORLD.checked:
         return True
     world = dist.get_world_size()
     big = [d for d in mesh.devices if getattr(d, "id", -1) >= world]
@@ -112,19 +98,19 @@ def process_mesh(mesh: DeviceMesh) -> bool:
             f"is process i): build meshes of at most {world} devices, or launch more "
             "processes (torchrun --nproc-per-node)."
         )
-    _CHECKED.add(mesh)
+    WORLD.checked.add(mesh)
     return True
 
 
 def my_index(mesh: DeviceMesh) -> int | None:
     """This process's flat index among ``mesh``'s devices, or None."""
     try:
-        return _INDEX[mesh]
+        return WORLD.index[mesh]
     except KeyError:
         pass
     me = rank()
     k = next((k for k, d in enumerate(mesh.devices) if d.id == me), None)
-    _INDEX[mesh] = k
+    WORLD.index[mesh] = k
     return k
 
 
@@ -136,7 +122,7 @@ def group(mesh: DeviceMesh, axes: tuple[int, ...]) -> Group:
     their sorted order (the same members), so naming them needs no collective
     call once the sorted group exists (shard_map creates every sorted one up front)."""
     key = (mesh, axes)
-    hit = _GROUPS.get(key)
+    hit = WORLD.groups.get(key)
     if hit is not None:
         return hit
     me = my_index(mesh)
@@ -149,7 +135,7 @@ def group(mesh: DeviceMesh, axes: tuple[int, ...]) -> Group:
             members = next(m for m in mesh.groups(axes) if me in m)
             ranks = tuple(mesh.devices[k].id for k in members)
             result = Group(base.pg, tuple(members), ranks, members.index(me), label)
-        _GROUPS[key] = result
+        WORLD.groups[key] = result
         return result
     world = world_group()
     # Creating groups is collective over the world, matched by call order: processes
@@ -169,7 +155,7 @@ def group(mesh: DeviceMesh, axes: tuple[int, ...]) -> Group:
         if me is not None and me in members:
             found = Group(pg, tuple(members), ranks, members.index(me), label)
     result = found or Group(None, (), (), -1, label)
-    _GROUPS[key] = result
+    WORLD.groups[key] = result
     return result
 
 

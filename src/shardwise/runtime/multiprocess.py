@@ -19,6 +19,7 @@ from shardwise.planner import Plan, Step, StepKind, check_handlers, permute_sour
 from shardwise.runtime import collectives as D
 from shardwise.runtime import functions as F
 from shardwise.runtime.lax_multiprocess import run_spmd
+from shardwise.runtime.world import WORLD
 from shardwise.sharding.layout import Layout
 from shardwise.sharding.placements import ReduceOp
 from shardwise.sharding.shapes import local_bounds
@@ -107,20 +108,19 @@ _SPEC_OF: dict[StepKind, SpecOf] = {
 check_handlers(_SPEC_OF, "the multi-process runtime", elsewhere=[StepKind.PERMUTE])
 
 
-_SPECS: dict[tuple[Step, tuple[int, ...], int], tuple[Any, tuple[Any, ...]]] = {}
-D.on_reset(_SPECS.clear)  # specs hold one world's groups
+# step specs hold one world's groups: cached on WORLD.specs, cleared with the world
 
 
 def _spec(step: Step, shape: tuple[int, ...], k: int) -> tuple[Any, tuple[Any, ...]]:
     """The autograd Function and its arguments for ``step`` on mesh device ``k``
     (computed once: per-op overhead is then one dict lookup)."""
     key = (step, shape, k)
-    hit = _SPECS.get(key)
+    hit = WORLD.specs.get(key)
     if hit is not None:
         return hit
     mesh = step.before.mesh
     out = _SPEC_OF[step.kind](step, D.group(mesh, step.axes), mesh.coord_of(k), shape)
-    _SPECS[key] = out
+    WORLD.specs[key] = out
     return out
 
 
