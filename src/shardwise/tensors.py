@@ -79,6 +79,14 @@ def _local_mesh(mesh: DeviceMesh, device: torch.device) -> bool:
     return hit[1]
 
 
+def _cut(whole: torch.Tensor, layout: Layout) -> tuple[torch.Tensor, ...]:
+    """The blocks of ``whole`` (no Partial axes) that ``layout`` gives each device."""
+    mesh = layout.mesh
+    shape = tuple(whole.shape)
+    return tuple(backend_for(mesh).assemble([whole] * mesh.num_devices,
+                                            _replicated(mesh, len(shape)), layout, shape))
+
+
 @torch.compiler.disable
 def _route(func: Any, args: Any, kwargs: Any) -> Any:
     """One torch function on shardwise Tensors: its handler, else the fallback.
@@ -147,18 +155,24 @@ class Tensor(torch.Tensor):
             dtype = first.dtype
         device = first.device if first is not None else backend_for(layout.mesh).device_of(
             layout.mesh, 0)
-        size = torch.Size(shape)
+        return cls._wrap(parts, None, layout, torch.Size(shape), dtype, device, open_dims)
+
+    @classmethod
+    def _wrap(cls, blocks: tuple[torch.Tensor | None, ...] | None,
+              whole: torch.Tensor | None, layout: Layout, size: torch.Size,
+              dtype: torch.dtype, device: torch.device,
+              open_dims: tuple[bool, ...] | None) -> Tensor:
         # The wrapper holds no data (its C-level requires_grad stays False): values and
         # autograd live on the shards, and every torch function is routed to the registry.
         self = torch.Tensor._make_wrapper_subclass(cls, size, dtype=dtype, device=device)
-        self._blocks = parts  # type: ignore[assignment]
+        self._blocks = blocks  # type: ignore[assignment]
         self._layout = layout
         self._shape = tuple(size)
         self._size = size
         self._dtype = dtype
         self._open = open_dims
         self._device = device
-        self._whole = None
+        self._whole = whole
         return self
 
     @classmethod
@@ -168,36 +182,19 @@ class Tensor(torch.Tensor):
         no Partial axes). On a mesh this process holds wholly and with no gradient
         recorded, the blocks are cut lazily and elementwise ops run once on ``whole``
         (see ``ops.execute.apply_elementwise``)."""
-        mesh = layout.mesh
-        shape = tuple(whole.shape)
-        if whole.requires_grad or not _local_mesh(mesh, whole.device):
-            shards = backend_for(mesh).assemble([whole] * mesh.num_devices,
-                                                _replicated(mesh, len(shape)), layout, shape)
-            return cls(shards, layout, shape, whole.dtype, open_dims=open_dims)
-        size = whole.shape
-        self = torch.Tensor._make_wrapper_subclass(cls, size, dtype=whole.dtype,
-                                                   device=whole.device)
-        self._blocks = None
-        self._layout = layout
-        self._shape = tuple(size)
-        self._size = size
-        self._dtype = whole.dtype
-        self._open = open_dims
-        self._device = whole.device
-        self._whole = whole
-        return self
+        if whole.requires_grad or not _local_mesh(layout.mesh, whole.device):
+            return cls(_cut(whole, layout), layout, whole.shape, whole.dtype,
+                       open_dims=open_dims)
+        return cls._wrap(None, whole, layout, whole.shape, whole.dtype, whole.device,
+                         open_dims)
 
     @property
     def _shards(self) -> tuple[torch.Tensor, ...]:
         """Per-device local tensors (views of ``_whole`` cut on first use)."""
         blocks = self._blocks
         if blocks is None:
-            whole = self._whole
-            assert whole is not None
-            mesh = self._layout.mesh
-            blocks = self._blocks = tuple(backend_for(mesh).assemble(
-                [whole] * mesh.num_devices, _replicated(mesh, len(self._shape)), self._layout,
-                self._shape))
+            assert self._whole is not None
+            blocks = self._blocks = _cut(self._whole, self._layout)
         return blocks
 
     @_shards.setter
@@ -481,7 +478,7 @@ class Tensor(torch.Tensor):
                     "that records gradients. Use x.detach()."
                 )
             return self
-        for s in {id(s): s for s in self._shards if s is not None}.values():
+        for s in self.unique_shards()[1]:
             s.requires_grad_(requires_grad)
         if requires_grad:
             self._whole = None
@@ -589,11 +586,9 @@ class Tensor(torch.Tensor):
                 f"p.grad lives on {value.mesh!r} but p on {self.mesh!r}: move it with "
                 "shardwise.to_device(g, sharding=p.sharding) first."
             )
-        seen: set[int] = set()
-        for s, gs in zip(self._shards, g._shards):
-            if s is not None and id(s) not in seen:
-                seen.add(id(s))
-                s.grad = gs
+        shards = self._shards
+        for k in self._unique():
+            shards[k].grad = g._shards[k]
 
     def _roots(self) -> Tensor:
         """This value with Partial axes reduced (the differentiable global)."""

@@ -265,6 +265,16 @@ def test_partial_tensor_refuses_inplace_writes() -> None:
         with pytest.raises(sw.ShardingError, match="Partial"):
             p.add_(other)
     torch.testing.assert_close(p.to_torch(), X)
+    with pytest.raises(sw.ShardingError, match="Partial"):
+        p.fill_(1.0)
+    p.zero_()  # zeros are a Partial value too
+    assert torch.equal(p.to_torch(), torch.zeros_like(X))
+
+
+def test_a_failing_local_op_names_the_op_and_its_rule() -> None:
+    for lay in [(R, R), (S0, S1)]:
+        with pytest.raises(sw.ShardingError, match=r"bitwise_not failed on the local blocks"):
+            torch.bitwise_not(put(X, lay))
 
 
 def test_metadata_and_conversions_are_torchs() -> None:

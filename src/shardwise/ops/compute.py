@@ -234,23 +234,39 @@ def softmax(x: Tensor, dim: int) -> Tensor:
     return apply("softmax", (t,), lambda s: F.softmax(s, d), d)
 
 
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _basic_item(it: Any) -> bool:
+    return it is None or it is Ellipsis or _is_int(it) or (isinstance(it, slice) and all(
+        v is None or _is_int(v) for v in (it.start, it.stop, it.step)))
+
+
+def is_basic_index(index: Any) -> bool:
+    """Whether ``x[index]`` is basic indexing (ints, slices, None, ...), which
+    :func:`getitem` runs shard-wise.
+
+    >>> is_basic_index((slice(1, 3), None, 0)), is_basic_index([0, 1])
+    (True, False)
+    """
+    return all(_basic_item(it) for it in (index if isinstance(index, tuple) else (index,)))
+
+
 def _index_key(index: Any) -> tuple[Any, ...]:
     items = index if isinstance(index, tuple) else (index,)
     out: list[Any] = []
     for it in items:
-        if it is None or it is Ellipsis:
-            out.append(it)
-        elif isinstance(it, int) and not isinstance(it, bool):
-            out.append(operator.index(it))
-        elif isinstance(it, slice) and all(v is None or (isinstance(v, int) and not isinstance(
-                v, bool)) for v in (it.start, it.stop, it.step)):
-            out.append(("slice", it.start, it.stop, it.step))
-        else:
+        if not _basic_item(it):
             raise ShardingError(
                 f"getitem: only basic indexing (ints, slices, None, ...) works on a "
                 f"shardwise.Tensor; got {it!r} ({type(it).__name__}). Gather the value "
                 "(x.to_torch()) for advanced indexing."
             )
+        if isinstance(it, slice):
+            out.append(("slice", it.start, it.stop, it.step))
+        else:
+            out.append(operator.index(it) if _is_int(it) else it)
     return tuple(out)
 
 

@@ -194,22 +194,28 @@ def apply_elementwise(op: str, operands: Sequence[Any], fn: Callable[..., torch.
             s is None for s in first._shards)):
         return apply(op, operands, fn)
     layout = first._layout
-    if first._whole is not None and all(
-            not isinstance(x, Tensor) or x._whole is not None for x in operands):
-        whole = fn(*[x._whole if isinstance(x, Tensor) else x for x in operands])
-        if tuple(whole.shape) == first._shape:
+    # A failing torch op, or a result of another shape (a broadcast), takes the general
+    # path, which reports the op, the rule and the blocks.
+    try:
+        if first._whole is not None and all(
+                not isinstance(x, Tensor) or x._whole is not None for x in operands):
+            whole = fn(*[x._whole if isinstance(x, Tensor) else x for x in operands])
+            if tuple(whole.shape) != first._shape:
+                return apply(op, operands, fn)
             return Tensor.from_whole(whole, layout, first._open)
-    single = len(operands) == 1
-    memo: dict[Any, torch.Tensor] = {}
-    out: list[torch.Tensor] = []
-    cols = [x._shards if isinstance(x, Tensor) else None for x in operands]
-    for k in range(len(first._shards)):
-        row = [c[k] if c is not None else x for c, x in zip(cols, operands)]
-        key: Any = id(row[0]) if single else tuple(map(id, row))
-        r = memo.get(key)
-        if r is None:
-            r = memo[key] = fn(*row)
-        out.append(r)
-    if tuple(out[0].shape) != tuple(first._shards[0].shape):  # e.g. a broadcast constant
+        single = len(operands) == 1
+        memo: dict[Any, torch.Tensor] = {}
+        out: list[torch.Tensor] = []
+        cols = [x._shards if isinstance(x, Tensor) else None for x in operands]
+        for k in range(len(first._shards)):
+            row = [c[k] if c is not None else x for c, x in zip(cols, operands)]
+            key: Any = id(row[0]) if single else tuple(map(id, row))
+            r = memo.get(key)
+            if r is None:
+                r = memo[key] = fn(*row)
+            out.append(r)
+    except (RuntimeError, TypeError, ValueError, IndexError):
+        return apply(op, operands, fn)
+    if tuple(out[0].shape) != tuple(first._shards[0].shape):
         return apply(op, operands, fn)
     return Tensor(out, layout, first._shape, out[0].dtype, open_dims=first._open)

@@ -144,6 +144,15 @@ def _target(x: Any, name: str) -> Tensor:
     return x
 
 
+def _refuse_partial(t: Tensor, name: str) -> None:
+    if t.dist_layout.is_partial:
+        raise ShardingError(
+            f"{name} on {t!r}: a Partial tensor cannot be written in place (its devices "
+            "hold addends, not the value). Reduce it first (x = x.redistribute(...) or "
+            "shardwise.all_reduce(x))."
+        )
+
+
 def _write(self: Tensor, value: Tensor, name: str) -> Tensor:
     """Copy ``value`` (same global shape) into ``self``'s own buffers."""
     if value.shape != self.shape:
@@ -151,20 +160,13 @@ def _write(self: Tensor, value: Tensor, name: str) -> Tensor:
             f"{name}: the result has shape {tuple(value.shape)} but the tensor written in "
             f"place has shape {tuple(self.shape)}; in-place ops cannot change the shape."
         )
-    if self.dist_layout.is_partial:
-        raise ShardingError(
-            f"{name} on {self!r}: a Partial tensor cannot be written in place (its devices "
-            "hold addends, not the value). Reduce it first (x = x.redistribute(...) or "
-            "shardwise.all_reduce(x))."
-        )
+    _refuse_partial(self, name)
     src = value.relayout(self.dist_layout) if value.mesh == self.mesh else None
     if src is None:
         raise ShardingError(f"{name}: the operands live on {value.mesh!r} and {self.mesh!r}.")
-    seen: set[int] = set()
-    for s, v in zip(self._shards, src._shards):
-        if s is not None and id(s) not in seen:
-            seen.add(id(s))
-            s.copy_(v)
+    shards = self._shards
+    for k in self._unique():
+        shards[k].copy_(src._shards[k])
     return self
 
 
@@ -206,6 +208,7 @@ def _inplace(name: str, method: Any, out_of_place: Callable[..., Any] | None
                 method(shards[k], *call, **kw)
             return t
         if out_of_place is None:
+            _refuse_partial(t, name)
             raise ShardingError(
                 f"{name} has no sharding rule for these operands ({_describe((self, *args))}). "
                 "Lay the operands out like the tensor written in place, or use the "
@@ -243,19 +246,10 @@ def _install_inplace() -> None:
 
     @register(TensorMethod.zero_)
     def zero_(self: Any) -> Any:
+        # zeros are a valid Partial value too (they reduce to zeros), unlike other writes
         t = _target(self, "zero_")
-        for s in {id(s): s for s in t._shards if s is not None}.values():
+        for s in t.unique_shards()[1]:
             s.zero_()
-        return t
-
-    @register(TensorMethod.fill_)
-    def fill_(self: Any, value: Any) -> Any:
-        t = _target(self, "fill_")
-        if t.dist_layout.is_partial:
-            raise ShardingError(f"fill_ on the Partial tensor {t!r}: reduce it first.")
-        v = value.item() if isinstance(value, torch.Tensor) else value
-        for s in {id(s): s for s in t._shards if s is not None}.values():
-            s.fill_(v)
         return t
 
 

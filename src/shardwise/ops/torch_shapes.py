@@ -161,11 +161,8 @@ def _install_views() -> None:
 
     @register(TensorMethod.__getitem__)
     def getitem(x: Any, index: Any) -> Any:
-        try:
+        if C.is_basic_index(index):
             return C.getitem(x, index)
-        except ShardingError as err:
-            if "only basic indexing" not in str(err):
-                raise
         return _fallback(TensorMethod.__getitem__, (x, index), {})
 
     for name in ("tril", "triu"):
