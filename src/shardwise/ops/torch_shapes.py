@@ -183,6 +183,23 @@ def _reduce_dims(x: Any, dim: Any) -> tuple[int, ...]:
     return tuple(sorted({normalize_dim(d, max(x.ndim, 1), "dim") for d in ds})) if x.ndim else ()
 
 
+def _values_and_indices(op: str, x: Any, fn: Callable[[torch.Tensor], Any], *params: Any
+                        ) -> tuple[Tensor, Tensor]:
+    """An op whose local call returns (values, indices) (max/min over a dim, topk):
+    one layout decision and one local call per block give both results."""
+    indices: dict[int, torch.Tensor] = {}
+
+    def values(block: torch.Tensor) -> torch.Tensor:
+        v, i = fn(block)
+        indices[id(v)] = i
+        return v
+
+    vals = apply(op, (x,), values, *params)
+    idx = Tensor([None if v is None else indices[id(v)] for v in vals._shards],
+                 vals.dist_layout, vals._shape, torch.int64, open_dims=vals._open)
+    return vals, idx
+
+
 def _install_reductions() -> None:
     @register(torch.sum, TensorMethod.sum)
     def sum_(x: Any, dim: Any = None, keepdim: bool = False, *, dtype: Any = None) -> Any:
@@ -246,10 +263,9 @@ def _install_reductions() -> None:
             if dim is None:
                 return values(x, None, False)
             d = normalize_dim(dim, max(x.ndim, 1), f"{name} dim")
-            vals = apply("reduce_full", (x,), lambda s: fn(s, d, keepdim)[0], (d,), keepdim)
-            idx = apply("reduce_full", (x,), lambda s: fn(s, d, keepdim)[1], (d,), keepdim)
             kind = torch.return_types.max if name == "max" else torch.return_types.min
-            return kind((vals, idx))
+            return kind(_values_and_indices("reduce_full", x, lambda s: fn(s, d, keepdim),
+                                            (d,), keepdim))
 
         return handler
 
@@ -260,10 +276,8 @@ def _install_reductions() -> None:
     def topk(x: Any, k: int, dim: int = -1, largest: bool = True, sorted: bool = True) -> Any:
         d = normalize_dim(dim, max(x.ndim, 1), "topk dim")
 
-        def run(i: int) -> Tensor:
-            return apply("topk", (x,), lambda s: torch.topk(s, k, d, largest, sorted)[i], d, k)
-
-        return torch.return_types.topk((run(0), run(1)))
+        return torch.return_types.topk(_values_and_indices(
+            "topk", x, lambda s: torch.topk(s, k, d, largest, sorted), d, k))
 
     for name in ("cumsum", "cumprod", "log_softmax", "softmax"):
         fn = getattr(torch, name)
