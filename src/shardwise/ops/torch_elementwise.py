@@ -107,16 +107,15 @@ def _install_elementwise() -> None:
     for dunder, name in _DUNDERS.items():
         base = getattr(torch, name, None) or getattr(TensorMethod, name)
         rule = _LINEAR.get(name) or _RULE_OF.get(name, name)
+        plain = _elementwise(rule, base)
         if dunder in _REFLECTED:
-            def reflected(a: Any, b: Any, _base: Any = base, _rule: str = rule) -> Any:
+            def reflected(a: Any, b: Any, _plain: Any = plain) -> Any:
                 if not _is_operand(b):
                     return NotImplemented
-                return _elementwise(_rule, _base)(b, a)
+                return _plain(b, a)
 
             register(getattr(TensorMethod, dunder))(reflected)
         else:
-            plain = _elementwise(rule, base)
-
             def forward(*args: Any, _plain: Any = plain, **kwargs: Any) -> Any:
                 if len(args) > 1 and not _is_operand(args[1]):
                     return NotImplemented
