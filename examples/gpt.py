@@ -35,11 +35,11 @@ class Attention(nn.Module):
         self.wo = nn.Linear(c.dim, c.dim, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, t, d = x.shape
-        q, k, v = (w(x).view(b, t, self.heads, d // self.heads).transpose(1, 2)
+        b, t, _ = x.shape
+        q, k, v = (w(x).view(b, t, self.heads, -1).transpose(1, 2)
                    for w in (self.wq, self.wk, self.wv))
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return self.wo(y.transpose(1, 2).reshape(b, t, d))
+        return self.wo(y.transpose(1, 2).reshape(b, t, -1))
 
 
 class MLP(nn.Module):
