@@ -107,8 +107,8 @@ def initialize(backend: str | None = None, *, rank: int | None = None,
         local = int(env.get("LOCAL_RANK", "0"))
         torch.cuda.set_device(local)
         kwargs["device_id"] = torch.device("cuda", local)
-    from shardwise.runtime import collectives
-    from shardwise.runtime.world import WORLD
+    from shardwise.runtime.process import collectives
+    from shardwise.runtime.process.world import WORLD
 
     WORLD.timeout_s = float(timeout_s)
     if check_collectives is not None:
@@ -145,7 +145,7 @@ def barrier(label: str = "barrier") -> None:
     """
     if not is_initialized():
         return
-    from shardwise.runtime import agreement, collectives
+    from shardwise.runtime.process import agreement, collectives
 
     world = collectives.world_group()
     agreement.agree(world.pg, world.ranks, world.label,
@@ -184,7 +184,7 @@ def shutdown() -> None:
     """Tear down the process groups (safe to call twice)."""
     import torch.distributed as dist
 
-    from shardwise.runtime import collectives as backend
+    from shardwise.runtime.process import collectives as backend
 
     backend.reset_groups()
     if is_initialized():

@@ -22,8 +22,8 @@ from typing import Any
 
 import torch
 
-from shardwise.runtime import collectives as D
-from shardwise.runtime import lax_multiprocess as dist_rt
+from shardwise.runtime.process import collectives as D
+from shardwise.runtime.process import spmd as dist_rt
 from shardwise.sharding.errors import ShardingError, ShardingTypeError
 from shardwise.sharding.layout import Layout
 from shardwise.sharding.mappings import DeviceMapping, NamedMapping, as_layout

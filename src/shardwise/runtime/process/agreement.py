@@ -45,8 +45,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from shardwise.runtime import diagnose
-from shardwise.runtime.world import WORLD
+from shardwise.runtime.process import diagnose
+from shardwise.runtime.process.world import WORLD
 from shardwise.sharding.errors import CollectiveError
 from shardwise.sharding.placements import ReduceOp
 

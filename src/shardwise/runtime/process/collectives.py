@@ -1,15 +1,10 @@
-"""The torch.distributed runtime: each process holds only its own shards.
+"""The torch.distributed collectives, written once: each primitive's transport and its
+agreement check, on local tensors (no autograd; :mod:`.functions` wraps them with their
+transposes for the planner's steps and shard_map's lax ops alike).
 
 Invariants:
-- ``shards[k]`` is present only for the mesh devices this process owns
-  (device id == rank); the others are None.
-- Each planner step runs one native collective on the process group of its
-  mesh axes (groups are created once per (mesh, axes) and cached).
-- Gradients follow one convention, so that they equal the simulated
-  runtime's (which are the exact derivatives of the global computation):
-  on Replicated axes every replica holds the full gradient; on Sharded axes
-  each device holds its piece; on Partial axes device ``i`` holds dL/dp_i.
-  Each step's backward maps that convention through it (see ``multiprocess.py``).
+- Each call runs one native collective (or one batch of point-to-point sends) on the
+  process group of its mesh axes (:mod:`.groups`: created once per (mesh, axes)).
 - Inputs are never mutated: collectives run on fresh buffers.
 - Every collective first agrees on its fingerprint with its group (``agreement.py``:
   one fixed-size control message; a small float all_reduce travels inside it) and
@@ -17,6 +12,7 @@ Invariants:
   peer raises :class:`CollectiveError` on the others, never a hang or a Gloo abort.
   The fingerprint holds only what every member sees alike (global sizes, not the
   local block's).
+- Members are in mesh-axis order whatever torch's rank order (``Group.slot``).
 """
 
 from __future__ import annotations
@@ -28,9 +24,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from shardwise.runtime import agreement as A
-from shardwise.runtime import buffers, check_average
-from shardwise.runtime.groups import (  # re-exported: the runtime reaches groups here
+from shardwise.runtime import buffers, check_reduce
+from shardwise.runtime.process import agreement as A
+from shardwise.runtime.process.groups import (  # re-exported: the runtime reaches groups here
     Group,
     group,
     is_process_mesh,
@@ -41,11 +37,12 @@ from shardwise.runtime.groups import (  # re-exported: the runtime reaches group
     sizes_along,
     world_group,
 )
-from shardwise.runtime.world import WORLD
+from shardwise.runtime.process.world import WORLD
 from shardwise.sharding.placements import ReduceOp
 
-__all__ = ["Group", "group", "is_process_mesh", "my_index", "process_mesh",
-           "reset_groups", "sizes_along", "world_group"]
+__all__ = ["Group", "agree_permute", "all_gather", "all_reduce", "all_to_all", "broadcast",
+           "group", "is_process_mesh", "my_index", "permute", "process_mesh", "rank",
+           "reduce_scatter", "reset_groups", "sizes_along", "world_group"]
 
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -75,7 +72,7 @@ def _agree(what: str, g: Group, shape: tuple[int, ...], dtype: Any, tag: str,
     return done
 
 
-def _call(what: str, g: Group, fn: Callable[[], Any], sig: str = "") -> Any:
+def _call(what: str, g: Group, fn: Callable[[], Any]) -> Any:
     """Run the data exchange of an agreed collective (every one passes here once)."""
     return A.run(what, g.label, g.ranks, fn, g.pg or dist.group.WORLD)
 
@@ -150,7 +147,7 @@ def _fold_gather(x: torch.Tensor, total: int) -> bool:
 
 
 def all_reduce(x: torch.Tensor, g: Group, op: ReduceOp, tag: str = "") -> torch.Tensor:
-    check_average(x, op)
+    check_reduce(x, op)
     if g.size == 1:
         return buffers.empty(x.shape, x).copy_(x)
     if A.foldable(x, op) and WORLD.agreement and not WORLD.check_collectives:  # data in the message
@@ -170,7 +167,7 @@ def reduce_scatter(x: torch.Tensor, dim: int, g: Group, sizes: Sequence[int],
     """Reduce the members' full blocks and keep this member's piece along ``dim``."""
     if g.size == 1:
         return x.clone()
-    check_average(x, op)
+    check_reduce(x, op)
     if A.foldable(x, op) and WORLD.agreement and not WORLD.check_collectives:  # data in the message
         fp = A.fingerprint("reduce_scatter", op, g.label, tuple(x.shape), x.dtype,
                            f"{tag} dim {dim}", tuple(sizes))

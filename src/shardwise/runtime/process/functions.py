@@ -1,36 +1,116 @@
-"""The torch.distributed primitives as autograd Functions, each beside its gradient.
+"""The process backend's one autograd family: a single Function, :class:`Collective`,
+runs every collective of this backend (the planner's steps and shard_map's lax ops
+alike), given a small immutable *spec* that holds the collective, its arguments and
+its transpose. Each spec has a one-line contract:
 
-Every Function has a one-line contract. Gradient convention (see
-``collectives.py``): Replicated axes hold the full gradient on every replica,
-Sharded axes their piece, Partial axes dL/dp_i.
+    Narrow          narrow in forward,                 all_gather in backward
+    AllGather       all_gather in forward,             narrow (per_device: reduce_scatter)
+    AllToAll        all_to_all dim<-dim2 in forward,   the inverse all_to_all in backward
+    AllReduce       all_reduce(op) in forward,         dG/dp_i (per_device: of the psum of g)
+    ReduceScatter   reduce_scatter(op) in forward,     all_gather, then dG/dp_i, in backward
+    Permute         send/recv in forward,              the inverse send/recv in backward
+    Broadcast       broadcast in forward,              the owner's own gradient in backward
+    MakePartial     identity / identity element,       identity (sum) or a sum over replicas
+    Relabel         identity (psum prelude),           a sum over the replicas it splits
+    Diverge         identity (compute prelude),        all_reduce(sum) over the replicas
+    TakeFirst       identity in forward,               zeros in backward (off coordinate 0)
 
-    Slice            narrow in forward,            all_gather in backward
-    AllGather        all_gather in forward,        narrow in backward
-    AllToAll         all_to_all in forward,        inverse all_to_all in backward
-    AllReduce        all_reduce in forward,        dG/dp_i (sum: identity) in backward
-    ReduceScatter    reduce_scatter in forward,    all_gather (then dG/dp_i) in backward
-    MakePartial      identity/identity-element,    identity (sum) or sum over replicas
-    Relabel          identity (psum prelude),      sum over the replicas it splits
-    Diverge          identity (compute prelude),   sum over the replicas it splits
-    Permute          send/recv in forward,         inverse send/recv in backward
-    Broadcast        broadcast in forward,         the owner's gradient in backward
-Forward-mode tangents apply the same (linear) forward to the tangent.
+Two gradient conventions, one family. The Tensor runtime's: Replicated axes hold the
+full gradient on every replica, Sharded axes their piece, Partial axes dL/dp_i (so its
+gradients equal the simulated runtime's, the exact derivatives of the global value).
+shard_map's: every device's block is its own value, so the gradient arriving at an
+output that a collective replicated over its group is first summed over the group
+(JAX's psum transpose). They differ only for the collectives whose output is
+replicated over the group (all_gather, all_reduce): ``per_device=True`` picks
+shard_map's.
+
+Invariants:
+- Specs are immutable values (the backend caches them per step); the transport and
+  its agreement check are :mod:`shardwise.runtime.process.collectives`' alone.
+- Forward-mode tangents apply ``spec.tangent``: the forward itself for linear specs.
+- :func:`run` skips ``Function.apply`` when autograd records nothing (it costs ~10 us).
+- Every member of a group runs the same spec (also one that keeps its block), so the
+  members' collectives, forward and backward, pair up.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.autograd.forward_ad as fwAD
 from torch.autograd import Function
 
-from shardwise.runtime import collectives as D
+from shardwise.runtime.process import collectives as D
+from shardwise.sharding.errors import ShardingError
 from shardwise.sharding.placements import ReduceOp
 
 __all__ = [
-    "AllGather", "AllReduce", "AllToAll", "Broadcast", "Diverge", "MakePartial", "Permute",
-    "ReduceScatter", "Relabel", "Slice",
+    "KEEP", "AllGather", "AllReduce", "AllToAll", "Broadcast", "Collective", "Diverge",
+    "MakePartial", "Narrow", "Permute", "ReduceScatter", "Relabel", "Spec", "TakeFirst", "run",
 ]
+
+_LINEAR = (ReduceOp.SUM, ReduceOp.AVG)
+
+
+class Spec:
+    """A collective (or local map) on this process's block, with its transpose."""
+
+    __slots__ = ()
+
+    @property
+    def saves(self) -> bool:
+        """Whether the transpose needs the forward's input and output."""
+        return False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def transpose(self, g: torch.Tensor, x: Any, out: Any) -> torch.Tensor:
+        raise NotImplementedError
+
+    def tangent(self, t: torch.Tensor, x: Any, out: Any) -> torch.Tensor:
+        return self.forward(t)  # linear maps: the tangent goes through the forward
+
+
+class Collective(Function):
+    """``spec.forward`` in forward, ``spec.transpose`` in backward, ``spec.tangent`` in jvp."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, spec: Spec) -> torch.Tensor:
+        out = spec.forward(x)
+        ctx.spec = spec
+        if spec.saves:
+            ctx.save_for_backward(x, out)
+            ctx.fw = (x, out)
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> Any:
+        spec = ctx.spec
+        x, out = ctx.saved_tensors if spec.saves else (None, None)
+        return spec.transpose(g, x, out), None
+
+    @staticmethod
+    def jvp(ctx: Any, t: torch.Tensor, _: Any) -> torch.Tensor:
+        spec = ctx.spec
+        x, out = ctx.fw if spec.saves else (None, None)
+        return spec.tangent(t, x, out)
+
+
+def run(spec: Spec, x: torch.Tensor) -> torch.Tensor:
+    """``spec`` on ``x``: through :class:`Collective` when autograd records (a
+    grad-requiring input, or a forward-mode level), else its forward as a plain call.
+
+    >>> run(TakeFirst(), torch.ones(2)).tolist()
+    [1.0, 1.0]
+    """
+    if fwAD._current_level >= 0 or (x.requires_grad and torch.is_grad_enabled()):
+        out: torch.Tensor = Collective.apply(x, spec)
+        return out
+    return spec.forward(x)
 
 
 def _reduce_grad(g: torch.Tensor, x: torch.Tensor, out: torch.Tensor, grp: D.Group,
@@ -42,14 +122,13 @@ def _reduce_grad(g: torch.Tensor, x: torch.Tensor, out: torch.Tensor, grp: D.Gro
         return g / grp.size
     if op is ReduceOp.PROD:
         return g * out / x
-    mask = (x == out).to(g.dtype)
-    count = D.all_reduce(mask, grp, ReduceOp.SUM)
-    return g * mask / count
+    mask = (x == out).to(g.dtype)  # MAX/MIN: ties split the gradient evenly
+    return g * mask / D.all_reduce(mask, grp, ReduceOp.SUM)
 
 
 def _reduce_tangent(t: torch.Tensor, x: torch.Tensor, out: torch.Tensor, grp: D.Group,
                     op: ReduceOp) -> torch.Tensor:
-    if op in (ReduceOp.SUM, ReduceOp.AVG):
+    if op in _LINEAR:
         return D.all_reduce(t, grp, op)
     if op is ReduceOp.PROD:
         return out * D.all_reduce(t / x, grp, ReduceOp.SUM)
@@ -57,236 +136,265 @@ def _reduce_tangent(t: torch.Tensor, x: torch.Tensor, out: torch.Tensor, grp: D.
     return D.all_reduce(t * mask, grp, ReduceOp.SUM) / D.all_reduce(mask, grp, ReduceOp.SUM)
 
 
-class Slice(Function):
+# --- the collectives ------------------------------------------------------------------------
+@dataclass(frozen=True, slots=True, eq=False)
+class Narrow(Spec):
     """narrow in forward, all_gather in backward."""
 
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, spec: tuple[Any, ...]) -> torch.Tensor:
-        dim, start, length, _grp, _sizes, _tag = spec
-        ctx.spec = spec
-        return x.narrow(dim, start, length)
+    dim: int
+    start: int
+    length: int
+    grp: D.Group
+    sizes: Sequence[int]
+    tag: str
 
-    @staticmethod
-    def backward(ctx: Any, g: torch.Tensor) -> Any:
-        dim, _, _, grp, sizes, tag = ctx.spec
-        return D.all_gather(g, dim, grp, sizes, f"grad of slice {tag}"), None
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.narrow(self.dim, self.start, self.length)
 
-    @staticmethod
-    def jvp(ctx: Any, t: torch.Tensor, _: Any) -> torch.Tensor:
-        dim, start, length, _, _, _ = ctx.spec
-        return t.narrow(dim, start, length)
+    def transpose(self, g: torch.Tensor, x: Any, out: Any) -> torch.Tensor:
+        return D.all_gather(g, self.dim, self.grp, self.sizes, f"grad of slice {self.tag}")
 
 
-class AllGather(Function):
-    """all_gather in forward, narrow in backward."""
+@dataclass(frozen=True, slots=True, eq=False)
+class AllGather(Spec):
+    """all_gather in forward; narrow in backward (per_device: reduce_scatter(sum))."""
 
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, spec: tuple[Any, ...]) -> torch.Tensor:
-        ctx.spec = spec
-        dim, grp, sizes, tag = spec
-        return D.all_gather(x, dim, grp, sizes, tag)
+    dim: int
+    grp: D.Group
+    sizes: Sequence[int]
+    tag: str
+    per_device: bool = False
 
-    @staticmethod
-    def backward(ctx: Any, g: torch.Tensor) -> Any:
-        dim, grp, sizes, _ = ctx.spec
-        return g.narrow(dim, sum(sizes[: grp.pos]), sizes[grp.pos]), None
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return D.all_gather(x, self.dim, self.grp, self.sizes, self.tag)
 
-    @staticmethod
-    def jvp(ctx: Any, t: torch.Tensor, _: Any) -> torch.Tensor:
-        dim, grp, sizes, tag = ctx.spec
-        return D.all_gather(t, dim, grp, sizes, f"tangent of {tag}")
+    def transpose(self, g: torch.Tensor, x: Any, out: Any) -> torch.Tensor:
+        grp, sizes = self.grp, self.sizes
+        if self.per_device:  # = my piece of the psum of g
+            return D.reduce_scatter(g, self.dim, grp, sizes, ReduceOp.SUM, f"grad of {self.tag}")
+        return g.narrow(self.dim, sum(sizes[: grp.pos]), sizes[grp.pos])
 
-
-class AllToAll(Function):
-    """all_to_all dim->dim2 in forward, the inverse all_to_all in backward."""
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, spec: tuple[Any, ...]) -> torch.Tensor:
-        ctx.spec = spec
-        dim, dim2, grp, send, recv, tag = spec
-        return D.all_to_all(x, dim, dim2, grp, send, recv, tag)
-
-    @staticmethod
-    def backward(ctx: Any, g: torch.Tensor) -> Any:
-        dim, dim2, grp, send, recv, tag = ctx.spec
-        return D.all_to_all(g, dim2, dim, grp, recv, send, f"grad of {tag}"), None
-
-    @staticmethod
-    def jvp(ctx: Any, t: torch.Tensor, _: Any) -> torch.Tensor:
-        dim, dim2, grp, send, recv, tag = ctx.spec
-        return D.all_to_all(t, dim, dim2, grp, send, recv, f"tangent of {tag}")
+    def tangent(self, t: torch.Tensor, x: Any, out: Any) -> torch.Tensor:
+        return D.all_gather(t, self.dim, self.grp, self.sizes, f"tangent of {self.tag}")
 
 
-class AllReduce(Function):
-    """all_reduce in forward; dG/dp_i (identity for sum) in backward."""
+@dataclass(frozen=True, slots=True, eq=False)
+class AllToAll(Spec):
+    """all_to_all dim<-dim2 in forward, the inverse all_to_all in backward."""
 
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, spec: tuple[Any, ...]) -> torch.Tensor:
-        grp, op, tag = spec
-        out = D.all_reduce(x, grp, op, tag)
-        ctx.spec = spec
-        ctx.save_for_backward(x, out)
-        ctx.fw = (x, out)
-        return out
+    dim: int
+    dim2: int
+    grp: D.Group
+    send: Sequence[int]
+    recv: Sequence[int]
+    tag: str
 
-    @staticmethod
-    def backward(ctx: Any, g: torch.Tensor) -> Any:
-        x, out = ctx.saved_tensors
-        grp, op, _ = ctx.spec
-        return _reduce_grad(g, x, out, grp, op), None
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return D.all_to_all(x, self.dim, self.dim2, self.grp, self.send, self.recv, self.tag)
 
-    @staticmethod
-    def jvp(ctx: Any, t: torch.Tensor, _: Any) -> torch.Tensor:
-        grp, op, _ = ctx.spec
-        x, out = ctx.fw
-        return _reduce_tangent(t, x, out, grp, op)
+    def transpose(self, g: torch.Tensor, x: Any, out: Any) -> torch.Tensor:
+        return D.all_to_all(g, self.dim2, self.dim, self.grp, self.recv, self.send,
+                            f"grad of {self.tag}")
+
+    def tangent(self, t: torch.Tensor, x: Any, out: Any) -> torch.Tensor:
+        return D.all_to_all(t, self.dim, self.dim2, self.grp, self.send, self.recv,
+                            f"tangent of {self.tag}")
 
 
-class ReduceScatter(Function):
-    """reduce_scatter in forward; all_gather, then dG/dp_i, in backward."""
+@dataclass(frozen=True, slots=True, eq=False)
+class AllReduce(Spec):
+    """all_reduce(op) in forward; dG/dp_i (sum: identity) in backward, of the psum of
+    the gradient when per_device."""
 
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, spec: tuple[Any, ...]) -> torch.Tensor:
-        dim, grp, sizes, op, tag = spec
-        ctx.spec = spec
-        out = D.reduce_scatter(x, dim, grp, sizes, op, tag)
-        ctx.save_for_backward(x, out)
-        ctx.fw = (x,)
-        return out
+    grp: D.Group
+    op: ReduceOp
+    tag: str
+    per_device: bool = False
 
-    @staticmethod
-    def backward(ctx: Any, g: torch.Tensor) -> Any:
-        x, out = ctx.saved_tensors
-        dim, grp, sizes, op, _ = ctx.spec
-        g_full = D.all_gather(g, dim, grp, sizes)
-        if op is ReduceOp.SUM:
-            return g_full, None
-        out_full = D.all_gather(out, dim, grp, sizes)
-        return _reduce_grad(g_full, x, out_full, grp, op), None
+    @property
+    def saves(self) -> bool:
+        return self.op not in _LINEAR
 
-    @staticmethod
-    def jvp(ctx: Any, t: torch.Tensor, _: Any) -> torch.Tensor:
-        dim, grp, sizes, op, _ = ctx.spec
-        (x,) = ctx.fw
-        full = D.all_reduce(x, grp, op)
-        tan = _reduce_tangent(t, x, full, grp, op)
-        start = sum(sizes[: grp.pos])
-        return tan.narrow(dim, start, sizes[grp.pos])
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return D.all_reduce(x, self.grp, self.op, self.tag)
+
+    def transpose(self, g: torch.Tensor, x: Any, out: Any) -> torch.Tensor:
+        if self.per_device:
+            g = D.all_reduce(g, self.grp, ReduceOp.SUM, f"grad of {self.tag}")
+        return _reduce_grad(g, x, out, self.grp, self.op)
+
+    def tangent(self, t: torch.Tensor, x: Any, out: Any) -> torch.Tensor:
+        return _reduce_tangent(t, x, out, self.grp, self.op)
 
 
-class MakePartial(Function):
-    """identity (root) or identity element (others) in forward; identity for sum,
-    a sum over the replicas otherwise, in backward."""
+@dataclass(frozen=True, slots=True, eq=False)
+class ReduceScatter(Spec):
+    """reduce_scatter(op) in forward; all_gather, then dG/dp_i, in backward."""
 
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, spec: tuple[Any, ...]) -> torch.Tensor:
-        _grp, op, root = spec
-        ctx.spec = spec
-        if op in (ReduceOp.SUM, ReduceOp.PROD) and not root:
-            value = 1 if op is ReduceOp.PROD else 0
-            return torch.full_like(x, value)
-        return x.view_as(x)
+    dim: int
+    grp: D.Group
+    sizes: Sequence[int]
+    op: ReduceOp
+    tag: str
 
-    @staticmethod
-    def backward(ctx: Any, g: torch.Tensor) -> Any:
-        grp, op, root = ctx.spec
-        if op is ReduceOp.SUM:
-            return g, None
-        if op is ReduceOp.AVG:
-            return g * grp.size, None
-        if op is ReduceOp.PROD:
-            return D.all_reduce(g if root else torch.zeros_like(g), grp, ReduceOp.SUM), None
-        return D.all_reduce(g, grp, ReduceOp.SUM), None
+    @property
+    def saves(self) -> bool:
+        return self.op is not ReduceOp.SUM
 
-    @staticmethod
-    def jvp(ctx: Any, t: torch.Tensor, _: Any) -> torch.Tensor:
-        _grp, op, root = ctx.spec
-        if op in (ReduceOp.SUM, ReduceOp.PROD) and not root:
-            return torch.zeros_like(t)
-        return t.view_as(t)
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return D.reduce_scatter(x, self.dim, self.grp, self.sizes, self.op, self.tag)
 
+    def transpose(self, g: torch.Tensor, x: Any, out: Any) -> torch.Tensor:
+        g_full = D.all_gather(g, self.dim, self.grp, self.sizes, f"grad of {self.tag}")
+        if self.op is ReduceOp.SUM:
+            return g_full
+        out_full = D.all_gather(out, self.dim, self.grp, self.sizes, f"grad of {self.tag}")
+        return _reduce_grad(g_full, x, out_full, self.grp, self.op)
 
-class Relabel(Function):
-    """identity in forward (local values become partials); in backward the sum of
-    the partials' gradients over the replicas that were split."""
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, spec: tuple[Any, ...]) -> torch.Tensor:
-        ctx.spec = spec
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx: Any, g: torch.Tensor) -> Any:
-        grp, op = ctx.spec
-        if grp is None or grp.size == 1:
-            return g, None
-        if op in (ReduceOp.SUM, ReduceOp.AVG):
-            # Linear ops: dL/dp_i is the same on every replica, so their sum is a product.
-            return g * grp.size, None
-        return D.all_reduce(g, grp, ReduceOp.SUM), None
-
-    @staticmethod
-    def jvp(ctx: Any, t: torch.Tensor, _: Any) -> torch.Tensor:
-        return t.view_as(t)
-
-
-class Permute(Function):
-    """send/recv in forward, the inverse send/recv in backward."""
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, spec: tuple[Any, ...]) -> torch.Tensor:
-        ctx.spec = spec
-        return _permute(x, spec, False)
-
-    @staticmethod
-    def backward(ctx: Any, g: torch.Tensor) -> Any:
-        return _permute(g, ctx.spec, True), None
-
-    @staticmethod
-    def jvp(ctx: Any, t: torch.Tensor, _: Any) -> torch.Tensor:
-        return _permute(t, ctx.spec, False)
+    def tangent(self, t: torch.Tensor, x: Any, out: Any) -> torch.Tensor:
+        if self.op in _LINEAR:
+            return D.reduce_scatter(t, self.dim, self.grp, self.sizes, self.op,
+                                    f"tangent of {self.tag}")
+        full = D.all_reduce(x, self.grp, self.op)
+        tan = _reduce_tangent(t, x, full, self.grp, self.op)
+        return tan.narrow(self.dim, sum(self.sizes[: self.grp.pos]), self.sizes[self.grp.pos])
 
 
 KEEP = -1  # Permute peers (KEEP, KEEP): the member is its own source (identity)
 
 
-def _permute(x: torch.Tensor, spec: tuple[Any, ...], inverse: bool) -> torch.Tensor:
-    """A member that keeps its block still takes part in the agreement."""
-    send_to, recv_from, grp, tag = spec
-    if inverse:
-        send_to, recv_from, tag = recv_from, send_to, f"grad of {tag}"
+@dataclass(frozen=True, slots=True, eq=False)
+class Permute(Spec):
+    """send/recv in forward, the inverse send/recv in backward. ``shapes``: (this
+    block's, the received block's) when they differ (shard_map's uneven blocks)."""
+
+    send_to: int | None
+    recv_from: int | None
+    grp: D.Group
+    tag: str
+    shapes: tuple[tuple[int, ...], tuple[int, ...]] | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        recv = None if self.shapes is None else self.shapes[1]
+        return _exchange(x, self.send_to, self.recv_from, recv, self.grp, self.tag)
+
+    def transpose(self, g: torch.Tensor, x: Any, out: Any) -> torch.Tensor:
+        back = None if self.shapes is None else self.shapes[0]
+        return _exchange(g, self.recv_from, self.send_to, back, self.grp, f"grad of {self.tag}")
+
+    def tangent(self, t: torch.Tensor, x: Any, out: Any) -> torch.Tensor:
+        recv = None if self.shapes is None else self.shapes[1]
+        return _exchange(t, self.send_to, self.recv_from, recv, self.grp,
+                         f"tangent of {self.tag}")
+
+
+def _exchange(x: torch.Tensor, send_to: int | None, recv_from: int | None,
+              recv_shape: tuple[int, ...] | None, grp: D.Group, tag: str) -> torch.Tensor:
+    """One send/recv among ``grp``'s members; a member that keeps its block (KEEP)
+    still takes part in the agreement."""
     if send_to == KEEP:
         D.agree_permute(grp, x, tag)()
         return x.view_as(x)
-    return D.permute(x, send_to, recv_from, x, grp, tag)
+    like = x if recv_shape is None or recv_shape == tuple(x.shape) else x.new_empty(recv_shape)
+    return D.permute(x, send_to, recv_from, like, grp, tag)
 
 
-class Diverge(Function):
-    """identity in forward, all_reduce(SUM) of the gradient over the replicas in backward."""
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, grp: D.Group) -> torch.Tensor:
-        ctx.grp = grp
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx: Any, g: torch.Tensor) -> Any:
-        return D.all_reduce(g, ctx.grp, ReduceOp.SUM), None
-
-    @staticmethod
-    def jvp(ctx: Any, t: torch.Tensor, _: Any) -> torch.Tensor:
-        return t.view_as(t)
-
-
-class Broadcast(Function):
+@dataclass(frozen=True, slots=True, eq=False)
+class Broadcast(Spec):
     """broadcast from the owner in forward; the owner's own gradient in backward
     (every process holds the same replicated gradient)."""
 
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, spec: tuple[Any, ...]) -> torch.Tensor:
-        src, grp = spec
-        return D.broadcast(x, src, grp)
+    src: int
+    grp: D.Group
 
-    @staticmethod
-    def backward(ctx: Any, g: torch.Tensor) -> Any:
-        return g, None
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return D.broadcast(x, self.src, self.grp)
+
+    def transpose(self, g: torch.Tensor, x: Any, out: Any) -> torch.Tensor:
+        return g
+
+    def tangent(self, t: torch.Tensor, x: Any, out: Any) -> torch.Tensor:
+        # Only the owner runs this Function (the others receive into a plain buffer), so
+        # a tangent broadcast would have no partner on the others.
+        raise ShardingError(
+            "Forward-mode AD cannot read the global value of a tensor whose mesh leaves out "
+            "some processes (its owner broadcasts it to the others, which hold no tangent). "
+            "Use reverse mode (backward), or build the mesh over every process.")
+
+
+# --- local maps whose transpose is a collective --------------------------------------------
+@dataclass(frozen=True, slots=True, eq=False)
+class MakePartial(Spec):
+    """identity (root) or the identity element (others) in forward; identity for sum,
+    a sum over the replicas otherwise, in backward."""
+
+    grp: D.Group
+    op: ReduceOp
+    root: bool
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.op in (ReduceOp.SUM, ReduceOp.PROD) and not self.root:
+            return torch.full_like(x, 1 if self.op is ReduceOp.PROD else 0)
+        return x.view_as(x)
+
+    def transpose(self, g: torch.Tensor, x: Any, out: Any) -> torch.Tensor:
+        op = self.op
+        if op is ReduceOp.SUM:
+            return g
+        if op is ReduceOp.AVG:
+            return g * self.grp.size
+        if op is ReduceOp.PROD and not self.root:
+            g = torch.zeros_like(g)
+        return D.all_reduce(g, self.grp, ReduceOp.SUM)
+
+    def tangent(self, t: torch.Tensor, x: Any, out: Any) -> torch.Tensor:
+        if self.op in (ReduceOp.SUM, ReduceOp.PROD) and not self.root:
+            return torch.zeros_like(t)
+        return t.view_as(t)
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class Relabel(Spec):
+    """identity in forward (local values become partials); in backward the sum of the
+    partials' gradients over the replicas that were split."""
+
+    grp: D.Group | None
+    op: ReduceOp
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.view_as(x)
+
+    def transpose(self, g: torch.Tensor, x: Any, out: Any) -> torch.Tensor:
+        grp = self.grp
+        if grp is None or grp.size == 1:
+            return g
+        if self.op in _LINEAR:
+            # Linear ops: dL/dp_i is the same on every replica, so their sum is a product.
+            return g * grp.size
+        return D.all_reduce(g, grp, ReduceOp.SUM)
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class Diverge(Spec):
+    """identity in forward, all_reduce(sum) of the gradient over the replicas in backward
+    (also shard_map's input boundary: a block every device of the group uses)."""
+
+    grp: D.Group
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.view_as(x)
+
+    def transpose(self, g: torch.Tensor, x: Any, out: Any) -> torch.Tensor:
+        return D.all_reduce(g, self.grp, ReduceOp.SUM)
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class TakeFirst(Spec):
+    """identity in forward, zeros in backward (shard_map's output boundary: a replica
+    off coordinate 0 of the axes it is replicated over does not count)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.view_as(x)
+
+    def transpose(self, g: torch.Tensor, x: Any, out: Any) -> torch.Tensor:
+        return torch.zeros_like(g)

@@ -42,10 +42,10 @@ import torch
 
 from shardwise.planner import Plan, Step, StepKind, check_handlers, permute_sources
 from shardwise.runtime import blocks, check_reduce
-from shardwise.runtime import host_paths as hp
 from shardwise.runtime.blocks import rep_indices
 from shardwise.runtime.buffers import buffer_reuse, set_buffer_reuse
-from shardwise.runtime.lax_simulated import run_spmd
+from shardwise.runtime.simulated import host_paths as hp
+from shardwise.runtime.simulated.spmd import run_spmd
 from shardwise.sharding.layout import Layout
 from shardwise.sharding.mesh import DeviceMesh
 from shardwise.sharding.placements import ReduceOp

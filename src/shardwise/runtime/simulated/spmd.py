@@ -38,10 +38,6 @@ from shardwise.sharding.shapes import split_bounds
 
 __all__ = ["SimEnv", "run"]
 
-KIND = {"psum": "all_reduce", "pmax": "all_reduce", "pmin": "all_reduce",
-        "all_gather": "all_gather", "psum_scatter": "reduce_scatter",
-        "ppermute": "ppermute", "all_to_all": "all_to_all"}
-
 
 @functools.lru_cache(maxsize=1024)
 def _groups(mesh: DeviceMesh, axes: tuple[int, ...]) -> tuple[tuple[int, ...], ...]:
@@ -150,7 +146,7 @@ class Rendezvous:
                 else tuple(range(values[0].ndim)) if op == "ppermute" else ())
             _check_shapes(self.mesh, op, axes, values, free)
             if comm.active():
-                comm.record(KIND[op], values[0].numel() * values[0].element_size())
+                comm.record(spmd.KIND[op], values[0].numel() * values[0].element_size())
         except BaseException as err:
             self.action_error = err
             raise

@@ -1,0 +1,15 @@
+"""Moved to :mod:`shardwise.runtime.process.agreement`; this path stays importable."""
+
+from shardwise.runtime.process.agreement import (
+    DATA,
+    Fingerprint,
+    agree,
+    fingerprint,
+    foldable,
+    foldable_gather,
+    run,
+    wait_all,
+)
+
+__all__ = ["DATA", "Fingerprint", "agree", "fingerprint", "foldable", "foldable_gather", "run",
+           "wait_all"]
