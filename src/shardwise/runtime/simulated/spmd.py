@@ -10,9 +10,10 @@ Invariants:
   shapes), then computes its own result from its group's values. Deposits
   alternate between two buffers, so one barrier per collective is enough: a
   device can only overwrite a buffer after everyone has passed the next barrier.
-- Results are computed with differentiable torch ops (add, stack, amax, cat,
-  narrow, clone) into fresh tensors, so the one autograd graph spanning the
-  threads gives the exact gradient of the global computation.
+- Results are computed by the simulated collectives (``collectives.py``, shared with
+  the backend and the graph ops): differentiable torch ops into fresh tensors, so
+  the one autograd graph spanning the threads gives the exact gradient of the
+  global computation.
 - Returning from ``fn`` is a rendezvous too, so a device that skips a collective
   is reported at once. Barriers time out; an exception in any device aborts the
   barrier, and the caller re-raises the first real exception. Nothing hangs.
@@ -32,9 +33,10 @@ import torch
 
 from shardwise.runtime import observe as comm
 from shardwise.runtime import spmd
+from shardwise.runtime.simulated import collectives as C
 from shardwise.sharding.errors import ShardingError
 from shardwise.sharding.mesh import DeviceMesh
-from shardwise.sharding.shapes import split_bounds
+from shardwise.sharding.placements import ReduceOp
 
 __all__ = ["SimEnv", "run"]
 
@@ -186,45 +188,15 @@ def _note(err: BaseException, text: str) -> None:
         add(text)
 
 
-# --- per-device results from the group's values (differentiable, fresh tensors) ----------
-def _sum(vals: Sequence[torch.Tensor]) -> torch.Tensor:
-    if len(vals) == 2:
-        return vals[0] + vals[1]
-    return torch.stack(list(vals)).sum(0, dtype=vals[0].dtype)
-
-
-def _psum_scatter(vals: Sequence[torch.Tensor], pos: int, params: tuple[Any, ...]
-                  ) -> torch.Tensor:
-    (dim,) = params
-    lo, hi = split_bounds(vals[0].shape[dim], len(vals), pos)
-    return _sum([v.narrow(dim, lo, hi - lo) for v in vals])
-
-
-def _ppermute(vals: Sequence[torch.Tensor], pos: int, params: tuple[Any, ...]) -> torch.Tensor:
-    src = {d: s for s, d in params[0]}.get(pos)
-    if src is None:
-        return torch.zeros_like(vals[pos])
-    return vals[src] if src == pos else vals[src].clone()
-
-
-def _all_to_all(vals: Sequence[torch.Tensor], pos: int, params: tuple[Any, ...]
-                ) -> torch.Tensor:
-    split, concat, _even = params
-    pieces = []
-    for v in vals:
-        lo, hi = split_bounds(v.shape[split], len(vals), pos)
-        pieces.append(v.narrow(split, lo, hi - lo))
-    return torch.cat(pieces, concat)
-
-
+# --- per-device results from the group's values: the simulated collectives ----------------
 RULES: dict[str, Callable[[Sequence[torch.Tensor], int, tuple[Any, ...]], torch.Tensor]] = {
-    "psum": lambda vals, pos, p: _sum(vals),
-    "pmax": lambda vals, pos, p: torch.stack(list(vals)).amax(0),
-    "pmin": lambda vals, pos, p: torch.stack(list(vals)).amin(0),
-    "all_gather": lambda vals, pos, p: torch.cat(list(vals), p[0]),
-    "psum_scatter": _psum_scatter,
-    "ppermute": _ppermute,
-    "all_to_all": _all_to_all,
+    "psum": lambda vals, pos, p: C.reduce(vals, ReduceOp.SUM),
+    "pmax": lambda vals, pos, p: C.reduce(vals, ReduceOp.MAX),
+    "pmin": lambda vals, pos, p: C.reduce(vals, ReduceOp.MIN),
+    "all_gather": lambda vals, pos, p: C.all_gather(vals, p[0]),
+    "psum_scatter": lambda vals, pos, p: C.reduce_scatter(vals, p[0], pos),
+    "ppermute": lambda vals, pos, p: C.ppermute(vals, pos, p[0]),
+    "all_to_all": lambda vals, pos, p: C.all_to_all(vals, p[0], p[1], pos),
 }
 
 
