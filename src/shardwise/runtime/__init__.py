@@ -20,7 +20,7 @@ from __future__ import annotations
 import importlib
 import os
 from collections.abc import Callable, Sequence
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeAlias
 
 import torch
 import torch.distributed as dist
@@ -31,7 +31,7 @@ from shardwise.sharding.layout import Layout
 from shardwise.sharding.mesh import DeviceMesh
 from shardwise.sharding.placements import ReduceOp
 
-__all__ = ["Backend", "backend_for", "check_reduce"]
+__all__ = ["Backend", "SpmdOutputs", "backend_for", "check_reduce"]
 
 _dist_available = dist.is_available()
 
@@ -75,6 +75,27 @@ class Backend(Protocol):
         per-device outputs (None where another process holds the device) and this
         process's device index (None when this process holds every device)."""
         ...
+
+    def spmd_outputs(self, mesh: DeviceMesh, index: int | None,
+                     blocks: Sequence[Sequence[torch.Tensor | None]],
+                     layouts: Sequence[Layout], check: bool) -> SpmdOutputs:
+        """shard_map's outputs from ``run_spmd``'s blocks (``blocks[j][k]``: output
+        ``j`` of device ``k``, None where another process holds it), one layout each.
+        Returns per output: every device's (block shape, dtype) or None when not
+        needed (no sharded dim and no check: this process's block gives the shape);
+        the shards of the output (replicas share coordinate 0's block, a replica off
+        coordinate 0 gets no gradient); and, when ``check``, None or the devices
+        ``(k, r)`` whose blocks differ where the layout replicates them (``()``:
+        some, unnamed)."""
+        ...
+
+
+SpmdOutputs: TypeAlias = tuple[
+    list[list[tuple[tuple[int, ...], torch.dtype]] | None],  # block shapes and dtypes
+    list[list[torch.Tensor | None]],                         # the outputs' shards
+    list[tuple[int, ...] | None],                            # replicas that differ
+]
+"""What :meth:`Backend.spmd_outputs` returns, one entry per output in each list."""
 
 
 _LOADED: dict[str, Any] = {}

@@ -28,7 +28,7 @@ from shardwise.planner import Plan, Step, StepKind, check_handlers, permute_sour
 from shardwise.runtime import blocks
 from shardwise.runtime.process import collectives as D
 from shardwise.runtime.process import functions as F
-from shardwise.runtime.process.spmd import run_spmd
+from shardwise.runtime.process.spmd import run_spmd, spmd_outputs
 from shardwise.runtime.process.world import WORLD
 from shardwise.sharding.layout import Layout
 from shardwise.sharding.placements import ReduceOp
@@ -46,6 +46,7 @@ __all__ = [
     "relabel",
     "run_spmd",
     "run_step",
+    "spmd_outputs",
 ]
 
 Shards = list  # list[torch.Tensor | None]

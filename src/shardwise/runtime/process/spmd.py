@@ -34,7 +34,7 @@ from typing import Any
 
 import torch
 
-from shardwise.runtime import observe, spmd
+from shardwise.runtime import SpmdOutputs, observe, spmd
 from shardwise.runtime.process import collectives as D
 from shardwise.runtime.process import functions as F
 from shardwise.sharding.errors import ShardingError
@@ -43,7 +43,7 @@ from shardwise.sharding.mesh import DeviceMesh
 from shardwise.sharding.placements import ReduceOp
 from shardwise.sharding.shapes import split_size
 
-__all__ = ["DistEnv", "replicate", "run_spmd", "take_first"]
+__all__ = ["DistEnv", "replicate", "run_spmd", "spmd_outputs", "take_first"]
 
 
 def sizes_of(n: int, grp: D.Group, device: torch.device) -> list[int]:
@@ -179,3 +179,59 @@ def run_spmd(fn: Callable[..., Any], mesh: DeviceMesh,
     outs[k] = out
     return outs, k
 
+
+
+def spmd_outputs(mesh: DeviceMesh, index: int | None,
+                 blocks: Sequence[Sequence[torch.Tensor | None]], layouts: Sequence[Layout],
+                 check: bool) -> SpmdOutputs:
+    """shard_map's outputs (see ``Backend.spmd_outputs``) from this process's blocks:
+    one small all_gather of the block shapes (only when a dim is sharded or equality
+    is checked), one max/min all_reduce per checked output, and the zero-gradient
+    boundary off coordinate 0 of the replicated axes."""
+    assert index is not None, "run_spmd ran fn here, so this process holds a device"
+    mine: list[torch.Tensor] = []
+    for b in blocks:
+        block = b[index]
+        assert block is not None
+        mine.append(block)
+    metas: list[Any] = [None] * len(mine)
+    needs = [j for j, lay in enumerate(layouts) if check or any(lay.dims)]
+    if needs:
+        # One small all_gather tells every process every block's shape.
+        flat = [s for j in needs for s in mine[j].shape]
+        grp = D.group(mesh, tuple(range(mesh.ndim)))
+        t = torch.tensor(flat, dtype=torch.int64, device=mine[needs[0]].device)
+        rows = D.all_gather(t, 0, grp, [len(flat)] * grp.size, "lax: output shapes"
+                            ).view(grp.size, -1).tolist()
+        off = 0
+        for j in needs:
+            v = mine[j]
+            metas[j] = [(tuple(int(x) for x in row[off:off + v.ndim]), v.dtype) for row in rows]
+            off += v.ndim
+    differ: list[tuple[int, ...] | None] = (_differ(mine, layouts, mesh) if check and mine
+                                            else [None] * len(mine))
+    shards: list[list[torch.Tensor | None]] = []
+    for v, lay in zip(mine, layouts):
+        out: list[torch.Tensor | None] = [None] * mesh.num_devices
+        out[index] = take_first(v, mesh, index, lay.replicated_axes())
+        shards.append(out)
+    return metas, shards, differ
+
+
+def _differ(mine: Sequence[torch.Tensor], layouts: Sequence[Layout], mesh: DeviceMesh
+            ) -> list[tuple[int, ...] | None]:
+    """Per output: ``()`` when the blocks differ along its replicated axes, else None
+    (one max and one min all_reduce per output, one max over every flag)."""
+    bad = []
+    for v, lay in zip(mine, layouts):
+        axes = lay.replicated_axes()
+        if not axes:
+            bad.append(0.0)
+            continue
+        grp = D.group(mesh, axes)
+        x = v.detach().to(torch.float64)
+        hi, lo = D.all_reduce(x, grp, ReduceOp.MAX), D.all_reduce(x, grp, ReduceOp.MIN)
+        bad.append(0.0 if torch.allclose(hi, lo, equal_nan=True) else 1.0)
+    flags = torch.tensor(bad, dtype=torch.float64, device=mine[0].device)
+    flags = D.all_reduce(flags, D.group(mesh, tuple(range(mesh.ndim))), ReduceOp.MAX)
+    return [() if f else None for f in flags.tolist()]

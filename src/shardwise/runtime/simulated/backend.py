@@ -47,7 +47,7 @@ from shardwise.runtime.blocks import rep_indices
 from shardwise.runtime.buffers import buffer_reuse, set_buffer_reuse
 from shardwise.runtime.simulated import collectives as C
 from shardwise.runtime.simulated import host_paths as hp
-from shardwise.runtime.simulated.spmd import run_spmd
+from shardwise.runtime.simulated.spmd import run_spmd, spmd_outputs
 from shardwise.sharding.layout import Layout
 from shardwise.sharding.mesh import DeviceMesh
 from shardwise.sharding.placements import ReduceOp
@@ -70,6 +70,7 @@ __all__ = [
     "run_spmd",
     "run_step",
     "set_buffer_reuse",
+    "spmd_outputs",
 ]
 
 Shards: TypeAlias = "list[torch.Tensor]"

@@ -31,14 +31,14 @@ from typing import Any
 
 import torch
 
+from shardwise.runtime import SpmdOutputs, spmd
 from shardwise.runtime import observe as comm
-from shardwise.runtime import spmd
 from shardwise.runtime.simulated import collectives as C
 from shardwise.sharding.errors import ShardingError
 from shardwise.sharding.mesh import DeviceMesh
 from shardwise.sharding.placements import ReduceOp
 
-__all__ = ["SimEnv", "run"]
+__all__ = ["SimEnv", "run", "run_spmd", "spmd_outputs"]
 
 
 @functools.lru_cache(maxsize=1024)
@@ -307,3 +307,29 @@ def run_spmd(fn: Callable[..., Any], mesh: DeviceMesh,
     blocks = [[shards[k] for shards, _ in inputs] for k in range(mesh.num_devices)]
     return run(fn, mesh, blocks, timeout_s), None
 
+
+
+def spmd_outputs(mesh: DeviceMesh, index: int | None,
+                 blocks: Sequence[Sequence[torch.Tensor | None]], layouts: Sequence[Any],
+                 check: bool) -> SpmdOutputs:
+    """shard_map's outputs (see ``Backend.spmd_outputs``): every block is here, so the
+    shapes are read and the replicas compared locally; replicas share one object."""
+    metas: list[Any] = []
+    shards: list[list[torch.Tensor | None]] = []
+    differ: list[tuple[int, ...] | None] = []
+    for vals, layout in zip(blocks, layouts):
+        present = [v for v in vals if v is not None]
+        metas.append([(tuple(v.shape), v.dtype) for v in present])
+        reps = layout.representatives()
+        shards.append([vals[r] for r in reps])
+        bad = None
+        if check:
+            for k, r in enumerate(reps):
+                a, b = vals[k], vals[r]
+                assert a is not None and b is not None
+                if (r != k and a.shape == b.shape and a.dtype == b.dtype
+                        and not torch.allclose(a, b, equal_nan=True)):
+                    bad = (k, r)
+                    break
+        differ.append(bad)
+    return metas, shards, differ
