@@ -12,7 +12,7 @@ Invariants:
 - Process groups are created once per (mesh, axes) and reused; creation is a
   collective call that every process makes in the same order (SPMD).
 - Every collective first agrees with its group on what it is (op, reduce op, group,
-  shape, dtype, layout, sequence number; ``runtime/agreement.py``), and every wait
+  shape, dtype, layout, sequence number; ``runtime/process/agreement.py``), and every wait
   (collectives, point-to-point, barriers, the rendezvous) is bounded by
   ``timeout_s``: a peer that skips a collective, calls another one, stalls, dies or
   is killed makes the others raise :class:`CollectiveError` naming the collective,

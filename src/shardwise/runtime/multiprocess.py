@@ -13,7 +13,8 @@ from shardwise.runtime.process.backend import (
     relabel,
     run_spmd,
     run_step,
+    spmd_outputs,
 )
 
 __all__ = ["assemble", "device_of", "diverge", "execute_plan", "global_value", "make_partial",
-           "owned", "permute", "relabel", "run_spmd", "run_step"]
+           "owned", "permute", "relabel", "run_spmd", "run_step", "spmd_outputs"]

@@ -23,6 +23,7 @@ from shardwise.runtime.process.backend import (
     relabel,
     run_spmd,
     run_step,
+    spmd_outputs,
 )
 
 __all__ = [
@@ -37,4 +38,5 @@ __all__ = [
     "relabel",
     "run_spmd",
     "run_step",
+    "spmd_outputs",
 ]

@@ -143,14 +143,20 @@ def _all_gather_by_exchange(x: torch.Tensor, dim: int, g: Group, sizes: Sequence
 
 
 def _fold_gather(x: torch.Tensor, total: int) -> bool:
+    """The pieces of a gather (or broadcast) ride in the control message."""
     return A.foldable_gather(x, total) and WORLD.agreement and not WORLD.check_collectives
+
+
+def _fold(x: torch.Tensor, op: ReduceOp) -> bool:
+    """A sum or mean of ``x`` rides in the control message (it is summed)."""
+    return A.foldable(x, op) and WORLD.agreement and not WORLD.check_collectives
 
 
 def all_reduce(x: torch.Tensor, g: Group, op: ReduceOp, tag: str = "") -> torch.Tensor:
     check_reduce(x, op)
     if g.size == 1:
         return buffers.empty(x.shape, x).copy_(x)
-    if A.foldable(x, op) and WORLD.agreement and not WORLD.check_collectives:  # data in the message
+    if _fold(x, op):  # data in the message
         fp = A.fingerprint("all_reduce", op, g.label, tuple(x.shape), x.dtype, tag)
         out: torch.Tensor = _call("all_reduce", g,
                                   lambda: A.agree(g.pg, g.ranks, g.label, fp, x, op))
@@ -168,7 +174,7 @@ def reduce_scatter(x: torch.Tensor, dim: int, g: Group, sizes: Sequence[int],
     if g.size == 1:
         return x.clone()
     check_reduce(x, op)
-    if A.foldable(x, op) and WORLD.agreement and not WORLD.check_collectives:  # data in the message
+    if _fold(x, op):  # data in the message
         fp = A.fingerprint("reduce_scatter", op, g.label, tuple(x.shape), x.dtype,
                            f"{tag} dim {dim}", tuple(sizes))
         full: torch.Tensor = _call("reduce_scatter", g,

@@ -28,6 +28,7 @@ from shardwise.runtime.simulated.backend import (
     run_spmd,
     run_step,
     set_buffer_reuse,
+    spmd_outputs,
 )
 
 __all__ = [
@@ -46,5 +47,6 @@ __all__ = [
     "rep_indices",
     "run_spmd",
     "run_step",
+    "spmd_outputs",
     "set_buffer_reuse",
 ]
