@@ -7,7 +7,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from shardwise.runtime import agreement as A
+from shardwise.runtime.process import agreement as A
 from shardwise.sharding.placements import ReduceOp
 
 codes = st.integers(min_value=0, max_value=2**32 - 1)

@@ -345,10 +345,11 @@ def test_step_kind_is_a_closed_str_enum() -> None:
 
 
 def test_runtime_handler_tables_cover_every_kind() -> None:
-    from shardwise.runtime import multiprocess, simulated
+    from shardwise.runtime.process import backend as process
+    from shardwise.runtime.simulated import backend as simulated
 
     assert set(simulated.STEP_HANDLERS) == set(StepKind)
-    assert set(multiprocess._SPEC_OF) == set(StepKind) - {StepKind.PERMUTE}
+    assert set(process._SPEC_OF) == set(StepKind) - {StepKind.PERMUTE}
     with pytest.raises(TypeError, match=r"no handler for step kinds \['permute'\]"):
         check_handlers({k: None for k in StepKind if k is not StepKind.PERMUTE}, "a runtime")
     check_handlers({}, "a runtime", elsewhere=list(StepKind))

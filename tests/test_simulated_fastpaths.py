@@ -14,7 +14,8 @@ import pytest
 import torch
 
 import shardwise as sw
-from shardwise.runtime import buffers, host_paths, simulated
+from shardwise.runtime import buffers, simulated
+from shardwise.runtime.simulated import host_paths
 from shardwise.sharding import DeviceMesh, Layout, ReduceOp
 
 MESHES = [DeviceMesh.cpu((4,), ("x",)), DeviceMesh.cpu((2, 3), ("dp", "tp"))]

@@ -12,7 +12,7 @@ Invariants:
 - Process groups are created once per (mesh, axes) and reused; creation is a
   collective call that every process makes in the same order (SPMD).
 - Every collective first agrees with its group on what it is (op, reduce op, group,
-  shape, dtype, layout, sequence number; ``runtime/agreement.py``), and every wait
+  shape, dtype, layout, sequence number; ``runtime/process/agreement.py``), and every wait
   (collectives, point-to-point, barriers, the rendezvous) is bounded by
   ``timeout_s``: a peer that skips a collective, calls another one, stalls, dies or
   is killed makes the others raise :class:`CollectiveError` naming the collective,
@@ -107,8 +107,8 @@ def initialize(backend: str | None = None, *, rank: int | None = None,
         local = int(env.get("LOCAL_RANK", "0"))
         torch.cuda.set_device(local)
         kwargs["device_id"] = torch.device("cuda", local)
-    from shardwise.runtime import collectives
-    from shardwise.runtime.world import WORLD
+    from shardwise.runtime.process import collectives
+    from shardwise.runtime.process.world import WORLD
 
     WORLD.timeout_s = float(timeout_s)
     if check_collectives is not None:
@@ -145,7 +145,7 @@ def barrier(label: str = "barrier") -> None:
     """
     if not is_initialized():
         return
-    from shardwise.runtime import agreement, collectives
+    from shardwise.runtime.process import agreement, collectives
 
     world = collectives.world_group()
     agreement.agree(world.pg, world.ranks, world.label,
@@ -184,7 +184,7 @@ def shutdown() -> None:
     """Tear down the process groups (safe to call twice)."""
     import torch.distributed as dist
 
-    from shardwise.runtime import collectives as backend
+    from shardwise.runtime.process import collectives as backend
 
     backend.reset_groups()
     if is_initialized():

@@ -5,11 +5,12 @@ Invariants:
   None or () for replicated, or any sharding form; ``layout_of`` turns it into
   the Layout of a tensor of known rank, with the spec's position in the message
   of any error.
-- ``outputs`` builds one Tensor per output from every device's block (simulated)
-  or this process's block plus one small all_gather of the block shapes
-  (multi-process, only when a dim is sharded or equality is checked). The global
-  shape concatenates sharded dims; every block must be exactly where the split
-  rule puts it, or ShardingError.
+- ``outputs`` builds one Tensor per output from the blocks ``run_spmd`` returned,
+  through the backend's ``spmd_outputs`` (the Backend protocol: the simulated one
+  reads every device's block; the process one this process's block plus one small
+  all_gather of the block shapes, only when a dim is sharded or equality is
+  checked). The global shape concatenates sharded dims; every block must be
+  exactly where the split rule puts it, or ShardingError.
 - Replicated mesh axes take coordinate 0's block (same object on every replica,
   simulated; a zero-gradient boundary off coordinate 0, multi-process).
 """
@@ -22,8 +23,7 @@ from typing import Any
 
 import torch
 
-from shardwise.runtime import collectives as D
-from shardwise.runtime import lax_multiprocess as dist_rt
+from shardwise.runtime import backend_for
 from shardwise.sharding.errors import ShardingError, ShardingTypeError
 from shardwise.sharding.layout import Layout
 from shardwise.sharding.mappings import DeviceMapping, NamedMapping, as_layout
@@ -91,8 +91,6 @@ def _block(v: Any, j: int, mesh: DeviceMesh, k: int) -> torch.Tensor:
     if isinstance(v, torch.Tensor):
         return v
     if isinstance(v, (bool, int, float)):
-        from shardwise.runtime import backend_for
-
         return torch.as_tensor(v, device=backend_for(mesh).device_of(mesh, k))
     raise ShardingTypeError(
         f"shard_map: fn returned a {type(v).__name__} as output {j} on "
@@ -141,14 +139,38 @@ def outputs(results: list[Any], me: int | None, mesh: DeviceMesh, out_specs: Any
             raise
         raise ShardingError(f"{err} (fn returned one tensor, so out_specs is read as its "
                             "one spec; return a tuple to give one spec per output)") from None
-    if me is None:
-        tensors = [_assemble_simulated([blocks[k][j] for k in present], layouts[j], where[j],
-                                       check) for j in range(count)]
-    else:
-        tensors = _assemble_process(first, me, layouts, where, check)
+    per_output = [[blocks[k][j] if k in blocks else None for k in range(mesh.num_devices)]
+                  for j in range(count)]
+    metas, shards, differ = backend_for(mesh).spmd_outputs(mesh, me, per_output, layouts, check)
+    tensors = []
+    for j, lay in enumerate(layouts):
+        meta = metas[j]
+        shape = (tuple(first[j].shape) if meta is None else
+                 _global_shape(lay, [m[0] for m in meta], [m[1] for m in meta], where[j]))
+        bad = differ[j]
+        if bad is not None:
+            _replicas_differ(lay, where[j], bad)
+        tensors.append(Tensor(shards[j], lay, shape, first[j].dtype))
     if kind is None:
         return tensors[0]
     return kind(tensors)
+
+
+def _replicas_differ(layout: Layout, where: str, devices: tuple[int, ...]) -> None:
+    mesh = layout.mesh
+    axes = [mesh.axis_names[a] for a in replicated_axes(layout)]
+    if devices:
+        k, r = devices
+        raise ShardingError(
+            f"shard_map {where}: the blocks of {mesh.devices[k]!r} and {mesh.devices[r]!r} "
+            f"differ, but the out_spec leaves mesh axes {axes} replicated, which needs equal "
+            "values. Reduce them (lax.psum/pmean) or name the axes in the out_spec."
+        )
+    raise ShardingError(
+        f"shard_map {where}: the blocks differ along mesh axes {axes}, which the out_spec "
+        "leaves replicated (equal values needed). Reduce them (lax.psum/pmean) or name the "
+        "axes in the out_spec."
+    )
 
 
 def _global_shape(layout: Layout, shapes: Sequence[tuple[int, ...]], dtypes: Sequence[Any],
@@ -193,81 +215,3 @@ def _digits(p: int, sizes: Sequence[int]) -> list[int]:
         p, r = divmod(p, s)
         out.append(r)
     return out
-
-
-def _assemble_simulated(vals: Sequence[torch.Tensor], layout: Layout, where: str,
-                        check: bool) -> Tensor:
-    shape = _global_shape(layout, [tuple(v.shape) for v in vals], [v.dtype for v in vals],
-                          where)
-    reps = layout.representatives()
-    if check:
-        for k, r in enumerate(reps):
-            if r != k and not torch.allclose(vals[k], vals[r], equal_nan=True):
-                mesh = layout.mesh
-                raise ShardingError(
-                    f"shard_map {where}: the blocks of {mesh.devices[k]!r} and "
-                    f"{mesh.devices[r]!r} differ, but the out_spec leaves mesh axes "
-                    f"{[mesh.axis_names[a] for a in replicated_axes(layout)]} replicated, "
-                    "which needs equal values. Reduce them (lax.psum/pmean) or name the "
-                    "axes in the out_spec."
-                )
-    return Tensor([vals[r] for r in reps], layout, shape, vals[0].dtype)
-
-
-def _assemble_process(blocks: Sequence[torch.Tensor], me: int, layouts: Sequence[Layout],
-                      where: Sequence[str], check: bool) -> list[Tensor]:
-    mesh = layouts[0].mesh if layouts else None
-    out: list[Tensor] = []
-    if mesh is None:
-        return out
-    every = tuple(range(mesh.ndim))
-    needs = [j for j, lay in enumerate(layouts) if check or any(lay.dims)]
-    shapes: dict[int, list[tuple[int, ...]]] = {}
-    if needs:
-        # One small all_gather tells every process every block's shape.
-        flat = [s for j in needs for s in blocks[j].shape]
-        grp = D.group(mesh, every)
-        t = torch.tensor(flat, dtype=torch.int64, device=blocks[needs[0]].device)
-        rows = D.all_gather(t, 0, grp, [len(flat)] * grp.size).view(grp.size, -1).tolist()
-        off = 0
-        for j in needs:
-            nd = blocks[j].ndim
-            shapes[j] = [tuple(int(v) for v in row[off:off + nd]) for row in rows]
-            off += nd
-    if check:
-        _check_replicated_process(blocks, layouts, where)
-    for j, (v, lay) in enumerate(zip(blocks, layouts)):
-        shape = (_global_shape(lay, shapes[j], [v.dtype] * mesh.num_devices, where[j])
-                 if j in shapes else tuple(v.shape))
-        v = dist_rt.take_first(v, mesh, me, replicated_axes(lay))
-        shards: list[torch.Tensor | None] = [None] * mesh.num_devices
-        shards[me] = v
-        out.append(Tensor(shards, lay, shape, v.dtype))
-    return out
-
-
-def _check_replicated_process(blocks: Sequence[torch.Tensor], layouts: Sequence[Layout],
-                              where: Sequence[str]) -> None:
-    from shardwise.sharding.placements import ReduceOp
-
-    mesh = layouts[0].mesh
-    bad = []
-    for v, lay in zip(blocks, layouts):
-        axes = replicated_axes(lay)
-        if not axes:
-            bad.append(0.0)
-            continue
-        grp = D.group(mesh, axes)
-        x = v.detach().to(torch.float64)
-        hi, lo = D.all_reduce(x, grp, ReduceOp.MAX), D.all_reduce(x, grp, ReduceOp.MIN)
-        bad.append(0.0 if torch.allclose(hi, lo, equal_nan=True) else 1.0)
-    flags = torch.tensor(bad, dtype=torch.float64, device=blocks[0].device)
-    flags = D.all_reduce(flags, D.group(mesh, tuple(range(mesh.ndim))), ReduceOp.MAX)
-    for j, f in enumerate(flags.tolist()):
-        if f:
-            raise ShardingError(
-                f"shard_map {where[j]}: the blocks differ along mesh axes "
-                f"{[mesh.axis_names[a] for a in replicated_axes(layouts[j])]}, which the "
-                "out_spec leaves replicated (equal values needed). Reduce them "
-                "(lax.psum/pmean) or name the axes in the out_spec."
-            )

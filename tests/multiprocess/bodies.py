@@ -181,14 +181,14 @@ def body_comm_counts(n: int) -> None:
     """The same plan, and so the same collective counts, on both runtimes; data
     every process has is sliced locally with no communication at all."""
     from shardwise.debug import CommCounter
-    from shardwise.runtime import collectives
+    from shardwise.runtime.process import collectives
 
     calls: list[str] = []
     original = collectives._call
 
-    def counting(what, g, fn, sig=""):  # type: ignore[no-untyped-def]
+    def counting(what, g, fn):  # type: ignore[no-untyped-def]
         calls.append(what)
-        return original(what, g, fn, sig)
+        return original(what, g, fn)
 
     collectives._call = counting  # type: ignore[assignment]
     try:

@@ -2,7 +2,8 @@
 
 Invariants:
 - The sum is taken in device order, ``((x0 + x1) + x2) + ...``, so every device
-  gets bit-identical values, equal to that torch expression.
+  gets bit-identical values, equal to that torch expression (computed by the
+  simulated collectives, :mod:`shardwise.runtime.simulated.collectives`).
 - Outputs are new values; inputs are never modified. Differentiable.
 """
 
@@ -20,20 +21,20 @@ from shardwise.graph.values import (
     collective_inputs,
     on_devices,
 )
+from shardwise.runtime.simulated import collectives
+from shardwise.sharding.placements import ReduceOp
 from shardwise.sharding.types import TensorType
 
 __all__ = ["sum", "sum_in_device_order"]
 
 
 def sum_in_device_order(locs: Sequence[Local], target: torch.device) -> torch.Tensor:
-    """``((x0 + x1) + x2) + ...`` computed on ``target`` (a copy for one input)."""
+    """``((x0 + x1) + x2) + ...`` computed on ``target`` by the simulated collectives
+    (a copy for one input)."""
     parts = [loc.tensor().to(target) for loc in locs]
     if len(parts) == 1:
         return parts[0].clone()  # a fresh output, as with more inputs
-    out = parts[0] + parts[1]
-    for part in parts[2:]:
-        out = out + part
-    return out
+    return collectives.reduce(parts, ReduceOp.SUM, exact=True)
 
 
 def sum(inputs: Iterable[Any], signal_buffers: Iterable[Any]) -> list[PerDevice]:

@@ -41,6 +41,7 @@ from shardwise.graph.values import (
     read_all,
     single_device,
 )
+from shardwise.runtime.simulated import collectives
 from shardwise.sharding.errors import ShardingError, ShardingTypeError
 from shardwise.sharding.types import TensorType
 
@@ -92,7 +93,8 @@ def allgather(inputs: Iterable[Any], signal_buffers: Iterable[Any],
         shape[d] = sum(loc.shape[d] for loc in locs)
         return [TensorType(first.dtype, tuple(shape), dev) for dev in devices]
     return list(on_devices(
-        devices, lambda target: torch.cat([loc.tensor().to(target) for loc in locs], dim=d)
+        devices, lambda target: collectives.all_gather([loc.tensor().to(target) for loc in locs],
+                                                       d)
     ))
 
 

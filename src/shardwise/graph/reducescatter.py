@@ -1,12 +1,13 @@
 """``reducescatter.sum``: the elementwise sum, split along an axis, one piece per device.
 
 Invariants:
-- The sum is that of :func:`shardwise.graph.allreduce.sum` (device order), so
-  concatenating the pieces along ``axis`` gives exactly the all-reduce result.
+- The sum is that of :func:`shardwise.graph.allreduce.sum` (device order, by the
+  simulated collectives), so concatenating the pieces along ``axis`` gives exactly
+  the all-reduce result.
 - Split rule: an axis of size ``g`` over ``n`` devices gives device ``k`` the
   contiguous piece of size ``g // n + (1 if k < g % n else 0)``; uneven and
   size-0 pieces are legal.
-- Outputs are new values (views of the new sum); differentiable.
+- Outputs are new values (each device's piece summed on its own); differentiable.
 """
 
 from __future__ import annotations
@@ -16,7 +17,6 @@ from typing import Any
 
 import torch
 
-from shardwise.graph.allreduce import sum_in_device_order
 from shardwise.graph.values import (
     PerDevice,
     check_same_shape,
@@ -24,6 +24,8 @@ from shardwise.graph.values import (
     normalize_axis,
     single_device,
 )
+from shardwise.runtime.simulated import collectives
+from shardwise.sharding.placements import ReduceOp
 from shardwise.sharding.shapes import split_bounds
 from shardwise.sharding.types import TensorType
 
@@ -69,12 +71,13 @@ def sum(inputs: Iterable[Any], signal_buffers: Iterable[Any],
             shape[d] = hi - lo
             out.append(TensorType(first.dtype, tuple(shape), dev))
         return out
-    totals: dict[torch.device, torch.Tensor] = {}
+    moved: dict[torch.device, list[torch.Tensor]] = {}
     outs: list[PerDevice] = []
-    for dev, (lo, hi) in zip(devices, bounds, strict=True):
+    for k, dev in enumerate(devices):
         target = dev.to_torch()
-        total = totals.get(target)
-        if total is None:
-            total = totals[target] = sum_in_device_order(locs, target)
-        outs.append(single_device(total.narrow(d, lo, hi - lo), dev))
+        parts = moved.get(target)
+        if parts is None:
+            parts = moved[target] = [loc.tensor().to(target) for loc in locs]
+        piece = collectives.reduce_scatter(parts, d, k, ReduceOp.SUM, exact=True)
+        outs.append(single_device(piece, dev))
     return outs

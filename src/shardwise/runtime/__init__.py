@@ -1,8 +1,11 @@
 """Runtime backends: where a Tensor's shards live and how plan steps execute.
 
-One protocol (:class:`Backend`), two backends: the simulated backend (every
-device of the mesh in this process) and, for meshes over processes, the
-``torch.distributed`` backend. Ops pick the backend from the mesh.
+One protocol (:class:`Backend`, shard_map's SPMD bodies included: ``run_spmd`` and
+``spmd_outputs``), two backends in their own subpackages: ``simulated/`` (every device
+of the mesh in this process) and ``process/`` (one process per device,
+torch.distributed). Ops pick the backend from the mesh (:func:`backend_for`). Shared by both, on this floor: ``blocks``
+(block recipes), ``buffers`` (large result buffers), ``spmd`` (the axis environment
+of a running shard_map body), ``observe`` (observers of collectives).
 
 Invariants:
 - A multi-device mesh is never simulated in a process that torchrun launched as
@@ -17,7 +20,7 @@ from __future__ import annotations
 import importlib
 import os
 from collections.abc import Callable, Sequence
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeAlias
 
 import torch
 import torch.distributed as dist
@@ -28,7 +31,7 @@ from shardwise.sharding.layout import Layout
 from shardwise.sharding.mesh import DeviceMesh
 from shardwise.sharding.placements import ReduceOp
 
-__all__ = ["Backend", "backend_for", "check_average", "check_reduce"]
+__all__ = ["Backend", "SpmdOutputs", "backend_for", "check_reduce"]
 
 _dist_available = dist.is_available()
 
@@ -73,13 +76,35 @@ class Backend(Protocol):
         process's device index (None when this process holds every device)."""
         ...
 
+    def spmd_outputs(self, mesh: DeviceMesh, index: int | None,
+                     blocks: Sequence[Sequence[torch.Tensor | None]],
+                     layouts: Sequence[Layout], check: bool) -> SpmdOutputs:
+        """shard_map's outputs from ``run_spmd``'s blocks (``blocks[j][k]``: output
+        ``j`` of device ``k``, None where another process holds it), one layout each.
+        Returns per output: every device's (block shape, dtype) or None when not
+        needed (no sharded dim and no check: this process's block gives the shape);
+        the shards of the output (replicas share coordinate 0's block, a replica off
+        coordinate 0 gets no gradient); and, when ``check``, None or the devices
+        ``(k, r)`` whose blocks differ where the layout replicates them (``()``:
+        some, unnamed)."""
+        ...
+
+
+SpmdOutputs: TypeAlias = tuple[
+    list[list[tuple[tuple[int, ...], torch.dtype]] | None],  # block shapes and dtypes
+    list[list[torch.Tensor | None]],                         # the outputs' shards
+    list[tuple[int, ...] | None],                            # replicas that differ
+]
+"""What :meth:`Backend.spmd_outputs` returns, one entry per output in each list."""
+
 
 _LOADED: dict[str, Any] = {}
 
 
 def _module(name: str) -> Any:
-    # Imported on first use (multiprocess pulls in collectives; simulated is
-    # imported by most programs anyway), then one dict lookup per op.
+    # Imported on first use (the process backend pulls in torch.distributed's
+    # collectives; the simulated one is imported by most programs anyway), then one
+    # dict lookup per op.
     mod = _LOADED.get(name)
     if mod is None:
         mod = _LOADED[name] = importlib.import_module(f"shardwise.runtime.{name}")
@@ -97,10 +122,10 @@ def backend_for(mesh: DeviceMesh) -> Backend:
     if not (_dist_available and dist.is_initialized()):
         if mesh.num_devices > 1 and _launched_world() > 1:
             _forgotten_initialize(mesh)
-        return _module("simulated")
-    if _module("collectives").process_mesh(mesh):
-        return _module("multiprocess")
-    return _module("simulated")
+        return _module("simulated.backend")
+    if _module("process.groups").process_mesh(mesh):
+        return _module("process.backend")
+    return _module("simulated.backend")
 
 
 _WORLD: list[int] = []
@@ -146,9 +171,6 @@ def check_reduce(x: torch.Tensor, op: ReduceOp) -> None:
     elif (op is ReduceOp.MAX or op is ReduceOp.MIN) and x.is_complex():
         _refuse(dtype, op, "complex numbers have no order; reduce .real/.abs() or use "
                 "SUM/AVG/PROD")
-
-
-check_average = check_reduce  # the name collectives.py imports
 
 
 def _refuse(dtype: torch.dtype, op: ReduceOp, why: str) -> None:

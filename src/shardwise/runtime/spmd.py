@@ -16,7 +16,12 @@ import torch
 
 from shardwise.sharding.mesh import DeviceMesh
 
-__all__ = ["AxisEnv", "current_env", "enter"]
+__all__ = ["KIND", "AxisEnv", "current_env", "enter"]
+
+KIND = {"psum": "all_reduce", "pmax": "all_reduce", "pmin": "all_reduce",
+        "all_gather": "all_gather", "psum_scatter": "reduce_scatter",
+        "ppermute": "ppermute", "all_to_all": "all_to_all"}
+"""The collective each primitive op counts as (for the observers of collectives)."""
 
 
 class AxisEnv(Protocol):

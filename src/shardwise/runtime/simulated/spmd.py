@@ -10,9 +10,10 @@ Invariants:
   shapes), then computes its own result from its group's values. Deposits
   alternate between two buffers, so one barrier per collective is enough: a
   device can only overwrite a buffer after everyone has passed the next barrier.
-- Results are computed with differentiable torch ops (add, stack, amax, cat,
-  narrow, clone) into fresh tensors, so the one autograd graph spanning the
-  threads gives the exact gradient of the global computation.
+- Results are computed by the simulated collectives (``collectives.py``, shared with
+  the backend and the graph ops): differentiable torch ops into fresh tensors, so
+  the one autograd graph spanning the threads gives the exact gradient of the
+  global computation.
 - Returning from ``fn`` is a rendezvous too, so a device that skips a collective
   is reported at once. Barriers time out; an exception in any device aborts the
   barrier, and the caller re-raises the first real exception. Nothing hangs.
@@ -30,17 +31,14 @@ from typing import Any
 
 import torch
 
+from shardwise.runtime import SpmdOutputs, spmd
 from shardwise.runtime import observe as comm
-from shardwise.runtime import spmd
+from shardwise.runtime.simulated import collectives as C
 from shardwise.sharding.errors import ShardingError
 from shardwise.sharding.mesh import DeviceMesh
-from shardwise.sharding.shapes import split_bounds
+from shardwise.sharding.placements import ReduceOp
 
-__all__ = ["SimEnv", "run"]
-
-KIND = {"psum": "all_reduce", "pmax": "all_reduce", "pmin": "all_reduce",
-        "all_gather": "all_gather", "psum_scatter": "reduce_scatter",
-        "ppermute": "ppermute", "all_to_all": "all_to_all"}
+__all__ = ["SimEnv", "run", "run_spmd", "spmd_outputs"]
 
 
 @functools.lru_cache(maxsize=1024)
@@ -150,7 +148,7 @@ class Rendezvous:
                 else tuple(range(values[0].ndim)) if op == "ppermute" else ())
             _check_shapes(self.mesh, op, axes, values, free)
             if comm.active():
-                comm.record(KIND[op], values[0].numel() * values[0].element_size())
+                comm.record(spmd.KIND[op], values[0].numel() * values[0].element_size())
         except BaseException as err:
             self.action_error = err
             raise
@@ -190,45 +188,15 @@ def _note(err: BaseException, text: str) -> None:
         add(text)
 
 
-# --- per-device results from the group's values (differentiable, fresh tensors) ----------
-def _sum(vals: Sequence[torch.Tensor]) -> torch.Tensor:
-    if len(vals) == 2:
-        return vals[0] + vals[1]
-    return torch.stack(list(vals)).sum(0, dtype=vals[0].dtype)
-
-
-def _psum_scatter(vals: Sequence[torch.Tensor], pos: int, params: tuple[Any, ...]
-                  ) -> torch.Tensor:
-    (dim,) = params
-    lo, hi = split_bounds(vals[0].shape[dim], len(vals), pos)
-    return _sum([v.narrow(dim, lo, hi - lo) for v in vals])
-
-
-def _ppermute(vals: Sequence[torch.Tensor], pos: int, params: tuple[Any, ...]) -> torch.Tensor:
-    src = {d: s for s, d in params[0]}.get(pos)
-    if src is None:
-        return torch.zeros_like(vals[pos])
-    return vals[src] if src == pos else vals[src].clone()
-
-
-def _all_to_all(vals: Sequence[torch.Tensor], pos: int, params: tuple[Any, ...]
-                ) -> torch.Tensor:
-    split, concat, _even = params
-    pieces = []
-    for v in vals:
-        lo, hi = split_bounds(v.shape[split], len(vals), pos)
-        pieces.append(v.narrow(split, lo, hi - lo))
-    return torch.cat(pieces, concat)
-
-
+# --- per-device results from the group's values: the simulated collectives ----------------
 RULES: dict[str, Callable[[Sequence[torch.Tensor], int, tuple[Any, ...]], torch.Tensor]] = {
-    "psum": lambda vals, pos, p: _sum(vals),
-    "pmax": lambda vals, pos, p: torch.stack(list(vals)).amax(0),
-    "pmin": lambda vals, pos, p: torch.stack(list(vals)).amin(0),
-    "all_gather": lambda vals, pos, p: torch.cat(list(vals), p[0]),
-    "psum_scatter": _psum_scatter,
-    "ppermute": _ppermute,
-    "all_to_all": _all_to_all,
+    "psum": lambda vals, pos, p: C.reduce(vals, ReduceOp.SUM),
+    "pmax": lambda vals, pos, p: C.reduce(vals, ReduceOp.MAX),
+    "pmin": lambda vals, pos, p: C.reduce(vals, ReduceOp.MIN),
+    "all_gather": lambda vals, pos, p: C.all_gather(vals, p[0]),
+    "psum_scatter": lambda vals, pos, p: C.reduce_scatter(vals, p[0], pos),
+    "ppermute": lambda vals, pos, p: C.ppermute(vals, pos, p[0]),
+    "all_to_all": lambda vals, pos, p: C.all_to_all(vals, p[0], p[1], pos),
 }
 
 
@@ -339,3 +307,29 @@ def run_spmd(fn: Callable[..., Any], mesh: DeviceMesh,
     blocks = [[shards[k] for shards, _ in inputs] for k in range(mesh.num_devices)]
     return run(fn, mesh, blocks, timeout_s), None
 
+
+
+def spmd_outputs(mesh: DeviceMesh, index: int | None,
+                 blocks: Sequence[Sequence[torch.Tensor | None]], layouts: Sequence[Any],
+                 check: bool) -> SpmdOutputs:
+    """shard_map's outputs (see ``Backend.spmd_outputs``): every block is here, so the
+    shapes are read and the replicas compared locally; replicas share one object."""
+    metas: list[Any] = []
+    shards: list[list[torch.Tensor | None]] = []
+    differ: list[tuple[int, ...] | None] = []
+    for vals, layout in zip(blocks, layouts):
+        present = [v for v in vals if v is not None]
+        metas.append([(tuple(v.shape), v.dtype) for v in present])
+        reps = layout.representatives()
+        shards.append([vals[r] for r in reps])
+        bad = None
+        if check:
+            for k, r in enumerate(reps):
+                a, b = vals[k], vals[r]
+                assert a is not None and b is not None
+                if (r != k and a.shape == b.shape and a.dtype == b.dtype
+                        and not torch.allclose(a, b, equal_nan=True)):
+                    bad = (k, r)
+                    break
+        differ.append(bad)
+    return metas, shards, differ

@@ -17,8 +17,8 @@ from typing import Any
 
 import torch.distributed as dist
 
-from shardwise.runtime import agreement as A
-from shardwise.runtime.world import WORLD
+from shardwise.runtime.process import agreement as A
+from shardwise.runtime.process.world import WORLD
 from shardwise.sharding.errors import ShardingError
 from shardwise.sharding.layout import Layout
 from shardwise.sharding.mesh import DeviceMesh

@@ -1,25 +1,35 @@
-"""Planner steps on the torch.distributed runtime: each step (and the relabel,
-diverge and permute helpers) runs the autograd Function of the same name in
-:mod:`shardwise.runtime.functions` (``slice`` -> ``Slice``, ``all_gather`` ->
-``AllGather``...), whose docstring tables each forward with its gradient.
-Gradient convention (see ``collectives.py``): Replicated axes hold the full
-gradient on every replica, Sharded axes their piece, Partial axes dL/dp_i.
+"""The torch.distributed backend: each process holds only its own shards, and each
+planner step (and the relabel, diverge and permute helpers) runs one spec of the
+backend's one autograd family (:mod:`shardwise.runtime.process.functions`: ``slice``
+-> ``Narrow``, ``all_gather`` -> ``AllGather``...), whose docstring tables each forward
+with its gradient. Gradient convention: Replicated axes hold the full gradient on every
+replica, Sharded axes their piece, Partial axes dL/dp_i.
+
+Invariants:
+- ``shards[k]`` is present only for the mesh devices this process owns (device id ==
+  rank); the others are None.
+- A step's spec is computed once per (step, shape, device) and cached on the world
+  (it holds the world's groups): per op, one dict lookup and one collective.
+- Every process takes part in creating a group it may not be a member of (group
+  creation is collective over the world).
 """
 
 from __future__ import annotations
 
 import functools
+import os
 from collections.abc import Callable, Sequence
 from typing import Any, TypeAlias
 
 import torch
-import torch.autograd.forward_ad as fwAD
 
+from shardwise.devices import accelerator_type
 from shardwise.planner import Plan, Step, StepKind, check_handlers, permute_sources
-from shardwise.runtime import collectives as D
-from shardwise.runtime import functions as F
-from shardwise.runtime.lax_multiprocess import run_spmd
-from shardwise.runtime.world import WORLD
+from shardwise.runtime import blocks
+from shardwise.runtime.process import collectives as D
+from shardwise.runtime.process import functions as F
+from shardwise.runtime.process.spmd import run_spmd, spmd_outputs
+from shardwise.runtime.process.world import WORLD
 from shardwise.sharding.layout import Layout
 from shardwise.sharding.placements import ReduceOp
 from shardwise.sharding.shapes import local_bounds
@@ -36,6 +46,7 @@ __all__ = [
     "relabel",
     "run_spmd",
     "run_step",
+    "spmd_outputs",
 ]
 
 Shards = list  # list[torch.Tensor | None]
@@ -45,8 +56,7 @@ def _sizes(layout: Layout, grp: D.Group, dim: int, shape: tuple[int, ...]) -> li
     return D.sizes_along(shape, layout, grp.members, dim, layout.mesh)
 
 
-Spec: TypeAlias = tuple[Any, tuple[Any, ...]]
-SpecOf: TypeAlias = Callable[[Step, D.Group, tuple[int, ...], tuple[int, ...]], Spec]
+SpecOf: TypeAlias = Callable[[Step, D.Group, tuple[int, ...], tuple[int, ...]], F.Spec]
 
 
 def _tag(step: Step) -> str:
@@ -55,48 +65,50 @@ def _tag(step: Step) -> str:
 
 
 def _make_partial_spec(step: Step, grp: D.Group, coord: tuple[int, ...],
-                       shape: tuple[int, ...]) -> Spec:
-    return F.MakePartial, (grp, step.reduce_op, all(coord[a] == 0 for a in step.axes))
+                       shape: tuple[int, ...]) -> F.Spec:
+    assert step.reduce_op is not None
+    return F.MakePartial(grp, step.reduce_op, all(coord[a] == 0 for a in step.axes))
 
 
 def _slice_spec(step: Step, grp: D.Group, coord: tuple[int, ...], shape: tuple[int, ...]
-                ) -> Spec:
+                ) -> F.Spec:
     assert step.dim is not None
     d = step.dim
     lo_before = local_bounds(shape, step.before, coord)[d][0]
     lo, hi = local_bounds(shape, step.after, coord)[d]
-    return F.Slice, (d, lo - lo_before, hi - lo, grp, _sizes(step.after, grp, d, shape),
-                     _tag(step))
+    return F.Narrow(d, lo - lo_before, hi - lo, grp, _sizes(step.after, grp, d, shape),
+                    _tag(step))
 
 
 def _all_gather_spec(step: Step, grp: D.Group, coord: tuple[int, ...],
-                     shape: tuple[int, ...]) -> Spec:
+                     shape: tuple[int, ...]) -> F.Spec:
     assert step.dim is not None
-    return F.AllGather, (step.dim, grp, _sizes(step.before, grp, step.dim, shape), _tag(step))
+    return F.AllGather(step.dim, grp, _sizes(step.before, grp, step.dim, shape), _tag(step))
 
 
 def _all_to_all_spec(step: Step, grp: D.Group, coord: tuple[int, ...],
-                     shape: tuple[int, ...]) -> Spec:
+                     shape: tuple[int, ...]) -> F.Spec:
     assert step.dim is not None and step.dim2 is not None
     send = _sizes(step.after, grp, step.dim2, shape)
     recv = _sizes(step.before, grp, step.dim, shape)
-    return F.AllToAll, (step.dim, step.dim2, grp, send, recv, _tag(step))
+    return F.AllToAll(step.dim, step.dim2, grp, send, recv, _tag(step))
 
 
 def _all_reduce_spec(step: Step, grp: D.Group, coord: tuple[int, ...],
-                     shape: tuple[int, ...]) -> Spec:
-    return F.AllReduce, (grp, step.reduce_op, _tag(step))
+                     shape: tuple[int, ...]) -> F.Spec:
+    assert step.reduce_op is not None
+    return F.AllReduce(grp, step.reduce_op, _tag(step))
 
 
 def _reduce_scatter_spec(step: Step, grp: D.Group, coord: tuple[int, ...],
-                         shape: tuple[int, ...]) -> Spec:
-    assert step.dim is not None
-    return F.ReduceScatter, (step.dim, grp, _sizes(step.after, grp, step.dim, shape),
-                             step.reduce_op, _tag(step))
+                         shape: tuple[int, ...]) -> F.Spec:
+    assert step.dim is not None and step.reduce_op is not None
+    return F.ReduceScatter(step.dim, grp, _sizes(step.after, grp, step.dim, shape),
+                           step.reduce_op, _tag(step))
 
 
-# The autograd Function (and its arguments) of each step kind run per device; permute
-# steps are one batched send/recv over all devices instead (run_step).
+# The spec of the one autograd family each step kind runs per device; permute steps
+# are one batched send/recv over all devices instead (run_step).
 _SPEC_OF: dict[StepKind, SpecOf] = {
     StepKind.MAKE_PARTIAL: _make_partial_spec,
     StepKind.SLICE: _slice_spec,
@@ -108,12 +120,9 @@ _SPEC_OF: dict[StepKind, SpecOf] = {
 check_handlers(_SPEC_OF, "the multi-process runtime", elsewhere=[StepKind.PERMUTE])
 
 
-# step specs hold one world's groups: cached on WORLD.specs, cleared with the world
-
-
-def _spec(step: Step, shape: tuple[int, ...], k: int) -> tuple[Any, tuple[Any, ...]]:
-    """The autograd Function and its arguments for ``step`` on mesh device ``k``
-    (computed once: per-op overhead is then one dict lookup)."""
+def _spec(step: Step, shape: tuple[int, ...], k: int) -> F.Spec:
+    """The spec of ``step`` on mesh device ``k``, computed once (cached on WORLD.specs,
+    cleared with the world: it holds the world's groups)."""
     key = (step, shape, k)
     hit = WORLD.specs.get(key)
     if hit is not None:
@@ -122,27 +131,6 @@ def _spec(step: Step, shape: tuple[int, ...], k: int) -> tuple[Any, tuple[Any, .
     out = _SPEC_OF[step.kind](step, D.group(mesh, step.axes), mesh.coord_of(k), shape)
     WORLD.specs[key] = out
     return out
-
-
-class _Untracked:
-    """Stands in for the autograd context when nothing is recorded: a step's
-    forward then runs as a plain call (Function.apply costs ~10 us per op)."""
-
-    def save_for_backward(self, *tensors: torch.Tensor) -> None:
-        pass
-
-
-def _run(fn: Any, x: torch.Tensor, args: Any) -> torch.Tensor:
-    """``fn.apply(x, args)``, or its forward as a plain call when autograd records
-    nothing (no grad-requiring input, no forward-mode level)."""
-    if fwAD._current_level >= 0 or (x.requires_grad and torch.is_grad_enabled()):
-        return fn.apply(x, args)
-    return fn.forward(_Untracked(), x, args)
-
-
-def _one(step: Step, x: torch.Tensor, shape: tuple[int, ...], k: int) -> torch.Tensor:
-    fn, args = _spec(step, shape, k)
-    return _run(fn, x, args)
 
 
 def run_step(step: Step, shards: Sequence[torch.Tensor | None], shape: tuple[int, ...]
@@ -155,7 +143,7 @@ def run_step(step: Step, shards: Sequence[torch.Tensor | None], shape: tuple[int
     if k is not None:
         x = shards[k]
         assert x is not None, "a process must hold its own shard"
-        out[k] = _one(step, x, shape, k)
+        out[k] = F.run(_spec(step, shape, k), x)
     else:  # not in this mesh, but group creation is collective: take part in it
         D.group(mesh, step.axes)
     return out
@@ -178,7 +166,7 @@ def relabel(shards: Sequence[torch.Tensor | None], layout: Layout, axes: tuple[i
     if k is not None:
         x = shards[k]
         assert x is not None
-        out[k] = F.Relabel.apply(x, (grp, op))
+        out[k] = F.run(F.Relabel(grp, op), x)
     return out
 
 
@@ -193,7 +181,7 @@ def diverge(shards: Sequence[torch.Tensor | None], layout: Layout, axes: tuple[i
     if k is not None:
         x = shards[k]
         assert x is not None
-        out[k] = F.Diverge.apply(x, grp)
+        out[k] = F.run(F.Diverge(grp), x)
     return out
 
 
@@ -207,7 +195,7 @@ def make_partial(shards: Sequence[torch.Tensor | None], layout: Layout, axes: tu
         x = shards[k]
         assert x is not None
         coord = mesh.coord_of(k)
-        out[k] = F.MakePartial.apply(x, (grp, op, all(coord[a] == 0 for a in axes)))
+        out[k] = F.run(F.MakePartial(grp, op, all(coord[a] == 0 for a in axes)), x)
     return out
 
 
@@ -225,8 +213,8 @@ def permute(shards: Sequence[torch.Tensor | None], layout: Layout, source: Seque
     x = shards[k]
     assert x is not None
     send_to, recv_from = _peers(mesh, tuple(source), k) or (F.KEEP, F.KEEP)
-    out[k] = _run(F.Permute, x, (send_to, recv_from, grp,
-                                 f"{layout} {tuple(shape)} from {tuple(source)}"))
+    out[k] = F.run(F.Permute(send_to, recv_from, grp,
+                             f"{layout} {tuple(shape)} from {tuple(source)}"), x)
     return out
 
 
@@ -254,7 +242,9 @@ def global_value(shards: Sequence[torch.Tensor | None], layout: Layout, shape: t
         return shards[k]  # type: ignore[return-value]
     src = mesh.devices[0].id
     if k is not None and mesh.devices[k].id == src:
-        return F.Broadcast.apply(shards[k], (src, world))
+        x = shards[k]
+        assert x is not None
+        return F.run(F.Broadcast(src, world), x)
     buf = torch.empty(shape, dtype=dtype, device=device_of(mesh, 0))
     return D.broadcast(buf, src, world)
 
@@ -264,10 +254,6 @@ def device_of(mesh: Any, k: int) -> torch.device:
     dev = mesh.devices[k]
     if dev.kind == "cpu":
         return torch.device("cpu")
-    import os
-
-    from shardwise.devices import accelerator_type
-
     return torch.device(accelerator_type() or "cuda", int(os.environ.get("LOCAL_RANK", "0")))
 
 
@@ -280,8 +266,6 @@ def assemble(shards: Sequence[torch.Tensor | None], src: Layout, dst: Layout,
              shape: tuple[int, ...]) -> Shards:
     """Local re-blocking only (every needed source block is present here), e.g.
     slicing this process's block out of a value every process holds."""
-    from shardwise.runtime import blocks
-
     mesh = dst.mesh
     out: list[torch.Tensor | None] = [None] * mesh.num_devices
     k = D.my_index(mesh)

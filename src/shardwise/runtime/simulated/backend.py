@@ -1,4 +1,4 @@
-"""The simulated runtime: every device of the mesh in this process.
+"""The simulated backend: every device of the mesh in this process.
 
 Invariants:
 - ``shards[k]`` is device ``k``'s local ``torch.Tensor`` (row-major over the mesh).
@@ -27,8 +27,9 @@ Invariants:
 - Buffer reuse is opt-in (:func:`set_buffer_reuse`): it keeps freed buffers in
   the C heap, so a fresh 64 MiB output costs a copy, not ~3 copies of page faults.
 
-Modules: ``blocks`` (the recipes), ``host_paths`` (the compiled host fast path),
-``buffers`` (buffer reuse); this one runs the planner's steps with them.
+Modules: ``runtime/blocks`` (the recipes), ``host_paths`` (the compiled host fast
+path), ``collectives`` (the group reductions, shared with shard_map and the graph ops),
+``runtime/buffers`` (buffer reuse); this one runs the planner's steps with them.
 """
 
 from __future__ import annotations
@@ -41,11 +42,12 @@ from typing import Any, TypeAlias
 import torch
 
 from shardwise.planner import Plan, Step, StepKind, check_handlers, permute_sources
-from shardwise.runtime import blocks, check_reduce
-from shardwise.runtime import host_paths as hp
+from shardwise.runtime import blocks
 from shardwise.runtime.blocks import rep_indices
 from shardwise.runtime.buffers import buffer_reuse, set_buffer_reuse
-from shardwise.runtime.lax_simulated import run_spmd
+from shardwise.runtime.simulated import collectives as C
+from shardwise.runtime.simulated import host_paths as hp
+from shardwise.runtime.simulated.spmd import run_spmd, spmd_outputs
 from shardwise.sharding.layout import Layout
 from shardwise.sharding.mesh import DeviceMesh
 from shardwise.sharding.placements import ReduceOp
@@ -68,6 +70,7 @@ __all__ = [
     "run_spmd",
     "run_step",
     "set_buffer_reuse",
+    "spmd_outputs",
 ]
 
 Shards: TypeAlias = "list[torch.Tensor]"
@@ -101,42 +104,6 @@ def _assemble_on_host(shards: Sequence[torch.Tensor], src: Layout, dst: Layout,
     return hp.assemble_host(shards, direct, big)
 
 
-def _combine(objs: Sequence[torch.Tensor], op: ReduceOp) -> torch.Tensor:
-    """Reduce ``objs`` left to right into ONE fresh buffer: the first op allocates,
-    the rest accumulate in place (a fresh 64 MiB buffer costs ~3 copies in page
-    faults; above 32 MiB it comes from the result pool when nothing records, see
-    :func:`host_paths.out_buffer`). In-place accumulation is autograd-safe for sum;
-    max/min/prod keep out-of-place ops while a gradient is being recorded. Small
-    floating SUM/AVG of more than 3 values with no gradient recorded: one
-    ``stack(...).sum(0)`` (torch's reduction order and accumulation, e.g. float
-    accumulation for half types; equal within rounding)."""
-    first = objs[0]
-    check_reduce(first, op)  # on one device too: the same error on every mesh size
-    if len(objs) == 1:
-        return first
-    if op is ReduceOp.SUM or op is ReduceOp.AVG:
-        floating = first.is_floating_point() or first.is_complex()
-        if (floating and len(objs) > 3 and first.nbytes * len(objs) <= hp.SMALL_BYTES
-                and not hp.recording(objs)):
-            # Small: 2 torch calls instead of len(objs) - 1 (call overhead dominates). Not
-            # while recording: the input gradients would be views of one expanded buffer,
-            # which torch's AccumulateGrad keeps as .grad and later accumulates in place.
-            out = torch.stack(list(objs)).sum(0)
-            return out.div_(len(objs)) if op is ReduceOp.AVG else out
-        out = torch.add(first, objs[1], out=hp.out_buffer(first.shape, first, objs))
-        for o in objs[2:]:
-            out.add_(o)
-        if op is ReduceOp.AVG:
-            out.div_(len(objs))
-        return out
-    fn = {ReduceOp.MAX: torch.maximum, ReduceOp.MIN: torch.minimum, ReduceOp.PROD: torch.mul}[op]
-    tracked = hp.recording(objs)  # (forward-mode AD has no out= variants either)
-    out = fn(first, objs[1], out=hp.out_buffer(first.shape, first, objs))
-    for o in objs[2:]:
-        out = fn(out, o) if tracked else fn(out, o, out=out)
-    return out
-
-
 @functools.lru_cache(maxsize=4096)
 def _groups(layout: Layout, axes: tuple[int, ...]) -> tuple[tuple[int, ...], ...]:
     return tuple(tuple(g) for g in layout.mesh.groups(axes))
@@ -155,7 +122,7 @@ def reduce(shards: Sequence[torch.Tensor], layout: Layout, axes: tuple[int, ...]
     gets the one result object."""
     host = hp.is_host(layout.mesh)
     if host and _whole(layout, axes):
-        return [_combine(shards, op)] * len(shards)
+        return [C.reduce(shards, op)] * len(shards)
     out: list[torch.Tensor | None] = [None] * len(shards)
     memo: dict[tuple[int, ...], torch.Tensor] = {}
     for group in _groups(layout, axes):
@@ -166,7 +133,7 @@ def reduce(shards: Sequence[torch.Tensor], layout: Layout, axes: tuple[int, ...]
             if not host:
                 dev = objs[0].device
                 objs = [o if o.device == dev else o.to(dev) for o in objs]
-            res = memo[key] = _combine(objs, op)
+            res = memo[key] = C.reduce(objs, op)
         for k in group:
             out[k] = res if host or res.device == shards[k].device else res.to(
                 shards[k].device)
@@ -225,7 +192,7 @@ def reduce_scatter(shards: Sequence[torch.Tensor], before: Layout, after: Layout
         plan = _scatter_blocks(before, after, axes, shape)
     if plan is None:
         if whole:  # one result on the host: cut it (views of it)
-            ones = [_combine(shards, op)] * len(shards)
+            ones = [C.reduce(shards, op)] * len(shards)
             if direct is not None:
                 return hp.assemble_host(ones, direct, nbytes > hp.SMALL_BYTES)
             return _assemble_on_host(ones, mid, after, shape, nbytes)
@@ -241,7 +208,7 @@ def reduce_scatter(shards: Sequence[torch.Tensor], before: Layout, after: Layout
         if res is None:
             if index is not None:
                 objs = [o[index] for o in objs]
-            res = memo[ident] = _combine(objs, op)
+            res = memo[ident] = C.reduce(objs, op)
         built[k] = res
     return [built[r] for r in rep_dst]
 

@@ -1,0 +1,55 @@
+"""This process's torch.distributed world: one object holds what is valid for one world.
+
+Invariants:
+- Everything cached per world lives on :data:`WORLD`: process groups by (mesh, axes),
+  the mesh -> process index, meshes checked against the world size, the agreement
+  channels, groups that failed, and the multi-process step specs (which hold groups).
+  ``WORLD.reset()`` (``shutdown()`` and ``initialize()``) clears them all at once,
+  so nothing of an old world survives into a new one.
+- The settings of the run live here too: the collective timeout, the default
+  agreement check, the opt-in debug check (``SHARDWISE_CHECK_COLLECTIVES=1``).
+- Bookkeeping only: no torch.distributed call is made here.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = ["WORLD", "World"]
+
+
+def _env_check() -> bool:
+    return os.environ.get("SHARDWISE_CHECK_COLLECTIVES", "") == "1"
+
+
+@dataclass
+class World:
+    """The world's settings and caches (see the module invariants).
+
+    >>> w = World(timeout_s=10.0)
+    >>> w.groups["key"] = "a group"
+    >>> w.reset(); w.groups, w.timeout_s
+    ({}, 10.0)
+    """
+
+    timeout_s: float = 60.0         # every bounded wait of a collective
+    agreement: bool = True          # the default-on collective agreement check
+    check_collectives: bool = field(default_factory=_env_check)  # the heavy debug check
+    groups: dict[Any, Any] = field(default_factory=dict)
+    index: dict[Any, int | None] = field(default_factory=dict)
+    checked: set[Any] = field(default_factory=set)      # meshes that fit the world
+    channels: dict[Any, Any] = field(default_factory=dict)
+    broken: dict[int, str] = field(default_factory=dict)  # group id -> first failure
+    specs: dict[Any, Any] = field(default_factory=dict)   # multi-process step specs
+
+    def reset(self) -> None:
+        """Forget every cache of this world (settings stay)."""
+        for cache in (self.groups, self.index, self.checked, self.channels, self.broken,
+                      self.specs):
+            cache.clear()
+
+
+WORLD = World()
+"""The one world of this process."""
