@@ -11,6 +11,10 @@ Invariants:
   ``diverge`` sums the shares (identity in the simulated runtime).
 - Every output block has the shape the output layout's split rule gives
   (asserted).
+- Where every Tensor operand holds its whole value (``_whole``: a mesh this process
+  holds wholly), the op runs once on the wholes: the rule still decides the layouts
+  (metadata) and the collectives the operands' layout changes imply are counted,
+  but no block moves; the output keeps its whole and cuts blocks on demand.
 """
 
 from __future__ import annotations
@@ -26,7 +30,7 @@ from shardwise.ops.propagation import Decision, decide
 from shardwise.runtime import backend_for
 from shardwise.sharding.errors import ShardingError, ShardingTypeError
 from shardwise.sharding.layout import Layout
-from shardwise.tensors import Tensor, place
+from shardwise.tensors import Tensor, place, record_plan
 
 __all__ = ["apply", "apply_elementwise"]
 
@@ -94,6 +98,8 @@ def apply(op: str, operands: Sequence[Any], fn: Callable[..., torch.Tensor], *pa
             itemsizes.append(0)
     factors = bind(op, tuple(shapes), *params)
     dec = decide(factors, tuple(layouts), tuple(opens), tuple(itemsizes))
+    if all(not isinstance(x, Tensor) or x._whole is not None for x in args):
+        return _run_whole(op, fn, args, layouts, dec, factors, shaped)
     cols: list[Sequence[torch.Tensor | None] | None] = []
     for i, x in enumerate(args):
         if layouts[i] is None:
@@ -148,6 +154,35 @@ def _run_local(op: str, fn: Callable[..., torch.Tensor], args: list[Any],
         out.append(r)
     dtype = None if memo else _meta_dtype(fn, args, dec, shaped)
     return Tensor(out, dec.output, factors.out_shape, dtype, open_dims=dec.out_open)
+
+
+def _run_whole(op: str, fn: Callable[..., torch.Tensor], args: list[Any],
+               layouts: list[Layout | None], dec: Decision, factors: Factors,
+               shaped: bool) -> Tensor:
+    """``fn`` once on the operands' whole values: the global op, one autograd node.
+    Layout changes of the operands keep their wholes (their collectives are counted)."""
+    call = []
+    for x, have, req in zip(args, layouts, dec.required):
+        if have is None:
+            call.append(x)
+            continue
+        if req is not have and req != have:
+            record_plan(x.plan_to(req))
+        call.append(x._whole)
+    if shaped:
+        call.append(factors.out_shape)
+    try:
+        r = fn(*call)
+    except (RuntimeError, TypeError, ValueError, IndexError) as err:
+        blocks = [tuple(a.shape) for a in call if isinstance(a, torch.Tensor)]
+        raise ShardingError(  # the whole values are this process's one local block each
+            f"{op} failed on the local blocks {blocks} of operands with global shapes "
+            f"{_shapes(args)} (rule '{factors.text}'): {err}"
+        ) from err
+    assert tuple(r.shape) == factors.out_shape, (
+        f"{op}: the whole result has shape {tuple(r.shape)}, the rule gives "
+        f"{factors.out_shape}")
+    return Tensor.from_whole(r, dec.output, dec.out_open)
 
 
 def _shapes(args: list[Any]) -> list[list[int]]:

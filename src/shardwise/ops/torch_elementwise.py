@@ -27,7 +27,7 @@ from shardwise.ops.registry import (
 )
 from shardwise.sharding.errors import ShardingError, ShardingTypeError
 from shardwise.sharding.layout import Layout
-from shardwise.tensors import HANDLERS, Tensor, place
+from shardwise.tensors import HANDLERS, Tensor, place, record_plan
 
 __all__ = ["install"]
 
@@ -160,9 +160,15 @@ def _write(self: Tensor, value: Tensor, name: str) -> Tensor:
             f"place has shape {tuple(self.shape)}; in-place ops cannot change the shape."
         )
     _refuse_partial(self, name)
-    src = value.relayout(self.dist_layout) if value.mesh == self.mesh else None
-    if src is None:
+    if value.mesh != self.mesh:
         raise ShardingError(f"{name}: the operands live on {value.mesh!r} and {self.mesh!r}.")
+    if self._whole is not None and value._whole is not None and not value.dist_layout.is_partial:
+        # both hold their global values: one copy, the layout change only counted
+        if value.dist_layout != self.dist_layout:
+            record_plan(value.plan_to(self.dist_layout))
+        self._whole.copy_(value._whole)
+        return self
+    src = value.relayout(self.dist_layout)
     shards = self._shards
     for k in self._unique():
         shards[k].copy_(src._shards[k])
@@ -189,7 +195,15 @@ def _inplace(name: str, method: Any, out_of_place: Callable[..., Any] | None
 
     def handler(self: Any, *args: Any, **kwargs: Any) -> Any:
         t = _target(self, name)
-        if _same_layout_rows(t, list(args) + list(kwargs.values())):
+        operands = list(args) + list(kwargs.values())
+        if _same_layout_rows(t, operands):
+            if t._whole is not None and all(
+                    not isinstance(a, Tensor) or a._whole is not None for a in operands):
+                # every operand holds its global value: one call on the wholes
+                method(t._whole, *[a._whole if isinstance(a, Tensor) else a for a in args],
+                       **{k: v._whole if isinstance(v, Tensor) else v
+                          for k, v in kwargs.items()})
+                return t
             shards = t._shards
             tensors = [i for i, a in enumerate(args) if isinstance(a, Tensor)]
             tkw = [key for key, v in kwargs.items() if isinstance(v, Tensor)]
@@ -247,6 +261,9 @@ def _install_inplace() -> None:
     def zero_(self: Any) -> Any:
         # zeros are a valid Partial value too (they reduce to zeros), unlike other writes
         t = _target(self, "zero_")
+        if t._whole is not None:
+            t._whole.zero_()
+            return t
         for s in t.unique_shards()[1]:
             s.zero_()
         return t
@@ -302,6 +319,8 @@ def _like(fn: Any, x: Any, *args: Any, **kwargs: Any) -> Tensor:
     t = x if not x.dist_layout.is_partial else x.relayout(
         x.dist_layout.with_partial((None,) * x.mesh.ndim))
     kwargs.pop("memory_format", None)
+    if t._whole is not None:
+        return Tensor.from_whole(fn(t._whole, *args, **kwargs), t.dist_layout, t._open)
     return t._map_unique(lambda s: fn(s, *args, **kwargs))
 
 
