@@ -188,6 +188,27 @@ def _same_layout_rows(self: Tensor, operands: Sequence[Any]) -> bool:
     return True
 
 
+def _wholes_like(t: Tensor, operands: Any) -> list[Any] | None:
+    """The operands as whole values when ``t`` (no Partial axes) and every Tensor among
+    them hold one in ``t``'s layout (0-d: any layout without Partial axes); else None."""
+    lay = t._layout
+    if lay.is_partial:
+        return None
+    out = []
+    for a in operands:
+        if isinstance(a, Tensor):
+            w = a._whole
+            if w is None or (a._layout is not lay and a._layout != lay and (
+                    a._shape or a._layout.is_partial)):
+                return None
+            out.append(w)
+        elif isinstance(a, torch.Tensor) and a.ndim != 0:
+            return None
+        else:
+            out.append(a)
+    return out
+
+
 def _inplace(name: str, method: Any, out_of_place: Callable[..., Any] | None
              ) -> Callable[..., Any]:
     """``x.op_(...)``: run ``method`` on each distinct local buffer when every operand
@@ -195,15 +216,14 @@ def _inplace(name: str, method: Any, out_of_place: Callable[..., Any] | None
 
     def handler(self: Any, *args: Any, **kwargs: Any) -> Any:
         t = _target(self, name)
-        operands = list(args) + list(kwargs.values())
-        if _same_layout_rows(t, operands):
-            if t._whole is not None and all(
-                    not isinstance(a, Tensor) or a._whole is not None for a in operands):
-                # every operand holds its global value: one call on the wholes
-                method(t._whole, *[a._whole if isinstance(a, Tensor) else a for a in args],
-                       **{k: v._whole if isinstance(v, Tensor) else v
-                          for k, v in kwargs.items()})
+        whole = t._whole
+        if whole is not None:  # the optimizers' hot path: one call on the wholes
+            call = _wholes_like(t, args)
+            kw = _wholes_like(t, kwargs.values()) if kwargs else []
+            if call is not None and kw is not None:
+                method(whole, *call, **dict(zip(kwargs, kw)))
                 return t
+        if _same_layout_rows(t, list(args) + list(kwargs.values())):
             shards = t._shards
             tensors = [i for i, a in enumerate(args) if isinstance(a, Tensor)]
             tkw = [key for key, v in kwargs.items() if isinstance(v, Tensor)]
@@ -380,6 +400,10 @@ def _install_conversions() -> None:
                         ("int", torch.int32), ("long", torch.int64), ("bool", torch.bool)):
         register(getattr(TensorMethod, name))(
             lambda x, *a, _d=dtype, **k: _to(x, _d))
+
+    # dtype queries the optimizers make per parameter and step: answered directly
+    register(torch.is_complex)(lambda x: x.dtype.is_complex)
+    register(torch.is_floating_point)(lambda x: x.dtype.is_floating_point)
 
     @register(TensorMethod.type_as)
     def type_as(x: Any, other: Any) -> Any:
