@@ -27,7 +27,9 @@ import torch
 
 from shardwise.ops.binding import Factors, bind
 from shardwise.ops.propagation import Decision, decide
+from shardwise.planner import make_plan
 from shardwise.runtime import backend_for
+from shardwise.runtime import observe as comm
 from shardwise.sharding.errors import ShardingError, ShardingTypeError
 from shardwise.sharding.layout import Layout
 from shardwise.tensors import Tensor, place, record_plan
@@ -48,11 +50,11 @@ def _operands(op: str, operands: Sequence[Any]) -> list[Any]:
             f"{op} needs at least one shardwise.Tensor operand. Got "
             f"{[type(x).__name__ for x in operands]}; wrap data with shardwise.tensor(...)."
         )
-    mesh = first.mesh
+    mesh = first._layout.mesh
     out = list(operands)
     for i, x in enumerate(out):
         if isinstance(x, Tensor):
-            if x.mesh is not mesh and x.mesh != mesh:
+            if x._layout.mesh is not mesh and x._layout.mesh != mesh:
                 raise ShardingError(
                     f"{op}: operand {i} lives on {x.mesh!r} but operand 0 on {mesh!r}; "
                     "compute ops need one mesh. Move one with "
@@ -85,12 +87,14 @@ def apply(op: str, operands: Sequence[Any], fn: Callable[..., torch.Tensor], *pa
     layouts: list[Layout | None] = []
     opens: list[tuple[bool, ...] | None] = []
     itemsizes: list[int] = []
-    for x in args:
+    wholes = True
+    for x in args:  # the wrapper's own fields (no property calls: the per-op hot path)
         if isinstance(x, Tensor):
-            shapes.append(x.shape)
-            layouts.append(x.dist_layout)
+            shapes.append(x._shape)
+            layouts.append(x._layout)
             opens.append(x._open)
-            itemsizes.append(x.dtype.itemsize)
+            itemsizes.append(x._dtype.itemsize)
+            wholes = wholes and x._whole is not None
         else:
             shapes.append(())
             layouts.append(None)
@@ -98,7 +102,7 @@ def apply(op: str, operands: Sequence[Any], fn: Callable[..., torch.Tensor], *pa
             itemsizes.append(0)
     factors = bind(op, tuple(shapes), *params)
     dec = decide(factors, tuple(layouts), tuple(opens), tuple(itemsizes))
-    if all(not isinstance(x, Tensor) or x._whole is not None for x in args):
+    if wholes:
         return _run_whole(op, fn, args, layouts, dec, factors, shaped)
     cols: list[Sequence[torch.Tensor | None] | None] = []
     for i, x in enumerate(args):
@@ -166,8 +170,8 @@ def _run_whole(op: str, fn: Callable[..., torch.Tensor], args: list[Any],
         if have is None:
             call.append(x)
             continue
-        if req is not have and req != have:
-            record_plan(x.plan_to(req))
+        if comm.active() and req is not have and req != have:
+            record_plan(make_plan(have, req, x._shape, x._dtype.itemsize))
         call.append(x._whole)
     if shaped:
         call.append(factors.out_shape)

@@ -218,10 +218,10 @@ def _inplace(name: str, method: Any, out_of_place: Callable[..., Any] | None
         t = _target(self, name)
         whole = t._whole
         if whole is not None:  # the optimizers' hot path: one call on the wholes
-            call = _wholes_like(t, args)
-            kw = _wholes_like(t, kwargs.values()) if kwargs else []
-            if call is not None and kw is not None:
-                method(whole, *call, **dict(zip(kwargs, kw)))
+            wargs = _wholes_like(t, args)
+            wkw = _wholes_like(t, kwargs.values()) if kwargs else []
+            if wargs is not None and wkw is not None:
+                method(whole, *wargs, **dict(zip(kwargs, wkw)))
                 return t
         if _same_layout_rows(t, list(args) + list(kwargs.values())):
             shards = t._shards
