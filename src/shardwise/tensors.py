@@ -14,12 +14,18 @@ Invariants:
   Tensor, writing each distinct local buffer once; every other op leaves its inputs
   alone, so replicas share one buffer and shards may be views of a larger buffer.
   ``local()``/``shards`` expose those buffers: read them, never write them.
-- ``_whole``, when set, is the global value whose layout blocks are the shards
-  (views, cut lazily); it is set only on a mesh this process holds wholly and
-  while no gradient is recorded, because autograd lives on the shards.
+- ``_whole``, when set, is the global value (Partial axes reduced) and the shards
+  are cut from it on first use: views of it for the layout's dims, and for
+  Partial axes the canonical decomposition (the value at coordinate 0, the
+  reduce op's identity elsewhere; MIN/MAX/AVG: the value everywhere). It is set
+  only on a mesh this process holds wholly. Autograd then runs on the whole
+  (one node per op, torch's own arithmetic); shards cut from it are views that
+  autograd flows through. A Tensor built from shards (``Tensor(...)``) has none.
 - Gradients: ``.grad`` is in the tensor's own layout; the Partial(SUM) axes of
   a tensor hold equal gradients and come back Replicated, other Partial ops
-  come back as per-device derivatives under Partial(SUM).
+  come back as per-device derivatives under Partial(SUM). A leaf holding a
+  whole (``nn.Parameter`` over ``shardwise.tensor(...)``) accumulates into the
+  whole's ``.grad``, shown in the leaf's layout.
 """
 
 from __future__ import annotations
@@ -80,24 +86,43 @@ def _local_mesh(mesh: DeviceMesh, device: torch.device) -> bool:
 
 
 def _cut(whole: torch.Tensor, layout: Layout) -> tuple[torch.Tensor, ...]:
-    """The blocks of ``whole`` (no Partial axes) that ``layout`` gives each device."""
+    """The blocks of ``whole`` (the global value) that ``layout`` gives each device;
+    Partial axes get the canonical decomposition (the planner's make_partial steps,
+    local: nothing is counted as communication)."""
     mesh = layout.mesh
     shape = tuple(whole.shape)
-    return tuple(backend_for(mesh).assemble([whole] * mesh.num_devices,
-                                            _replicated(mesh, len(shape)), layout, shape))
+    backend = backend_for(mesh)
+    if layout.is_partial:
+        plain = layout.with_partial((None,) * mesh.ndim)
+        plan = make_plan(plain, layout, shape, whole.dtype.itemsize)
+        return tuple(backend.execute_plan(plan, _cut(whole, plain)))
+    return tuple(backend.assemble([whole] * mesh.num_devices, _replicated(mesh, len(shape)),
+                                  layout, shape))
 
 
-@torch.compiler.disable
-def _route(func: Any, args: Any, kwargs: Any) -> Any:
-    """One torch function on shardwise Tensors: its handler, else the fallback.
-    torch.compile runs it eagerly (a graph break): the layout logic is Python."""
+def record_plan(plan: Plan) -> None:
+    """Count ``plan``'s collectives for :class:`~shardwise.debug.CommCounter` without
+    running them (a layout change of a Tensor that keeps its whole value)."""
+    if comm.active():
+        for step in plan.collectives:
+            comm.record(step.kind, step.bytes_per_device, step)
+
+
+def _route_eager(func: Any, args: Any, kwargs: Any) -> Any:
+    """One torch function on shardwise Tensors: its handler, else the fallback."""
     handler = HANDLERS.get(func)
     if handler is not None:
         return handler(*args, **(kwargs or {}))
     if not FALLBACK:  # the registry is filled by the API floor's ops, named here as a
         importlib.import_module(REGISTRY)  # plugin (no static upward import)
-        return _route(func, args, kwargs)
+        return _route_eager(func, args, kwargs)
     return FALLBACK[0](func, tuple(args), kwargs or {})
+
+
+#: :func:`_route_eager` for torch.compile: Dynamo runs it eagerly (a graph break), as
+#: the layout logic is Python. Eager calls skip the disabling wrapper (~3 us a call).
+_route = torch.compiler.disable(_route_eager)
+_compiling = torch.compiler.is_compiling
 
 
 class Tensor(torch.Tensor):
@@ -137,8 +162,8 @@ class Tensor(torch.Tensor):
     _dtype: torch.dtype
     _open: tuple[bool, ...] | None
     _device: torch.device
-    # The global value whose layout blocks ARE the shards (views), or None. Set only
-    # where no gradient is recorded: ops on it would bypass the shards' autograd.
+    # The global value the shards are cut from (views; canonical addends on Partial
+    # axes), or None. Autograd then runs on it, and flows into the cut shards.
     _whole: torch.Tensor | None
 
     @staticmethod
@@ -178,11 +203,10 @@ class Tensor(torch.Tensor):
     @classmethod
     def from_whole(cls, whole: torch.Tensor, layout: Layout,
                    open_dims: tuple[bool, ...] | None = None) -> Tensor:
-        """Internal: the Tensor whose blocks are views of ``whole`` (the global value,
-        no Partial axes). On a mesh this process holds wholly and with no gradient
-        recorded, the blocks are cut lazily and elementwise ops run once on ``whole``
-        (see ``ops.execute.apply_elementwise``)."""
-        if whole.requires_grad or not _local_mesh(layout.mesh, whole.device):
+        """Internal: the Tensor whose blocks are cut from ``whole`` (the global value).
+        On a mesh this process holds wholly the blocks are cut lazily and ops whose
+        operands all hold wholes run once on them (see ``ops.execute``)."""
+        if not _local_mesh(layout.mesh, whole.device):
             return cls(_cut(whole, layout), layout, whole.shape, whole.dtype,
                        open_dims=open_dims)
         return cls._wrap(None, whole, layout, whole.shape, whole.dtype, whole.device,
@@ -200,11 +224,14 @@ class Tensor(torch.Tensor):
     @_shards.setter
     def _shards(self, value: tuple[torch.Tensor, ...]) -> None:
         self._blocks = value
+        self._whole = None
 
     @classmethod
     def __torch_function__(cls, func: Any, types: Any, args: Any = (),
                            kwargs: Any = None) -> Any:
-        return _route(func, args, kwargs)
+        if _compiling():
+            return _route(func, args, kwargs)
+        return _route_eager(func, args, kwargs)
 
     @classmethod
     def __torch_dispatch__(cls, func: Any, types: Any, args: Any = (),  # type: ignore[override]
@@ -249,6 +276,16 @@ class Tensor(torch.Tensor):
 
     def numel(self) -> int:
         return math.prod(self._shape)
+
+    def is_complex(self) -> bool:
+        return self._dtype.is_complex
+
+    def is_floating_point(self) -> bool:
+        return self._dtype.is_floating_point
+
+    @property
+    def is_sparse(self) -> bool:  # type: ignore[override]
+        return False
 
     nelement = numel
 
@@ -354,9 +391,11 @@ class Tensor(torch.Tensor):
             return memo[id(self)]
         leaf_grad = self.is_leaf and self.requires_grad
         with torch.no_grad():
-            out = self._map_unique(lambda s: s.clone())
+            out = self._map_unique(lambda s: s.clone()) if self._whole is None else (
+                Tensor.from_whole(self._whole.clone(), self._layout, self._open))
         if leaf_grad:
-            out = out._map_unique(lambda s: s.requires_grad_(True))
+            out = out._map_unique(lambda s: s.requires_grad_(True)) if out._whole is None else (
+                out.requires_grad_(True))
         for key, value in self.__dict__.items():
             if not key.startswith("_") or key == "_is_param":
                 out.__dict__[key] = value
@@ -374,6 +413,10 @@ class Tensor(torch.Tensor):
     def _global(self) -> torch.Tensor:
         """The global value as one torch tensor (differentiable; may alias a shard)."""
         target = Layout.replicated(self.mesh, self.ndim)
+        if self._whole is not None:
+            if self._layout != target:
+                record_plan(self.plan_to(target))
+            return self._whole
         full = self if self._layout == target else self.relayout(target)
         return backend_for(self.mesh).global_value(full._shards, full._layout, full._shape,
                                                     full._dtype)
@@ -382,6 +425,8 @@ class Tensor(torch.Tensor):
         """The global value as a new torch tensor (Partial axes reduced), on the
         first device of the mesh. Differentiable."""
         out = self._global()
+        if self._whole is not None:
+            return out.clone()
         storages = {s.untyped_storage()._cdata for s in self._shards if s is not None}
         if out.untyped_storage()._cdata in storages:
             out = out.clone()
@@ -454,6 +499,9 @@ class Tensor(torch.Tensor):
     # the global view of it, as torch's do for a plain tensor.
     @property
     def requires_grad(self) -> bool:
+        whole = self._whole
+        if whole is not None:
+            return whole.requires_grad
         return any(s.requires_grad for s in self._shards if s is not None)
 
     @requires_grad.setter
@@ -462,11 +510,17 @@ class Tensor(torch.Tensor):
 
     @property
     def is_leaf(self) -> bool:  # type: ignore[override]
+        whole = self._whole
+        if whole is not None:
+            return whole.is_leaf
         return all(s.is_leaf for s in self._shards if s is not None)
 
     @property
     def grad_fn(self) -> Any:  # type: ignore[override]
-        """The autograd node of the first local shard (None for leaves)."""
+        """The autograd node of the whole value or the first local shard (None for leaves)."""
+        whole = self._whole
+        if whole is not None:
+            return whole.grad_fn
         return next((s.grad_fn for s in self._shards if s is not None), None)
 
     def requires_grad_(self, requires_grad: bool = True) -> Tensor:
@@ -477,6 +531,14 @@ class Tensor(torch.Tensor):
                     "requires_grad_(False) on a non-leaf tensor: it is the result of an op "
                     "that records gradients. Use x.detach()."
                 )
+            return self
+        whole = self._whole
+        if whole is not None and not self._layout.is_partial:
+            # the whole becomes the leaf (a detached alias: never flag the caller's
+            # tensor); shards are re-cut from it so that they carry its autograd
+            if whole.requires_grad != requires_grad:
+                self._whole = whole.detach().requires_grad_(requires_grad)
+                self._blocks = None
             return self
         for s in self.unique_shards()[1]:
             s.requires_grad_(requires_grad)
@@ -500,17 +562,21 @@ class Tensor(torch.Tensor):
         grad = self.requires_grad
         new = value.detach()
         if grad:
-            new = new._map_unique(lambda s: s.requires_grad_(True))
-        self._shards, self._layout, self._dtype = new._shards, new._layout, new._dtype
+            new = new.requires_grad_(True) if new._whole is not None and not (
+                new._layout.is_partial) else new._map_unique(lambda s: s.requires_grad_(True))
+        self._blocks, self._whole = new._blocks, new._whole
+        self._layout, self._dtype = new._layout, new._dtype
         self._shape, self._size, self._open = new._shape, new._size, new._open
         self._device = new._device
-        self._whole = None
         # keep the C-level metadata (dtype, shape) that torch's C++ code reads in sync
         with torch._C.DisableTorchFunctionSubclass():
             torch._C.TensorBase.data.__set__(self, value)  # type: ignore[attr-defined]
 
     def detach(self) -> Tensor:
         """The same value, cut from the autograd graph (shares memory)."""
+        whole = self._whole
+        if whole is not None:
+            return Tensor.from_whole(whole.detach(), self._layout, self._open)
         return self._map_unique(lambda s: s.detach())
 
     def _grad_layout(self) -> Layout:
@@ -549,6 +615,17 @@ class Tensor(torch.Tensor):
     @property  # type: ignore[override]
     def grad(self) -> Tensor | None:
         """Accumulated gradient, in this tensor's layout; None before any backward."""
+        whole = self._whole
+        if whole is not None and not self._layout.is_partial:
+            g = whole.grad
+            if g is None:
+                return None
+            cached = self.__dict__.get("_whole_grad")
+            if cached is not None and cached[0] is g:
+                return cached[1]
+            out = Tensor.from_whole(g, self._layout)
+            self.__dict__["_whole_grad"] = (g, out)
+            return out
         shards = self._shards
         grads = [shards[k].grad for k in self._unique()]
         if all(g is None for g in grads):
@@ -565,7 +642,11 @@ class Tensor(torch.Tensor):
     @grad.setter
     def grad(self, value: Tensor | None) -> None:
         """``p.grad = None`` (what ``zero_grad()`` does) or a Tensor of ``p``'s shape."""
+        whole = self._whole
         if value is None:
+            if whole is not None:
+                whole.grad = None
+                return
             for s in self._shards:
                 if s is not None:
                     s.grad = None
@@ -586,6 +667,9 @@ class Tensor(torch.Tensor):
                 f"p.grad lives on {value.mesh!r} but p on {self.mesh!r}: move it with "
                 "shardwise.to_device(g, sharding=p.sharding) first."
             )
+        if whole is not None:
+            whole.grad = (g._whole if g._whole is not None else g._global()).detach()
+            return
         shards = self._shards
         for k in self._unique():
             shards[k].grad = g._shards[k]
@@ -594,7 +678,11 @@ class Tensor(torch.Tensor):
         """This value with Partial axes reduced (the differentiable global)."""
         if not self._layout.is_partial:
             return self
-        return self.relayout(self._layout.with_partial((None,) * self.mesh.ndim))
+        target = self._layout.with_partial((None,) * self.mesh.ndim)
+        if self._whole is not None:  # the whole is the reduced value already
+            record_plan(self.plan_to(target))
+            return Tensor.from_whole(self._whole, target, self._open)
+        return self.relayout(target)
 
     def backward(self, gradient: Any = None, retain_graph: bool | None = None,
                  create_graph: bool = False, inputs: Any = None) -> None:
@@ -619,6 +707,11 @@ class Tensor(torch.Tensor):
             first = next(s for s in roots._shards if s is not None)
             gradient = torch.ones((), dtype=self._dtype, device=first.device)
         g = as_layout_of(gradient, roots)
+        if roots._whole is not None:  # one root: the whole value autograd ran on
+            gw = g._whole if g._whole is not None else g._global()
+            torch.autograd.backward([roots._whole], [gw], retain_graph=retain_graph,
+                                    create_graph=create_graph)
+            return
         reps, outs = roots.unique_shards()
         torch.autograd.backward(outs, [g._shards[k] for k in reps], retain_graph=retain_graph,
                                 create_graph=create_graph)

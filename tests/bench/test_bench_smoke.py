@@ -102,3 +102,16 @@ def test_gloo_section_tiny() -> None:
     for r in res["large"]:
         assert {"case", "shardwise_ms", "raw_ms", "dtensor_ms", "shardwise_over_raw"} <= set(r)
     assert "\n".join(gloo.gloo_tables(res))
+
+
+def test_torch_native_training_steps(result: tuple[dict, Path, Path]) -> None:
+    data, _, text = result
+    tn = data["torch"]
+    keys = {"case", "clock", "shardwise_ms", "torch_ms", "ratio", "shardwise_min_ms",
+            "torch_min_ms", "ratio_min"}
+    assert keys <= set(tn["mlp"])
+    assert [g["dim"] for g in tn["gpt"]] == [32, 256]
+    assert all(keys <= set(g) and g["shardwise_ms"] > 0 and g["torch_ms"] > 0 for g in tn["gpt"])
+    gpt = [t for t in data["targets"] if t["target"] == "torch_gpt"]
+    assert [t["limit"] for t in gpt] == [3.0, 1.5]
+    assert "GPT V=64 T=16 D=256" in text.read_text()

@@ -214,8 +214,13 @@ def test_torch_runs_once_per_distinct_input(monkeypatch: pytest.MonkeyPatch) -> 
     from shardwise.ops import compute
 
     x = sw.tensor(values(8, 8), sharding=lay(MESH, "dp", None))
-    compute._elementwise("tanh", torch.tanh)(x)
-    assert len(calls) == 2
+    blocks = sw.from_local([s.clone() for s in x.shards], x.dist_layout, shape=(8, 8))
+    compute._elementwise("tanh", torch.tanh)(blocks)
+    assert len(calls) == 2  # two distinct blocks (dp), shared by the tp replicas
+    calls.clear()
+    y = compute._elementwise("tanh", torch.tanh)(x)  # x holds its whole value: one call
+    assert len(calls) == 1
+    assert len({id(s) for s in y.shards}) == 2 and torch.equal(y.to_torch(), real(values(8, 8)))
 
 
 def test_decisions_are_cached() -> None:

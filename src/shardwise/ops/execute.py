@@ -11,6 +11,10 @@ Invariants:
   ``diverge`` sums the shares (identity in the simulated runtime).
 - Every output block has the shape the output layout's split rule gives
   (asserted).
+- Where every Tensor operand holds its whole value (``_whole``: a mesh this process
+  holds wholly), the op runs once on the wholes: the rule still decides the layouts
+  (metadata) and the collectives the operands' layout changes imply are counted,
+  but no block moves; the output keeps its whole and cuts blocks on demand.
 """
 
 from __future__ import annotations
@@ -23,10 +27,12 @@ import torch
 
 from shardwise.ops.binding import Factors, bind
 from shardwise.ops.propagation import Decision, decide
+from shardwise.planner import make_plan
 from shardwise.runtime import backend_for
+from shardwise.runtime import observe as comm
 from shardwise.sharding.errors import ShardingError, ShardingTypeError
 from shardwise.sharding.layout import Layout
-from shardwise.tensors import Tensor, place
+from shardwise.tensors import Tensor, place, record_plan
 
 __all__ = ["apply", "apply_elementwise"]
 
@@ -44,11 +50,11 @@ def _operands(op: str, operands: Sequence[Any]) -> list[Any]:
             f"{op} needs at least one shardwise.Tensor operand. Got "
             f"{[type(x).__name__ for x in operands]}; wrap data with shardwise.tensor(...)."
         )
-    mesh = first.mesh
+    mesh = first._layout.mesh
     out = list(operands)
     for i, x in enumerate(out):
         if isinstance(x, Tensor):
-            if x.mesh is not mesh and x.mesh != mesh:
+            if x._layout.mesh is not mesh and x._layout.mesh != mesh:
                 raise ShardingError(
                     f"{op}: operand {i} lives on {x.mesh!r} but operand 0 on {mesh!r}; "
                     "compute ops need one mesh. Move one with "
@@ -81,12 +87,14 @@ def apply(op: str, operands: Sequence[Any], fn: Callable[..., torch.Tensor], *pa
     layouts: list[Layout | None] = []
     opens: list[tuple[bool, ...] | None] = []
     itemsizes: list[int] = []
-    for x in args:
+    wholes = True
+    for x in args:  # the wrapper's own fields (no property calls: the per-op hot path)
         if isinstance(x, Tensor):
-            shapes.append(x.shape)
-            layouts.append(x.dist_layout)
+            shapes.append(x._shape)
+            layouts.append(x._layout)
             opens.append(x._open)
-            itemsizes.append(x.dtype.itemsize)
+            itemsizes.append(x._dtype.itemsize)
+            wholes = wholes and x._whole is not None
         else:
             shapes.append(())
             layouts.append(None)
@@ -94,6 +102,8 @@ def apply(op: str, operands: Sequence[Any], fn: Callable[..., torch.Tensor], *pa
             itemsizes.append(0)
     factors = bind(op, tuple(shapes), *params)
     dec = decide(factors, tuple(layouts), tuple(opens), tuple(itemsizes))
+    if wholes:
+        return _run_whole(op, fn, args, layouts, dec, factors, shaped)
     cols: list[Sequence[torch.Tensor | None] | None] = []
     for i, x in enumerate(args):
         if layouts[i] is None:
@@ -148,6 +158,35 @@ def _run_local(op: str, fn: Callable[..., torch.Tensor], args: list[Any],
         out.append(r)
     dtype = None if memo else _meta_dtype(fn, args, dec, shaped)
     return Tensor(out, dec.output, factors.out_shape, dtype, open_dims=dec.out_open)
+
+
+def _run_whole(op: str, fn: Callable[..., torch.Tensor], args: list[Any],
+               layouts: list[Layout | None], dec: Decision, factors: Factors,
+               shaped: bool) -> Tensor:
+    """``fn`` once on the operands' whole values: the global op, one autograd node.
+    Layout changes of the operands keep their wholes (their collectives are counted)."""
+    call = []
+    for x, have, req in zip(args, layouts, dec.required):
+        if have is None:
+            call.append(x)
+            continue
+        if comm.active() and req is not have and req != have:
+            record_plan(make_plan(have, req, x._shape, x._dtype.itemsize))
+        call.append(x._whole)
+    if shaped:
+        call.append(factors.out_shape)
+    try:
+        r = fn(*call)
+    except (RuntimeError, TypeError, ValueError, IndexError) as err:
+        blocks = [tuple(a.shape) for a in call if isinstance(a, torch.Tensor)]
+        raise ShardingError(  # the whole values are this process's one local block each
+            f"{op} failed on the local blocks {blocks} of operands with global shapes "
+            f"{_shapes(args)} (rule '{factors.text}'): {err}"
+        ) from err
+    assert tuple(r.shape) == factors.out_shape, (
+        f"{op}: the whole result has shape {tuple(r.shape)}, the rule gives "
+        f"{factors.out_shape}")
+    return Tensor.from_whole(r, dec.output, dec.out_open)
 
 
 def _shapes(args: list[Any]) -> list[list[int]]:

@@ -27,7 +27,7 @@ from shardwise.ops.registry import (
 )
 from shardwise.sharding.errors import ShardingError, ShardingTypeError
 from shardwise.sharding.layout import Layout
-from shardwise.tensors import HANDLERS, Tensor, place
+from shardwise.tensors import HANDLERS, Tensor, place, record_plan
 
 __all__ = ["install"]
 
@@ -160,9 +160,15 @@ def _write(self: Tensor, value: Tensor, name: str) -> Tensor:
             f"place has shape {tuple(self.shape)}; in-place ops cannot change the shape."
         )
     _refuse_partial(self, name)
-    src = value.relayout(self.dist_layout) if value.mesh == self.mesh else None
-    if src is None:
+    if value.mesh != self.mesh:
         raise ShardingError(f"{name}: the operands live on {value.mesh!r} and {self.mesh!r}.")
+    if self._whole is not None and value._whole is not None and not value.dist_layout.is_partial:
+        # both hold their global values: one copy, the layout change only counted
+        if value.dist_layout != self.dist_layout:
+            record_plan(value.plan_to(self.dist_layout))
+        self._whole.copy_(value._whole)
+        return self
+    src = value.relayout(self.dist_layout)
     shards = self._shards
     for k in self._unique():
         shards[k].copy_(src._shards[k])
@@ -182,6 +188,27 @@ def _same_layout_rows(self: Tensor, operands: Sequence[Any]) -> bool:
     return True
 
 
+def _wholes_like(t: Tensor, operands: Any) -> list[Any] | None:
+    """The operands as whole values when ``t`` (no Partial axes) and every Tensor among
+    them hold one in ``t``'s layout (0-d: any layout without Partial axes); else None."""
+    lay = t._layout
+    if lay.is_partial:
+        return None
+    out = []
+    for a in operands:
+        if isinstance(a, Tensor):
+            w = a._whole
+            if w is None or (a._layout is not lay and a._layout != lay and (
+                    a._shape or a._layout.is_partial)):
+                return None
+            out.append(w)
+        elif isinstance(a, torch.Tensor) and a.ndim != 0:
+            return None
+        else:
+            out.append(a)
+    return out
+
+
 def _inplace(name: str, method: Any, out_of_place: Callable[..., Any] | None
              ) -> Callable[..., Any]:
     """``x.op_(...)``: run ``method`` on each distinct local buffer when every operand
@@ -189,6 +216,13 @@ def _inplace(name: str, method: Any, out_of_place: Callable[..., Any] | None
 
     def handler(self: Any, *args: Any, **kwargs: Any) -> Any:
         t = _target(self, name)
+        whole = t._whole
+        if whole is not None:  # the optimizers' hot path: one call on the wholes
+            wargs = _wholes_like(t, args)
+            wkw = _wholes_like(t, kwargs.values()) if kwargs else []
+            if wargs is not None and wkw is not None:
+                method(whole, *wargs, **dict(zip(kwargs, wkw)))
+                return t
         if _same_layout_rows(t, list(args) + list(kwargs.values())):
             shards = t._shards
             tensors = [i for i, a in enumerate(args) if isinstance(a, Tensor)]
@@ -247,6 +281,9 @@ def _install_inplace() -> None:
     def zero_(self: Any) -> Any:
         # zeros are a valid Partial value too (they reduce to zeros), unlike other writes
         t = _target(self, "zero_")
+        if t._whole is not None:
+            t._whole.zero_()
+            return t
         for s in t.unique_shards()[1]:
             s.zero_()
         return t
@@ -302,6 +339,8 @@ def _like(fn: Any, x: Any, *args: Any, **kwargs: Any) -> Tensor:
     t = x if not x.dist_layout.is_partial else x.relayout(
         x.dist_layout.with_partial((None,) * x.mesh.ndim))
     kwargs.pop("memory_format", None)
+    if t._whole is not None:
+        return Tensor.from_whole(fn(t._whole, *args, **kwargs), t.dist_layout, t._open)
     return t._map_unique(lambda s: fn(s, *args, **kwargs))
 
 
@@ -361,6 +400,10 @@ def _install_conversions() -> None:
                         ("int", torch.int32), ("long", torch.int64), ("bool", torch.bool)):
         register(getattr(TensorMethod, name))(
             lambda x, *a, _d=dtype, **k: _to(x, _d))
+
+    # dtype queries the optimizers make per parameter and step: answered directly
+    register(torch.is_complex)(lambda x: x.dtype.is_complex)
+    register(torch.is_floating_point)(lambda x: x.dtype.is_floating_point)
 
     @register(TensorMethod.type_as)
     def type_as(x: Any, other: Any) -> Any:

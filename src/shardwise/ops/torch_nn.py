@@ -37,6 +37,13 @@ __all__ = ["install"]
 def _install_nn() -> None:
     @register(F.linear)
     def linear(x: Any, weight: Any, bias: Any = None) -> Any:
+        if bias is not None and all(isinstance(t, Tensor) and t._whole is not None
+                                    for t in (x, weight, bias)):
+            # whole values: torch's own addmm on them (one node, torch's bits); the add
+            # rule still lays the bias out and decides the output layout
+            b = bias._whole
+            y = apply("linear", (x, weight), lambda xs, ws: F.linear(xs, ws, b))
+            return apply("add", (y, bias), lambda ys, _: ys)
         y = apply("linear", (x, weight), F.linear)
         return y if bias is None else C.add(y, bias)
 
