@@ -118,10 +118,12 @@ def vocab_embedding(ids: torch.Tensor, weight: Tensor, padding_idx: int | None =
                      rows)
 
 
-def pick_classes(logits: Tensor, target: torch.Tensor) -> Tensor:
+def pick_classes(logits: Tensor, target: torch.Tensor, ignore_index: int | None = None
+                 ) -> Tensor:
     """``logits[i, target[i]]`` per row of (N, C) ``logits`` whose classes may be
     sharded: each device picks the targets in its classes; Partial(SUM) over the class
-    axes. Targets outside ``[0, C)`` (``ignore_index``) pick 0.
+    axes. ``ignore_index`` targets pick 0; other targets outside ``[0, C)`` raise
+    IndexError (as torch's cross_entropy).
 
     >>> mesh = DeviceMesh.cpu(2, "tp")
     >>> lg = shardwise.tensor(torch.arange(8.).reshape(2, 4),
@@ -148,6 +150,13 @@ def pick_classes(logits: Tensor, target: torch.Tensor) -> Tensor:
 
     def pick(cols: tuple[int, int], z: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
         lo, hi = cols
+        bad = (t < 0) | (t >= shape[1])
+        if ignore_index is not None:
+            bad &= t != ignore_index
+        if bool(bad.any()):
+            raise IndexError(f"cross_entropy: target {int(t[bad][0])} is out of bounds for "
+                             f"{shape[1]} classes. Targets are class indices in "
+                             f"[0, {shape[1]}) or ignore_index ({ignore_index}).")
         if hi == lo:  # an empty block of classes picks nothing
             return z.new_zeros(z.shape[:1])
         local = t - lo

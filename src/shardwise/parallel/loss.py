@@ -60,7 +60,7 @@ def _cross_entropy(logits: Any, target: Any, weight: Any = None, size_average: A
         target = place(target, Layout.replicated(x.mesh, 1))
     m = torch.amax(x.detach(), dim=1, keepdim=True)   # Partial(MAX): reduced by the sub
     z: Tensor = x - m  # type: ignore[assignment]  # the registry returns a shardwise Tensor
-    parts = [torch.exp(z).sum(1), pick_classes(z, target)]
+    parts = [torch.exp(z).sum(1), pick_classes(z, target, ignore_index)]
     if label_smoothing:
         parts.append(z.sum(1))
     # every part is Partial(SUM) over the class axes: one all_reduce for all of them
