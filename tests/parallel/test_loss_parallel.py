@@ -60,6 +60,9 @@ def test_two_row_reductions_and_no_logit_traffic() -> None:
     assert cc.bytes["all_reduce"] == 8 * 8 * 3 * 2 * 3 // 4
     assert cc.bytes["all_reduce"] < plain.bytes["all_gather"]
     torch.testing.assert_close(loss.to_torch(), F.cross_entropy(logits, target))
+    with loss_parallel(), CommCounter() as module_cc:  # the module form calls F.cross_entropy
+        torch.nn.CrossEntropyLoss()(x, target)
+    assert dict(module_cc.counts) == {"all_reduce": 2}
 
 
 def test_other_calls_take_the_ordinary_path() -> None:

@@ -96,8 +96,10 @@ class _LossParallel(TorchFunctionMode):
 def loss_parallel() -> Iterator[None]:
     """Inside the block, ``F.cross_entropy`` over logits whose class dim is sharded
     keeps them sharded: each device works on its classes and only per-row numbers are
-    reduced (DTensor's ``loss_parallel``). Give the head
-    ``ColwiseParallel(output_layouts=Sharded(-1))``.
+    reduced (DTensor's ``loss_parallel``; ``nn.CrossEntropyLoss`` calls the same
+    function). Give the head ``ColwiseParallel(output_layouts=Sharded(-1))``. Unlike
+    DTensor, ``backward()`` may run outside the block: the gradient is recorded on the
+    blocks by the forward.
 
     >>> mesh = DeviceMesh.cpu(2, "tp")
     >>> logits = torch.randn(6, 8)

@@ -33,6 +33,7 @@ Module-level hooks of a 2-layer MLP on ``DeviceMesh(tp=2)`` (Megatron)::
 
 from __future__ import annotations
 
+import abc
 import types
 from collections.abc import Mapping
 from typing import Any
@@ -77,7 +78,7 @@ def _kwargs(value: Mapping[str, Placement | None] | None, what: str
     return {k: check_placement(v, f"{what}[{k!r}]") for k, v in value.items()}
 
 
-class ParallelStyle:
+class ParallelStyle(abc.ABC):
     """A way to lay one module out over the plan's mesh axis; see the module doc.
 
     Subclasses implement :meth:`apply`, which ``parallelize_module`` calls once per
@@ -85,8 +86,9 @@ class ParallelStyle:
     module's name (for error messages).
     """
 
+    @abc.abstractmethod
     def apply(self, module: nn.Module, mesh: DeviceMesh, axis: int, name: str) -> None:
-        raise NotImplementedError
+        """Shard ``module``'s parameters and install its hooks (in place)."""
 
     def __repr__(self) -> str:
         fields = ", ".join(f"{k}={v!r}" for k, v in vars(self).items() if v is not None
