@@ -208,3 +208,29 @@ def test_prepare_module_input_kwargs_and_output() -> None:
     assert a.placements == (Replicated(), Sharded(1)) and not isinstance(b, sw.Tensor)
     sp = parallelize_module(torch.nn.Dropout(0.0), mesh, SequenceParallel(sequence_dim=0))
     assert sp(torch.ones(4, 4)).placements == (Replicated(), Sharded(0))
+
+
+def test_tied_weights_stay_one_parameter() -> None:
+    class Tied(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.tok = torch.nn.Embedding(16, 8)
+            self.head = torch.nn.Linear(8, 16, bias=False)
+            self.head.weight = self.tok.weight
+
+        def forward(self, ids: torch.Tensor) -> torch.Tensor:
+            return self.head(self.tok(ids))
+
+    mesh = DeviceMesh.cpu(2, "tp")
+    torch.manual_seed(0)
+    ref = Tied()
+    model = parallelize_module(Tied(), mesh, {"tok": RowwiseParallel(),
+                                              "head": ColwiseParallel(output_layouts=Replicated())})
+    with torch.no_grad():
+        model.tok.weight.copy_(ref.tok.weight)
+    assert model.head.weight is model.tok.weight
+    assert len(list(model.parameters())) == 1
+    ids = torch.tensor([[1, 15, 3]])
+    torch.testing.assert_close(model(ids).detach().to_torch(), ref(ids))
+    with pytest.raises(ShardingError, match=r"shared with 'Embedding.weight'.*one layout"):
+        parallelize_module(Tied(), mesh, {"tok": ColwiseParallel(), "head": ColwiseParallel()})

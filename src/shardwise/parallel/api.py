@@ -6,6 +6,8 @@ Invariants:
   (``"layers.*.attn.wq"``: ``*`` stands for one component, e.g. a block index);
   every pattern must match at least one submodule.
 - Styles apply in the plan's order; the module is changed in place and returned.
+- A parameter shared by several planned modules (tied weights) stays one parameter,
+  with one layout (styles that disagree on it raise).
 - Submodules no pattern matches keep their parameters as they are (plain torch
   tensors stay plain: mixed into an op with shardwise Tensors they are Replicated).
 """
@@ -17,7 +19,7 @@ from fnmatch import fnmatchcase
 
 import torch.nn as nn
 
-from shardwise.parallel.placing import axis_of
+from shardwise.parallel.placing import axis_of, keeping_ties
 from shardwise.parallel.style import ParallelStyle
 from shardwise.sharding.errors import ShardingError, ShardingTypeError
 from shardwise.sharding.mesh import DeviceMesh
@@ -82,7 +84,8 @@ def parallelize_module(module: nn.Module, mesh: DeviceMesh,
                                 f"{type(module).__name__}.")
     a = axis_of(mesh, axis)
     if isinstance(plan, ParallelStyle):
-        plan.apply(module, mesh, a, "")
+        with keeping_ties():
+            plan.apply(module, mesh, a, "")
         return module
     if not isinstance(plan, Mapping):
         raise ShardingTypeError(
@@ -104,6 +107,7 @@ def parallelize_module(module: nn.Module, mesh: DeviceMesh,
                 f"Its submodules are: {shown or '(none)'}. Patterns match whole dotted "
                 "names one component at a time ('layers.*.attn.wq'); fix the name.")
         found += [(n, st) for n in hits]
-    for name, st in found:
-        st.apply(named[name], mesh, a, name)
+    with keeping_ties():
+        for name, st in found:
+            st.apply(named[name], mesh, a, name)
     return module

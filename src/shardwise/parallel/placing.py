@@ -15,6 +15,8 @@ Invariants:
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -26,7 +28,8 @@ from shardwise.sharding.mesh import DeviceMesh
 from shardwise.sharding.placements import Partial, Placement, Replicated, Sharded
 from shardwise.tensors import Tensor, place
 
-__all__ = ["axis_of", "check_placement", "layout_on", "place_on", "shard_parameter"]
+__all__ = ["axis_of", "check_placement", "keeping_ties", "layout_on", "place_on",
+           "shard_parameter"]
 
 
 def axis_of(mesh: Any, axis: str | None) -> int:
@@ -120,6 +123,38 @@ def shard_parameter(module: nn.Module, name: str, mesh: DeviceMesh, axis: int,
                 f"{mesh.mesh_shape[axis]} devices of mesh axis {mesh.axis_names[axis]!r}: "
                 f"dim {dim} has fewer entries than devices. Use a smaller axis or leave "
                 "this module out of the plan.")
+    tied = _TIED[-1] if _TIED else {}
+    if id(p) in tied:  # one parameter of several modules (tied weights) stays one
+        _, new, first = tied[id(p)]
+        want = layout_on(new.dist_layout, p.ndim, axis, placement)
+        if want != new.dist_layout:
+            raise ShardingError(
+                f"Parameter {name!r} is shared with {first!r}, which the plan lays out as "
+                f"{new.dist_layout}; here it would be {want}. A tied parameter has one "
+                "layout: give both modules styles that agree (e.g. both Sharded(0) on "
+                "the vocabulary), or untie the weights.")
+        module.register_parameter(name, new)  # type: ignore[arg-type]  # a Parameter
+        return
     value = place_on(p.detach(), mesh, axis, placement, Replicated(),
                      where=f"parameter {name!r}")
-    module.register_parameter(name, nn.Parameter(value, requires_grad=p.requires_grad))
+    param = nn.Parameter(value, requires_grad=p.requires_grad)
+    assert isinstance(param, Tensor)  # nn.Parameter keeps a tensor subclass's type
+    module.register_parameter(name, param)
+    if _TIED:
+        tied[id(p)] = (p, param, f"{type(module).__name__}.{name}")
+
+
+# The parameters replaced by the running parallelize_module call: id -> (the original,
+# kept alive so its id stays unique; its replacement; where it was first met).
+_TIED: list[dict[int, tuple[torch.Tensor, Tensor, str]]] = []
+
+
+@contextlib.contextmanager
+def keeping_ties() -> Iterator[None]:
+    """Within the block, a parameter met again (tied weights) gets the replacement it
+    got the first time, so the modules keep sharing one parameter."""
+    _TIED.append({})
+    try:
+        yield
+    finally:
+        _TIED.pop()
