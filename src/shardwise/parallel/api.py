@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from fnmatch import fnmatchcase
+from typing import TypeVar
 
 import torch.nn as nn
 
@@ -25,6 +26,8 @@ from shardwise.sharding.errors import ShardingError, ShardingTypeError
 from shardwise.sharding.mesh import DeviceMesh
 
 __all__ = ["parallelize_module"]
+
+M = TypeVar("M", bound=nn.Module)
 
 
 def _matches(pattern: str, name: str) -> bool:
@@ -41,9 +44,9 @@ def _style(value: object, where: str) -> ParallelStyle:
     return value
 
 
-def parallelize_module(module: nn.Module, mesh: DeviceMesh,
+def parallelize_module(module: M, mesh: DeviceMesh,
                        plan: ParallelStyle | Mapping[str, ParallelStyle],
-                       axis: str | None = None) -> nn.Module:
+                       axis: str | None = None) -> M:
     """Lay ``module`` out over one mesh axis as ``plan`` says (tensor / sequence parallel).
 
     Args:

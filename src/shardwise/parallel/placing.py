@@ -16,6 +16,7 @@ Invariants:
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Iterator
 from typing import Any
 
@@ -62,6 +63,7 @@ def check_placement(value: Any, what: str) -> Placement | None:
         f"or Partial(). Got {value!r}.")
 
 
+@functools.lru_cache(maxsize=4096)
 def layout_on(base: Layout, ndim: int, axis: int, placement: Placement) -> Layout:
     """``base`` with mesh axis ``axis`` holding ``placement`` (other axes unchanged)."""
     dims = [tuple(a for a in axes if a != axis) for axes in base.dims]
