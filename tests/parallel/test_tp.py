@@ -234,3 +234,26 @@ def test_tied_weights_stay_one_parameter() -> None:
     torch.testing.assert_close(model(ids).detach().to_torch(), ref(ids))
     with pytest.raises(ShardingError, match=r"shared with 'Embedding.weight'.*one layout"):
         parallelize_module(Tied(), mesh, {"tok": ColwiseParallel(), "head": ColwiseParallel()})
+
+
+@pytest.mark.parametrize("make", [lambda: torch.nn.RMSNorm(8), lambda: torch.nn.LayerNorm(8),
+                                  lambda: torch.nn.Dropout(0.25)],
+                         ids=["rmsnorm", "layernorm", "dropout"])
+def test_sequence_parallel_per_position_modules(make: object) -> None:
+    mesh = G.mesh_of(2, 2)
+    torch.manual_seed(0)
+    ref = make()  # type: ignore[operator]
+    module = parallelize_module(make(), mesh, SequenceParallel())  # type: ignore[operator]
+    module.load_state_dict(ref.state_dict())
+    x = torch.randn(4, 6, 8)
+    xs = sw.tensor(x, sharding=PlacementMapping(mesh, [Sharded(0), Replicated()]))
+    torch.manual_seed(1)
+    with CommCounter() as cc:
+        y = module(xs)  # moving Replicated -> Sharded(1) is a local slice
+    torch.manual_seed(1)
+    want = ref(x)
+    assert cc.total == 0
+    assert y.placements == (Sharded(0), Sharded(1))
+    torch.testing.assert_close(y.detach().to_torch(), want)
+    for p in module.parameters():
+        assert p.placements == (Replicated(), Replicated())
