@@ -115,6 +115,12 @@ def test_unplanned_parameters_are_untouched() -> None:
     assert isinstance(model.get_parameter("layers.0.attn.wq.weight"), sw.Tensor)
 
 
+def test_reachable_from_the_root_package() -> None:
+    import shardwise.parallel as parallel
+
+    assert sw.parallel is parallel and sw.parallel.parallelize_module is parallelize_module
+
+
 def test_one_dimensional_mesh_needs_no_axis() -> None:
     mesh = DeviceMesh.cpu(2, "model")
     lin = parallelize_module(torch.nn.Linear(4, 6), mesh, ColwiseParallel())
