@@ -105,6 +105,7 @@ _LAZY: dict[str, str] = {
     "lax": "shardwise.lax",  # a module: ``from shardwise import lax``
     "distributed": "shardwise.distributed",  # a module: ``shardwise.distributed.initialize()``
     "debug": "shardwise.debug",  # a module: ``shardwise.debug.CommCounter``
+    "parallel": "shardwise.parallel",  # a module: ``shardwise.parallel.parallelize_module``
 }
 
 __all__ = [

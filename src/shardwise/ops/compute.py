@@ -28,10 +28,11 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from shardwise.ops.binding import normalize_index
+from shardwise.ops.binding import bind, normalize_index
 from shardwise.ops.execute import apply
 from shardwise.sharding.errors import ShardingError, ShardingTypeError
-from shardwise.sharding.layout import normalize_dim
+from shardwise.sharding.layout import Layout, normalize_dim
+from shardwise.sharding.shapes import local_shape, reshape_dims
 from shardwise.tensors import Tensor
 
 __all__ = [
@@ -207,13 +208,32 @@ def transpose(x: Tensor, dim0: int, dim1: int) -> Tensor:
 
 
 def reshape(x: Tensor, *shape: Any) -> Tensor:
-    """A new shape. Dims that stay unchanged keep their sharding; merged or split
-    dims are gathered first (the simplest correct rule)."""
+    """A new shape. Dims that stay unchanged keep their sharding; a dim split or
+    merged keeps it on the run's first dim when the blocks stay contiguous
+    (``(b, t, d)`` with ``d`` sharded viewed as ``(b, t, heads, d // heads)``
+    shards the heads: :func:`~shardwise.sharding.shapes.reshape_dims`); otherwise
+    the dims are gathered first."""
     t = _need(x, "reshape")
     if len(shape) == 1 and isinstance(shape[0], (list, tuple, torch.Size)):
         shape = tuple(shape[0])
     target = tuple(int(s) for s in shape)
-    return apply("reshape", (t,), lambda s, local: s.reshape(local), target, shaped=True)
+    if -1 in target and t._layout.sharded_axes:
+        target = bind("reshape", (t._shape,), target).out_shape
+    lay = t._layout
+    kept = None
+    if lay.sharded_axes and t._open is None and target != t._shape:
+        kept = reshape_dims(t._shape, target, lay.dims, lay.mesh.mesh_shape)
+    if kept is None:
+        return apply("reshape", (t,), lambda s, local: s.reshape(local), target, shaped=True)
+    # every block is reshaped where it is: no communication
+    out_lay = Layout(lay.mesh, kept, lay.partial)
+    done: dict[int, torch.Tensor] = {}
+    blocks: list[torch.Tensor | None] = []
+    for k, s in enumerate(t._shards):
+        if s is not None and id(s) not in done:
+            done[id(s)] = s.reshape(local_shape(target, out_lay, lay.mesh.coord_of(k)))
+        blocks.append(None if s is None else done[id(s)])
+    return Tensor(blocks, out_lay, target, t._dtype)
 
 
 def cat(tensors: Sequence[Tensor], dim: int = 0) -> Tensor:

@@ -28,6 +28,7 @@ __all__ = [
     "local_shape",
     "local_shard_shape_from_global",
     "piece_index",
+    "reshape_dims",
     "shard_shape",
     "split_bounds",
     "split_size",
@@ -200,6 +201,59 @@ def global_shape_from_local(
             "contiguous with sizes g // n + (1 if k < g % n else 0)."
         )
     return result
+
+
+def reshape_dims(src: Sequence[int], new: Sequence[int], dims: Sequence[tuple[int, ...]],
+                 mesh_shape: Sequence[int]) -> tuple[tuple[int, ...], ...] | None:
+    """The sharding of each dim of ``new`` when a tensor of shape ``src``, its dims
+    sharded over the mesh axes ``dims``, is reshaped to ``new`` with no communication
+    (each block reshaped where it is), or None when some block would not be a block.
+
+    Dims group into runs of equal element count (``(2, 32) -> (2, 4, 8)``: ``[0]->[0]``,
+    ``[1]->[1, 2]``). In a run that splits or merges dims only its first source dim may
+    be sharded, over ``n`` devices dividing both that dim and the first target dim: the
+    ``k``-th block is then the ``k``-th contiguous ``1/n`` of the run either way.
+
+    >>> reshape_dims((2, 32), (2, 4, 8), ((), (1,)), (2, 2))   # heads split off d
+    ((), (1,), ())
+    >>> reshape_dims((2, 4, 8), (2, 32), ((), (), (1,)), (2, 2)) is None  # minor dim
+    True
+    """
+    out: list[tuple[int, ...]] = [()] * len(new)
+    if _prod(src) != _prod(new):
+        return None
+    if _prod(src) == 0:
+        return tuple(out) if not any(dims) else None
+    i = j = 0
+    while i < len(src) or j < len(new):
+        if i < len(src) and src[i] == 1 and (j >= len(new) or new[j] != 1):
+            if dims[i]:
+                return None
+            i += 1
+            continue
+        if j < len(new) and new[j] == 1 and (i >= len(src) or src[i] != 1):
+            j += 1
+            continue
+        gi, gj, pi, pj = [i], [j], src[i], new[j]
+        i, j = i + 1, j + 1
+        while pi != pj:
+            if pi < pj:
+                pi *= src[i]
+                gi.append(i)
+                i += 1
+            else:
+                pj *= new[j]
+                gj.append(j)
+                j += 1
+        if any(dims[d] for d in gi[1:]):
+            return None
+        axes = dims[gi[0]]
+        n = _prod([mesh_shape[a] for a in axes])
+        if (len(gi) == 1 and len(gj) == 1) or (src[gi[0]] % n == 0 and new[gj[0]] % n == 0):
+            out[gj[0]] = axes
+        else:
+            return None
+    return tuple(out)
 
 
 def _prod(shape: Sequence[int]) -> int:

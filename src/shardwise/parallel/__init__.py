@@ -1,0 +1,34 @@
+"""Module-level parallelism on ordinary ``nn.Module`` code (DTensor's names).
+
+``parallelize_module(model, mesh, plan)`` lays submodules out over one mesh axis with
+parallel styles (tensor and sequence parallelism); ``loss_parallel()`` keeps the
+class-sharded logits of a column-parallel head sharded through ``F.cross_entropy``.
+Values stay global: the model's code needs no change.
+
+Invariants:
+- Re-exports only; each name lives in one module of this package.
+"""
+
+from __future__ import annotations
+
+from shardwise.parallel.api import parallelize_module
+from shardwise.parallel.loss import loss_parallel
+from shardwise.parallel.style import (
+    ColwiseParallel,
+    ParallelStyle,
+    PrepareModuleInput,
+    PrepareModuleOutput,
+    RowwiseParallel,
+    SequenceParallel,
+)
+
+__all__ = [
+    "ColwiseParallel",
+    "ParallelStyle",
+    "PrepareModuleInput",
+    "PrepareModuleOutput",
+    "RowwiseParallel",
+    "SequenceParallel",
+    "loss_parallel",
+    "parallelize_module",
+]

@@ -1,0 +1,93 @@
+"""loss_parallel: cross_entropy over class-sharded logits equals torch's, values and
+gradients, without gathering the logits."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import shardwise as sw
+from shardwise import DeviceMesh, PlacementMapping, Replicated, Sharded
+from shardwise.debug import CommCounter
+from shardwise.parallel import loss_parallel
+
+MESH = DeviceMesh.cpu((2, 4), ("dp", "tp"))
+
+
+def _case(classes: int, rows: int = 6, ignored: int = -100
+          ) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(classes)
+    logits = torch.randn(rows, classes, generator=g, dtype=torch.float64) * 3
+    target = torch.randint(0, classes, (rows,), generator=g)
+    target[1] = ignored
+    return logits, target
+
+
+@pytest.mark.parametrize("classes", [16, 10, 3])  # even, uneven, fewer than tp devices
+@pytest.mark.parametrize("kwargs", [{}, {"reduction": "sum"}, {"reduction": "none"},
+                                    {"label_smoothing": 0.2}, {"ignore_index": 0}],
+                         ids=["mean", "sum", "none", "smoothing", "ignore0"])
+def test_values_and_gradients_match_torch(classes: int, kwargs: dict[str, object]) -> None:
+    logits, target = _case(classes, ignored=int(kwargs.get("ignore_index", -100)))
+    x = sw.tensor(logits, sharding=PlacementMapping(MESH, [Sharded(0), Sharded(1)]))
+    x.requires_grad_()
+    t = sw.tensor(target, sharding=PlacementMapping(MESH, [Sharded(0), Replicated()]))
+    with loss_parallel(), CommCounter() as cc:
+        loss = F.cross_entropy(x, t, **kwargs)  # type: ignore[arg-type]
+    assert "all_gather" not in cc.counts  # the logits stay sharded
+    ref_in = logits.clone().requires_grad_()
+    ref = F.cross_entropy(ref_in, target, **kwargs)  # type: ignore[arg-type]
+    torch.testing.assert_close(loss.detach().to_torch(), ref.detach())
+    weights = torch.arange(1.0, 7.0, dtype=torch.float64) if ref.ndim else 1.0
+    (loss * weights).sum().backward()
+    (ref * weights).sum().backward()
+    assert x.grad.dist_layout == x.dist_layout
+    torch.testing.assert_close(x.grad.to_torch(), ref_in.grad)
+
+
+def test_two_row_reductions_and_no_logit_traffic() -> None:
+    logits, target = _case(16, rows=8)
+    x = sw.tensor(logits, sharding=PlacementMapping(MESH, [Replicated(), Sharded(1)]))
+    with CommCounter() as plain:
+        F.cross_entropy(x, target)
+    assert plain.counts["all_gather"] >= 1  # without the context the classes are gathered
+    with loss_parallel(), CommCounter() as cc:
+        loss = F.cross_entropy(x, target)
+    # the row max, then the sum-exp and the target logit in one message: 8 rows each
+    assert dict(cc.counts) == {"all_reduce": 2}
+    # 3 numbers per row (8 rows of float64), a ring all_reduce over 4 moves 2 * 3/4 of it
+    assert cc.bytes["all_reduce"] == 8 * 8 * 3 * 2 * 3 // 4
+    assert cc.bytes["all_reduce"] < plain.bytes["all_gather"]
+    torch.testing.assert_close(loss.to_torch(), F.cross_entropy(logits, target))
+    with loss_parallel(), CommCounter() as module_cc:  # the module form calls F.cross_entropy
+        torch.nn.CrossEntropyLoss()(x, target)
+    assert dict(module_cc.counts) == {"all_reduce": 2}
+
+
+def test_other_calls_take_the_ordinary_path() -> None:
+    logits, target = _case(8)
+    weight = torch.rand(8, dtype=torch.float64)
+    x = sw.tensor(logits, sharding=PlacementMapping(MESH, [Replicated(), Sharded(1)]))
+    with loss_parallel():
+        plain = F.cross_entropy(logits, target)  # plain torch: torch's own result
+        with pytest.warns(sw.ShardwiseFallbackWarning, match="cross_entropy"):
+            weighted = F.cross_entropy(x, target, weight=weight)  # class weights: gathered
+        soft = F.cross_entropy(x, torch.softmax(logits, 1))  # probabilities as targets
+        y = torch.relu(x)  # every other op as usual
+    assert type(plain) is torch.Tensor
+    torch.testing.assert_close(plain, F.cross_entropy(logits, target))
+    torch.testing.assert_close(weighted.to_torch(), F.cross_entropy(logits, target,
+                                                                    weight=weight))
+    torch.testing.assert_close(soft.to_torch(), F.cross_entropy(logits,
+                                                                torch.softmax(logits, 1)))
+    assert y.placements == x.placements
+
+
+def test_a_target_out_of_range_raises_as_in_torch() -> None:
+    logits, target = _case(8)
+    target[2] = 8
+    x = sw.tensor(logits, sharding=PlacementMapping(MESH, [Replicated(), Sharded(1)]))
+    with pytest.raises(IndexError, match=r"target 8 is out of bounds for 8 classes"), \
+            loss_parallel():
+        F.cross_entropy(x, target)
