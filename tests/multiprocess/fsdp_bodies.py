@@ -1,0 +1,141 @@
+"""fully_shard bodies shared by both runtimes: ``n`` devices as a simulated mesh or ``n``
+Gloo processes (see ``harness.py``). Each rank trains examples/gpt.py's GPT with
+AdamW and compares every loss and the final parameters with single-device torch,
+which it computes itself from the same seed."""
+
+from __future__ import annotations
+
+import copy
+import importlib.util
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+import shardwise as sw
+from shardwise import DeviceMesh, PlacementMapping, Replicated, Sharded
+from shardwise.debug import CommCounter
+from shardwise.parallel import fully_shard, memory_per_device
+
+R = Replicated()
+STEPS = 3  # per body under Gloo (tests/parallel/test_fsdp.py runs 10 on the simulated mesh)
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "gpt.py"
+
+
+def load_gpt() -> Any:
+    """examples/gpt.py as a module (the examples folder is not a package)."""
+    if "sw_example_gpt" not in sys.modules:
+        spec = importlib.util.spec_from_file_location("sw_example_gpt", EXAMPLE)
+        assert spec is not None and spec.loader is not None
+        module = importlib.util.module_from_spec(spec)
+        sys.modules["sw_example_gpt"] = module
+        spec.loader.exec_module(module)
+    return sys.modules["sw_example_gpt"]
+
+
+def hand_tp(model: nn.Module, mesh: DeviceMesh) -> None:
+    """Megatron TP by hand on mesh axis "tp": wq/wk/wv/w1 rows, wo/w2 columns."""
+    def put(mod: nn.Module, name: str, *places: Any) -> None:
+        p = getattr(mod, name)
+        setattr(mod, name, nn.Parameter(sw.tensor(p.detach(),
+                                                  sharding=PlacementMapping(mesh, places))))
+
+    for b in model.layers:
+        for w in (b.attn.wq, b.attn.wk, b.attn.wv, b.mlp.w1):
+            put(w, "weight", R, Sharded(0))
+        put(b.mlp.w1, "bias", R, Sharded(0))
+        for w in (b.attn.wo, b.mlp.w2):
+            put(w, "weight", R, Sharded(1))
+
+
+def train(mesh: DeviceMesh, *, tp: bool, reshard: bool = True, steps: int = 10,
+          check: Any = None, rtol: float = 1e-4) -> tuple[nn.Module, Any, list[Any]]:
+    """``steps`` AdamW steps of the GPT under fully_shard (per Block, then the root),
+    beside single-device torch; asserts losses and final parameters to ``rtol``.
+    ``check(step, model, phase, counter)`` is called after forward, backward and step."""
+    gpt = load_gpt()
+    torch.manual_seed(0)
+    c = gpt.Config()
+    ref = gpt.GPT(c)
+    model = copy.deepcopy(ref)
+    if tp:
+        hand_tp(model, mesh)
+    for block in model.layers:
+        fully_shard(block, mesh, reshard_after_forward=reshard)
+    fully_shard(model, mesh, reshard_after_forward=reshard)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    ropt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1)
+    batch = PlacementMapping(mesh, [Sharded(0)] + [R] * (mesh.ndim - 1))
+    counters: list[Any] = []
+    for step in range(steps):
+        ids, targets = gpt.batch(c, 8, step)
+        with CommCounter() as fwd:
+            loss = model(sw.tensor(ids, sharding=batch), sw.tensor(targets, sharding=batch))
+        if check:
+            check(step, model, "forward", fwd)
+        with CommCounter() as bwd:
+            loss.backward()
+        if check:
+            check(step, model, "backward", bwd)
+        opt.step()
+        opt.zero_grad()
+        if check:
+            check(step, model, "step", None)
+        rloss = ref(ids, targets)
+        rloss.backward()
+        ropt.step()
+        ropt.zero_grad()
+        counters.append((fwd, bwd))
+        assert abs(float(loss) - float(rloss)) <= rtol * abs(float(rloss)), (step, loss, rloss)
+    for (name, p), (rname, q) in zip(model.named_parameters(), ref.named_parameters()):
+        assert name == rname
+        torch.testing.assert_close(p.to_torch(), q.detach(), rtol=rtol, atol=rtol)
+    return model, opt, counters
+
+
+def _processes() -> bool:
+    import shardwise.distributed as sd
+
+    return sd.is_initialized()
+
+
+def _fsdp_axis(p: Any, mesh: DeviceMesh) -> bool:
+    return mesh.axis_names.index("dp") in p.dist_layout.sharded_axes
+
+
+def body_fsdp_gpt(n: int) -> None:
+    """FSDP alone over all n devices: parity, sharded between steps, collectives."""
+    mesh = DeviceMesh.cpu(n, "dp")
+
+    def check(step: int, model: nn.Module, phase: str, counter: Any) -> None:
+        for p in model.parameters():
+            assert _fsdp_axis(p, mesh), (phase, p)
+            if phase == "backward":
+                assert p.grad.dist_layout == p.dist_layout
+
+    model, opt, counters = train(mesh, tp=False, check=check, steps=STEPS)
+    params = len(list(model.parameters()))
+    # the simulated mesh counts the reduce_scatter each gradient stands for; processes
+    # skip the position table's: its input (arange) is alike everywhere, so every rank
+    # computes the whole gradient and none needs reducing
+    scatters = params - 1 if _processes() else params
+    for fwd, bwd in counters:
+        assert fwd.counts["all_gather"] >= params
+        assert bwd.counts["reduce_scatter"] == scatters, bwd.counts
+        assert bwd.counts["all_gather"] == params, bwd.counts  # re-gathered for backward
+
+
+def body_fsdp_tp_gpt(n: int) -> None:
+    """FSDP over "dp" x hand TP over "tp" on a (2, n/2) mesh: parity and memory."""
+    mesh = DeviceMesh.cpu((2, n // 2), ("dp", "tp"))
+    model, opt, _ = train(mesh, tp=True, reshard=False, steps=STEPS)
+    total = sum(p.numel() * p.dtype.itemsize for p in model.parameters()) * 3  # + AdamW m, v
+    assert max(memory_per_device(model, opt)) <= 0.6 * total
+    sd = model.state_dict()
+    assert list(sd) == [name for name, _ in model.named_parameters()]
+    assert all(isinstance(v, sw.Tensor) and _fsdp_axis(v, mesh) for v in sd.values())
+
+
+BODIES = ["body_fsdp_gpt", "body_fsdp_tp_gpt"]
