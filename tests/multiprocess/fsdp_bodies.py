@@ -51,10 +51,12 @@ def hand_tp(model: nn.Module, mesh: DeviceMesh) -> None:
 
 
 def train(mesh: DeviceMesh, *, tp: bool, reshard: bool = True, steps: int = 10,
-          check: Any = None, rtol: float = 1e-4) -> tuple[nn.Module, Any, list[Any]]:
+          check: Any = None, watch: list[Any] | None = None, rtol: float = 1e-4
+          ) -> tuple[nn.Module, Any, list[Any]]:
     """``steps`` AdamW steps of the GPT under fully_shard (per Block, then the root),
     beside single-device torch; asserts losses and final parameters to ``rtol``.
-    ``check(step, model, phase, counter)`` is called after forward, backward and step."""
+    ``check(step, model, phase, counter)`` is called after forward, backward and step;
+    ``watch`` receives the layout of every Block's ``mlp.w1.weight`` during forward."""
     gpt = load_gpt()
     torch.manual_seed(0)
     c = gpt.Config()
@@ -65,6 +67,10 @@ def train(mesh: DeviceMesh, *, tp: bool, reshard: bool = True, steps: int = 10,
     for block in model.layers:
         fully_shard(block, mesh, reshard_after_forward=reshard)
     fully_shard(model, mesh, reshard_after_forward=reshard)
+    if watch is not None:
+        for block in model.layers:
+            block.mlp.w1.register_forward_hook(
+                lambda mod, args, out: watch.append(mod.weight.dist_layout))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
     ropt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1)
     batch = PlacementMapping(mesh, [Sharded(0)] + [R] * (mesh.ndim - 1))
@@ -88,7 +94,8 @@ def train(mesh: DeviceMesh, *, tp: bool, reshard: bool = True, steps: int = 10,
         ropt.step()
         ropt.zero_grad()
         counters.append((fwd, bwd))
-        assert abs(float(loss) - float(rloss)) <= rtol * abs(float(rloss)), (step, loss, rloss)
+        lv, rv = float(loss.detach()), float(rloss.detach())
+        assert abs(lv - rv) <= rtol * abs(rv), (step, lv, rv)
     for (name, p), (rname, q) in zip(model.named_parameters(), ref.named_parameters()):
         assert name == rname
         torch.testing.assert_close(p.to_torch(), q.detach(), rtol=rtol, atol=rtol)
@@ -115,7 +122,7 @@ def body_fsdp_gpt(n: int) -> None:
             if phase == "backward":
                 assert p.grad.dist_layout == p.dist_layout
 
-    model, opt, counters = train(mesh, tp=False, check=check, steps=STEPS)
+    model, _, counters = train(mesh, tp=False, check=check, steps=STEPS)
     params = len(list(model.parameters()))
     # the simulated mesh counts the reduce_scatter each gradient stands for; processes
     # skip the position table's: its input (arange) is alike everywhere, so every rank

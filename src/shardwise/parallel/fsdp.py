@@ -31,10 +31,13 @@ from shardwise.tensors import Tensor, place
 
 __all__ = ["MixedPrecisionPolicy", "fully_shard", "memory_per_device"]
 
+#: the default policy: parameters gathered and gradients reduced in their own dtype
+NO_CAST = MixedPrecisionPolicy()
+
 
 def fully_shard(module: nn.Module, mesh: DeviceMesh, axis: str = "dp", *,
                 reshard_after_forward: bool = True,
-                mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy()) -> nn.Module:
+                mp_policy: MixedPrecisionPolicy = NO_CAST) -> nn.Module:
     """Shard ``module``'s parameters over mesh axis ``axis`` (ZeRO-3 / FSDP2).
 
     Every parameter not managed by an inner ``fully_shard`` call becomes Sharded over
@@ -120,7 +123,7 @@ def _manage(module: nn.Module, mesh: DeviceMesh, axis: int) -> list[Param]:
             fp.owners.append((sub, name))
     for fp in found.values():
         for owner, name in fp.owners:
-            owner._parameters[name] = fp.sharded
+            owner._parameters[name] = fp.sharded  # type: ignore[assignment]
     return list(found.values())
 
 
@@ -154,7 +157,9 @@ def _shard(p: torch.Tensor, name: str, mesh: DeviceMesh, axis: int) -> Param:
     target, dim = sharded_layout(here, axis, tuple(p.shape))
     with torch.no_grad():
         t = value.relayout(target)._map_unique(lambda s: s.clone())
-    return Param([], nn.Parameter(t, requires_grad=p.requires_grad), here, dim)
+    param = nn.Parameter(t, requires_grad=p.requires_grad)
+    assert isinstance(param, Tensor)  # nn.Parameter keeps the subclass
+    return Param([], param, here, dim)
 
 
 def _pre_forward(module: nn.Module, args: Any, kwargs: Any) -> Any:

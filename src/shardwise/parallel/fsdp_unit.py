@@ -26,15 +26,14 @@ Invariants:
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.nn as nn
 
 from shardwise.parallel.precision import MixedPrecisionPolicy
 from shardwise.planner import Plan, make_plan
-from shardwise.runtime import backend_for
-from shardwise.runtime import observe
+from shardwise.runtime import backend_for, observe
 from shardwise.sharding.errors import ShardingError
 from shardwise.sharding.layout import Layout
 from shardwise.sharding.mesh import DeviceMesh
@@ -51,7 +50,7 @@ class Param:
     """One managed parameter: where it is registered and its two layouts."""
 
     owners: list[tuple[nn.Module, str]]
-    sharded: nn.Parameter
+    sharded: Tensor  # an nn.Parameter over a shardwise Tensor
     gathered: Layout
     dim: int
 
@@ -117,7 +116,7 @@ def _pack(t: torch.Tensor) -> Any:
     hit = _LIVE.get(t.untyped_storage().data_ptr())
     if hit is None:
         return t
-    return _Saved(hit[0], hit[1], hit[2], t.size(), t.stride(), t.storage_offset())
+    return _Saved(hit[0], hit[1], hit[2], t.size(), t.stride(), int(t.storage_offset()))
 
 
 def _unpack(saved: Any) -> torch.Tensor:
@@ -211,8 +210,8 @@ class Unit:
                 for ordinal, ptr in enumerate(_storages(shards)[0]):
                     _LIVE[ptr] = (call, i, ordinal)
             if not self.local:
-                for j in set(call.index[i]) - {None}:
-                    outs[j]._sw_diverge = self._route(call, j)  # type: ignore[index]
+                for j in {j for j in call.index[i] if j is not None}:
+                    outs[j]._sw_diverge = self._route(call, j)
         if self.reshard:
             call.hooks = torch.autograd.graph.saved_tensors_hooks(_pack, _unpack)
             call.hooks.__enter__()
@@ -234,7 +233,7 @@ class Unit:
         self.call = None
         for fp in self.params:
             for owner, name in fp.owners:
-                owner._parameters[name] = fp.sharded
+                owner._parameters[name] = fp.sharded  # type: ignore[assignment]
         if call is None:
             return
         for ptr in [p for p, hit in _LIVE.items() if hit[0] is call]:
@@ -264,7 +263,7 @@ class Unit:
             if any(g is not None for g in share):
                 summed = self._blocks(call, index, share, red, self._partial(fp.gathered),
                                       p).relayout(p.dist_layout)
-                piece = summed if piece is None else piece + summed
+                piece = summed if piece is None else cast(Tensor, piece + summed)
             reps = p.unique_shards()[0]
             if piece is None:
                 out.extend(None for _ in reps)
