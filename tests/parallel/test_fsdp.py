@@ -109,18 +109,23 @@ def _fsdp_gathers(counter: CommCounter, mesh: DeviceMesh, kind: str) -> int:
 
 @pytest.mark.parametrize("reshard", [True, False])
 def test_collectives_per_step(reshard: bool) -> None:
-    """Forward: one all_gather per parameter; backward: one reduce_scatter per
-    parameter, plus the re-gather of every parameter when resharded."""
+    """One all_gather per unit in forward (all its parameters in one flat buffer, as
+    FSDP2), one reduce_scatter per unit in backward, plus one all_gather per unit
+    in backward when resharded after forward."""
     mesh = DeviceMesh.cpu(4, "dp")
-    _, _, counters = fb.train(mesh, tp=False, reshard=reshard, steps=2)
-    params = 29
-    gathers = 29 + 2  # + the model's own: causal attention keeps query positions whole
+    model, _, counters = fb.train(mesh, tp=False, reshard=reshard, steps=2)
+    units = 1 + len(model.layers)
+    own = 2  # the model's own: causal attention keeps the query positions whole
+    elements = sum(p.numel() for p in model.parameters())
     for fwd, bwd in counters:
-        assert fwd.counts["all_gather"] == gathers, fwd.counts
+        assert fwd.counts["all_gather"] == units + own, fwd.counts
         assert "reduce_scatter" not in fwd.counts
-        assert bwd.counts["reduce_scatter"] == params, bwd.counts
-        assert bwd.counts["all_gather"] == (params if reshard else 0), bwd.counts
-        assert _fsdp_gathers(bwd, mesh, "reduce_scatter") == params
+        assert bwd.counts["reduce_scatter"] == units, bwd.counts
+        assert bwd.counts["all_gather"] == (units if reshard else 0), bwd.counts
+        assert _fsdp_gathers(bwd, mesh, "reduce_scatter") == units
+        # each device receives the other 3 devices' shards (padded to one length)
+        moved = sum(b for k, b, s in fwd.log if k == "all_gather" and s.dim == 1)
+        assert elements * 4 * 3 / 4 <= moved <= elements * 4 * 3 / 4 * 1.01
 
 
 @pytest.mark.parametrize("reshard", [True, False])
@@ -221,6 +226,33 @@ def test_uneven_and_empty_shards(shape: tuple[int, ...], tp: bool) -> None:
     x = torch.randn(4, 5)
     xs = sw.tensor(x, sharding=PlacementMapping(mesh, [Sharded(0)] + [R] * (len(shape) - 1)))
     for _ in range(5):
+        for m, o, inp in ((model, opt, xs), (ref, ropt, x)):
+            o.zero_grad()
+            m(inp).pow(2).sum().backward()
+            o.step()
+    for p, q in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p.to_torch(), q.detach(), rtol=1e-5, atol=1e-6)
+
+
+def test_parameters_that_one_flat_all_gather_cannot_take() -> None:
+    """On a (2, 4) mesh a (6,) bias split over tp (2+2+1+1) cannot be split further
+    over dp (8 pieces give 1+1+1+1+1+1+0+0): it is gathered alone by the planner; the
+    (6, 5) weight is sharded over dp along dim 1 instead. Values equal torch's."""
+    mesh = DeviceMesh.cpu((2, 4), ("dp", "tp"))
+    torch.manual_seed(0)
+    ref = nn.Linear(5, 6)
+    model = copy.deepcopy(ref)
+    for name in ("weight", "bias"):
+        setattr(model, name, nn.Parameter(sw.tensor(getattr(model, name).detach(),
+                sharding=PlacementMapping(mesh, [R, Sharded(0)]))))
+    fully_shard(model, mesh)
+    assert model.weight.dist_layout.spec_entries() == ("tp", "dp")
+    assert model.bias.dist_layout.spec_entries() == (("tp", "dp"),)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    ropt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    x = torch.randn(4, 5)
+    xs = sw.tensor(x, sharding=PlacementMapping(mesh, [Sharded(0), R]))
+    for _ in range(3):
         for m, o, inp in ((model, opt, xs), (ref, ropt, x)):
             o.zero_grad()
             m(inp).pow(2).sum().backward()

@@ -26,11 +26,12 @@ Invariants:
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, cast
+from typing import Any
 
 import torch
 import torch.nn as nn
 
+from shardwise.parallel.fsdp_flat import Blocks, Flat, one_all_gather
 from shardwise.parallel.precision import MixedPrecisionPolicy
 from shardwise.planner import Plan, make_plan
 from shardwise.runtime import backend_for, observe
@@ -74,8 +75,7 @@ class _Call:
     def storage_block(self, i: int, ordinal: int) -> torch.Tensor:
         if self.regathered is None:
             with torch.no_grad():
-                self.regathered = [_storages(self.unit.gather(fp).shards)[1]
-                                   for fp in self.unit.params]
+                self.regathered = [_storages(blocks)[1] for blocks in self.unit.gather_all()]
         return self.regathered[i][ordinal]
 
 
@@ -135,10 +135,10 @@ class _Gather(torch.autograd.Function):
         ctx.call = call
         ctx.set_materialize_grads(False)
         outs: list[torch.Tensor] = []
-        for fp in call.unit.params:
+        for blocks in call.unit.gather_all():
             seen: dict[int, int] = {}
             index: list[int | None] = []
-            for s in call.unit.gather(fp).shards:
+            for s in blocks:
                 if s is None:
                     index.append(None)
                     continue
@@ -176,24 +176,47 @@ class _Share(torch.autograd.Function):
 
 
 class Unit:
-    """The state of one ``fully_shard`` call."""
+    """The state of one ``fully_shard`` call: its parameters, in flat groups (one
+    all_gather and one reduce_scatter per dtype) and alone (gathered by the planner)."""
 
     def __init__(self, module: nn.Module, mesh: DeviceMesh, axis: int,
                  params: list[Param], reshard: bool, policy: MixedPrecisionPolicy) -> None:
         self.module, self.mesh, self.axis, self.params = module, mesh, axis, params
         self.reshard, self.policy = reshard, policy
-        backend = backend_for(mesh)
-        self.local = len(backend.owned(mesh)) == mesh.num_devices
+        self.owned = list(backend_for(mesh).owned(mesh))
+        self.local = len(self.owned) == mesh.num_devices
         self.call: _Call | None = None
+        by_dtype: dict[torch.dtype, list[int]] = {}
+        self.alone: list[int] = []
+        for i, fp in enumerate(params):
+            p = fp.sharded
+            if one_all_gather(p.dist_layout, fp.gathered, tuple(p.shape), axis):
+                by_dtype.setdefault(self.dtype(i), []).append(i)
+            else:
+                self.alone.append(i)
+        self.groups = [(idx, Flat(mesh, axis, [
+            (tuple(params[i].sharded.shape), params[i].sharded.dist_layout,
+             params[i].gathered, params[i].dim) for i in idx])) for idx in by_dtype.values()]
+
+    def dtype(self, i: int) -> torch.dtype:
+        """The dtype parameter ``i`` is gathered and computed in."""
+        return self.policy.param_dtype or self.params[i].sharded.dtype
 
     # --- forward ----------------------------------------------------------------------
-    def gather(self, fp: Param) -> Tensor:
-        """``fp``'s value in its gathered layout, cast to ``param_dtype`` first."""
-        t = fp.sharded.detach()
-        dtype = self.policy.param_dtype
-        if dtype is not None and t.dtype != dtype:
-            t = t._map_unique(lambda s: s.to(dtype))
-        return t.relayout(fp.gathered)
+    def gather_all(self) -> list[Blocks]:
+        """Per parameter, per device: its gathered block, cast to ``param_dtype`` first."""
+        values = []
+        for i, fp in enumerate(self.params):
+            t, dtype = fp.sharded.detach(), self.dtype(i)
+            values.append(t if t.dtype == dtype else t._map_unique(
+                lambda s, d=dtype: s.to(d)))
+        out: list[Blocks] = [[] for _ in self.params]
+        for idx, flat in self.groups:
+            for i, blocks in zip(idx, flat.gather([values[i] for i in idx], self.owned)):
+                out[i] = blocks
+        for i in self.alone:
+            out[i] = list(values[i].relayout(self.params[i].gathered).shards)
+        return out
 
     def unshard(self) -> None:
         call = self.call = _Call(self)
@@ -201,9 +224,7 @@ class Unit:
         outs = _Gather.apply(call, *leaves)
         for i, fp in enumerate(self.params):
             shards = [None if j is None else outs[j] for j in call.index[i]]
-            p = fp.sharded
-            dtype = self.policy.param_dtype or p.dtype
-            full = Tensor(shards, fp.gathered, p.shape, dtype)
+            full = Tensor(shards, fp.gathered, fp.sharded.shape, self.dtype(i))
             for owner, name in fp.owners:
                 owner._parameters[name] = full  # type: ignore[assignment]
             if self.reshard:
@@ -244,31 +265,48 @@ class Unit:
 
     # --- backward ---------------------------------------------------------------------
     def reduce(self, call: _Call, grads: tuple[torch.Tensor | None, ...]) -> list[Any]:
-        """The sharded leaves' gradients from the gathered blocks' gradients (and the
-        shares handed over on the multi-process runtime)."""
+        """The sharded leaves' gradients: gathered-block gradients that arrive summed
+        (autograd's accumulation, or the runtime's diverge) are cut to the sharded
+        block; shares handed over by ``diverge`` are reduce-scattered."""
+        n = len(self.params)
+        reds = [self.policy.reduce_dtype or self.dtype(i) for i in range(n)]
+        full: list[Blocks | None] = [None] * n
+        share: list[Blocks | None] = [None] * n
+        for i, fp in enumerate(self.params):
+            index = call.index[i]
+            g = [None if j is None else grads[j] for j in index]
+            if any(x is not None for x in g):
+                full[i] = list(self._tensor(call, index, g, reds[i], fp.gathered, fp)
+                               .relayout(fp.sharded.dist_layout).shards)
+            got = [None if j is None else call.shares.pop(j, None) for j in index]
+            if any(x is not None for x in got):
+                share[i] = got
+        for idx, flat in self.groups:
+            if self.local and any(full[i] is not None for i in idx):
+                _record(flat.plan(reds[idx[0]].itemsize))
+            if any(share[i] is not None for i in idx):
+                blank: Blocks = [None] * self.mesh.num_devices
+                summed = flat.scatter([share[i] or blank for i in idx], reds[idx[0]],
+                                      self.owned)
+                for i, blocks in zip(idx, summed):
+                    share[i] = blocks
+        for i in self.alone:
+            fp = self.params[i]
+            if self.local and full[i] is not None:
+                _record(make_plan(self._partial(fp.gathered), fp.sharded.dist_layout,
+                                  tuple(fp.sharded.shape), reds[i].itemsize))
+            mine = share[i]
+            if mine is not None:
+                share[i] = list(self._tensor(call, call.index[i], mine, reds[i],
+                                             self._partial(fp.gathered), fp)
+                                .relayout(fp.sharded.dist_layout).shards)
         out: list[Any] = []
         for i, fp in enumerate(self.params):
-            p = fp.sharded
-            red = self.policy.reduce_dtype or self.policy.param_dtype or p.dtype
-            index = call.index[i]
-            piece: Tensor | None = None
-            full = [None if j is None else grads[j] for j in index]
-            if any(g is not None for g in full):
-                piece = self._blocks(call, index, full, red, fp.gathered, p).relayout(
-                    p.dist_layout)
-                if self.local:
-                    _record(make_plan(self._partial(fp.gathered), p.dist_layout,
-                                      tuple(p.shape), red.itemsize))
-            share = [None if j is None else call.shares.pop(j, None) for j in index]
-            if any(g is not None for g in share):
-                summed = self._blocks(call, index, share, red, self._partial(fp.gathered),
-                                      p).relayout(p.dist_layout)
-                piece = summed if piece is None else cast(Tensor, piece + summed)
-            reps = p.unique_shards()[0]
-            if piece is None:
-                out.extend(None for _ in reps)
-            else:
-                out.extend(piece.shards[k].to(p.dtype) for k in reps)
+            a, b = full[i], share[i]
+            for k in fp.sharded.unique_shards()[0]:
+                parts = [x[k] for x in (a, b) if x is not None]
+                total = parts[0] if len(parts) == 1 else parts[0] + parts[1] if parts else None
+                out.append(None if total is None else total.to(fp.sharded.dtype))
         return out
 
     def _partial(self, layout: Layout) -> Layout:
@@ -277,9 +315,9 @@ class Unit:
         return layout.with_partial(tuple(partial))
 
     @staticmethod
-    def _blocks(call: _Call, index: list[int | None], grads: list[torch.Tensor | None],
-                dtype: torch.dtype, layout: Layout, p: Tensor) -> Tensor:
-        blocks: list[torch.Tensor | None] = []
+    def _tensor(call: _Call, index: list[int | None], grads: Blocks, dtype: torch.dtype,
+                layout: Layout, fp: Param) -> Tensor:
+        blocks: Blocks = []
         for j, g in zip(index, grads):
             if j is None:
                 blocks.append(None)
@@ -288,7 +326,7 @@ class Unit:
                 shape, _, device = call.blocks[j]
                 g = torch.zeros(shape, dtype=dtype, device=device)
             blocks.append(g.to(dtype))
-        return Tensor(blocks, layout, p.shape, dtype)
+        return Tensor(blocks, layout, fp.sharded.shape, dtype)
 
 
 def _record(plan: Plan) -> None:
@@ -322,7 +360,6 @@ def sharded_layout(layout: Layout, axis: int, shape: tuple[int, ...]) -> tuple[L
 
     for d in range(len(shape)):
         cand = with_axis(d)
-        steps = make_plan(cand, layout, shape, 4).collectives
-        if [(s.kind, s.axes) for s in steps] == [("all_gather", (axis,))]:
+        if one_all_gather(cand, layout, shape, axis):
             return cand, d
     return with_axis(0), 0
