@@ -20,7 +20,7 @@ from shardwise.debug import CommCounter
 from shardwise.parallel import fully_shard, memory_per_device
 
 R = Replicated()
-STEPS = 3  # per body under Gloo (tests/parallel/test_fsdp.py runs 10 on the simulated mesh)
+STEPS = 10  # AdamW steps per body, as on the simulated mesh
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "gpt.py"
 
 
