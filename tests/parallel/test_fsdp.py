@@ -272,6 +272,11 @@ def test_state_dict_keeps_names_and_sharded_values() -> None:
     assert list(sd) == names
     assert all(isinstance(v, sw.Tensor) and v.dist_layout.sharded_axes == (0,)
                for v in sd.values())
+    plain = GPT.GPT(GPT.Config()).state_dict()  # whole torch values load into shards
+    model.load_state_dict(plain)
+    for name, value in model.state_dict().items():
+        assert torch.equal(value.to_torch(), plain[name])
+        assert value.dist_layout == sd[name].dist_layout
 
 
 def test_shared_parameter_is_sharded_once() -> None:
