@@ -8,11 +8,12 @@ Invariants:
   ``module.parameters()``, ``state_dict()`` (original names) and the optimizer see only
   these, so optimizer state made by ``zeros_like(p)`` is sharded too.
 - A unit (one ``fully_shard`` call) gathers its parameters over the FSDP axis just
-  before its forward (all_gather through the planner, after the mixed-precision cast)
-  and swaps the gathered values into their modules for that forward only.
+  before its forward (after the mixed-precision cast; one flat all_gather per dtype,
+  :mod:`~shardwise.parallel.fsdp_flat`, and the planner for parameters no flat
+  buffer can take) and swaps the gathered values into their modules for that forward.
 - One autograd node per unit forward (``_Gather``) maps the sharded leaf blocks to
   the gathered blocks; its backward sums the gathered gradient over the FSDP axis and
-  cuts it back to the sharded layout: one reduce_scatter per parameter.
+  cuts it back to the sharded layout: one reduce_scatter per flat buffer.
 - With ``reshard_after_forward`` autograd never holds a gathered block: saved-tensor
   hooks store a reference instead and the first unpack in backward re-gathers the unit.
 - Gradient routes: on a mesh this process holds wholly (simulated) the replicas of a
@@ -111,7 +112,7 @@ class _Saved:
 
 
 def _pack(t: torch.Tensor) -> Any:
-    if not _LIVE or t.layout is not torch.strided:
+    if not _LIVE or isinstance(t, Tensor) or t.layout is not torch.strided:
         return t
     hit = _LIVE.get(t.untyped_storage().data_ptr())
     if hit is None:
@@ -128,7 +129,7 @@ def _unpack(saved: Any) -> torch.Tensor:
 
 class _Gather(torch.autograd.Function):
     """all_gather over the FSDP axis in forward; reduce_scatter of the gradient in
-    backward (one per parameter of the unit)."""
+    backward (one of each per flat buffer of the unit)."""
 
     @staticmethod
     def forward(ctx: Any, call: _Call, *leaves: torch.Tensor) -> Any:
