@@ -324,3 +324,9 @@ def test_bad_inputs_name_value_rule_and_fix() -> None:
     scalar.t = nn.Parameter(torch.tensor(1.0))
     with pytest.raises(ShardingError, match=r"'t' is 0-d.*shape \(1,\)"):
         fully_shard(scalar, mesh)
+
+
+@pytest.mark.parametrize("name", ["body_fsdp_bf16_gpt", "body_fsdp_batch_over_both_axes"])
+def test_gloo_bodies_on_the_simulated_mesh(name: str) -> None:
+    """The bodies that test_fsdp_gloo.py runs on 4 processes, on 4 simulated devices."""
+    getattr(fb, name)(4)
