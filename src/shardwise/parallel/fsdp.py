@@ -43,10 +43,10 @@ def fully_shard(module: nn.Module, mesh: DeviceMesh, axis: str = "dp", *,
     Every parameter not managed by an inner ``fully_shard`` call becomes Sharded over
     ``axis`` (dim 0, as FSDP2; a parameter already sharded on another axis of ``mesh``,
     e.g. by tensor parallelism, keeps that axis). Before ``module``'s forward the
-    parameters are gathered over ``axis`` (one all_gather each, in
+    parameters are gathered over ``axis`` (one all_gather for the whole unit, in
     ``mp_policy.param_dtype``), and their gradients come back reduce-scattered in the
-    sharded layout (in ``mp_policy.reduce_dtype``), so a stock optimizer keeps sharded
-    state. With ``reshard_after_forward`` the gathered values are freed after forward
+    sharded layout (one reduce_scatter, in ``mp_policy.reduce_dtype``), so a stock
+    optimizer keeps sharded state. With ``reshard_after_forward`` the gathered values are freed after forward
     and gathered again in backward; otherwise autograd keeps them until backward.
 
     Args:
