@@ -329,3 +329,29 @@ def test_bad_inputs_name_value_rule_and_fix() -> None:
 def test_gloo_bodies_on_the_simulated_mesh(name: str) -> None:
     """The bodies that test_fsdp_gloo.py runs on 4 processes, on 4 simulated devices."""
     getattr(fb, name)(4)
+
+
+def test_training_patterns_match_torch() -> None:
+    """A root with no parameters of its own, two forwards before one backward,
+    backward twice with retain_graph, a frozen parameter, and a no_grad forward."""
+    mesh = DeviceMesh.cpu(2, "dp")
+    torch.manual_seed(0)
+    ref = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 2))
+    ref[2].bias.requires_grad_(False)
+    model = copy.deepcopy(ref)
+    fully_shard(model[0], mesh)
+    fully_shard(model[2], mesh)
+    fully_shard(model, mesh)
+    x = torch.randn(6, 4)
+    xs = sw.tensor(x, sharding=PlacementMapping(mesh, [Sharded(0)]))
+    for m, inp in ((model, xs), (ref, x)):
+        loss = m(inp).sum() + m(inp).pow(2).sum()
+        loss.backward(retain_graph=True)
+        loss.backward()
+    assert model[2].bias.grad is None and not model[2].bias.requires_grad
+    for p, q in zip(model.parameters(), ref.parameters()):
+        if q.grad is not None:
+            torch.testing.assert_close(p.grad.to_torch(), q.grad, rtol=1e-5, atol=1e-6)
+    with torch.no_grad():
+        torch.testing.assert_close(model(xs).to_torch(), ref(x), rtol=1e-5, atol=1e-6)
+    assert all(0 in p.dist_layout.sharded_axes for p in model.parameters())

@@ -46,8 +46,9 @@ def fully_shard(module: nn.Module, mesh: DeviceMesh, axis: str = "dp", *,
     parameters are gathered over ``axis`` (one all_gather for the whole unit, in
     ``mp_policy.param_dtype``), and their gradients come back reduce-scattered in the
     sharded layout (one reduce_scatter, in ``mp_policy.reduce_dtype``), so a stock
-    optimizer keeps sharded state. With ``reshard_after_forward`` the gathered values are freed after forward
-    and gathered again in backward; otherwise autograd keeps them until backward.
+    optimizer keeps sharded state. With ``reshard_after_forward`` the gathered values
+    are freed after forward and gathered again in backward; otherwise autograd keeps
+    them until backward.
 
     Args:
         module: the module to shard (returned, changed in place).

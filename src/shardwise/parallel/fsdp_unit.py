@@ -155,7 +155,6 @@ class _Gather(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor | None) -> Any:
         call: _Call = ctx.call
-        ctx.call = None
         out = call.unit.reduce(call, grads)
         call.regathered = None
         return (None, *out)
