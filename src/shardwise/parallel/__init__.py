@@ -2,7 +2,8 @@
 
 ``parallelize_module(model, mesh, plan)`` lays submodules out over one mesh axis with
 parallel styles (tensor and sequence parallelism); ``loss_parallel()`` keeps the
-class-sharded logits of a column-parallel head sharded through ``F.cross_entropy``.
+class-sharded logits of a column-parallel head sharded through ``F.cross_entropy``;
+``fully_shard(module, mesh)`` adds fully sharded data parallelism (FSDP2's semantics).
 Values stay global: the model's code needs no change.
 
 Invariants:
@@ -12,6 +13,7 @@ Invariants:
 from __future__ import annotations
 
 from shardwise.parallel.api import parallelize_module
+from shardwise.parallel.fsdp import MixedPrecisionPolicy, fully_shard, memory_per_device
 from shardwise.parallel.loss import loss_parallel
 from shardwise.parallel.style import (
     ColwiseParallel,
@@ -24,11 +26,14 @@ from shardwise.parallel.style import (
 
 __all__ = [
     "ColwiseParallel",
+    "MixedPrecisionPolicy",
     "ParallelStyle",
     "PrepareModuleInput",
     "PrepareModuleOutput",
     "RowwiseParallel",
     "SequenceParallel",
+    "fully_shard",
     "loss_parallel",
+    "memory_per_device",
     "parallelize_module",
 ]

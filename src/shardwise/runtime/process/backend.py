@@ -181,6 +181,16 @@ def diverge(shards: Sequence[torch.Tensor | None], layout: Layout, axes: tuple[i
     if k is not None:
         x = shards[k]
         assert x is not None
+        # A block whose producer sums its gradient over some of these axes itself (a
+        # fully_shard-gathered parameter: reduce_scatter, not all_reduce) routes them.
+        route = getattr(x, "_sw_diverge", None)
+        if route is not None:
+            x, rest = route(x, axes)
+            if not rest:
+                out[k] = x
+                return out
+            if rest != axes:
+                grp = D.group(mesh, rest)
         out[k] = F.run(F.Diverge(grp), x)
     return out
 

@@ -1,0 +1,357 @@
+"""fully_shard on the simulated mesh: GPT training parity with single-device torch
+(alone and over hand TP, reshard after forward or not, mixed precision), layouts
+between and during steps, memory per device, collectives per step, freeing,
+uneven and empty shards, state_dict, and bad inputs. The Gloo runs are in
+tests/multiprocess/test_fsdp_gloo.py and share ``fsdp_bodies``'s helpers."""
+
+from __future__ import annotations
+
+import copy
+import gc
+import sys
+import weakref
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.nn as nn
+
+import shardwise as sw
+from shardwise import DeviceMesh, Partial, PlacementMapping, Replicated, Sharded
+from shardwise.debug import CommCounter
+from shardwise.parallel import MixedPrecisionPolicy, fully_shard, memory_per_device
+from shardwise.sharding.errors import ShardingError, ShardingTypeError
+from shardwise.sharding.layout import Layout
+
+# the GPT helpers are shared with the Gloo bodies (one way to shard, both runtimes)
+_BODIES = str(Path(__file__).parents[1] / "multiprocess")
+if _BODIES not in sys.path:
+    sys.path.insert(0, _BODIES)
+import fsdp_bodies as fb  # noqa: E402
+
+R = Replicated()
+GPT = fb.load_gpt()
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread() -> Any:
+    """Tiny tensors: torch's intra-op threads only add waiting (10-40x slower on a
+    loaded 2-core machine), so these tests run on one and restore the setting."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def _dp(mesh: DeviceMesh) -> int:
+    return mesh.axis_names.index("dp")
+
+
+@pytest.mark.parametrize(("shape", "tp", "reshard"), [
+    ((4,), False, True), ((2, 4), False, True), ((2, 2), True, True), ((2, 2), True, False),
+    ((2, 4), True, True),
+])
+def test_gpt_matches_single_device_torch(shape: tuple[int, ...], tp: bool,
+                                         reshard: bool) -> None:
+    """10 AdamW steps: losses and parameters equal torch's to 1e-4; parameters are
+    sharded over dp after forward, backward and step, gathered during forward."""
+    mesh = DeviceMesh.cpu(shape, ("dp", "tp")[:len(shape)])
+    seen: list[Any] = []
+
+    def check(step: int, model: nn.Module, phase: str, counter: Any) -> None:
+        if step == 0 and phase == "forward":
+            assert seen and all(_dp(mesh) not in lay.sharded_axes for lay in seen)
+        for p in model.parameters():
+            assert _dp(mesh) in p.dist_layout.sharded_axes, (phase, p)
+            if phase == "backward":
+                assert p.grad.dist_layout == p.dist_layout
+            if phase == "step":
+                assert p.grad is None
+
+    model, opt, _ = fb.train(mesh, tp=tp, reshard=reshard, check=check, watch=seen)
+    for p in model.parameters():
+        for state in opt.state[p].values():
+            if state.ndim:
+                assert state.dist_layout == p.dist_layout  # optimizer state is sharded
+    if tp:
+        wq = model.layers[0].attn.wq.weight
+        assert wq.dist_layout.spec_entries() == (("tp", "dp"), None)
+
+
+def test_tp_fsdp_memory_per_device_is_at_most_60_percent() -> None:
+    mesh = DeviceMesh.cpu((2, 2), ("dp", "tp"))
+    model, opt, _ = fb.train(mesh, tp=True, steps=1)
+    total = sum(p.numel() * 4 for p in model.parameters()) * 3  # parameters, AdamW m and v
+    mem = memory_per_device(model, opt)
+    assert len(mem) == 4 and max(mem) <= 0.6 * total, (mem, total)
+    assert max(mem) < 0.35 * total  # TP quarters most weights; FSDP halves the rest
+
+
+def test_memory_per_device_counts_each_devices_blocks() -> None:
+    mesh = DeviceMesh.cpu((2, 2), ("dp", "tp"))
+    lin = nn.Linear(5, 3)  # weight (3, 5): rows 2 + 1 over dp; bias (3,): 2 + 1
+    fully_shard(lin, mesh)
+    assert memory_per_device(lin) == [4 * (10 + 2)] * 2 + [4 * (5 + 1)] * 2
+    opt = torch.optim.AdamW(lin.parameters())
+    lin(sw.tensor(torch.ones(2, 5), sharding=PlacementMapping(mesh, [R, R]))).sum().backward()
+    opt.step()
+    # + exp_avg and exp_avg_sq in the parameters' layouts, + two 0-d step counters
+    assert memory_per_device(lin, opt) == [4 * 3 * 12 + 8] * 2 + [4 * 3 * 6 + 8] * 2
+    with pytest.raises(ShardingError, match="one mesh"):
+        memory_per_device(nn.Linear(2, 2))
+
+
+@pytest.mark.parametrize("reshard", [True, False])
+def test_collectives_per_step(reshard: bool) -> None:
+    """One all_gather per unit in forward (all its parameters in one flat buffer, as
+    FSDP2), one reduce_scatter per unit in backward, plus one all_gather per unit
+    in backward when resharded after forward."""
+    mesh = DeviceMesh.cpu(4, "dp")
+    model, _, counters = fb.train(mesh, tp=False, reshard=reshard, steps=2)
+    units = 1 + len(model.layers)
+    flat = Layout(mesh, ((), (0,)), (None,))  # the flat buffers: (1, 4 * L), dim 1 on dp
+    elements = sum(p.numel() for p in model.parameters())
+
+    def fsdp(counter: CommCounter, kind: str) -> list[int]:
+        return [b for k, b, step in counter.log
+                if k == kind and flat in (step.before, step.after)]
+
+    for fwd, bwd in counters:
+        assert len(fsdp(fwd, "all_gather")) == units, fwd.log
+        assert "reduce_scatter" not in fwd.counts
+        assert len(fsdp(bwd, "reduce_scatter")) == units, bwd.log
+        assert len(fsdp(bwd, "all_gather")) == (units if reshard else 0), bwd.log
+        # each device receives the other 3 devices' shards (padded to one length)
+        moved = sum(fsdp(fwd, "all_gather"))
+        assert elements * 4 * 3 / 4 <= moved <= elements * 4 * 3 / 4 * 1.01
+
+
+@pytest.mark.parametrize("reshard", [True, False])
+def test_gathered_parameters_are_freed_after_forward(reshard: bool) -> None:
+    torch.manual_seed(0)
+    c = GPT.Config()
+    model = GPT.GPT(c)
+    mesh = DeviceMesh.cpu(4, "dp")
+    for block in model.layers:
+        fully_shard(block, mesh, reshard_after_forward=reshard)
+    fully_shard(model, mesh, reshard_after_forward=reshard)
+    refs: list[Any] = []
+
+    def grab(module: nn.Module, args: Any, out: Any) -> None:
+        refs.extend(weakref.ref(s) for s in module.weight.shards)
+
+    for block in model.layers:
+        block.mlp.w1.register_forward_hook(grab)
+    model.head.register_forward_hook(grab)
+    ids, targets = GPT.batch(c, 8, 0)
+    batch = PlacementMapping(mesh, [Sharded(0)])
+    loss = model(sw.tensor(ids, sharding=batch), sw.tensor(targets, sharding=batch))
+    gc.collect()
+    alive = sum(r() is not None for r in refs)
+    assert refs and alive == (0 if reshard else len(refs))
+    loss.backward()
+    del loss
+    gc.collect()
+    assert all(r() is None for r in refs)
+    for p in model.parameters():
+        assert p.grad is not None and p.grad.dist_layout == p.dist_layout
+
+
+def test_mixed_precision_bf16_matches_a_bf16_torch_reference() -> None:
+    """param_dtype=bf16 against single-device torch computing with bf16 copies of fp32
+    master weights (what FSDP2's policy computes). Tolerances: each loss within one
+    bf16 ulp of the reference's (bf16 keeps 8 bits: 2**-7 relative spacing), parameters
+    within 5 * lr after 10 AdamW steps (an AdamW step moves a parameter by about lr at
+    most, so rounding-level gradient differences can drift by that much a step)."""
+    bf, lr = torch.bfloat16, 1e-2
+    torch.manual_seed(0)
+    c = GPT.Config()
+    ref = GPT.GPT(c)
+    model = copy.deepcopy(ref)
+    mesh = DeviceMesh.cpu((2, 2), ("dp", "tp"))
+    fb.hand_tp(model, mesh)
+    policy = MixedPrecisionPolicy(param_dtype=bf, reduce_dtype=torch.float32)
+    for block in model.layers:
+        fully_shard(block, mesh, mp_policy=policy)
+    fully_shard(model, mesh, mp_policy=policy)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr)
+    ropt = torch.optim.AdamW(ref.parameters(), lr=lr)
+    batch = PlacementMapping(mesh, [Sharded(0), R])
+    for step in range(10):
+        ids, targets = GPT.batch(c, 8, step)
+        with CommCounter() as fwd:
+            loss = model(sw.tensor(ids, sharding=batch), sw.tensor(targets, sharding=batch))
+        with CommCounter() as bwd:
+            loss.backward()
+        assert loss.dtype == bf
+        assert all(p.dtype == torch.float32 and p.grad.dtype == torch.float32
+                   for p in model.parameters())
+        opt.step()
+        opt.zero_grad()
+        rloss = torch.func.functional_call(
+            ref, {n: p.to(bf) for n, p in ref.named_parameters()}, (ids, targets))
+        rloss.backward()
+        ropt.step()
+        ropt.zero_grad()
+        lv, rv = float(loss.detach()), float(rloss.detach())
+        assert abs(lv - rv) <= 2 ** -7 * abs(rv) * 1.001, (step, lv, rv)
+        if step == 0:  # gathered in bf16 (2 bytes an element), reduced in fp32 (4)
+            gathered = sum(b for k, b, s in fwd.log
+                           if k == "all_gather" and s.axes == (_dp(mesh),))
+            scattered = sum(b for k, b, s in bwd.log if k == "reduce_scatter")
+            params = sum(p.numel() for p in model.parameters())
+            assert gathered < params and scattered > params
+    for p, q in zip(model.parameters(), ref.parameters()):
+        assert (p.to_torch() - q).abs().max() <= 5 * lr
+
+
+@pytest.mark.parametrize(("shape", "tp"), [((2,), False), ((4,), False), ((2, 2), True)])
+def test_uneven_and_empty_shards(shape: tuple[int, ...], tp: bool) -> None:
+    """A (3, 5) weight over 2 or 4 devices (rows 2+1, or 1+1+1+0), alone and over a
+    tp-rowwise layout: 5 SGD steps equal torch's."""
+    mesh = DeviceMesh.cpu(shape, ("dp", "tp")[:len(shape)])
+    torch.manual_seed(0)
+    ref = nn.Sequential(nn.Linear(5, 3), nn.Tanh(), nn.Linear(3, 2))
+    model = copy.deepcopy(ref)
+    if tp:
+        model[0].weight = nn.Parameter(sw.tensor(
+            model[0].weight.detach(), sharding=PlacementMapping(mesh, [R, Sharded(0)])))
+    fully_shard(model, mesh)
+    rows = [s.shape[0] for s in model[0].weight.shards]
+    assert rows == {(2,): [2, 1], (4,): [1, 1, 1, 0], (2, 2): [1, 1, 1, 0]}[shape]
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    ropt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    x = torch.randn(4, 5)
+    xs = sw.tensor(x, sharding=PlacementMapping(mesh, [Sharded(0)] + [R] * (len(shape) - 1)))
+    for _ in range(5):
+        for m, o, inp in ((model, opt, xs), (ref, ropt, x)):
+            o.zero_grad()
+            m(inp).pow(2).sum().backward()
+            o.step()
+    for p, q in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p.to_torch(), q.detach(), rtol=1e-5, atol=1e-6)
+
+
+def test_parameters_that_one_flat_all_gather_cannot_take() -> None:
+    """On a (2, 4) mesh a (6,) bias split over tp (2+2+1+1) cannot be split further
+    over dp (8 pieces give 1+1+1+1+1+1+0+0): it is gathered alone by the planner; the
+    (6, 5) weight is sharded over dp along dim 1 instead. Values equal torch's."""
+    mesh = DeviceMesh.cpu((2, 4), ("dp", "tp"))
+    torch.manual_seed(0)
+    ref = nn.Linear(5, 6)
+    model = copy.deepcopy(ref)
+    for name in ("weight", "bias"):
+        setattr(model, name, nn.Parameter(sw.tensor(getattr(model, name).detach(),
+                sharding=PlacementMapping(mesh, [R, Sharded(0)]))))
+    fully_shard(model, mesh)
+    assert model.weight.dist_layout.spec_entries() == ("tp", "dp")
+    assert model.bias.dist_layout.spec_entries() == (("tp", "dp"),)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    ropt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    x = torch.randn(4, 5)
+    xs = sw.tensor(x, sharding=PlacementMapping(mesh, [Sharded(0), R]))
+    for _ in range(3):
+        for m, o, inp in ((model, opt, xs), (ref, ropt, x)):
+            o.zero_grad()
+            m(inp).pow(2).sum().backward()
+            o.step()
+    for p, q in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p.to_torch(), q.detach(), rtol=1e-5, atol=1e-6)
+
+
+def test_state_dict_keeps_names_and_sharded_values() -> None:
+    mesh = DeviceMesh.cpu(2, "dp")
+    model = GPT.GPT(GPT.Config())
+    names = list(model.state_dict())
+    for block in model.layers:
+        fully_shard(block, mesh)
+    fully_shard(model, mesh)
+    sd = model.state_dict()
+    assert list(sd) == names
+    assert all(isinstance(v, sw.Tensor) and v.dist_layout.sharded_axes == (0,)
+               for v in sd.values())
+    plain = GPT.GPT(GPT.Config()).state_dict()  # whole torch values load into shards
+    model.load_state_dict(plain)
+    for name, value in model.state_dict().items():
+        assert torch.equal(value.to_torch(), plain[name])
+        assert value.dist_layout == sd[name].dist_layout
+
+
+def test_shared_parameter_is_sharded_once() -> None:
+    mesh = DeviceMesh.cpu(2, "dp")
+    model = nn.Sequential(nn.Linear(4, 4, bias=False), nn.Linear(4, 4, bias=False))
+    model[1].weight = model[0].weight
+    fully_shard(model, mesh)
+    assert model[1].weight is model[0].weight and len(list(model.parameters())) == 1
+
+
+def test_bad_inputs_name_value_rule_and_fix() -> None:
+    mesh = DeviceMesh.cpu((2, 2), ("dp", "tp"))
+    with pytest.raises(ShardingError, match=r"axis='data'.*no axis 'data'.*Use axis='dp'"):
+        fully_shard(nn.Linear(2, 2), mesh, axis="data")
+    with pytest.raises(ShardingTypeError, match=r"needs an nn.Module. Got Tensor"):
+        fully_shard(torch.ones(2), mesh)  # type: ignore[arg-type]
+    with pytest.raises(ShardingTypeError, match="needs a DeviceMesh"):
+        fully_shard(nn.Linear(2, 2), "dp")  # type: ignore[arg-type]
+    with pytest.raises(ShardingTypeError, match="needs a bool"):
+        fully_shard(nn.Linear(2, 2), mesh, reshard_after_forward=1)  # type: ignore[arg-type]
+    with pytest.raises(ShardingTypeError, match="needs a MixedPrecisionPolicy"):
+        fully_shard(nn.Linear(2, 2), mesh, mp_policy=torch.bfloat16)  # type: ignore[arg-type]
+    with pytest.raises(ShardingTypeError, match=r"floating torch.dtype.*Got torch.int32"):
+        MixedPrecisionPolicy(param_dtype=torch.int32)
+    lin = fully_shard(nn.Linear(2, 2), mesh)
+    with pytest.raises(ShardingError, match=r"already called.*once per module"):
+        fully_shard(lin, mesh)
+    other = nn.Linear(2, 2)
+    other.weight = nn.Parameter(sw.tensor(other.weight.detach(),
+                                          sharding=PlacementMapping(DeviceMesh.cpu(2, "tp"),
+                                                                    [Sharded(0)])))
+    with pytest.raises(ShardingError, match=r"'weight' lives on DeviceMesh\(tp=2\)"):
+        fully_shard(other, mesh)
+    on_dp = nn.Linear(2, 2)
+    on_dp.weight = nn.Parameter(sw.tensor(on_dp.weight.detach(),
+                                          sharding=PlacementMapping(mesh, [Sharded(1), R])))
+    with pytest.raises(ShardingError, match=r"already sharded over 'dp'.*must be free"):
+        fully_shard(on_dp, mesh)
+    partial = nn.Module()
+    partial.w = nn.Parameter(sw.tensor(torch.ones(2), sharding=PlacementMapping(
+        mesh, [R, Partial()])))
+    with pytest.raises(ShardingError, match=r"'w' is Partial.*all_reduce"):
+        fully_shard(partial, mesh)
+    scalar = nn.Module()
+    scalar.t = nn.Parameter(torch.tensor(1.0))
+    with pytest.raises(ShardingError, match=r"'t' is 0-d.*shape \(1,\)"):
+        fully_shard(scalar, mesh)
+
+
+@pytest.mark.parametrize("name", ["body_fsdp_bf16_gpt", "body_fsdp_batch_over_both_axes"])
+def test_gloo_bodies_on_the_simulated_mesh(name: str) -> None:
+    """The bodies that test_fsdp_gloo.py runs on 4 processes, on 4 simulated devices."""
+    getattr(fb, name)(4)
+
+
+def test_training_patterns_match_torch() -> None:
+    """A root with no parameters of its own, two forwards before one backward,
+    backward twice with retain_graph, a frozen parameter, and a no_grad forward."""
+    mesh = DeviceMesh.cpu(2, "dp")
+    torch.manual_seed(0)
+    ref = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 2))
+    ref[2].bias.requires_grad_(False)
+    model = copy.deepcopy(ref)
+    fully_shard(model[0], mesh)
+    fully_shard(model[2], mesh)
+    fully_shard(model, mesh)
+    x = torch.randn(6, 4)
+    xs = sw.tensor(x, sharding=PlacementMapping(mesh, [Sharded(0)]))
+    for m, inp in ((model, xs), (ref, x)):
+        loss = m(inp).sum() + m(inp).pow(2).sum()
+        loss.backward(retain_graph=True)
+        loss.backward()
+    assert model[2].bias.grad is None and not model[2].bias.requires_grad
+    for p, q in zip(model.parameters(), ref.parameters()):
+        if q.grad is not None:
+            torch.testing.assert_close(p.grad.to_torch(), q.grad, rtol=1e-5, atol=1e-6)
+    with torch.no_grad():
+        torch.testing.assert_close(model(xs).to_torch(), ref(x), rtol=1e-5, atol=1e-6)
+    assert all(0 in p.dist_layout.sharded_axes for p in model.parameters())
