@@ -152,10 +152,11 @@ class Tensor(torch.Tensor):
 
     # slots for the fields every op sets (cheaper than the instance dict, which
     # torch.Tensor still provides for nn.Parameter's flag and our caches)
-    __slots__ = ("_blocks", "_device", "_dtype", "_layout", "_open", "_shape", "_size",
-                 "_whole")
+    __slots__ = ("_blocks", "_cut_at", "_device", "_dtype", "_layout", "_open", "_shape",
+                 "_size", "_whole")
 
     _blocks: tuple[torch.Tensor, ...] | None  # None: not cut from ``_whole`` yet
+    _cut_at: int  # ``_whole._version`` when ``_blocks`` were cut from it
     _layout: Layout
     _shape: tuple[int, ...]
     _size: torch.Size
@@ -191,6 +192,7 @@ class Tensor(torch.Tensor):
         # autograd live on the shards, and every torch function is routed to the registry.
         self = torch.Tensor._make_wrapper_subclass(cls, size, dtype=dtype, device=device)
         self._blocks = blocks  # type: ignore[assignment]
+        self._cut_at = whole._version if whole is not None else 0
         self._layout = layout
         self._shape = tuple(size)
         self._size = size
@@ -216,9 +218,14 @@ class Tensor(torch.Tensor):
     def _shards(self) -> tuple[torch.Tensor, ...]:
         """Per-device local tensors (views of ``_whole`` cut on first use)."""
         blocks = self._blocks
-        if blocks is None:
-            assert self._whole is not None
-            blocks = self._blocks = _cut(self._whole, self._layout)
+        whole = self._whole
+        if blocks is None or (whole is not None and whole.requires_grad
+                              and whole._version != self._cut_at):
+            # re-cut after an in-place write (an optimizer step) to a whole that records
+            # gradients: views cut before it would refuse autograd (multi-output views)
+            assert whole is not None
+            blocks = self._blocks = _cut(whole, self._layout)
+            self._cut_at = whole._version
         return blocks
 
     @_shards.setter
