@@ -3,9 +3,10 @@
 One protocol (:class:`Backend`, shard_map's SPMD bodies included: ``run_spmd`` and
 ``spmd_outputs``), two backends in their own subpackages: ``simulated/`` (every device
 of the mesh in this process) and ``process/`` (one process per device,
-torch.distributed). Ops pick the backend from the mesh (:func:`backend_for`). Shared by both, on this floor: ``blocks``
-(block recipes), ``buffers`` (large result buffers), ``spmd`` (the axis environment
-of a running shard_map body), ``observe`` (observers of collectives).
+torch.distributed). Ops pick the backend from the mesh (:func:`backend_for`). Shared
+by both, on this floor: ``blocks`` (block recipes), ``buffers`` (large result
+buffers), ``spmd`` (the axis environment of a running shard_map body), ``observe``
+(observers of collectives).
 
 Invariants:
 - A multi-device mesh is never simulated in a process that torchrun launched as
