@@ -105,6 +105,8 @@ _LAZY: dict[str, str] = {
     "lax": "shardwise.lax",  # a module: ``from shardwise import lax``
     "distributed": "shardwise.distributed",  # a module: ``shardwise.distributed.initialize()``
     "debug": "shardwise.debug",  # a module: ``shardwise.debug.CommCounter``
+    "checkpoint": "shardwise.checkpoint",  # a module: ``shardwise.checkpoint.save``
+    "from_dtensor": "shardwise.checkpoint",
 }
 
 __all__ = [

@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from shardwise import chunks
+from shardwise import chunks, dtensor_interop
 from shardwise.devices import Device
 from shardwise.planner import Plan, make_plan
 from shardwise.runtime import backend_for
@@ -385,6 +385,11 @@ class Tensor(torch.Tensor):
 
     def __get_tensor_shard__(self, index: Any) -> torch.Tensor:
         return chunks.tensor_shard(self._shards, self._layout, self._shape, index)
+
+    def to_dtensor(self) -> Any:
+        """This value as a torch ``DTensor`` on the same processes and placements (no
+        copy where the uneven-split conventions agree); process meshes only."""
+        return dtensor_interop.to_dtensor(self)
 
     # --- values -------------------------------------------------------------------------
     def _global(self) -> torch.Tensor:
