@@ -18,8 +18,8 @@ Invariants:
 - Load: one chunk per distinct local buffer (replicas with separate buffers are each
   filled; buffers that replicas share are filled once), written in place: the target's
   own blocks receive the values, nothing is swapped in.
-- Partial tensors are refused both ways: their blocks are addends, not pieces of the
-  global value.
+- Partial tensors are refused both ways (when planning a save, when filling a
+  block on load): their blocks are addends, not pieces of the global value.
 - Nothing here pickles a Tensor: DCP writes the local torch blocks.
 """
 
@@ -112,7 +112,8 @@ def chunk_list(shards: Sequence[torch.Tensor | None], layout: Layout,
     """The chunks DCP fills in place on load (``__create_chunk_list__``)."""
     from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
 
-    _refuse_partial(layout, shape, "load into")
+    # A Partial target is refused when DCP asks for the buffer (tensor_shard): DCP
+    # replaces any ValueError raised here by a message about the checkpoint's metadata.
     return [ChunkStorageMetadata(offsets=torch.Size(off), sizes=torch.Size(size))
             for off, size, _ in owned_chunks(shards, layout, shape, by_buffer=True)]
 
@@ -122,6 +123,7 @@ def tensor_shard(shards: Sequence[torch.Tensor | None], layout: Layout,
     """The local tensor of the chunk ``index`` names (``__get_tensor_shard__``): on
     load ``index.index`` is the chunk's place in :func:`chunk_list` (a buffer to fill);
     on save only the offsets count (any replica holds the same values)."""
+    _refuse_partial(layout, shape, f"load into or save {index.fqn!r}:")
     offsets = tuple(index.offset) if index.offset is not None else None
     if math.prod(shape) == 0:
         first = next(s for s in shards if s is not None)

@@ -30,6 +30,7 @@ from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
 from torch.distributed.checkpoint.planner import ReadItem
@@ -144,10 +145,11 @@ def save(state_dict: Mapping[str, Any], path: str | os.PathLike[str]) -> None:
     try:
         dcp.save(dict(state_dict), storage_writer=dcp.FileSystemWriter(tmp),
                  no_dist=not distributed.is_initialized())
-    except Exception as err:
+    except (Exception, CheckpointException) as err:  # DCP's is a BaseException
+        cause = _cause(err).rstrip(".")
         raise CheckpointError(
-            f"Saving the checkpoint {path} failed: {err}. The last complete checkpoint at "
-            f"{path} is untouched; the unfinished one in {tmp.name} is never read."
+            f"Saving the checkpoint {path} failed: {cause}. The last complete checkpoint "
+            f"at {path} is untouched; the unfinished one in {tmp.name} is never read."
         ) from err
     distributed.barrier("shardwise.checkpoint.save: written")
     if first:
@@ -208,8 +210,8 @@ def load(state_dict: dict[str, Any], path: str | os.PathLike[str], *,
                  no_dist=not distributed.is_initialized())
     except CheckpointError:
         raise
-    except Exception as err:
-        raise CheckpointError(f"Loading the checkpoint {path} failed: {err}") from err
+    except (Exception, CheckpointException) as err:  # DCP's is a BaseException
+        raise CheckpointError(f"Loading the checkpoint {path} failed: {_cause(err)}") from err
 
 
 def _check(state_dict: dict[str, Any], md: Metadata, path: Path, strict: bool) -> None:
@@ -246,7 +248,7 @@ def _check(state_dict: dict[str, Any], md: Metadata, path: Path, strict: bool) -
             raise CheckpointError(
                 f"Key {key!r}: the checkpoint holds shape {shape} {_name(dtype)} but the "
                 f"target has shape {tuple(value.shape)} {_name(value.dtype)}. Build the "
-                "target with the saved shape, or leave the key out of the state dict."
+                "target with the saved shape and dtype, or leave the key out of the state dict."
             )
         if isinstance(value, Tensor) and value.dist_layout.is_partial:
             raise CheckpointError(
@@ -266,6 +268,15 @@ def _check(state_dict: dict[str, Any], md: Metadata, path: Path, strict: bool) -
                 f"bytes {info.offset}..{info.offset + info.length}. The checkpoint is "
                 "incomplete: restore it or load an older one."
             )
+
+
+def _cause(err: BaseException) -> str:
+    """The root causes of a DCP failure (one per failing process), not its traceback."""
+    failures = getattr(err, "failures", None)
+    if not isinstance(failures, dict):
+        return f"{type(err).__name__}: {err}"
+    return "; ".join(f"process {r}: {_cause(e[0] if isinstance(e, tuple) else e)}"
+                     for r, e in sorted(failures.items()))  # (exception, traceback) pairs
 
 
 def _name(dtype: torch.dtype) -> str:
