@@ -26,7 +26,7 @@ from shardwise.runtime import backend_for
 from shardwise.sharding.errors import ConversionError, ShardingError
 from shardwise.sharding.layout import Layout
 from shardwise.sharding.mesh import DeviceMesh
-from shardwise.sharding.placements import Partial, Replicated, ReduceOp, Sharded
+from shardwise.sharding.placements import Partial, ReduceOp, Replicated, Sharded
 from shardwise.sharding.shapes import local_bounds
 
 __all__ = ["differing_dims", "layout_of", "to_dtensor", "torch_mesh", "torch_placements"]

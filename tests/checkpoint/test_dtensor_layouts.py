@@ -35,7 +35,7 @@ def test_placements_map_both_ways(ours: list, theirs: list) -> None:
 def test_prod_and_strided_shards_have_no_counterpart() -> None:
     from torch.distributed.tensor.placement_types import _StridedShard
 
-    with pytest.raises(sw.ConversionError, match="Partial\\(prod\\).*all_reduce"):
+    with pytest.raises(sw.ConversionError, match=r"Partial\(prod\).*all_reduce"):
         torch_placements(Layout.from_placements(M22, (Partial(ReduceOp.PROD), Replicated()), 1))
     with pytest.raises(sw.ConversionError, match="no shardwise form"):
         layout_of(M22, [_StridedShard(0, split_factor=2), Replicate()], 1)
@@ -62,7 +62,7 @@ def test_differing_dims_follow_the_two_split_rules(mesh: DeviceMesh, shape: tupl
 
 def test_simulated_mesh_names_the_fix() -> None:
     x = sw.tensor(torch.ones(4, 2), sharding=PlacementMapping(M22, [Sharded(0), Replicated()]))
-    with pytest.raises(sw.ShardingError, match="needs a mesh of processes.*torchrun"):
+    with pytest.raises(sw.ShardingError, match=r"needs a mesh of processes.*torchrun"):
         x.to_dtensor()
-    with pytest.raises(sw.ShardingError, match="takes a torch.distributed.tensor.DTensor"):
+    with pytest.raises(sw.ShardingError, match=r"takes a torch\.distributed\.tensor\.DTensor"):
         sw.from_dtensor(torch.ones(2))

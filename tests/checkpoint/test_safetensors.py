@@ -67,7 +67,7 @@ def test_load_fills_sharded_targets_in_place(tmp_path: Path, mesh: DeviceMesh,
     pl = [place] + [R] * (mesh.ndim - 1)
     targets = {"a": sw.zeros((7, 5), sharding=PlacementMapping(mesh, pl)),
                "c": sw.zeros(3, dtype=torch.int64, sharding=PlacementMapping(
-                   mesh, [Sharded(0) if isinstance(place, Sharded) else R] + pl[1:])),
+                   mesh, [Sharded(0) if isinstance(place, Sharded) else R, *pl[1:]])),
                "e": sw.zeros((0, 5), sharding=PlacementMapping(mesh, pl)),
                "s": torch.tensor(0.0)}
     before = [s.data_ptr() for s in targets["a"].shards]

@@ -55,7 +55,7 @@ def test_a_failure_mid_save_keeps_the_last_good_checkpoint(
         raise OSError("No space left on device (injected)")
 
     monkeypatch.setattr(dcp.FileSystemWriter, "write_data", failing_write)
-    with pytest.raises(CheckpointError, match="No space left.*last complete checkpoint"):
+    with pytest.raises(CheckpointError, match=r"No space left.*last complete checkpoint"):
         sw.checkpoint.save(state(2.0), path)
     assert calls
     monkeypatch.undo()
@@ -125,7 +125,7 @@ def test_metadata_that_would_run_code_is_refused(tmp_path: Path) -> None:
     path = tmp_path / "c"
     sw.checkpoint.save(state(1.0), path)
     (path / ".metadata").write_bytes(pickle.dumps(_Evil()))
-    with pytest.raises(CheckpointError, match="posix.system.*refusing to unpickle"):
+    with pytest.raises(CheckpointError, match=r"posix.system.*refusing to unpickle"):
         sw.checkpoint.load(target(), path)
 
 
