@@ -4,8 +4,8 @@ Invariants:
 - The file is an ordinary safetensors file: each name holds the *global* tensor
   (row-major), so ``safetensors.torch.load_file`` or Hugging Face code read it as is.
 - Writing never gathers: process 0 writes the header and sizes the file, then every
-  process writes the blocks it holds straight to their global offsets (a memory map
-  of that tensor's bytes), each block once (the representative of its replicas),
+  process writes the blocks it holds straight to their global offsets (``pwrite`` of
+  each contiguous run), each block once (the representative of its replicas),
   plain torch tensors by process 0. No process holds more than its own blocks.
   The file appears under its name only when every process is done (temporary name,
   barrier, rename).
@@ -17,6 +17,7 @@ Invariants:
 from __future__ import annotations
 
 import json
+import math
 import os
 import struct
 from collections.abc import Mapping
@@ -94,15 +95,22 @@ def _check_saveable(flat: dict[str, Any]) -> None:
             )
 
 
-def _write_block(file: Path, start: int, shape: tuple[int, ...], offsets: tuple[int, ...],
+def _write_block(fd: int, start: int, shape: tuple[int, ...], offsets: tuple[int, ...],
                  block: torch.Tensor) -> None:
-    """Write ``block`` at ``offsets`` of the row-major tensor of ``shape`` at byte ``start``."""
-    raw_t, raw_np = _RAW[block.dtype.itemsize]
-    data = block.detach().cpu().view(raw_t).numpy()
-    mm = np.memmap(file, dtype=raw_np, mode="r+", offset=start, shape=shape)
-    mm[tuple(slice(o, o + n) for o, n in zip(offsets, block.shape))] = data
-    mm.flush()
-    del mm
+    """Write ``block`` at ``offsets`` of the row-major tensor of ``shape`` whose bytes
+    begin at ``start``: one ``pwrite`` per contiguous run of the file (one in all for a
+    block of whole rows; one per row of a block cut along a later dim)."""
+    raw_t, _ = _RAW[block.dtype.itemsize]
+    data = block.detach().cpu().contiguous().view(raw_t).numpy()
+    size = block.dtype.itemsize
+    # dims after the last partial one are whole: from that dim on a run is contiguous
+    k = max((d for d in range(len(shape)) if block.shape[d] != shape[d]), default=0)
+    runs = data.reshape(-1, math.prod(block.shape[k:])) if data.size else data.reshape(0, 0)
+    strides = [math.prod(shape[d + 1:]) for d in range(len(shape))]
+    for n, lead in enumerate(np.ndindex(*block.shape[:k])):
+        first = sum((o + i) * st for o, i, st in zip(offsets, lead, strides, strict=False))
+        first += offsets[k] * strides[k] if shape else 0
+        os.pwrite(fd, memoryview(runs[n]).cast("B"), start + first * size)
 
 
 def save_safetensors(state_dict: Mapping[str, Any], path: str | os.PathLike[str], *,
@@ -132,22 +140,30 @@ def save_safetensors(state_dict: Mapping[str, Any], path: str | os.PathLike[str]
             f.write(head)
             f.truncate(total)  # sized (sparse) before any process writes its blocks
     distributed.barrier("shardwise.checkpoint.save_safetensors: header")
-    for name, t in flat.items():
-        start, shape = len(head) + begins[name], tuple(t.shape)
-        if isinstance(t, Tensor):
-            reps = t.dist_layout.representatives()
-            mine = [s if s is not None and reps[k] == k else None
-                    for k, s in enumerate(t.shards)]
-            for offsets, _, block in owned_chunks(mine, t.dist_layout, shape,
-                                                  by_buffer=False):
-                _write_block(tmp, start, shape, offsets, block)
-        elif first and t.numel():
-            _write_block(tmp, start, shape, (0,) * len(shape), t)
+    fd = os.open(tmp, os.O_WRONLY)
+    try:
+        for name, t in flat.items():
+            start, shape = len(head) + begins[name], tuple(t.shape)
+            if isinstance(t, Tensor):
+                reps = t.dist_layout.representatives()
+                mine = [s if s is not None and reps[k] == k else None
+                        for k, s in enumerate(t.shards)]
+                for offsets, _, block in owned_chunks(mine, t.dist_layout, shape,
+                                                      by_buffer=False):
+                    _write_block(fd, start, shape, offsets, block)
+            elif first and t.numel():
+                _write_block(fd, start, shape, (0,) * len(shape), t)
+        os.fsync(fd)  # this process's bytes are on disk before anyone publishes the file
+    finally:
+        os.close(fd)
     distributed.barrier("shardwise.checkpoint.save_safetensors: written")
     if first:
-        with open(tmp, "rb+") as f:
-            os.fsync(f.fileno())
         os.replace(tmp, path)
+        fd = os.open(path.parent, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
     distributed.barrier("shardwise.checkpoint.save_safetensors: published")
 
 
