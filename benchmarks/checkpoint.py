@@ -54,8 +54,8 @@ def _state(n: int, shape: tuple[int, int] = SHAPE) -> tuple[dict[str, Any], dict
 
     mesh = DeviceMesh.cpu((2, 2), ("dp", "tp"))
     r = Replicated()
-    layouts = [[Sharded(0), Sharded(1)], [r, Sharded(0)], [Sharded(1), r],
-               [Sharded(0), Sharded(0)]]
+    layouts: list[list[Any]] = [[Sharded(0), Sharded(1)], [r, Sharded(0)], [Sharded(1), r],
+                                [Sharded(0), Sharded(0)]]
     sharded, plain = {}, {}
     g = torch.Generator().manual_seed(0)
     for i in range(n):
@@ -78,6 +78,7 @@ def _targets(n: int, resharded: bool, shape: tuple[int, int] = SHAPE) -> dict[st
     import shardwise as sw
     from shardwise import DeviceMesh, PlacementMapping, Replicated, Sharded
 
+    places: list[list[Any]]
     if resharded:
         mesh, places = DeviceMesh.cpu(4, "x"), [[Sharded(1)], [Sharded(0)], [Replicated()]]
     else:
@@ -89,9 +90,9 @@ def _targets(n: int, resharded: bool, shape: tuple[int, int] = SHAPE) -> dict[st
         mesh, places[i % len(places)])) for i in range(n)}
 
 
-def _timed(fn: Any) -> float:
+def _timed(fn: Any, *args: Any, **kwargs: Any) -> float:
     t0 = time.perf_counter()
-    fn()
+    fn(*args, **kwargs)
     return time.perf_counter() - t0
 
 
@@ -143,21 +144,21 @@ def measure_throughput(n: int, repeat: int, shape: tuple[int, int] = SHAPE
         for i in range(repeat):
             for who, state in (("sw", sharded), ("plain", plain)):
                 path = root / f"{who}{i}"
-                add(f"save {who}", _timed(lambda: dcp.save(state, checkpoint_id=path)))
+                add(f"save {who}", _timed(dcp.save, state, checkpoint_id=path))
             same, moved = _targets(n, False, shape), _targets(n, True, shape)
             plain_t = {k: torch.empty_like(v) for k, v in plain.items()}
-            add("load sw", _timed(lambda: dcp.load(same, checkpoint_id=root / f"sw{i}")))
-            add("load plain", _timed(lambda: dcp.load(plain_t, checkpoint_id=root / f"plain{i}")))
-            add("reshard sw", _timed(lambda: dcp.load(moved, checkpoint_id=root / f"sw{i}")))
+            add("load sw", _timed(dcp.load, same, checkpoint_id=root / f"sw{i}"))
+            add("load plain", _timed(dcp.load, plain_t, checkpoint_id=root / f"plain{i}"))
+            add("reshard sw", _timed(dcp.load, moved, checkpoint_id=root / f"sw{i}"))
             for k in plain:
                 assert torch.equal(moved[k].to_torch(), plain[k]), k
             for who in ("sw", "plain"):
                 shutil.rmtree(root / f"{who}{i}")
             f_sw, f_plain = root / "sw.safetensors", root / "plain.safetensors"
-            add("st save sw", _timed(lambda: sw.checkpoint.save_safetensors(sharded, f_sw)))
-            add("st save plain", _timed(lambda: _save_file_synced(plain, f_plain)))
-            add("st load sw", _timed(lambda: sw.checkpoint.load_safetensors(f_sw, moved)))
-            add("st load plain", _timed(lambda: _load_file_into(f_plain, plain_t)))
+            add("st save sw", _timed(sw.checkpoint.save_safetensors, sharded, f_sw))
+            add("st save plain", _timed(_save_file_synced, plain, f_plain))
+            add("st load sw", _timed(sw.checkpoint.load_safetensors, f_sw, moved))
+            add("st load plain", _timed(_load_file_into, f_plain, plain_t))
             f_sw.unlink()
             f_plain.unlink()
     finally:
@@ -186,12 +187,11 @@ def _status(field: str) -> int:
 def _trim() -> None:
     """Give free heap pages back (glibc ``malloc_trim``), so that the load's own
     allocations show as growth instead of reusing pages freed earlier."""
+    import contextlib
     import ctypes
 
-    try:
+    with contextlib.suppress(OSError, AttributeError):
         ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):
-        pass
 
 
 def _sampled_peak(fn: Any) -> int:
