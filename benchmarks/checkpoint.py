@@ -60,7 +60,7 @@ def _state(n: int, shape: tuple[int, int] = SHAPE) -> tuple[dict[str, Any], dict
     g = torch.Generator().manual_seed(0)
     for i in range(n):
         whole = torch.randn(*shape, generator=g)
-        mapping = PlacementMapping(mesh, layouts[i % len(layouts)])
+        mapping = PlacementMapping(mesh, tuple(layouts[i % len(layouts)]))
         layout = sw.tensor(torch.zeros(1, 1), sharding=mapping).dist_layout
         blocks: dict[tuple[tuple[int, int], ...], torch.Tensor] = {}
         shards = []
@@ -87,7 +87,7 @@ def _targets(n: int, resharded: bool, shape: tuple[int, int] = SHAPE) -> dict[st
         places = [[Sharded(0), Sharded(1)], [r, Sharded(0)], [Sharded(1), r],
                   [Sharded(0), Sharded(0)]]
     return {f"layer{i}.weight": sw.zeros(shape, sharding=PlacementMapping(
-        mesh, places[i % len(places)])) for i in range(n)}
+        mesh, tuple(places[i % len(places)]))) for i in range(n)}
 
 
 def _timed(fn: Any, *args: Any, **kwargs: Any) -> float:
