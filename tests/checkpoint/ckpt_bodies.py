@@ -91,6 +91,8 @@ def _two() -> dict[str, Any]:
 
 # --- 4 ranks ------------------------------------------------------------------------------
 def body_dcp_save_each_rank_writes_its_own_blocks(world: int) -> None:
+    """dcp.save: every chunk written once, by a process that holds it; dcp.load
+    reshards across processes; dcp.async_save stages a copy."""
     path = _dir() / "dcp"
     state = _state4()
     dcp.save(state, checkpoint_id=path)
@@ -112,6 +114,11 @@ def body_dcp_save_each_rank_writes_its_own_blocks(world: int) -> None:
     target = _other4()
     dcp.load(target, checkpoint_id=path)  # reshard on load across processes
     _check(target)
+    staged = _state4(seed=2.0)
+    future = dcp.async_save(staged, checkpoint_id=_dir() / "async")
+    for t in (staged["a"], staged["b"]):
+        t.add_(100.0)  # after staging: the checkpoint keeps the staged values
+    future.result()
 
 
 def body_store_and_safetensors_save(world: int) -> None:
@@ -215,6 +222,9 @@ def two_load_dcp(world: int) -> None:
     target = _two()
     dcp.load(target, checkpoint_id=_dir() / "dcp")
     _check(target)
+    target = _two()
+    dcp.load(target, checkpoint_id=_dir() / "async")
+    _check(target, seed=2.0)
 
 
 def two_load_store_and_safetensors(world: int) -> None:
