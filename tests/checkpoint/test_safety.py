@@ -116,6 +116,17 @@ def test_truncated_and_missing_files_name_the_key(tmp_path: Path) -> None:
         sw.checkpoint.load(target(), path)
 
 
+def test_damaged_data_names_the_key(tmp_path: Path) -> None:
+    path = tmp_path / "c"
+    sw.checkpoint.save({"w": sw.tensor(torch.ones(64, 64))}, path)
+    data = path / "__0_0.distcp"
+    raw = bytearray(data.read_bytes())
+    raw[:64] = bytes(64)  # the first record's header: same size, unreadable
+    data.write_bytes(bytes(raw))
+    with pytest.raises(CheckpointError, match=r"Key 'w': reading its data .* is damaged"):
+        sw.checkpoint.load({"w": sw.zeros((64, 64))}, path)
+
+
 class _Evil:
     def __reduce__(self) -> Any:
         return (os.system, ("echo pwned",))

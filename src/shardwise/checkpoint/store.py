@@ -21,6 +21,7 @@ Invariants:
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import io
 import os
 import pickle
@@ -35,7 +36,8 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
-from torch.distributed.checkpoint.planner import ReadItem
+from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, ReadItem
+from torch.futures import Future
 
 from shardwise import distributed
 from shardwise.sharding.errors import ShardingError
@@ -78,6 +80,26 @@ class _MetadataUnpickler(pickle.Unpickler):
 
 
 class _SafeReader(dcp.FileSystemReader):
+    """DCP's file reader with a safe metadata unpickler and errors that name the key."""
+
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        # one item at a time, so that damaged data names the key it belongs to
+        for item in plan.items:
+            try:
+                super().read_data(dataclasses.replace(plan, items=[item]), planner).wait()
+            except CheckpointError:
+                raise
+            except Exception as err:
+                first = (str(err).strip().splitlines() or [""])[0]
+                raise CheckpointError(
+                    f"Key {item.storage_index.fqn!r}: reading its data from {self.path} "
+                    f"failed ({type(err).__name__}: {first}). The checkpoint is damaged: "
+                    "restore it or load an older one."
+                ) from err
+        done: Future[None] = Future()
+        done.set_result(None)
+        return done
+
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         path = Path(self.path) / ".metadata"
         try:
