@@ -372,8 +372,9 @@ class Tensor(torch.Tensor):
     def __reduce_ex__(self, protocol: Any) -> Any:
         raise ShardingError(
             f"{self!r} cannot be pickled: a shardwise.Tensor is written through its shards, "
-            "never as opaque bytes. Save x.to_torch() (the global value), or a state dict "
-            "of local shards."
+            "never as opaque bytes. Save it with torch.distributed.checkpoint or "
+            "shardwise.checkpoint (its blocks, loadable into any layout), or save "
+            "x.to_torch() (the global value)."
         )
 
     # --- torch.distributed.checkpoint: the blocks as chunks with global offsets --------

@@ -61,6 +61,6 @@ def load_train_state(path: str | os.PathLike[str], model: torch.nn.Module, optim
     msd, osd = get_state_dict(model, optims)
     state: dict[str, Any] = {"model": msd, "optim": osd, "step": 0,
                              "extra": extra if extra is not None else {}}
-    load(state, path, strict=extra is not None)
+    load(state, path)
     set_state_dict(model, optims, model_state_dict=msd, optim_state_dict=osd)
     return int(state["step"])
