@@ -169,5 +169,5 @@ def test_async_save_stages_a_copy(tmp_path: Path) -> None:
 def test_a_tensor_is_never_pickled() -> None:
     import pickle
 
-    with pytest.raises(sw.ShardingError, match="cannot be pickled.*shardwise.checkpoint"):
+    with pytest.raises(sw.ShardingError, match=r"cannot be pickled.*shardwise\.checkpoint"):
         pickle.dumps(on(value((2,)), M1, R))
