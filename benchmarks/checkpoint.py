@@ -11,7 +11,9 @@ the peak memory of a sharded safetensors load.
   so do save_safetensors and the reference). The safetensors load reference is
   ``load_file`` (memory-mapped) copied into existing tensors.
   Loads fill existing targets; "resharded" loads into a 4-device mesh with other
-  layouts. Target: shardwise >= 80% of plain.
+  layouts, shown beside the plain same-layout load for scale only (DCP's reader
+  deserialises a saved chunk once per target block it overlaps, here twice). Target:
+  shardwise save and same-layout load >= 80% of plain.
 - Peak memory of ``load_safetensors`` into the sharded model, in a fresh process,
   after ``malloc_trim(0)`` (freed heap pages would otherwise be reused unseen):
   anonymous memory (``RssAnon`` of ``/proc/self/status``, sampled every 0.1 ms by a
