@@ -26,6 +26,9 @@ TARGETS = {
                  "<= 3x plain torch at the default Config, <= 1.5x at dim=256",
     "agreement": "Gloo: the default collective agreement costs <= 5% on an 8x8 all_reduce, "
                  "<= 1% on 64 MiB",
+    "checkpoint": "DCP save/load of a sharded state: >= 80% of the throughput of DCP with "
+                  "plain tensors of the same bytes",
+    "checkpoint_memory": "sharded load_safetensors: peak memory <= one block above the model",
 }
 
 
@@ -81,6 +84,18 @@ def check_targets(res: dict[str, Any]) -> list[dict[str, Any]]:
                           "x (DTensor / shardwise)", le=False))
     for o in gloo.get("agreement_overhead", []):
         out.append(_t("agreement", o["case"], o["overhead"], o["limit"], "overhead (on/off - 1)"))
+    ckpt = res.get("checkpoint") or {}
+    for r in ckpt.get("rows", []):
+        # like with like: the resharded load is shown beside the plain same-layout load
+        # (DCP reads a saved chunk once per target block it overlaps), not a target
+        if r["case"] in ("dcp.save", "dcp.load, same layout"):
+            out.append(_t("checkpoint", f"{r['case']}, {ckpt['mib']:.0f} MiB", r["ratio"], 0.8,
+                          "x plain throughput", le=False))
+    mem = ckpt.get("memory") or {}
+    if mem.get("anon_peak_above_model_mib") is not None:
+        out.append(_t("checkpoint_memory", f"{mem['model_mib']:.0f} MiB model",
+                      mem["anon_peak_above_model_mib"], mem["largest_block_mib"],
+                      "MiB anonymous above the model"))
     return out
 
 
@@ -158,6 +173,10 @@ def tables(res: dict[str, Any]) -> str:
         lines += _memory(res["memory"])
     if res.get("profile"):
         lines += _profile(res["profile"])
+    if res.get("checkpoint"):
+        from benchmarks.checkpoint import tables as checkpoint_tables
+
+        lines += checkpoint_tables(res["checkpoint"])
     if res.get("gloo"):
         lines += ["", *gloo_tables(res["gloo"])]
     elif res.get("gloo_skipped"):

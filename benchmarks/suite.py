@@ -8,7 +8,10 @@ Sections (each documented in its module):
 - ``profile``: cProfile of the 8x8 hot path;
 - ``torch``: torch ops and a Megatron MLP training step on shardwise Tensors beside
   plain torch (:mod:`benchmarks.torchnative`);
-- ``gloo``: 4 Gloo ranks, shardwise beside raw torch.distributed and DTensor.
+- ``gloo``: 4 Gloo ranks, shardwise beside raw torch.distributed and DTensor;
+- ``checkpoint``: DCP and safetensors throughput of a sharded state beside plain
+  tensors, and the peak memory of a sharded safetensors load
+  (:mod:`benchmarks.checkpoint`, fresh processes).
 
 Presets: ``full`` (about 2-3 minutes on 2 cores) and ``quick`` (about 30 s; 4 MiB
 tensors, fewer repeats). Timings are medians of interleaved runs; on a shared
@@ -30,10 +33,12 @@ __all__ = ["PRESETS", "main", "run_suite"]
 PRESETS: dict[str, dict[str, Any]] = {
     "full": {"size": 4096, "small": 8, "repeat": 7, "small_repeat": 15, "small_inner": 200,
              "profile_calls": 2000, "gloo": {"size": 4096, "repeat": 11, "small_repeat": 200,
-                                             "choices": True}},
+                                             "choices": True},
+             "ckpt": {"tensors": 8, "repeat": 3, "shape": (2048, 4096)}},
     "quick": {"size": 1024, "small": 8, "repeat": 3, "small_repeat": 6, "small_inner": 50,
               "profile_calls": 300, "gloo": {"size": 1024, "repeat": 3, "small_repeat": 20,
-                                             "choices": False}},
+                                             "choices": False},
+              "ckpt": {"tensors": 2, "repeat": 1, "shape": (1024, 1024)}},
 }
 
 
@@ -47,11 +52,12 @@ def _loadavg() -> list[float] | None:
 def run_suite(preset: str = "full", *, devices: tuple[int, ...] = (4, 8), gloo: bool = True,
               dtensor: bool = True, memory: bool = True, profile: bool = True,
               modes: tuple[str, ...] = ("default", "reuse"), world: int = 4,
-              log: Any = None, **overrides: Any) -> dict[str, Any]:
+              checkpoint: bool = True, log: Any = None, **overrides: Any) -> dict[str, Any]:
     """Run the sections and return the JSON-ready result (with ``targets``).
 
     ``overrides`` replace preset entries (``size``, ``repeat``, ``small_repeat``,
-    ``small_inner``, ``profile_calls``, ``gloo`` (a dict of Gloo options)).
+    ``small_inner``, ``profile_calls``, ``gloo`` (a dict of Gloo options),
+    ``ckpt`` (the checkpoint section: ``tensors``, ``repeat``, ``shape``)).
     """
     import torch
 
@@ -87,6 +93,12 @@ def run_suite(preset: str = "full", *, devices: tuple[int, ...] = (4, 8), gloo: 
         say("profile of the 8x8 hot path ...")
         res["profile"] = profile_small(n=max(devices), size=cfg["small"],
                                        calls=cfg["profile_calls"])
+    if checkpoint:
+        from benchmarks import checkpoint as checkpoint_mod
+
+        c = cfg["ckpt"]
+        say(f"checkpoints ({c['tensors']} x {c['shape'][0]}x{c['shape'][1]} float32) ...")
+        res["checkpoint"] = checkpoint_mod.run(c["tensors"], c["repeat"], tuple(c["shape"]))
     if gloo:
         from benchmarks import gloo as gloo_mod
 
@@ -125,6 +137,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", default="bench-results", metavar="DIR",
                    help="folder for bench.json and bench.txt (default: ./bench-results)")
     p.add_argument("--no-gloo", action="store_true", help="skip the multi-process Gloo suite")
+    p.add_argument("--no-checkpoint", action="store_true",
+                   help="skip the checkpoint throughput and memory section")
     p.add_argument("--no-dtensor", action="store_true",
                    help="skip DTensor LocalTensorMode on the simulated mesh")
     p.add_argument("--devices", type=int, nargs="+", default=[4, 8], metavar="N",
@@ -136,6 +150,7 @@ def run_from_args(args: argparse.Namespace) -> int:
 
     res = run_suite("quick" if args.quick else "full", devices=tuple(args.devices),
                     gloo=not args.no_gloo, dtensor=not args.no_dtensor,
+                    checkpoint=not args.no_checkpoint,
                     log=lambda msg: print(msg, file=sys.stderr, flush=True))
     path, text = write(res, args.out)
     print(tables(res))

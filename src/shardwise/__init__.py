@@ -106,6 +106,8 @@ _LAZY: dict[str, str] = {
     "distributed": "shardwise.distributed",  # a module: ``shardwise.distributed.initialize()``
     "debug": "shardwise.debug",  # a module: ``shardwise.debug.CommCounter``
     "parallel": "shardwise.parallel",  # a module: ``shardwise.parallel.parallelize_module``
+    "checkpoint": "shardwise.checkpoint",  # a module: ``shardwise.checkpoint.save``
+    "from_dtensor": "shardwise.checkpoint",
 }
 
 __all__ = [

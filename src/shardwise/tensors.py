@@ -37,6 +37,7 @@ from typing import Any
 
 import torch
 
+from shardwise import chunks, dtensor_interop
 from shardwise.devices import Device
 from shardwise.planner import Plan, make_plan
 from shardwise.runtime import backend_for
@@ -296,6 +297,11 @@ class Tensor(torch.Tensor):
 
     nelement = numel
 
+    def data_ptr(self) -> int:
+        """0: the wrapper has no storage of its own (its shards do), as for torch's
+        other storage-less wrapper tensors; DCP's stager then copies the shards."""
+        return 0
+
     @property
     def layout(self) -> torch.layout:  # type: ignore[override]
         """torch's memory layout (always ``torch.strided``); shardwise's is :attr:`dist_layout`."""
@@ -412,9 +418,25 @@ class Tensor(torch.Tensor):
     def __reduce_ex__(self, protocol: Any) -> Any:
         raise ShardingError(
             f"{self!r} cannot be pickled: a shardwise.Tensor is written through its shards, "
-            "never as opaque bytes. Save x.to_torch() (the global value), or a state dict "
-            "of local shards."
+            "never as opaque bytes. Save it with torch.distributed.checkpoint or "
+            "shardwise.checkpoint (its blocks, loadable into any layout), or save "
+            "x.to_torch() (the global value)."
         )
+
+    # --- torch.distributed.checkpoint: the blocks as chunks with global offsets --------
+    def __create_write_items__(self, fqn: str, object: Any) -> list[Any]:
+        return chunks.write_items(fqn, self._shards, self._layout, self._shape, self._dtype)
+
+    def __create_chunk_list__(self) -> list[Any]:
+        return chunks.chunk_list(self._shards, self._layout, self._shape)
+
+    def __get_tensor_shard__(self, index: Any) -> torch.Tensor:
+        return chunks.tensor_shard(self._shards, self._layout, self._shape, index)
+
+    def to_dtensor(self) -> Any:
+        """This value as a torch ``DTensor`` on the same processes and placements (no
+        copy where the uneven-split conventions agree); process meshes only."""
+        return dtensor_interop.to_dtensor(self)
 
     # --- values -------------------------------------------------------------------------
     def _global(self) -> torch.Tensor:

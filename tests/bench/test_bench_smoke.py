@@ -18,7 +18,7 @@ from benchmarks.simulated import CASES
 from benchmarks.suite import parser, write
 
 TINY = {"size": 16, "small": 8, "repeat": 1, "small_repeat": 3, "small_inner": 2,
-        "profile_calls": 5}
+        "profile_calls": 5, "ckpt": {"tensors": 2, "repeat": 1, "shape": (16, 32)}}
 ROW_KEYS = {"case", "op", "time", "min", "faults_per_call", "must_move_bytes", "copy_ceiling",
             "clone_ceiling", "x_copy", "x_clone", "dtensor", "dtensor_over_shardwise"}
 
@@ -80,6 +80,21 @@ def test_memory_profile_targets(result: tuple[dict, Path, Path]) -> None:
     assert all({"scope", "value", "limit", "unit", "met"} <= set(t) for t in data["targets"])
 
 
+def test_checkpoint_section(result: tuple[dict, Path, Path]) -> None:
+    ckpt = result[0]["checkpoint"]
+    assert "error" not in ckpt, ckpt.get("error")
+    assert ckpt["tensors"] == 2 and ckpt["tensor"] == [16, 32]
+    assert [r["case"].split(",")[0] for r in ckpt["rows"]] == [
+        "dcp.save", "dcp.load", "dcp.load", "save_safetensors (by offsets)",
+        "load_safetensors (slices"]
+    assert all(r["shardwise_mib_s"] > 0 and r["reference_mib_s"] > 0 for r in ckpt["rows"])
+    mem = ckpt["memory"]
+    assert "error" not in mem, mem.get("error")
+    assert mem["largest_block_mib"] > 0 and mem["anon_peak_above_model_mib"] is not None
+    keys = {t["target"] for t in result[0]["targets"]}
+    assert {"checkpoint", "checkpoint_memory"} <= keys
+
+
 def test_table_written(result: tuple[dict, Path, Path]) -> None:
     data, _, text = result
     table = text.read_text()
@@ -88,8 +103,10 @@ def test_table_written(result: tuple[dict, Path, Path]) -> None:
 
 
 def test_cli_arguments() -> None:
-    args = parser().parse_args(["--quick", "--out", "somewhere", "--no-gloo", "--devices", "4"])
+    args = parser().parse_args(["--quick", "--out", "somewhere", "--no-gloo", "--devices", "4",
+                                "--no-checkpoint"])
     assert args.quick and args.no_gloo and args.out == "somewhere" and args.devices == [4]
+    assert args.no_checkpoint
 
 
 def test_gloo_section_tiny() -> None:

@@ -27,7 +27,7 @@ from shardwise.ops.registry import (
 )
 from shardwise.sharding.errors import ShardingError, ShardingTypeError
 from shardwise.sharding.layout import Layout
-from shardwise.tensors import HANDLERS, Tensor, place, record_plan
+from shardwise.tensors import FALLBACK, HANDLERS, Tensor, place, record_plan
 
 __all__ = ["install"]
 
@@ -348,6 +348,14 @@ def _install_like() -> None:
     for name in ("zeros_like", "ones_like", "empty_like", "full_like"):
         fn = getattr(torch, name)
         register(fn)(functools.partial(_like, fn))
+
+    @register(torch.Tensor.new_empty)
+    def new_empty(x: Any, size: Any, *args: Any, **kwargs: Any) -> Any:
+        # x's own shape keeps x's layout (DCP's async stager copies a tensor so, then
+        # fills it); another shape takes the general path, as before
+        if tuple(size) == tuple(x.shape) and not args:
+            return _like(torch.empty_like, x, **kwargs)
+        return FALLBACK[0](torch.Tensor.new_empty, (x, size, *args), kwargs)
 
     def random_like(draw: Callable[..., torch.Tensor]) -> Callable[..., Any]:
         # drawn globally from torch's generator, then laid out: the same values as

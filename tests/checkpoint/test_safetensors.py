@@ -1,0 +1,166 @@
+"""save_safetensors/load_safetensors on simulated meshes: one consolidated file of global
+tensors that any safetensors reader takes, written by offsets, read by slices."""
+
+from __future__ import annotations
+
+import json
+import struct
+from pathlib import Path
+from typing import Any
+
+import pytest
+import safetensors.torch
+import torch
+
+import shardwise as sw
+from shardwise import DeviceMesh, PlacementMapping, Replicated, Sharded
+from shardwise.checkpoint import CheckpointError
+
+R = Replicated()
+M22 = DeviceMesh.cpu((2, 2), ("dp", "tp"))
+M24 = DeviceMesh.cpu((2, 4), ("dp", "tp"))
+M3 = DeviceMesh.cpu(3, "x")
+
+
+def on(g: torch.Tensor, mesh: DeviceMesh, *placements: Any) -> sw.Tensor:
+    return sw.tensor(g.clone(), sharding=PlacementMapping(mesh, list(placements)))
+
+
+VALUES = {
+    "a": torch.arange(35.).reshape(7, 5),
+    "b": torch.arange(24).reshape(4, 6).to(torch.bfloat16),
+    "c": torch.arange(3, dtype=torch.int64),
+    "e": torch.zeros(0, 5),
+    "s": torch.tensor(2.5),
+    "m": torch.tensor([True, False, True]),
+}
+
+
+def sharded_state() -> dict[str, Any]:
+    return {"a": on(VALUES["a"], M22, Sharded(0), Sharded(1)),
+            "layer": {"b": on(VALUES["b"], M24, Sharded(1), Sharded(0))},
+            "c": on(VALUES["c"], M24, Sharded(0), Sharded(0)),  # empty blocks
+            "e": on(VALUES["e"], M22, Sharded(0), R),
+            "s": torch.tensor(2.5),                               # plain, 0-d
+            "m": on(VALUES["m"], M3, R)}
+
+
+def test_the_file_holds_global_tensors_any_reader_takes(tmp_path: Path) -> None:
+    f = tmp_path / "model.safetensors"
+    sw.checkpoint.save_safetensors(sharded_state(), f, metadata={"format": "pt"})
+    loaded = safetensors.torch.load_file(f)
+    assert sorted(loaded) == ["a", "c", "e", "layer.b", "m", "s"]
+    for name, g in VALUES.items():
+        got = loaded["layer.b" if name == "b" else name]
+        assert got.dtype == g.dtype and torch.equal(got, g), name
+    head = f.read_bytes()
+    n = struct.unpack("<Q", head[:8])[0]
+    assert n % 8 == 0 and json.loads(head[8:8 + n])["__metadata__"] == {"format": "pt"}
+    assert not list(tmp_path.glob("*.partial"))
+
+
+@pytest.mark.parametrize("mesh, place", [(M3, Sharded(1)), (M24, Sharded(0)), (M22, R)])
+def test_load_fills_sharded_targets_in_place(tmp_path: Path, mesh: DeviceMesh,
+                                             place: Any) -> None:
+    f = tmp_path / "w.safetensors"
+    safetensors.torch.save_file({k: v for k, v in VALUES.items() if k != "b"}, f)
+    pl = [place] + [R] * (mesh.ndim - 1)
+    targets = {"a": sw.zeros((7, 5), sharding=PlacementMapping(mesh, pl)),
+               "c": sw.zeros(3, dtype=torch.int64, sharding=PlacementMapping(
+                   mesh, [Sharded(0) if isinstance(place, Sharded) else R, *pl[1:]])),
+               "e": sw.zeros((0, 5), sharding=PlacementMapping(mesh, pl)),
+               "s": torch.tensor(0.0)}
+    before = [s.data_ptr() for s in targets["a"].shards]
+    assert sw.checkpoint.load_safetensors(f, targets) == []
+    assert [s.data_ptr() for s in targets["a"].shards] == before
+    for name in ("a", "c", "e"):
+        assert torch.equal(targets[name].to_torch(), VALUES[name]), name
+    assert float(targets["s"]) == 2.5
+
+
+def test_load_reads_only_each_blocks_slice(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+                                           ) -> None:
+    f = tmp_path / "w.safetensors"
+    safetensors.torch.save_file({"a": VALUES["a"]}, f)
+    read: list[tuple[int, ...]] = []
+    from safetensors import safe_open
+
+    class Spy:
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            self.inner = safe_open(*args, **kwargs)
+
+        def __enter__(self) -> Any:
+            inner = self.inner.__enter__()
+
+            class Handle:
+                def keys(self) -> Any:
+                    return inner.keys()
+
+                def get_tensor(self, name: str) -> Any:
+                    raise AssertionError("the whole tensor was read")
+
+                def get_slice(self, name: str) -> Any:
+                    part = inner.get_slice(name)
+
+                    class Slice:
+                        def get_shape(self) -> Any:
+                            return part.get_shape()
+
+                        def get_dtype(self) -> Any:
+                            return part.get_dtype()
+
+                        def __getitem__(self, index: Any) -> Any:
+                            out = part[index]
+                            read.append(tuple(out.shape))
+                            return out
+                    return Slice()
+            return Handle()
+
+        def __exit__(self, *exc: Any) -> Any:
+            return self.inner.__exit__(*exc)
+
+    monkeypatch.setattr("safetensors.safe_open", Spy)
+    t = sw.zeros((7, 5), sharding=PlacementMapping(M24, [Sharded(0), Sharded(1)]))
+    sw.checkpoint.load_safetensors(f, {"a": t})
+    assert sorted(read) == sorted([(4, 2), (4, 1), (4, 1), (4, 1), (3, 2), (3, 1), (3, 1),
+                                   (3, 1)])
+    assert torch.equal(t.to_torch(), VALUES["a"])
+
+
+def test_errors_name_the_key(tmp_path: Path) -> None:
+    f = tmp_path / "w.safetensors"
+    safetensors.torch.save_file({"a": VALUES["a"]}, f)
+    with pytest.raises(CheckpointError, match=r"Key 'a'.*\(7, 5\) F32.*\(7, 4\)"):
+        sw.checkpoint.load_safetensors(f, {"a": sw.zeros((7, 4))})
+    with pytest.raises(CheckpointError, match=r"Key 'a'.*float64.*cast=True"):
+        sw.checkpoint.load_safetensors(f, {"a": sw.zeros((7, 5), dtype=torch.float64)})
+    with pytest.raises(CheckpointError, match=r"Key 'zz' is not in"):
+        sw.checkpoint.load_safetensors(f, {"zz": torch.zeros(1)})
+    assert sw.checkpoint.load_safetensors(f, {"zz": torch.zeros(1)}, strict=False) == ["zz"]
+    t = sw.zeros((7, 5), dtype=torch.float64, sharding=PlacementMapping(M3, [Sharded(0)]))
+    sw.checkpoint.load_safetensors(f, {"a": t}, cast=True)
+    assert torch.equal(t.to_torch(), VALUES["a"].double())
+    with pytest.raises(CheckpointError, match=r"Key 'n' holds a int"):
+        sw.checkpoint.save_safetensors({"n": 3}, tmp_path / "x.safetensors")
+    with pytest.raises(CheckpointError, match=r"Key 'p'.*Partial"):
+        sw.checkpoint.save_safetensors({"p": on(VALUES["a"], M22, sw.Partial(), R)},
+                                       tmp_path / "x.safetensors")
+    with pytest.raises(CheckpointError, match="No safetensors file"):
+        sw.checkpoint.load_safetensors(tmp_path / "none.safetensors", {})
+
+
+def test_a_model_round_trips_through_hf_style_names(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    plain = torch.nn.Sequential(torch.nn.Linear(6, 10), torch.nn.GELU(), torch.nn.Linear(10, 4))
+    f = tmp_path / "model.safetensors"
+    safetensors.torch.save_file(plain.state_dict(), f)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 10), torch.nn.GELU(), torch.nn.Linear(10, 4))
+    for mod, dim in ((model[0], 0), (model[2], 1)):
+        mod.weight = torch.nn.Parameter(sw.zeros(tuple(mod.weight.shape), sharding=(
+            PlacementMapping(M22, [R, Sharded(dim)]))))
+    sw.checkpoint.load_safetensors(f, model.state_dict(keep_vars=True))
+    x = torch.randn(3, 6)
+    assert torch.allclose(model(x).to_torch(), plain(x), atol=1e-6)
+    sw.checkpoint.save_safetensors(model.state_dict(), tmp_path / "again.safetensors")
+    again = safetensors.torch.load_file(tmp_path / "again.safetensors")
+    assert all(torch.equal(again[k], v) for k, v in plain.state_dict().items())
