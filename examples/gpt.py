@@ -154,7 +154,7 @@ def main(argv: list[str] | None = None) -> int:
     from shardwise.parallel import loss_parallel
 
     p = argparse.ArgumentParser(description="Train a small GPT with TP x FSDP on shardwise.")
-    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--steps", type=int, default=20, help="train up to this step")
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--dim", type=int, default=32)
     p.add_argument("--layers", type=int, default=2)
@@ -162,6 +162,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rtol", type=float, default=1e-4)
     p.add_argument("--mesh", default=None, help="dp x tp, e.g. 2x4 (default: 2x4 simulated, "
                                                  "2 x world/2 under torchrun)")
+    p.add_argument("--save", metavar="DIR", help="save model + optimizer + step at the end")
+    p.add_argument("--resume", metavar="DIR", help="resume from a --save (any mesh)")
     args = p.parse_args(argv)
     multi = maybe_initialize()
     if args.mesh:
@@ -185,23 +187,34 @@ def main(argv: list[str] | None = None) -> int:
         _say(f"  {name:26} {str(tuple(param.shape)):>9} {str(param.local_shapes[0]):>10}"
              f"  {dims}")
     data = PlacementMapping(mesh, (Sharded(0), Replicated()))
+
+    def reference_step(step: int) -> float:
+        ids, targets = batch(cfg, args.batch, step)
+        loss = reference(ids, targets)
+        loss.backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        return loss.item()
+
+    start = 0
+    if args.resume:
+        start = sw.checkpoint.load_train_state(args.resume, model, opt)
+        for step in range(start):  # bring the single-device reference to the same step
+            reference_step(step)
+        _say(f"resumed from {args.resume} at step {start}")
     rows, worst, comm = [], 0.0, None
-    bar, advance = _progress(args.steps)
+    bar, advance = _progress(args.steps - start)
     if bar is not None:
         bar.start()
     try:
-        for step in range(args.steps):
+        for step in range(start, args.steps):
             ids, targets = batch(cfg, args.batch, step)
             with CommCounter() as counter, loss_parallel():
                 loss = model(sw.tensor(ids, sharding=data), sw.tensor(targets, sharding=data))
                 loss.backward()
             opt.step()
             opt.zero_grad()
-            ref_loss = reference(ids, targets)
-            ref_loss.backward()
-            ref_opt.step()
-            ref_opt.zero_grad()
-            got, want = loss.item(), ref_loss.item()
+            got, want = loss.item(), reference_step(step)
             diff = abs(got - want) / max(abs(want), 1e-12)
             worst = max(worst, diff)
             rows.append((step, got, want, diff))
@@ -214,8 +227,11 @@ def main(argv: list[str] | None = None) -> int:
         _say(f"collectives per step: {dict(comm.counts)} "
              f"({sum(comm.bytes.values())} B/device)")
     _say(f"{'step':>5} {'shardwise':>10} {'torch':>10} {'rel. diff':>10}")
-    for step, got, want, diff in (rows[0], rows[-1]):
+    for step, got, want, diff in rows[:1] + rows[1:][-1:]:
         _say(f"{step:5d} {got:10.6f} {want:10.6f} {diff:10.2e}")
+    if args.save:
+        sw.checkpoint.save_train_state(args.save, model, opt, step=args.steps)
+        _say(f"saved step {args.steps} to {args.save}")
     ok = worst <= args.rtol
     _say("parity OK" if ok else f"parity FAILED: worst relative difference {worst:.2e}")
     if multi:
