@@ -184,7 +184,7 @@ def main(argv: list[str] | None = None) -> int:
                  "tok.weight"):
         param = model.get_parameter(name)
         dims = str(param.dist_layout)[len(repr(mesh)):]
-        _say(f"  {name:26} {str(tuple(param.shape)):>9} {str(param.local_shapes[0]):>10}"
+        _say(f"  {name:26} {tuple(param.shape)!s:>9} {param.local_shapes[0]!s:>10}"
              f"  {dims}")
     data = PlacementMapping(mesh, (Sharded(0), Replicated()))
 
