@@ -73,10 +73,16 @@ def _replicated(mesh: DeviceMesh, ndim: int) -> Layout:
 
 
 _LOCAL: dict[tuple[int, torch.device], tuple[DeviceMesh, bool]] = {}
+_DIST = torch.distributed.is_available()
 
 
 def _local_mesh(mesh: DeviceMesh, device: torch.device) -> bool:
-    """Whether this process holds every device of ``mesh``, all on torch ``device``."""
+    """Whether this process alone holds every device of ``mesh``, all on torch
+    ``device``. Never in a process world (torch.distributed initialized): other
+    processes may take part in ``mesh``'s collectives (a one-device mesh held here is
+    still broadcast to them), so every process runs the ops block by block alike."""
+    if _DIST and torch.distributed.is_initialized():
+        return False
     hit = _LOCAL.get((id(mesh), device))
     if hit is None:
         backend = backend_for(mesh)

@@ -193,18 +193,21 @@ def permute(x: Tensor, *dims: Any) -> Tensor:
     t = _need(x, "permute")
     if len(dims) == 1 and isinstance(dims[0], (list, tuple)):
         dims = tuple(dims[0])
-    perm = tuple(normalize_dim(d, max(t.ndim, 1), "permute dim") for d in dims)
+    n = max(len(t._shape), 1)
+    perm = tuple(normalize_dim(d, n, "permute dim") for d in dims)
     return apply("permute", (t,), lambda s: s.permute(perm), perm)
 
 
 def transpose(x: Tensor, dim0: int, dim1: int) -> Tensor:
     """Swap two dims; each keeps its sharding (no communication)."""
     t = _need(x, "transpose")
-    perm = list(range(t.ndim))
-    a = normalize_dim(dim0, t.ndim, "transpose dim0")
-    b = normalize_dim(dim1, t.ndim, "transpose dim1")
+    n = len(t._shape)
+    a = normalize_dim(dim0, n, "transpose dim0")
+    b = normalize_dim(dim1, n, "transpose dim1")
+    perm = list(range(max(n, 1)))
     perm[a], perm[b] = perm[b], perm[a]
-    return permute(t, perm)
+    order = tuple(perm)  # normalized already: straight to the rule
+    return apply("permute", (t,), lambda s: s.permute(order), order)
 
 
 def reshape(x: Tensor, *shape: Any) -> Tensor:

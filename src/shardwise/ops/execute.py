@@ -44,7 +44,11 @@ def _is_const(x: Any) -> bool:
 
 def _operands(op: str, operands: Sequence[Any]) -> list[Any]:
     """The operands, checked: Tensors on one mesh, or constants."""
-    first = next((x for x in operands if isinstance(x, Tensor)), None)
+    first = None
+    for x in operands:
+        if isinstance(x, Tensor):
+            first = x
+            break
     if first is None:
         raise ShardingTypeError(
             f"{op} needs at least one shardwise.Tensor operand. Got "
@@ -186,7 +190,8 @@ def _run_whole(op: str, fn: Callable[..., torch.Tensor], args: list[Any],
     assert tuple(r.shape) == factors.out_shape, (
         f"{op}: the whole result has shape {tuple(r.shape)}, the rule gives "
         f"{factors.out_shape}")
-    return Tensor.from_whole(r, dec.output, dec.out_open)
+    # the operands' wholes live on this mesh's one torch device: no check needed
+    return Tensor._wrap(None, r, dec.output, r.shape, r.dtype, r.device, dec.out_open)
 
 
 def _shapes(args: list[Any]) -> list[list[int]]:
@@ -216,9 +221,9 @@ def apply_elementwise(op: str, operands: Sequence[Any], fn: Callable[..., torch.
     without Partial axes (and the rest are Python numbers) the output keeps that
     layout with no rule to bind; else :func:`apply`.
 
-    Where every operand also holds its whole value (``_whole``: a simulated mesh,
-    no gradient recorded), ``fn`` runs once on the whole values and the result is
-    cut into blocks: one torch call instead of one per distinct block."""
+    Where every operand also holds its whole value (``_whole``: a simulated mesh),
+    ``fn`` runs once on the whole values (one autograd node) and the result keeps
+    its whole: one torch call instead of one per distinct block."""
     first: Tensor | None = None
     for x in operands:
         if isinstance(x, Tensor):
@@ -241,7 +246,8 @@ def apply_elementwise(op: str, operands: Sequence[Any], fn: Callable[..., torch.
             whole = fn(*[x._whole if isinstance(x, Tensor) else x for x in operands])
             if tuple(whole.shape) != first._shape:
                 return apply(op, operands, fn)
-            return Tensor.from_whole(whole, layout, first._open)
+            return Tensor._wrap(None, whole, layout, whole.shape, whole.dtype, whole.device,
+                                first._open)
         single = len(operands) == 1
         memo: dict[Any, torch.Tensor] = {}
         out: list[torch.Tensor] = []
