@@ -32,7 +32,7 @@ from typing import Any
 import torch
 
 from shardwise.devices import Device
-from shardwise.planner import Plan, make_plan
+from shardwise.planner import Plan, backward_steps, make_plan
 from shardwise.runtime import backend_for
 from shardwise.runtime import observe as comm
 from shardwise.sharding.errors import ConversionError, ShardingError, ShardingTypeError
@@ -403,6 +403,49 @@ class Tensor(torch.Tensor):
         shards = run_plan(self.mesh, self.plan_to(target), self._shards)
         return Tensor(shards, target, self._shape, self._dtype)
 
+    def reused(self, target: Layout) -> Tensor:
+        """:meth:`relayout` for an op's operand, done once per value: the result is
+        kept on this tensor (keyed by ``target`` and grad mode) and every later use
+        gets the same Tensor, so a Partial read by several ops is reduced once and
+        autograd sums their gradients through one node. Built from the cheapest kept
+        layout (e.g. an all_gather of a kept reduce_scatter instead of a second
+        all_reduce). An in-place write to either tensor (a bumped ``_version``)
+        drops the entry; leaves that require grad keep nothing (their relayout
+        belongs to one step's graph). Never returned to users: ops only."""
+        if target == self._layout:
+            return self
+        shards = self._shards
+        uniq = self._unique()
+        first = shards[uniq[0]] if uniq else None
+        if first is not None and first.requires_grad and first.grad_fn is None:
+            return self.relayout(target)
+        memo: dict[Any, Any] | None = self.__dict__.get("_reuse")
+        if memo is None:
+            memo = self.__dict__["_reuse"] = {}
+        grad = torch.is_grad_enabled()
+        layout, version = self._layout, _versions(shards, uniq)
+
+        def fresh(entry: tuple[Any, ...]) -> bool:
+            src, lay, ver, kept, kept_ver = entry
+            return (src is shards and lay is layout and ver == version
+                    and kept_ver == _versions(kept._shards))
+
+        hit = memo.get((target, grad))
+        if hit is not None and fresh(hit):
+            return hit[3]
+        source, cost = self, self.plan_to(target).bytes_per_device
+        for (lay, g), entry in list(memo.items()):
+            kept = entry[3]
+            if not fresh(entry):
+                del memo[(lay, g)]  # written in place since: stale
+            elif g == grad:
+                c = kept.plan_to(target).bytes_per_device
+                if c < cost:
+                    source, cost = kept, c
+        out = source.relayout(target)
+        memo[(target, grad)] = (shards, layout, version, out, _versions(out._shards))
+        return out
+
     def plan_to(self, target: Layout) -> Plan:
         if target.mesh != self.mesh:
             raise ShardingError(
@@ -624,14 +667,33 @@ class Tensor(torch.Tensor):
                                 create_graph=create_graph)
 
 
+def _versions(shards: Sequence[torch.Tensor | None], uniq: Sequence[int] | None = None
+              ) -> int:
+    """The sum of the distinct local buffers' version counters: any in-place write
+    to one of them (or to a view of it) changes it."""
+    if uniq is None:
+        seen: set[int] = set()
+        total = 0
+        for s in shards:
+            if s is not None and id(s) not in seen:
+                seen.add(id(s))
+                total += s._version
+        return total
+    return sum(shards[k]._version for k in uniq)  # type: ignore[union-attr]
+
+
 def run_plan(mesh: DeviceMesh, plan: Plan, shards: Sequence[torch.Tensor]
              ) -> list[torch.Tensor]:
-    """Execute ``plan`` on ``mesh``'s backend, counting its collectives for
-    :class:`~shardwise.debug.CommCounter`."""
-    if comm.active():
-        for step in plan.collectives:
-            comm.record(step.kind, step.bytes_per_device, step)
-    return backend_for(mesh).execute_plan(plan, shards)
+    """Execute ``plan`` on ``mesh``'s backend, counting its collectives (and, when a
+    gradient is recorded, its gradient's) for :class:`~shardwise.debug.CommCounter`."""
+    if not comm.active():
+        return backend_for(mesh).execute_plan(plan, shards)
+    where = comm.source_line()
+    for step in plan.collectives:
+        comm.record(step.kind, step.bytes_per_device, step, where=where)
+    out = backend_for(mesh).execute_plan(plan, shards)
+    comm.on_backward(out, backward_steps(plan), where)
+    return out
 
 
 def with_open_dims(t: Tensor, sharding: object) -> Tensor:

@@ -23,10 +23,12 @@ import torch
 
 from shardwise.ops.binding import Factors, bind
 from shardwise.ops.propagation import Decision, decide
+from shardwise.planner import diverge_step
 from shardwise.runtime import backend_for
+from shardwise.runtime import observe as comm
 from shardwise.sharding.errors import ShardingError, ShardingTypeError
 from shardwise.sharding.layout import Layout
-from shardwise.tensors import Tensor, place
+from shardwise.tensors import Tensor, _versions, place
 
 __all__ = ["apply", "apply_elementwise"]
 
@@ -101,13 +103,43 @@ def apply(op: str, operands: Sequence[Any], fn: Callable[..., torch.Tensor], *pa
             continue
         req = dec.required[i]
         assert req is not None
-        shards: Sequence[torch.Tensor | None] = (
-            x.shards if req is layouts[i] else x.relayout(req).shards)
-        if dec.diverge[i]:
-            shards = backend_for(req.mesh).diverge(shards, req,  # type: ignore[arg-type]
-                                                   dec.diverge[i])
-        cols.append(shards)
+        t = x if req is layouts[i] else x.reused(req)
+        cols.append(_diverged(t, dec.diverge[i]) if dec.diverge[i] else t.shards)
     return _run_local(op, fn, args, cols, dec, factors, shaped)
+
+
+def _diverged(t: Tensor, axes: tuple[int, ...]) -> Sequence[torch.Tensor | None]:
+    """``t``'s shards through the backend's ``diverge`` over ``axes``, once per value
+    (kept on ``t`` like :meth:`Tensor.reused`): every op reading ``t`` shares one
+    diverge, so the gradient's all_reduce runs once on the summed gradient."""
+    shards = t._shards
+    grad = torch.is_grad_enabled() and t.requires_grad
+    keep = not (grad and t.is_leaf)  # a leaf's diverge belongs to one step's graph
+    key = (axes, torch.is_grad_enabled())
+    if keep:
+        memo: dict[Any, Any] = t.__dict__.setdefault("_diverged", {})
+        version = _versions(shards)
+        hit = memo.get(key)
+        if hit is not None and hit[0] is shards and hit[1] == version:
+            return hit[2]  # type: ignore[no-any-return]
+    out = backend_for(t.mesh).diverge(shards, t.dist_layout, axes)  # type: ignore[arg-type]
+    if grad and comm.active():
+        out = _counted(t, out, axes)
+    if keep:
+        memo[key] = (shards, version, out)
+    return out
+
+
+def _counted(t: Tensor, out: Sequence[torch.Tensor | None], axes: tuple[int, ...]
+             ) -> Sequence[torch.Tensor | None]:
+    """``out`` with the gradient's all_reduce announced to the CommCounter, hung on
+    identity views of its own (the simulated diverge is the identity: the replicas
+    share one buffer, which other uses of ``t`` also read)."""
+    views: dict[int, torch.Tensor] = {}
+    out = [None if s is None else views.setdefault(id(s), s.view_as(s)) for s in out]
+    comm.on_backward(out, (diverge_step(t.dist_layout, t._shape, t.dtype.itemsize, axes),),
+                     comm.source_line())
+    return out
 
 
 def _run_local(op: str, fn: Callable[..., torch.Tensor], args: list[Any],
