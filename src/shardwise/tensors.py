@@ -679,7 +679,7 @@ def _versions(shards: Sequence[torch.Tensor | None], uniq: Sequence[int] | None 
                 seen.add(id(s))
                 total += s._version
         return total
-    return sum(shards[k]._version for k in uniq)  # type: ignore[union-attr]
+    return sum(int(shards[k]._version) for k in uniq)  # type: ignore[union-attr,misc]
 
 
 def run_plan(mesh: DeviceMesh, plan: Plan, shards: Sequence[torch.Tensor]

@@ -30,7 +30,7 @@ class LineCount(NamedTuple):
     where: str
     phase: str
     kind: str
-    count: int
+    n: int
     nbytes: int
 
 
@@ -43,7 +43,7 @@ class CommCounter:
     ...     y = shardwise.all_gather(x)
     >>> cc.counts, cc.bytes["all_gather"]   # each device receives the other's 2x4 block
     (Counter({'all_gather': 1}), 32)
-    >>> [(row.phase, row.kind, row.count) for row in cc.by_line()]
+    >>> [(row.phase, row.kind, row.n) for row in cc.by_line()]
     [('forward', 'all_gather', 1)]
     """
 
@@ -97,7 +97,7 @@ class CommCounter:
         lines = [f"{'line':<{width}}  {'phase':<8} {'collective':<15} {'n':>4} "
                  f"{'bytes/device':>12}  code"]
         for r in rows:
-            lines.append(f"{r.where:<{width}}  {r.phase:<8} {r.kind:<15} {r.count:>4} "
+            lines.append(f"{r.where:<{width}}  {r.phase:<8} {r.kind:<15} {r.n:>4} "
                          f"{fmt_bytes(r.nbytes):>12}  {code[r.where][:60]}")
         return "\n".join(lines)
 

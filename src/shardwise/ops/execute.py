@@ -121,8 +121,8 @@ def _diverged(t: Tensor, axes: tuple[int, ...]) -> Sequence[torch.Tensor | None]
         version = _versions(shards)
         hit = memo.get(key)
         if hit is not None and hit[0] is shards and hit[1] == version:
-            return hit[2]  # type: ignore[no-any-return]
-    out = backend_for(t.mesh).diverge(shards, t.dist_layout, axes)  # type: ignore[arg-type]
+            return hit[2]
+    out: Sequence[torch.Tensor | None] = backend_for(t.mesh).diverge(shards, t.dist_layout, axes)
     if grad and comm.active():
         out = _counted(t, out, axes)
     if keep:
