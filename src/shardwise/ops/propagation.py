@@ -7,7 +7,8 @@ each operand is resharded to and the output layout.
 
 Invariants:
 - Candidates for a factor: the shardings its dims have on the operands, plus
-  unsharded. A "needs full" factor is only unsharded. Nothing is sharded over
+  unsharded. The major factor of a compound dim (reshape) is sharded only where
+  it splits evenly. A "needs full" factor is only unsharded. Nothing is sharded over
   an axis no operand uses for that factor (no new shardings are invented).
 - A mesh axis serves at most one factor, or one Partial pass-through.
 - A sharded factor missing from the output makes the output Partial(rule's
@@ -106,7 +107,7 @@ def decide(factors: Factors, layouts: tuple[Layout | None, ...],
     ``opens[i]`` None: every dim open.
     """
     mesh = next(lay for lay in layouts if lay is not None).mesh
-    shapes = [tuple(factors.sizes[f] for f in fs) for fs in factors.operands]
+    shapes = factors.shapes
     cands = _candidates(factors, layouts, first_only=False)
     if math.prod(len(c) for c in cands) > MAX_COMBINATIONS:
         cands = _candidates(factors, layouts, first_only=True)
@@ -115,7 +116,8 @@ def decide(factors: Factors, layouts: tuple[Layout | None, ...],
     best: tuple[tuple[int, ...], Layout, list[Layout | None]] | None = None
     for shardings in itertools.product(*cands):
         used = [a for axes in shardings for a in axes]
-        if len(used) != len(set(used)):
+        if len(used) != len(set(used)) or (factors.even and not _even(factors, shardings,
+                                                                        mesh.mesh_shape)):
             continue
         for keep in itertools.product(*(opts for _, opts in passes)):
             axes_kept = [a for (a, _), k in zip(passes, keep) if k is not None]
@@ -158,6 +160,13 @@ def decide(factors: Factors, layouts: tuple[Layout | None, ...],
     key, out, required = best
     return Decision(tuple(required), out, _out_open(factors, opens),
                     _diverge(required, out), _local_shapes(out, factors.out_shape), key[0])
+
+
+def _even(factors: Factors, shardings: tuple[tuple[int, ...], ...],
+          mesh_shape: tuple[int, ...]) -> bool:
+    """Every major factor of a compound dim splits evenly over its mesh axes."""
+    return all(factors.sizes[f] % math.prod(mesh_shape[a] for a in shardings[f]) == 0
+               for f in factors.even)
 
 
 def _per_axis(passes: list[tuple[int, list[int | None]]], keep: tuple[int | None, ...],
