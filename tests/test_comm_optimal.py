@@ -92,7 +92,7 @@ def test_an_in_place_write_drops_the_kept_relayout() -> None:
 
 
 def test_a_relayout_kept_without_grad_is_not_reused_with_grad() -> None:
-    p, a, w = partial_product()
+    p, a, _ = partial_product()
     with torch.no_grad():
         torch.tanh(p)
     torch.tanh(p).sum().backward()

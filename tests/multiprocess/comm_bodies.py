@@ -68,7 +68,7 @@ def bytes_by_axes(cc: CommCounter, phase: str) -> Counter[tuple[str, tuple[str, 
 
 def dp_gradient_bytes(model: nn.Module, mesh: DeviceMesh) -> int:
     """One all_reduce over dp of each parameter's local (tp) block."""
-    dp, tp = mesh.mesh_shape
+    dp = mesh.mesh_shape[0]
     total = 0
     for p in model.parameters():
         shape = list(p.shape)
