@@ -116,14 +116,18 @@ def test_a_partial_whose_consumer_wants_it_sharded_is_reduce_scattered() -> None
     y = sw.tensor(randn(8, 16, seed=3), sharding=on(LINE, Sharded(0)))
     p = a @ w
     with CommCounter() as cc:
-        z = p + y
-        t = torch.tanh(p)  # from the kept Sharded value: an all_gather, not an all_reduce
+        z = p + y  # y is Sharded(0): p is reduce_scattered to meet it
+        t = torch.tanh(p)  # runs on the kept Sharded blocks: no collective
+        u = torch.softmax(p, 0)  # dim 0 whole: an all_gather of the kept blocks
     assert [k for k, _, _ in cc.log] == ["reduce_scatter", "all_gather"], cc.table()
+    assert t.dist_layout.dims == ((0,), ()) and u.dist_layout.dims == ((), ())
     whole = 8 * 16 * 8
+    # reduce_scatter + all_gather: one all_reduce's bytes, never a second all_reduce
     assert cc.bytes["reduce_scatter"] == cc.bytes["all_gather"] == whole * 3 // 4
     ref = randn(8, 16, seed=1) @ randn(16, 16, seed=2)
     assert torch.allclose(z.to_torch(), ref + randn(8, 16, seed=3))
     assert torch.allclose(t.to_torch(), torch.tanh(ref))
+    assert torch.allclose(u.to_torch(), torch.softmax(ref, 0))
 
 
 @pytest.mark.parametrize("mesh", [MESH, DeviceMesh.cpu((2, 2), ("dp", "tp"))], ids=str)

@@ -446,6 +446,19 @@ class Tensor(torch.Tensor):
         memo[(target, grad)] = (shards, layout, version, out, _versions(out._shards))
         return out
 
+    def kept_layouts(self) -> tuple[Layout, ...]:
+        """The layouts :meth:`reused` holds for this value now (grad mode alike): ops
+        price them as free and plan from them."""
+        memo = self.__dict__.get("_reuse")
+        if not memo:
+            return ()
+        shards = self._shards
+        grad = torch.is_grad_enabled()
+        version = _versions(shards, self._unique())
+        return tuple(lay for (lay, g), (src, src_lay, ver, kept, kept_ver) in memo.items()
+                     if g == grad and src is shards and src_lay is self._layout
+                     and ver == version and kept_ver == _versions(kept._shards))
+
     def plan_to(self, target: Layout) -> Plan:
         if target.mesh != self.mesh:
             raise ShardingError(

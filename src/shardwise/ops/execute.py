@@ -95,7 +95,10 @@ def apply(op: str, operands: Sequence[Any], fn: Callable[..., torch.Tensor], *pa
             opens.append(())
             itemsizes.append(0)
     factors = bind(op, tuple(shapes), *params)
-    dec = decide(factors, tuple(layouts), tuple(opens), tuple(itemsizes))
+    kept = tuple(x.kept_layouts() if isinstance(x, Tensor) and "_reuse" in x.__dict__ else ()
+                 for x in args)
+    dec = decide(factors, tuple(layouts), tuple(opens), tuple(itemsizes),
+                 kept if any(kept) else ())
     cols: list[Sequence[torch.Tensor | None] | None] = []
     for i, x in enumerate(args):
         if layouts[i] is None:
