@@ -16,8 +16,9 @@ Invariants:
 - Cost = bytes per device the planner moves to lay the operands out as
   required (from the operand's layout or, cheaper, from a layout it already has
   at hand: a kept relayout, free to reuse), plus :data:`CLOSED_PENALTY` per
-  closed operand dim whose sharding changes. Ties go to more output parallelism (devices the output's dims are
-  split over), then to keeping earlier operands as they are.
+  closed operand dim whose sharding changes. Ties go to more output parallelism
+  (devices the output's dims are split over), then to keeping earlier operands as
+  they are (or as they are at hand).
 - An output dim is open iff every operand dim of its factor is open.
 - Decisions are pure and cached by (rule, layouts, open dims, itemsizes).
 """
