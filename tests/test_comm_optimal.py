@@ -194,3 +194,14 @@ def test_a_backward_outside_the_counter_is_not_counted() -> None:
     out.to_torch().sum().backward()
     assert cc.backward_total == 0 and cc.events == [e for e in cc.events
                                                      if e.phase == "forward"]
+
+
+def test_item_then_backward_reduce_the_loss_once() -> None:
+    p, a, _ = partial_product()
+    loss = p.sum()  # Partial over tp
+    with CommCounter() as cc:
+        value = loss.item()
+        loss.backward()
+    assert cc.counts == {"all_reduce": 1}, cc.table()
+    assert value == pytest.approx(float((randn(8, 16, seed=1) @ randn(16, 12, seed=2)).sum()))
+    assert a.grad is not None

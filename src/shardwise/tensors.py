@@ -394,7 +394,10 @@ class Tensor(torch.Tensor):
         return self.to_torch().tolist()
 
     def item(self) -> Any:
-        return self._global().item()
+        # through the kept relayout: ``loss.item()`` then ``loss.backward()`` reduce once
+        full = self.reused(Layout.replicated(self.mesh, self.ndim))
+        return backend_for(self.mesh).global_value(full._shards, full._layout, full._shape,
+                                                    full._dtype).item()
 
     def relayout(self, target: Layout) -> Tensor:
         """This value in layout ``target`` (same mesh), through the planner."""
@@ -650,7 +653,7 @@ class Tensor(torch.Tensor):
         """This value with Partial axes reduced (the differentiable global)."""
         if not self._layout.is_partial:
             return self
-        return self.relayout(self._layout.with_partial((None,) * self.mesh.ndim))
+        return self.reused(self._layout.with_partial((None,) * self.mesh.ndim))
 
     def backward(self, gradient: Any = None, retain_graph: bool | None = None,
                  create_graph: bool = False, inputs: Any = None) -> None:
