@@ -116,12 +116,15 @@ def _diverged(t: Tensor, axes: tuple[int, ...]) -> Sequence[torch.Tensor | None]
     (kept on ``t`` like :meth:`Tensor.reused`): every op reading ``t`` shares one
     diverge, so the gradient's all_reduce runs once on the summed gradient."""
     shards = t._shards
-    grad = torch.is_grad_enabled() and t.requires_grad
-    keep = not (grad and t.is_leaf)  # a leaf's diverge belongs to one step's graph
+    uniq = t._unique()
+    first = shards[uniq[0]] if uniq else None
+    grad = torch.is_grad_enabled() and first is not None and first.requires_grad
+    # a leaf's (parameter's) diverge belongs to one step's graph: keep nothing
+    keep = not (grad and first is not None and first.grad_fn is None)
     key = (axes, torch.is_grad_enabled())
     if keep:
         memo: dict[Any, Any] = t.__dict__.setdefault("_diverged", {})
-        version = _versions(shards)
+        version = _versions(shards, uniq)
         hit = memo.get(key)
         if hit is not None and hit[0] is shards and hit[1] == version:
             return hit[2]
