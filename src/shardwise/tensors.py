@@ -395,7 +395,7 @@ class Tensor(torch.Tensor):
 
     def item(self) -> Any:
         # through the kept relayout: ``loss.item()`` then ``loss.backward()`` reduce once
-        full = self.reused(Layout.replicated(self.mesh, self.ndim))
+        full = self._reused(Layout.replicated(self.mesh, self.ndim))
         return backend_for(self.mesh).global_value(full._shards, full._layout, full._shape,
                                                     full._dtype).item()
 
@@ -406,7 +406,7 @@ class Tensor(torch.Tensor):
         shards = run_plan(self.mesh, self.plan_to(target), self._shards)
         return Tensor(shards, target, self._shape, self._dtype)
 
-    def reused(self, target: Layout) -> Tensor:
+    def _reused(self, target: Layout) -> Tensor:
         """:meth:`relayout` for an op's operand, done once per value: the result is
         kept on this tensor (keyed by ``target`` and grad mode) and every later use
         gets the same Tensor, so a Partial read by several ops is reduced once and
@@ -449,8 +449,8 @@ class Tensor(torch.Tensor):
         memo[(target, grad)] = (shards, layout, version, out, _versions(out._shards))
         return out
 
-    def kept_layouts(self) -> tuple[Layout, ...]:
-        """The layouts :meth:`reused` holds for this value now (grad mode alike): ops
+    def _kept_layouts(self) -> tuple[Layout, ...]:
+        """The layouts :meth:`_reused` holds for this value now (grad mode alike): ops
         price them as free and plan from them."""
         memo = self.__dict__.get("_reuse")
         if not memo:
@@ -653,7 +653,7 @@ class Tensor(torch.Tensor):
         """This value with Partial axes reduced (the differentiable global)."""
         if not self._layout.is_partial:
             return self
-        return self.reused(self._layout.with_partial((None,) * self.mesh.ndim))
+        return self._reused(self._layout.with_partial((None,) * self.mesh.ndim))
 
     def backward(self, gradient: Any = None, retain_graph: bool | None = None,
                  create_graph: bool = False, inputs: Any = None) -> None:

@@ -95,7 +95,7 @@ def apply(op: str, operands: Sequence[Any], fn: Callable[..., torch.Tensor], *pa
             opens.append(())
             itemsizes.append(0)
     factors = bind(op, tuple(shapes), *params)
-    kept = tuple(x.kept_layouts() if isinstance(x, Tensor) and "_reuse" in x.__dict__ else ()
+    kept = tuple(x._kept_layouts() if isinstance(x, Tensor) and "_reuse" in x.__dict__ else ()
                  for x in args)
     dec = decide(factors, tuple(layouts), tuple(opens), tuple(itemsizes),
                  kept if any(kept) else ())
@@ -106,14 +106,14 @@ def apply(op: str, operands: Sequence[Any], fn: Callable[..., torch.Tensor], *pa
             continue
         req = dec.required[i]
         assert req is not None
-        t = x if req is layouts[i] else x.reused(req)
+        t = x if req is layouts[i] else x._reused(req)
         cols.append(_diverged(t, dec.diverge[i]) if dec.diverge[i] else t.shards)
     return _run_local(op, fn, args, cols, dec, factors, shaped)
 
 
 def _diverged(t: Tensor, axes: tuple[int, ...]) -> Sequence[torch.Tensor | None]:
     """``t``'s shards through the backend's ``diverge`` over ``axes``, once per value
-    (kept on ``t`` like :meth:`Tensor.reused`): every op reading ``t`` shares one
+    (kept on ``t`` like :meth:`Tensor._reused`): every op reading ``t`` shares one
     diverge, so the gradient's all_reduce runs once on the summed gradient."""
     shards = t._shards
     uniq = t._unique()
