@@ -39,7 +39,7 @@ import torch
 
 from shardwise import chunks, dtensor_interop
 from shardwise.devices import Device
-from shardwise.planner import Plan, make_plan
+from shardwise.planner import Plan, backward_steps, diverge_step, make_plan
 from shardwise.runtime import backend_for
 from shardwise.runtime import observe as comm
 from shardwise.sharding.errors import ConversionError, ShardingError, ShardingTypeError
@@ -474,7 +474,12 @@ class Tensor(torch.Tensor):
         return self.to_torch().tolist()
 
     def item(self) -> Any:
-        return self._global().item()
+        # through the kept relayout: ``loss.item()`` then ``loss.backward()`` reduce once
+        if self._whole is not None:
+            return self._whole_as(Layout.replicated(self.mesh, self.ndim)).item()
+        full = self._reused(Layout.replicated(self.mesh, self.ndim))
+        return backend_for(self.mesh).global_value(full._shards, full._layout, full._shape,
+                                                    full._dtype).item()
 
     def relayout(self, target: Layout) -> Tensor:
         """This value in layout ``target`` (same mesh), through the planner."""
@@ -482,6 +487,116 @@ class Tensor(torch.Tensor):
             return self
         shards = run_plan(self.mesh, self.plan_to(target), self._shards)
         return Tensor(shards, target, self._shape, self._dtype)
+
+    def _whole_as(self, target: Layout, diverge: tuple[int, ...] = (),
+                  view: torch.Tensor | None = None) -> torch.Tensor:
+        """The whole value as an op's operand that needs layout ``target`` (and, for its
+        gradient, a sum over the ``diverge`` axes): the layout change is metadata, but
+        its collectives are counted as :meth:`_reused` would run them, once per value
+        (kept like ``_reused``'s results: the same operand for every later op, so one
+        backward hook sees the summed gradient; leaves keep nothing), from the
+        cheapest layout already reached. ``view``: an identity view of the whole that
+        the op already used (the hook goes there, e.g. a bias inside addmm)."""
+        whole = self._whole
+        assert whole is not None
+        layout = self._layout
+        if not diverge and (target is layout or target == layout):
+            return whole
+        grad = torch.is_grad_enabled()
+        leaf = whole.requires_grad and whole.grad_fn is None
+        memo: dict[Any, Any] | None = None if leaf else self.__dict__.setdefault("_wreuse", {})
+        key = (target, diverge, grad)
+        if memo is not None:
+            hit = memo.get(key)
+            if hit is not None and hit[0] is whole and hit[1] == whole._version:
+                return hit[2]  # type: ignore[no-any-return]
+        out = whole
+        if comm.active():
+            source = layout
+            plan = make_plan(layout, target, self._shape, self._dtype.itemsize)
+            for lay in self._whole_kept() if memo else ():
+                other = make_plan(lay, target, self._shape, self._dtype.itemsize)
+                if other.bytes_per_device < plan.bytes_per_device:
+                    source, plan = lay, other
+            where = comm.source_line()
+            for step in plan.collectives:
+                comm.record(step.kind, step.bytes_per_device, step, where=where)
+            back = tuple(backward_steps(plan)) if source is layout else ()
+            if diverge:
+                back += (diverge_step(target, self._shape, self._dtype.itemsize, diverge),)
+            if back and grad and whole.requires_grad:
+                # its own node: the hook sees this use's gradient
+                out = whole.view_as(whole) if view is None else view
+                comm.on_backward([out], back, where)
+        if memo is not None:
+            memo[key] = (whole, whole._version, out)
+        return out
+
+    def _whole_kept(self) -> tuple[Layout, ...]:
+        """The layouts :meth:`_whole_as` reached for this value (grad mode alike)."""
+        memo = self.__dict__.get("_wreuse")
+        if not memo:
+            return ()
+        whole, grad = self._whole, torch.is_grad_enabled()
+        return tuple(lay for (lay, div, g), (w, ver, _) in memo.items()
+                     if g == grad and not div and w is whole and whole is not None
+                     and ver == whole._version)
+
+    def _reused(self, target: Layout) -> Tensor:
+        """:meth:`relayout` for an op's operand, done once per value: the result is
+        kept on this tensor (keyed by ``target`` and grad mode) and every later use
+        gets the same Tensor, so a Partial read by several ops is reduced once and
+        autograd sums their gradients through one node. Built from the cheapest kept
+        layout (e.g. an all_gather of a kept reduce_scatter instead of a second
+        all_reduce). An in-place write to either tensor (a bumped ``_version``)
+        drops the entry; leaves that require grad keep nothing (their relayout
+        belongs to one step's graph). Never returned to users: ops only."""
+        if target == self._layout:
+            return self
+        shards = self._shards
+        uniq = self._unique()
+        first = shards[uniq[0]] if uniq else None
+        if first is not None and first.requires_grad and first.grad_fn is None:
+            return self.relayout(target)
+        memo: dict[Any, Any] | None = self.__dict__.get("_reuse")
+        if memo is None:
+            memo = self.__dict__["_reuse"] = {}
+        grad = torch.is_grad_enabled()
+        layout, version = self._layout, _versions(shards, uniq)
+
+        def fresh(entry: tuple[Any, ...]) -> bool:
+            src, lay, ver, kept, kept_ver = entry
+            return (src is shards and lay is layout and ver == version
+                    and kept_ver == _versions(kept._shards))
+
+        hit = memo.get((target, grad))
+        if hit is not None and fresh(hit):
+            return hit[3]
+        source, cost = self, self.plan_to(target).bytes_per_device
+        for (lay, g), entry in list(memo.items()):
+            kept = entry[3]
+            if not fresh(entry):
+                del memo[(lay, g)]  # written in place since: stale
+            elif g == grad:
+                c = kept.plan_to(target).bytes_per_device
+                if c < cost:
+                    source, cost = kept, c
+        out = source.relayout(target)
+        memo[(target, grad)] = (shards, layout, version, out, _versions(out._shards))
+        return out
+
+    def _kept_layouts(self) -> tuple[Layout, ...]:
+        """The layouts :meth:`_reused` holds for this value now (grad mode alike): ops
+        price them as free and plan from them."""
+        memo = self.__dict__.get("_reuse")
+        if not memo:
+            return ()
+        shards = self._shards
+        grad = torch.is_grad_enabled()
+        version = _versions(shards, self._unique())
+        return tuple(lay for (lay, g), (src, src_lay, ver, kept, kept_ver) in memo.items()
+                     if g == grad and src is shards and src_lay is self._layout
+                     and ver == version and kept_ver == _versions(kept._shards))
 
     def plan_to(self, target: Layout) -> Plan:
         if target.mesh != self.mesh:
@@ -715,9 +830,8 @@ class Tensor(torch.Tensor):
             return self
         target = self._layout.with_partial((None,) * self.mesh.ndim)
         if self._whole is not None:  # the whole is the reduced value already
-            record_plan(self.plan_to(target))
-            return Tensor.from_whole(self._whole, target, self._open)
-        return self.relayout(target)
+            return Tensor.from_whole(self._whole_as(target), target, self._open)
+        return self._reused(target)
 
     def backward(self, gradient: Any = None, retain_graph: bool | None = None,
                  create_graph: bool = False, inputs: Any = None) -> None:
@@ -752,14 +866,33 @@ class Tensor(torch.Tensor):
                                 create_graph=create_graph)
 
 
+def _versions(shards: Sequence[torch.Tensor | None], uniq: Sequence[int] | None = None
+              ) -> int:
+    """The sum of the distinct local buffers' version counters: any in-place write
+    to one of them (or to a view of it) changes it."""
+    if uniq is None:
+        seen: set[int] = set()
+        total = 0
+        for s in shards:
+            if s is not None and id(s) not in seen:
+                seen.add(id(s))
+                total += s._version
+        return total
+    return sum(int(shards[k]._version) for k in uniq)  # type: ignore[union-attr,misc]
+
+
 def run_plan(mesh: DeviceMesh, plan: Plan, shards: Sequence[torch.Tensor]
              ) -> list[torch.Tensor]:
-    """Execute ``plan`` on ``mesh``'s backend, counting its collectives for
-    :class:`~shardwise.debug.CommCounter`."""
-    if comm.active():
-        for step in plan.collectives:
-            comm.record(step.kind, step.bytes_per_device, step)
-    return backend_for(mesh).execute_plan(plan, shards)
+    """Execute ``plan`` on ``mesh``'s backend, counting its collectives (and, when a
+    gradient is recorded, its gradient's) for :class:`~shardwise.debug.CommCounter`."""
+    if not comm.active():
+        return backend_for(mesh).execute_plan(plan, shards)
+    where = comm.source_line()
+    for step in plan.collectives:
+        comm.record(step.kind, step.bytes_per_device, step, where=where)
+    out = backend_for(mesh).execute_plan(plan, shards)
+    comm.on_backward(out, backward_steps(plan), where)
+    return out
 
 
 def with_open_dims(t: Tensor, sharding: object) -> Tensor:

@@ -226,10 +226,16 @@ def test_torch_runs_once_per_distinct_input(monkeypatch: pytest.MonkeyPatch) -> 
 def test_decisions_are_cached() -> None:
     from shardwise.ops.propagation import decide
 
-    x = sw.tensor(values(8, 8), sharding=lay(MESH, "dp", "tp"))
-    y = sw.tensor(values(8, 8), sharding=lay(MESH, "tp", None))  # another layout: decided
+    def pair() -> tuple[sw.Tensor, sw.Tensor]:
+        # fresh values: a value relayouted once keeps the result, which its next ops
+        # weigh too (another decision)
+        return (sw.tensor(values(8, 8), sharding=lay(MESH, "dp", "tp")),
+                sw.tensor(values(8, 8), sharding=lay(MESH, "tp", None)))  # another layout
+
+    x, y = pair()
     x + y
     before = decide.cache_info().hits
+    x, y = pair()
     x + y
     assert decide.cache_info().hits == before + 1
     before = decide.cache_info()

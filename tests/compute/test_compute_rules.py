@@ -42,10 +42,14 @@ def text(op: str, shapes: tuple[tuple[int, ...], ...], *params: object) -> str:
     ("permute", ((4, 8, 3),), ((2, 0, 1),), "d0 d1 d2 -> d2 d0 d1 [3, 4, 8] full=[]"),
     ("softmax", ((4, 8),), (1,), "d0 d1! -> d0 d1! [4, 8] full=[1]"),
     ("cat", ((4, 8), (2, 8)), (0,), "c0! d1, c1! d1 -> c! d1 [6, 8] full=[0, 2, 3]"),
-    ("reshape", ((4, 6, 8),), ((4, 48),), "d0 d1! d2! -> d0 o1! [4, 48] full=[1, 2, 3]"),
+    # a merge: the new dim is the compound of the old ones (major first, minors whole)
+    ("reshape", ((4, 6, 8),), ((4, 48),), "d0 d1 d2! -> d0 (d1 d2!) [4, 48] full=[2]"),
     ("reshape", ((4, 1, 6),), ((4, 6),), "d0 d1! d2 -> d0 d2 [4, 6] full=[1]"),
     ("reshape", ((4, 6),), ((4, 1, 6),), "d0 d1 -> d0 o1 d1 [4, 1, 6] full=[]"),
-    ("reshape", ((4, 6),), ((2, 2, -1),), "d0! d1 -> o0! o1! d1 [2, 2, 6] full=[0, 2, 3]"),
+    # a split: the old dim is the compound of the new ones
+    ("reshape", ((4, 6),), ((2, 2, -1),), "(o0 o1!) d1 -> o0 o1! d1 [2, 2, 6] full=[1]"),
+    # neither (6, 4) -> (4, 6): regrouped dims stay whole
+    ("reshape", ((6, 4),), ((4, 6),), "d0! d1! -> o0! o1! [4, 6] full=[0, 1, 2, 3]"),
     ("getitem", ((4, 8, 3),), ((("slice", None, None, None), 1),),
      "d0 d1! d2 -> d0 d2 [4, 3] full=[1]"),
     ("getitem", ((4, 8, 3),), ((Ellipsis, ("slice", 1, 3, None), None),),

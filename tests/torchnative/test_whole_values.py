@@ -77,8 +77,10 @@ def test_gpt_megatron_steps_equal_single_device_torch() -> None:
             loss = model(sw.tensor(x, sharding=data), sw.tensor(y, sharding=data))
         rloss = ref(x, y)
         # what the layouts imply, as in block-by-block execution
-        assert dict(cc.counts) == {"all_gather": 8, "all_reduce": 4}
-        assert _nodes(loss.grad_fn) <= _nodes(rloss.grad_fn) + 4  # torch: 116, blocks: 640
+        assert dict(cc.counts) == {"all_reduce": 5}  # 2 per block over tp + the count over dp
+        if step == 0:  # outside a CommCounter (whose backward hooks add identity views)
+            bare = model(sw.tensor(x, sharding=data), sw.tensor(y, sharding=data))
+            assert _nodes(bare.grad_fn) <= _nodes(rloss.grad_fn) + 4  # torch: 116, blocks: 640
         loss.backward()
         rloss.backward()
         # the loss is sum / count over the sharded batch (torch's mean may round apart

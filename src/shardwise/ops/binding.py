@@ -16,6 +16,8 @@ Invariants:
 from __future__ import annotations
 
 import functools
+import math
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -39,11 +41,23 @@ class Factors:
     passes: Passes
     reduce: ReduceOp | None
     carriers: tuple[int, ...]
+    # per operand dim / output dim: the product of its minor factors' sizes (1 unless
+    # the dim is a compound "(a b)", named by its major factor a)
+    extents: tuple[tuple[int, ...], ...] = ()
+    out_extents: tuple[int, ...] = ()
+    even: frozenset[int] = frozenset()     # majors of compounds: sharded only evenly
+    shapes: tuple[tuple[int, ...], ...] = field(init=False, compare=False)
     out_shape: tuple[int, ...] = field(init=False, compare=False)
     _hash: int = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "out_shape", tuple(self.sizes[f] for f in self.output))
+        ext = self.extents or tuple((1,) * len(fs) for fs in self.operands)
+        out_ext = self.out_extents or (1,) * len(self.output)
+        object.__setattr__(self, "shapes", tuple(
+            tuple(self.sizes[f] * e for f, e in zip(fs, es))
+            for fs, es in zip(self.operands, ext)))
+        object.__setattr__(self, "out_shape", tuple(
+            self.sizes[f] * e for f, e in zip(self.output, out_ext)))
         object.__setattr__(self, "_hash", hash((self.op, self.text, self.sizes)))
 
     def __hash__(self) -> int:
@@ -51,6 +65,10 @@ class Factors:
 
 
 # --- the parser -------------------------------------------------------------------------
+# a term's tokens: "...", a compound dim "(a b=4)", or one factor "a!", "k=1"
+_TOKENS = re.compile(r"\([^)]*\)|[^\s(]+")
+
+
 def _fail(op: str, shapes: tuple[tuple[int, ...], ...], spec: str, why: str) -> ShardingError:
     shown = ", ".join(str(list(s)) for s in shapes)
     return ShardingError(f"{op}: operands of shapes {shown} do not fit the rule '{spec}': {why}.")
@@ -58,7 +76,7 @@ def _fail(op: str, shapes: tuple[tuple[int, ...], ...], spec: str, why: str) -> 
 
 def _parse(op: str, spec: str, shapes: tuple[tuple[int, ...], ...], rule: Rule) -> Factors:
     lhs, _, rhs = spec.partition("->")
-    terms = [t.split() for t in lhs.split(",")]
+    terms = [_TOKENS.findall(t) for t in lhs.split(",")]
     if len(terms) != len(shapes):
         raise _fail(op, shapes, spec, f"it takes {len(terms)} operands, got {len(shapes)}")
     names: dict[str, int] = {}
@@ -102,9 +120,28 @@ def _parse(op: str, spec: str, shapes: tuple[tuple[int, ...], ...], rule: Rule) 
                                               "match or be 1)")
             if s != 1:
                 batch[q] = s
+    even: set[int] = set()
+
+    def compound(tok: str, size: int | None, where: str) -> tuple[int, int]:
+        """A "(a b ...)" dim: its major factor and the product of the minors' sizes."""
+        parts = [token(t) for t in tok[1:-1].split()]
+        fs = [factor(n, sz, where) for n, _, sz in parts]
+        if len(set(fs)) != len(fs) or not fs:
+            raise _fail(op, shapes, spec, f"{where}: compound {tok} names a factor twice")
+        full.update(fs[1:])
+        extent = math.prod(sizes[f] for f in fs[1:])
+        if size is not None and sizes[fs[0]] * extent != size:
+            raise _fail(op, shapes, spec, f"{where} has size {size}, its factors {tok} "
+                                          f"give {sizes[fs[0]] * extent}")
+        if extent != 1:
+            even.add(fs[0])
+        return fs[0], extent
+
     operands: list[tuple[int, ...]] = []
+    extents: list[tuple[int, ...]] = []
     for i, (term, shape, nb) in enumerate(zip(terms, shapes, nbs)):
         dims: list[int] = []
+        ext: list[int] = []
         d = 0
         for tok in term:
             if tok == "...":
@@ -116,7 +153,14 @@ def _parse(op: str, spec: str, shapes: tuple[tuple[int, ...], ...], rule: Rule) 
                     else:
                         f = factor(f"#{q}", shape[d], f"operand {i} dim {d}")
                     dims.append(f)
+                    ext.append(1)
                     d += 1
+                continue
+            if tok.startswith("("):
+                f, e = compound(tok, shape[d], f"operand {i} dim {d}")
+                dims.append(f)
+                ext.append(e)
+                d += 1
                 continue
             name, must, _ = token(tok)
             f = factor(name, shape[d], f"operand {i} dim {d}")
@@ -125,13 +169,25 @@ def _parse(op: str, spec: str, shapes: tuple[tuple[int, ...], ...], rule: Rule) 
             if f in dims:  # a diagonal: both dims of one operand, never sharded
                 full.add(f)
             dims.append(f)
+            ext.append(1)
             d += 1
         operands.append(tuple(dims))
+        extents.append(tuple(ext))
     output: list[int] = []
-    for tok in rhs.split():
+    out_ext: list[int] = []
+    for tok in _TOKENS.findall(rhs):
         if tok == "...":
             output += [factor(f"#{q}", batch[q], "output") for q in range(nbatch)]
+            out_ext += [1] * nbatch
             continue
+        if tok.startswith("("):
+            f, e = compound(tok, None, "output")
+            if f in output:
+                raise _fail(op, shapes, spec, f"factor of {tok} appears twice in the output")
+            output.append(f)
+            out_ext.append(e)
+            continue
+        out_ext.append(1)
         name, must, size = token(tok)
         f = factor(name, size, "output")
         if f in output:
@@ -141,14 +197,35 @@ def _parse(op: str, spec: str, shapes: tuple[tuple[int, ...], ...], rule: Rule) 
         output.append(f)
     inv = {f: n for n, f in names.items()}
 
-    def show(fs: tuple[int, ...] | list[int]) -> str:
-        return " ".join(inv[f] + ("!" if f in full else "") for f in fs)
+    def one(f: int) -> str:
+        return inv[f] + ("!" if f in full else "")
 
-    text = ", ".join(show(o) for o in operands) + " -> " + show(output)
+    def show(fs: tuple[int, ...] | list[int], toks: list[str], nb: int) -> str:
+        shown: list[str] = []
+        k = 0
+        for tok in toks:
+            if tok == "...":
+                shown += [one(f) for f in fs[k:k + nb]]
+                k += nb
+                continue
+            if tok.startswith("("):  # a compound dim shows its factors: "(o2 o3!)"
+                shown.append("(" + " ".join(one(names[token(t)[0]])
+                                            for t in tok[1:-1].split()) + ")")
+            else:
+                shown.append(one(fs[k]))
+            k += 1
+        return " ".join(shown)
+
+    text = ", ".join(show(o, t, nb) for o, t, nb in zip(operands, terms, nbs)) + " -> " + \
+        show(output, _TOKENS.findall(rhs), nbatch)
     carriers = rule.carriers if rule.carriers is not None else tuple(range(len(shapes)))
     reduce = rule.reduce
+    plain = not even and all(e == 1 for es in extents for e in es) and all(
+        e == 1 for e in out_ext)
     return Factors(op, text.strip(), tuple(operands), tuple(output), tuple(sizes),
-                   frozenset(full), rule.passes, reduce, carriers)
+                   frozenset(full), rule.passes, reduce, carriers,
+                   () if plain else tuple(extents), () if plain else tuple(out_ext),
+                   frozenset(even))
 
 
 @functools.lru_cache(maxsize=8192)

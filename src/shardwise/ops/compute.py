@@ -230,6 +230,8 @@ def reshape(x: Tensor, *shape: Any) -> Tensor:
         return apply("reshape", (t,), lambda s, local: s.reshape(local), target, shaped=True)
     # every block is reshaped where it is: no communication
     out_lay = Layout(lay.mesh, kept, lay.partial)
+    if t._whole is not None:  # the blocks stay contiguous: cut the reshaped whole alike
+        return Tensor.from_whole(t._whole.reshape(target), out_lay)
     done: dict[int, torch.Tensor] = {}
     blocks: list[torch.Tensor | None] = []
     for k, s in enumerate(t._shards):

@@ -27,12 +27,12 @@ import torch
 
 from shardwise.ops.binding import Factors, bind
 from shardwise.ops.propagation import Decision, decide
-from shardwise.planner import make_plan
+from shardwise.planner import diverge_step
 from shardwise.runtime import backend_for
 from shardwise.runtime import observe as comm
 from shardwise.sharding.errors import ShardingError, ShardingTypeError
 from shardwise.sharding.layout import Layout
-from shardwise.tensors import Tensor, place, record_plan
+from shardwise.tensors import Tensor, _versions, place
 
 __all__ = ["apply", "apply_elementwise"]
 
@@ -83,9 +83,11 @@ _NONE = id(None)
 
 
 def apply(op: str, operands: Sequence[Any], fn: Callable[..., torch.Tensor], *params: Any,
-          shaped: bool = False) -> Tensor:
+          shaped: bool = False, views: dict[int, torch.Tensor] | None = None) -> Tensor:
     """Run ``op`` (rule ``RULES[op]`` with ``params``) as ``fn`` on the local shards;
-    ``shaped``: ``fn`` also takes the expected local output shape."""
+    ``shaped``: ``fn`` also takes the expected local output shape; ``views``: operand
+    index -> the identity view of its whole value that the computation already used
+    (communication accounting hangs its backward hook there)."""
     args = _operands(op, operands)
     shapes: list[tuple[int, ...]] = []
     layouts: list[Layout | None] = []
@@ -105,9 +107,9 @@ def apply(op: str, operands: Sequence[Any], fn: Callable[..., torch.Tensor], *pa
             opens.append(())
             itemsizes.append(0)
     factors = bind(op, tuple(shapes), *params)
-    dec = decide(factors, tuple(layouts), tuple(opens), tuple(itemsizes))
+    dec = decide(factors, tuple(layouts), tuple(opens), tuple(itemsizes), _kept(args))
     if wholes:
-        return _run_whole(op, fn, args, layouts, dec, factors, shaped)
+        return _run_whole(op, fn, args, layouts, dec, factors, shaped, views)
     cols: list[Sequence[torch.Tensor | None] | None] = []
     for i, x in enumerate(args):
         if layouts[i] is None:
@@ -115,13 +117,56 @@ def apply(op: str, operands: Sequence[Any], fn: Callable[..., torch.Tensor], *pa
             continue
         req = dec.required[i]
         assert req is not None
-        shards: Sequence[torch.Tensor | None] = (
-            x.shards if req is layouts[i] else x.relayout(req).shards)
-        if dec.diverge[i]:
-            shards = backend_for(req.mesh).diverge(shards, req,  # type: ignore[arg-type]
-                                                   dec.diverge[i])
-        cols.append(shards)
+        t = x if req is layouts[i] else x._reused(req)
+        cols.append(_diverged(t, dec.diverge[i]) if dec.diverge[i] else t.shards)
     return _run_local(op, fn, args, cols, dec, factors, shaped)
+
+
+def _kept(args: list[Any]) -> tuple[tuple[Layout, ...], ...]:
+    """The layouts each operand already reached for earlier ops (free for this one)."""
+    kept: list[tuple[Layout, ...]] = []
+    for x in args:
+        d = x.__dict__ if isinstance(x, Tensor) else {}
+        kept.append(x._kept_layouts() if "_reuse" in d
+                    else x._whole_kept() if "_wreuse" in d else ())
+    return tuple(kept) if any(kept) else ()
+
+
+def _diverged(t: Tensor, axes: tuple[int, ...]) -> Sequence[torch.Tensor | None]:
+    """``t``'s shards through the backend's ``diverge`` over ``axes``, once per value
+    (kept on ``t`` like :meth:`Tensor._reused`): every op reading ``t`` shares one
+    diverge, so the gradient's all_reduce runs once on the summed gradient."""
+    shards = t._shards
+    uniq = t._unique()
+    first = shards[uniq[0]] if uniq else None
+    grad = torch.is_grad_enabled() and first is not None and first.requires_grad
+    # a leaf's (parameter's) diverge belongs to one step's graph: keep nothing
+    keep = not (grad and first is not None and first.grad_fn is None)
+    key = (axes, torch.is_grad_enabled())
+    if keep:
+        memo: dict[Any, Any] = t.__dict__.setdefault("_diverged", {})
+        version = _versions(shards, uniq)
+        hit = memo.get(key)
+        if hit is not None and hit[0] is shards and hit[1] == version:
+            return hit[2]
+    out: Sequence[torch.Tensor | None] = backend_for(t.mesh).diverge(shards, t.dist_layout, axes)
+    if grad and comm.active():
+        out = _counted(t, out, axes)
+    if keep:
+        memo[key] = (shards, version, out)
+    return out
+
+
+def _counted(t: Tensor, out: Sequence[torch.Tensor | None], axes: tuple[int, ...]
+             ) -> Sequence[torch.Tensor | None]:
+    """``out`` with the gradient's all_reduce announced to the CommCounter, hung on
+    identity views of its own (the simulated diverge is the identity: the replicas
+    share one buffer, which other uses of ``t`` also read)."""
+    views: dict[int, torch.Tensor] = {}
+    out = [None if s is None else views.setdefault(id(s), s.view_as(s)) for s in out]
+    comm.on_backward(out, (diverge_step(t.dist_layout, t._shape, t.dtype.itemsize, axes),),
+                     comm.source_line())
+    return out
 
 
 def _run_local(op: str, fn: Callable[..., torch.Tensor], args: list[Any],
@@ -166,17 +211,17 @@ def _run_local(op: str, fn: Callable[..., torch.Tensor], args: list[Any],
 
 def _run_whole(op: str, fn: Callable[..., torch.Tensor], args: list[Any],
                layouts: list[Layout | None], dec: Decision, factors: Factors,
-               shaped: bool) -> Tensor:
+               shaped: bool, views: dict[int, torch.Tensor] | None = None) -> Tensor:
     """``fn`` once on the operands' whole values: the global op, one autograd node.
     Layout changes of the operands keep their wholes (their collectives are counted)."""
     call = []
-    for x, have, req in zip(args, layouts, dec.required):
+    for i, (x, have, req, div) in enumerate(zip(args, layouts, dec.required, dec.diverge)):
         if have is None:
             call.append(x)
             continue
-        if comm.active() and req is not have and req != have:
-            record_plan(make_plan(have, req, x._shape, x._dtype.itemsize))
-        call.append(x._whole)
+        assert req is not None
+        call.append(x._whole if req is have and not div else
+                    x._whole_as(req, div, views.get(i) if views else None))
     if shaped:
         call.append(factors.out_shape)
     try:

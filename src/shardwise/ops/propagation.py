@@ -7,15 +7,18 @@ each operand is resharded to and the output layout.
 
 Invariants:
 - Candidates for a factor: the shardings its dims have on the operands, plus
-  unsharded. A "needs full" factor is only unsharded. Nothing is sharded over
+  unsharded. The major factor of a compound dim (reshape) is sharded only where
+  it splits evenly. A "needs full" factor is only unsharded. Nothing is sharded over
   an axis no operand uses for that factor (no new shardings are invented).
 - A mesh axis serves at most one factor, or one Partial pass-through.
 - A sharded factor missing from the output makes the output Partial(rule's
   reduce op) over its axes; a pass-through axis keeps Partial(SUM).
 - Cost = bytes per device the planner moves to lay the operands out as
-  required, plus :data:`CLOSED_PENALTY` per closed operand dim whose sharding
-  changes. Ties go to more output parallelism (devices the output's dims are
-  split over), then to keeping earlier operands as they are.
+  required (from the operand's layout or, cheaper, from a layout it already has
+  at hand: a kept relayout, free to reuse), plus :data:`CLOSED_PENALTY` per
+  closed operand dim whose sharding changes. Ties go to more output parallelism
+  (devices the output's dims are split over), then to keeping earlier operands as
+  they are (or as they are at hand).
 - An output dim is open iff every operand dim of its factor is open.
 - Decisions are pure and cached by (rule, layouts, open dims, itemsizes).
 """
@@ -58,17 +61,19 @@ class Decision:
 
 
 def _candidates(factors: Factors, layouts: tuple[Layout | None, ...],
-                first_only: bool) -> list[list[tuple[int, ...]]]:
+                first_only: bool, kept: tuple[tuple[Layout, ...], ...] = ()
+                ) -> list[list[tuple[int, ...]]]:
     out: list[list[tuple[int, ...]]] = []
     for f in range(len(factors.sizes)):
         opts: list[tuple[int, ...]] = [()]
         if f not in factors.full:
-            for lay, fs in zip(layouts, factors.operands):
+            for i, (lay, fs) in enumerate(zip(layouts, factors.operands)):
                 if lay is None:
                     continue
-                for d, g in enumerate(fs):
-                    if g == f and lay.dims[d] and lay.dims[d] not in opts:
-                        opts.append(lay.dims[d])
+                for have in (lay, *(kept[i] if kept else ())):
+                    for d, g in enumerate(fs):
+                        if g == f and have.dims[d] and have.dims[d] not in opts:
+                            opts.append(have.dims[d])
                 if first_only and len(opts) > 1:
                     break
         out.append(opts)
@@ -97,25 +102,28 @@ def _pass_options(factors: Factors, layouts: tuple[Layout | None, ...]
 
 @functools.lru_cache(maxsize=8192)
 def decide(factors: Factors, layouts: tuple[Layout | None, ...],
-           opens: tuple[tuple[bool, ...] | None, ...], itemsizes: tuple[int, ...]) -> Decision:
+           opens: tuple[tuple[bool, ...] | None, ...], itemsizes: tuple[int, ...],
+           kept: tuple[tuple[Layout, ...], ...] = ()) -> Decision:
     """The cheapest way to run ``factors`` on operands laid out as ``layouts``.
 
     ``layouts[i]`` is None for a constant operand (a broadcast scalar: replicated,
     never Partial). ``opens[i][d]``: may operand ``i``'s dim ``d`` be resharded
     freely (else it is closed and changing it costs :data:`CLOSED_PENALTY`);
-    ``opens[i]`` None: every dim open.
+    ``opens[i]`` None: every dim open. ``kept[i]`` (optional): layouts operand
+    ``i`` already has at hand (:meth:`Tensor._reused`): free, and a source to plan from.
     """
     mesh = next(lay for lay in layouts if lay is not None).mesh
-    shapes = [tuple(factors.sizes[f] for f in fs) for fs in factors.operands]
-    cands = _candidates(factors, layouts, first_only=False)
+    shapes = factors.shapes
+    cands = _candidates(factors, layouts, first_only=False, kept=kept)
     if math.prod(len(c) for c in cands) > MAX_COMBINATIONS:
-        cands = _candidates(factors, layouts, first_only=True)
+        cands = _candidates(factors, layouts, first_only=True, kept=kept)
     passes = _pass_options(factors, layouts)
     in_output = set(factors.output)
     best: tuple[tuple[int, ...], Layout, list[Layout | None]] | None = None
     for shardings in itertools.product(*cands):
         used = [a for axes in shardings for a in axes]
-        if len(used) != len(set(used)):
+        if len(used) != len(set(used)) or (factors.even and not _even(factors, shardings,
+                                                                        mesh.mesh_shape)):
             continue
         for keep in itertools.product(*(opts for _, opts in passes)):
             axes_kept = [a for (a, _), k in zip(passes, keep) if k is not None]
@@ -143,12 +151,16 @@ def decide(factors: Factors, layouts: tuple[Layout | None, ...],
                     req = lay  # the operand's own object: compute skips relayout by identity
                 required.append(req)
                 if req != lay:
-                    cost += make_plan(lay, req, shapes[i], itemsizes[i]).bytes_per_device
+                    at_hand = kept[i] if kept else ()
+                    cost += min(make_plan(have, req, shapes[i], itemsizes[i]).bytes_per_device
+                                for have in (lay, *at_hand))
                     flags = opens[i]
                     if flags is not None:
                         cost += CLOSED_PENALTY * sum(1 for d, o in enumerate(flags)
                                                      if not o and req.dims[d] != lay.dims[d])
-                changed.append(int(req != lay))
+                    changed.append(int(req not in at_hand))
+                else:
+                    changed.append(0)
             out = Layout(mesh, tuple(shardings[f] for f in factors.output), tuple(out_partial))
             spread = math.prod(mesh.mesh_shape[a] for a in out.sharded_axes)
             key = (cost, -spread, *changed)
@@ -158,6 +170,13 @@ def decide(factors: Factors, layouts: tuple[Layout | None, ...],
     key, out, required = best
     return Decision(tuple(required), out, _out_open(factors, opens),
                     _diverge(required, out), _local_shapes(out, factors.out_shape), key[0])
+
+
+def _even(factors: Factors, shardings: tuple[tuple[int, ...], ...],
+          mesh_shape: tuple[int, ...]) -> bool:
+    """Every major factor of a compound dim splits evenly over its mesh axes."""
+    return all(factors.sizes[f] % math.prod(mesh_shape[a] for a in shardings[f]) == 0
+               for f in factors.even)
 
 
 def _per_axis(passes: list[tuple[int, list[int | None]]], keep: tuple[int | None, ...],

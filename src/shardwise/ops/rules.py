@@ -10,8 +10,12 @@ Invariants:
   (numpy rules, aligned right); a size-1 dim broadcast against a larger one
   gets a factor of its own that is never sharded.
 - ``name!`` marks a factor that must stay replicated ("needs full": softmax's
-  dim, cat's dim, reshaped or indexed dims). ``name=size`` gives the size of
-  a factor only the output has (cat, reshape, indexing, keepdim).
+  dim, cat's dim, indexed dims). ``name=size`` gives the size of a factor only
+  the output has (cat, reshape, indexing, keepdim).
+- ``(a b)`` is one dim made of factors ``a`` (major) and ``b`` (reshape's split
+  and merged dims): the dim is laid out as ``a``, the minor factors stay
+  replicated, and ``a`` may be sharded only where its pieces divide evenly (then
+  the dim's contiguous blocks are exactly ``a``'s blocks times the minors).
 - A sharded factor missing from the output (matmul's ``k``, a summed dim)
   leaves the output ``Partial(reduce)`` over its mesh axes, with no
   communication: SUM for sum/mean/matmul/einsum, MAX/MIN for amax/amin.
@@ -209,6 +213,11 @@ def _reshape(shapes: tuple[tuple[int, ...], ...], target: tuple[int, ...]) -> st
                     j += 1
             if len(gi) == 1 and len(gj) == 1:  # an unchanged dim keeps its factor
                 out.append(names[gi[0]])
+            elif len(gi) == 1:  # a split: the dim is the new dims' compound (major first)
+                names[gi[0]] = "(" + " ".join(f"o{k}={new[k]}" for k in gj) + ")"
+                out += [f"o{k}" for k in gj]
+            elif len(gj) == 1:  # a merge: the new dim is the old dims' compound
+                out.append("(" + " ".join(names[d] for d in gi) + ")")
             else:
                 for d in gi:
                     marks[d] = "!"
@@ -356,7 +365,7 @@ RULES: dict[str, Rule] = {
     "permute": Rule("a b c -> c a b", LINEAR, build=_permute),
     "softmax": Rule("a d! -> a d!", NONLINEAR, build=_softmax),
     "cat": Rule("a0! b, a1! b -> a!=N b", LINEAR, build=_cat),
-    "reshape": Rule("a b! c! -> a d!=N", LINEAR, build=_reshape),
+    "reshape": Rule("a (h=4 e=8) -> a h e", LINEAR, build=_reshape),
     "getitem": Rule("a b! c -> a e=N c", LINEAR, build=_index),
 }
 

@@ -26,6 +26,7 @@ from shardwise.ops.registry import (
     register,
 )
 from shardwise.ops.torch_elementwise import _to
+from shardwise.runtime import observe as comm
 from shardwise.sharding.errors import ShardingError
 from shardwise.sharding.layout import normalize_dim
 from shardwise.tensors import Tensor, place
@@ -42,8 +43,10 @@ def _install_nn() -> None:
             # whole values: torch's own addmm on them (one node, torch's bits); the add
             # rule still lays the bias out and decides the output layout
             b = bias._whole
+            if comm.active() and b.requires_grad and torch.is_grad_enabled():
+                b = b.view_as(b)  # the bias's gradient passes here: counted by the add
             y = apply("linear", (x, weight), lambda xs, ws: F.linear(xs, ws, b))
-            return apply("add", (y, bias), lambda ys, _: ys)
+            return apply("add", (y, bias), lambda ys, _: ys, views={1: b})
         y = apply("linear", (x, weight), F.linear)
         return y if bias is None else C.add(y, bias)
 

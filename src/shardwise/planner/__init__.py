@@ -9,7 +9,8 @@ from source to target.
 Modules: :mod:`~shardwise.planner.steps` (``StepKind``, ``Step``, ``Plan``),
 :mod:`~shardwise.planner.builder` (step accumulation, merging and bytes moved),
 :mod:`~shardwise.planner.phases` (``Planner``: one method per phase below),
-:mod:`~shardwise.planner.cache` (the cached ``make_plan``, ``permute_sources``).
+:mod:`~shardwise.planner.cache` (the cached ``make_plan``, ``permute_sources``),
+:mod:`~shardwise.planner.transpose` (the collectives a plan's gradient runs).
 
 Transition table (per mesh axis ``a``; ``S(d)`` = shards tensor dim ``d``):
 
@@ -45,6 +46,7 @@ the product group. When uneven pieces do not nest (e.g. 6 rows: 2-way
 
 from shardwise.planner.cache import make_plan, permute_sources
 from shardwise.planner.steps import COLLECTIVES, Plan, Step, StepKind, check_handlers
+from shardwise.planner.transpose import backward_steps, diverge_step
 
-__all__ = ["COLLECTIVES", "Plan", "Step", "StepKind", "check_handlers", "make_plan",
-           "permute_sources"]
+__all__ = ["COLLECTIVES", "Plan", "Step", "StepKind", "backward_steps", "check_handlers",
+           "diverge_step", "make_plan", "permute_sources"]

@@ -3,20 +3,52 @@
 Invariants:
 - The core and the runtimes call :func:`record` for every collective they run
   (kind, bytes per device, the plan step or None); observers never change what runs.
+- Every :class:`Event` names its phase (``"forward"``, or ``"backward"`` for the
+  gradient's collectives, recorded when autograd reaches them) and the user source
+  line that caused it: the first stack frame outside shardwise and torch (for a
+  backward event, the line of the forward op it is the gradient of).
+- Backward events are announced at forward time (:func:`on_backward`) only while
+  an observer is registered: nothing is hooked, and recording costs nothing, when
+  no one observes.
 - Observers are registered by the debug floor (``CommCounter``), which the core
   never imports: the dependency points from the observer down to this module.
-- With no observer registered, :func:`active` is False and recording costs nothing.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import linecache
+import os
+import sys
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["Observer", "active", "add", "record", "remove"]
+import torch
 
-Observer = Callable[[str, int, Any], None]
-"""Called as ``observer(kind, bytes_per_device, step_or_None)``."""
+__all__ = ["Event", "Observer", "active", "add", "on_backward", "record", "remove",
+           "source_line"]
+
+
+@dataclass(frozen=True, slots=True)
+class Event:
+    """One collective: its kind (``"all_reduce"``...), bytes each device sends, the
+    plan step (or None), ``"forward"``/``"backward"``, and the user line (``file:line``)."""
+
+    kind: str
+    nbytes: int
+    step: Any = None
+    phase: str = "forward"
+    where: str = "?"
+
+    @property
+    def code(self) -> str:
+        """The text of the source line :attr:`where` names ('' when unknown)."""
+        path, _, line = self.where.rpartition(":")
+        return linecache.getline(path, int(line)).strip() if line.isdigit() else ""
+
+
+Observer = Callable[[Event], None]
+"""Called as ``observer(event)`` for every collective."""
 
 _OBSERVERS: list[Observer] = []
 
@@ -25,11 +57,11 @@ def add(observer: Observer) -> None:
     """Start calling ``observer`` for every collective.
 
     >>> seen = []
-    >>> def watch(kind, nbytes, step):
-    ...     seen.append((kind, nbytes))
+    >>> def watch(event):
+    ...     seen.append((event.kind, event.nbytes, event.phase))
     >>> add(watch); record("all_gather", 32); remove(watch); record("all_gather", 32)
     >>> seen
-    [('all_gather', 32)]
+    [('all_gather', 32, 'forward')]
     """
     _OBSERVERS.append(observer)
 
@@ -46,10 +78,68 @@ def active() -> bool:
     return bool(_OBSERVERS)
 
 
-def record(kind: Any, nbytes: int, step: Any = None) -> None:
-    """Tell every observer about one collective (``kind`` counts under its plain name)."""
+def record(kind: Any, nbytes: int, step: Any = None, *, phase: str = "forward",
+           where: str | None = None) -> None:
+    """Tell every observer about one collective (``kind`` counts under its plain name);
+    ``where`` defaults to the calling user line (:func:`source_line`)."""
     if not _OBSERVERS:
         return
-    name = str(kind)
+    event = Event(str(kind), nbytes, step, phase, source_line() if where is None else where)
     for observer in list(_OBSERVERS):
-        observer(name, nbytes, step)
+        observer(event)
+
+
+# Frames in these directories are library frames: the user line is the first other one.
+_SKIP = tuple(os.path.dirname(os.path.abspath(m.__file__ or "")) + os.sep
+              for m in (torch, sys.modules[__name__.rpartition(".runtime")[0]]))
+
+
+def source_line() -> str:
+    """``file:line`` of the innermost stack frame outside shardwise and torch (the
+    user's line that caused a collective); the file is relative to the working
+    directory when under it.
+
+    >>> source_line().endswith(">:1")   # a doctest's own line
+    True
+    """
+    frame = sys._getframe(1)
+    while frame is not None:
+        path = frame.f_code.co_filename
+        if not (path.startswith(_SKIP) or path.startswith("<frozen")):
+            break
+        frame = frame.f_back  # type: ignore[assignment]
+    if frame is None:
+        return "?"
+    path = frame.f_code.co_filename
+    if os.path.isabs(path):
+        rel = os.path.relpath(path)
+        path = path if rel.startswith("..") else rel
+    return f"{path}:{frame.f_lineno}"
+
+
+def on_backward(shards: Sequence[torch.Tensor | None], steps: Sequence[Any],
+                where: str) -> None:
+    """Record ``steps`` (collectives with ``kind`` and ``bytes_per_device``) as backward
+    events of line ``where`` when autograd computes the gradient of ``shards``: a hook
+    on the first local shard that is an autograd non-leaf (a leaf's hook would outlive
+    the step). Call only while :func:`active`."""
+    if not steps or not torch.is_grad_enabled():
+        return
+    for s in shards:
+        if s is not None:
+            if s.requires_grad and s.grad_fn is not None:
+                s.register_hook(_BackwardHook(tuple(steps), where))
+            return
+
+
+class _BackwardHook:
+    """A tensor hook that records its steps once per gradient it sees."""
+
+    __slots__ = ("steps", "where")
+
+    def __init__(self, steps: tuple[Any, ...], where: str) -> None:
+        self.steps, self.where = steps, where
+
+    def __call__(self, grad: torch.Tensor) -> None:
+        for step in self.steps:
+            record(step.kind, step.bytes_per_device, step, phase="backward", where=self.where)
