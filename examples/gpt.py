@@ -224,8 +224,10 @@ def main(argv: list[str] | None = None) -> int:
         if bar is not None:
             bar.stop()
     if comm is not None:
-        _say(f"collectives per step: {dict(comm.counts)} "
-             f"({sum(comm.bytes.values())} B/device)")
+        _say(f"collectives per step: forward {dict(comm.counts)} "
+             f"({sum(comm.bytes.values()) / 1024:.1f} KiB/device), backward "
+             f"{dict(comm.backward_counts)} ({sum(comm.backward_bytes.values()) / 1024:.1f} "
+             "KiB/device)")
     _say(f"{'step':>5} {'shardwise':>10} {'torch':>10} {'rel. diff':>10}")
     for step, got, want, diff in rows[:1] + rows[1:][-1:]:
         _say(f"{step:5d} {got:10.6f} {want:10.6f} {diff:10.2e}")

@@ -25,6 +25,12 @@ STEPS = 10  # AdamW steps per body, as on the simulated mesh
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "gpt.py"
 
 
+
+def _every(counter: Any) -> list[tuple[str, int, Any]]:
+    """(kind, bytes, step) of every collective, forward and backward phases alike."""
+    return [(e.kind, e.nbytes, e.step) for e in counter.events]
+
+
 def load_gpt() -> Any:
     """examples/gpt.py as a module (the examples folder is not a package)."""
     if "sw_example_gpt" not in sys.modules:
@@ -136,7 +142,7 @@ def body_fsdp_gpt(n: int) -> None:
     flat = Layout(mesh, ((), (0,)), (None,))  # the units' flat buffers, dim 1 over dp
 
     def fsdp(counter: Any, kind: str) -> int:
-        return sum(1 for k, _, step in counter.log
+        return sum(1 for k, _, step in _every(counter)
                    if k == kind and flat in (step.before, step.after))
 
     for fwd, bwd in counters:
@@ -165,7 +171,7 @@ def body_fsdp_bf16_gpt(n: int) -> None:
     def check(step: int, model: nn.Module, phase: str, counter: Any) -> None:
         if phase == "backward":  # re-gathered in bf16, reduced in fp32: twice the bytes
             assert all(p.grad.dtype == torch.float32 for p in model.parameters())
-            assert counter.bytes["reduce_scatter"] == 2 * counter.bytes["all_gather"] > 0
+            assert counter.backward_bytes["reduce_scatter"] == 2 * counter.bytes["all_gather"] > 0
 
     train(mesh, tp=False, steps=3, policy=policy, check=check)
 

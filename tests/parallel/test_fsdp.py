@@ -34,7 +34,13 @@ R = Replicated()
 GPT = fb.load_gpt()
 
 
+def _every(counter: Any) -> list[tuple[str, int, Any]]:
+    """(kind, bytes, step) of every collective, forward and backward phases alike."""
+    return [(e.kind, e.nbytes, e.step) for e in counter.events]
+
+
 @pytest.fixture(autouse=True, scope="module")
+
 def _one_thread() -> Any:
     """Tiny tensors: torch's intra-op threads only add waiting (10-40x slower on a
     loaded 2-core machine), so these tests run on one and restore the setting."""
@@ -114,7 +120,7 @@ def test_collectives_per_step(reshard: bool) -> None:
     elements = sum(p.numel() for p in model.parameters())
 
     def fsdp(counter: CommCounter, kind: str) -> list[int]:
-        return [b for k, b, step in counter.log
+        return [b for k, b, step in _every(counter)
                 if k == kind and flat in (step.before, step.after)]
 
     for fwd, bwd in counters:
@@ -197,9 +203,9 @@ def test_mixed_precision_bf16_matches_a_bf16_torch_reference() -> None:
         lv, rv = float(loss.detach()), float(rloss.detach())
         assert abs(lv - rv) <= 2 ** -7 * abs(rv) * 1.001, (step, lv, rv)
         if step == 0:  # gathered in bf16 (2 bytes an element), reduced in fp32 (4)
-            gathered = sum(b for k, b, s in fwd.log
+            gathered = sum(b for k, b, s in _every(fwd)
                            if k == "all_gather" and s.axes == (_dp(mesh),))
-            scattered = sum(b for k, b, s in bwd.log if k == "reduce_scatter")
+            scattered = sum(b for k, b, s in _every(bwd) if k == "reduce_scatter")
             params = sum(p.numel() for p in model.parameters())
             assert gathered < params and scattered > params
     for p, q in zip(model.parameters(), ref.parameters()):

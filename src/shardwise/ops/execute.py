@@ -162,6 +162,11 @@ def _counted(t: Tensor, out: Sequence[torch.Tensor | None], axes: tuple[int, ...
     """``out`` with the gradient's all_reduce announced to the CommCounter, hung on
     identity views of its own (the simulated diverge is the identity: the replicas
     share one buffer, which other uses of ``t`` also read)."""
+    owned = t.__dict__.get("_grad_reduced_over")  # (fully_shard: its unit reduces these)
+    if owned:
+        axes = tuple(a for a in axes if a not in owned)
+        if not axes:
+            return out
     views: dict[int, torch.Tensor] = {}
     out = [None if s is None else views.setdefault(id(s), s.view_as(s)) for s in out]
     comm.on_backward(out, (diverge_step(t.dist_layout, t._shape, t.dtype.itemsize, axes),),

@@ -225,6 +225,9 @@ class Unit:
         for i, fp in enumerate(self.params):
             shards = [None if j is None else outs[j] for j in call.index[i]]
             full = Tensor(shards, fp.gathered, fp.sharded.shape, self.dtype(i))
+            # the unit reduce_scatters this gradient over its axis (counted there), so
+            # CommCounter must not also count the diverge's all_reduce over it
+            full.__dict__["_grad_reduced_over"] = (self.axis,)
             for owner, name in fp.owners:
                 owner._parameters[name] = full  # type: ignore[assignment]
             if self.reshard:
@@ -334,7 +337,7 @@ def _record(plan: Plan) -> None:
     they would compute already happened in autograd's accumulation)."""
     if observe.active():
         for step in plan.collectives:
-            observe.record(step.kind, step.bytes_per_device, step)
+            observe.record(step.kind, step.bytes_per_device, step, phase="backward")
 
 
 def sharded_layout(layout: Layout, axis: int, shape: tuple[int, ...]) -> tuple[Layout, int]:
