@@ -29,6 +29,8 @@ TARGETS = {
     "checkpoint": "DCP save/load of a sharded state: >= 80% of the throughput of DCP with "
                   "plain tensors of the same bytes",
     "checkpoint_memory": "sharded load_safetensors: peak memory <= one block above the model",
+    "gpt_dtensor": "Gloo: GPT training step, TP x FSDP on 4 ranks, at least as fast as "
+                   "DTensor TP + FSDP2 (agreement check on, as shipped)",
 }
 
 
@@ -84,6 +86,8 @@ def check_targets(res: dict[str, Any]) -> list[dict[str, Any]]:
                           "x (DTensor / shardwise)", le=False))
     for o in gloo.get("agreement_overhead", []):
         out.append(_t("agreement", o["case"], o["overhead"], o["limit"], "overhead (on/off - 1)"))
+    for g in res.get("gpt_gloo") or []:
+        out.append(_t("gpt_dtensor", g["case"], g["x_dtensor"], 1.0, "x DTensor step time"))
     ckpt = res.get("checkpoint") or {}
     for r in ckpt.get("rows", []):
         # like with like: the resharded load is shown beside the plain same-layout load
@@ -179,6 +183,11 @@ def tables(res: dict[str, Any]) -> str:
         lines += checkpoint_tables(res["checkpoint"])
     if res.get("gloo"):
         lines += ["", *gloo_tables(res["gloo"])]
+    if res.get("gpt_gloo"):
+        from benchmarks.gpt_gloo import tables as gpt_tables
+
+        for g in res["gpt_gloo"]:
+            lines += ["", *gpt_tables(g)]
     elif res.get("gloo_skipped"):
         lines.append(f"\nGloo: {res['gloo_skipped']}")
     lines.append("\ntargets (issue 7):")

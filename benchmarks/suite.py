@@ -9,6 +9,8 @@ Sections (each documented in its module):
 - ``torch``: torch ops and a Megatron MLP training step on shardwise Tensors beside
   plain torch (:mod:`benchmarks.torchnative`);
 - ``gloo``: 4 Gloo ranks, shardwise beside raw torch.distributed and DTensor;
+- ``gpt_gloo``: a GPT training step, TP x FSDP on 4 Gloo ranks, shardwise beside
+  DTensor TP + FSDP2 (:mod:`benchmarks.gpt_gloo`);
 - ``checkpoint``: DCP and safetensors throughput of a sharded state beside plain
   tensors, and the peak memory of a sharded safetensors load
   (:mod:`benchmarks.checkpoint`, fresh processes).
@@ -34,11 +36,13 @@ PRESETS: dict[str, dict[str, Any]] = {
     "full": {"size": 4096, "small": 8, "repeat": 7, "small_repeat": 15, "small_inner": 200,
              "profile_calls": 2000, "gloo": {"size": 4096, "repeat": 11, "small_repeat": 200,
                                              "choices": True},
-             "ckpt": {"tensors": 8, "repeat": 3, "shape": (2048, 4096)}},
+             "ckpt": {"tensors": 8, "repeat": 3, "shape": (2048, 4096)},
+             "gpt": {"repeat": 10, "dims": (32, 256)}},
     "quick": {"size": 1024, "small": 8, "repeat": 3, "small_repeat": 6, "small_inner": 50,
               "profile_calls": 300, "gloo": {"size": 1024, "repeat": 3, "small_repeat": 20,
                                              "choices": False},
-              "ckpt": {"tensors": 2, "repeat": 1, "shape": (1024, 1024)}},
+              "ckpt": {"tensors": 2, "repeat": 1, "shape": (1024, 1024)},
+              "gpt": {"repeat": 3, "dims": (32,)}},
 }
 
 
@@ -104,6 +108,13 @@ def run_suite(preset: str = "full", *, devices: tuple[int, ...] = (4, 8), gloo: 
 
         say(f"Gloo suite ({world} ranks) ...")
         res["gloo"] = gloo_mod.run(world=world, **cfg["gloo"])
+        from benchmarks import gpt_gloo
+
+        res["gpt_gloo"] = []
+        for dim in cfg["gpt"]["dims"]:
+            say(f"GPT step, TP x FSDP on {world} Gloo ranks (dim {dim}) beside DTensor ...")
+            res["gpt_gloo"].append(gpt_gloo.run(world=world, dim=dim,
+                                                repeat=cfg["gpt"]["repeat"]))
     else:
         res["gloo_skipped"] = "skipped (--no-gloo)"
     res["meta"]["loadavg_end"] = _loadavg()

@@ -132,3 +132,18 @@ def test_torch_native_training_steps(result: tuple[dict, Path, Path]) -> None:
     gpt = [t for t in data["targets"] if t["target"] == "torch_gpt"]
     assert [t["limit"] for t in gpt] == [3.0, 1.5]
     assert "GPT V=64 T=16 D=256" in text.read_text()
+
+
+def test_gpt_gloo_section_tiny() -> None:
+    """The GPT step comparison runs (2 ranks: TP 2 x FSDP 1), checks that both
+    programs' losses agree before timing, and reports a target row."""
+    from benchmarks import gpt_gloo
+    from benchmarks.report import check_targets
+
+    res = gpt_gloo.run(world=2, tp=2, layers=1, repeat=1, warmup=0, check=1, limit_s=240)
+    assert res is not None and res["benchmark"] == "gpt_gloo"
+    assert res["losses"]["shardwise"] and res["losses"]["dtensor"]
+    assert set(res["step"]) == {"shardwise", "dtensor", "shardwise_unchecked"}
+    assert "DTensor" in "\n".join(gpt_gloo.tables(res))
+    rows = [t for t in check_targets({"gpt_gloo": [res]}) if t["target"] == "gpt_dtensor"]
+    assert len(rows) == 1 and rows[0]["value"] == res["x_dtensor"]
