@@ -199,7 +199,7 @@ class Tensor(torch.Tensor):
         # autograd live on the shards, and every torch function is routed to the registry.
         self = torch.Tensor._make_wrapper_subclass(cls, size, dtype=dtype, device=device)
         self._blocks = blocks  # type: ignore[assignment]
-        self._cut_at = whole._version if whole is not None else 0
+        self._cut_at = 0  # read only while the whole records gradients
         self._layout = layout
         self._shape = tuple(size)
         self._size = size
@@ -232,7 +232,8 @@ class Tensor(torch.Tensor):
             # gradients: views cut before it would refuse autograd (multi-output views)
             assert whole is not None
             blocks = self._blocks = _cut(whole, self._layout)
-            self._cut_at = whole._version
+            if whole.requires_grad:  # (inference tensors have no version counter)
+                self._cut_at = whole._version
         return blocks
 
     @_shards.setter
@@ -508,7 +509,7 @@ class Tensor(torch.Tensor):
         key = (target, diverge, grad)
         if memo is not None:
             hit = memo.get(key)
-            if hit is not None and hit[0] is whole and hit[1] == whole._version:
+            if hit is not None and hit[0] is whole and hit[1] == _version(whole):
                 return hit[2]
         out = whole
         if comm.active():
@@ -529,7 +530,7 @@ class Tensor(torch.Tensor):
                 out = whole.view_as(whole) if view is None else view
                 comm.on_backward([out], back, where)
         if memo is not None:
-            memo[key] = (whole, whole._version, out)
+            memo[key] = (whole, _version(whole), out)
         return out
 
     def _whole_kept(self) -> tuple[Layout, ...]:
@@ -540,7 +541,7 @@ class Tensor(torch.Tensor):
         whole, grad = self._whole, torch.is_grad_enabled()
         return tuple(lay for (lay, div, g), (w, ver, _) in memo.items()
                      if g == grad and not div and w is whole and whole is not None
-                     and ver == whole._version)
+                     and ver == _version(whole))
 
     def _reused(self, target: Layout) -> Tensor:
         """:meth:`relayout` for an op's operand, done once per value: the result is
@@ -864,6 +865,12 @@ class Tensor(torch.Tensor):
         reps, outs = roots.unique_shards()
         torch.autograd.backward(outs, [g._shards[k] for k in reps], retain_graph=retain_graph,
                                 create_graph=create_graph)
+
+
+def _version(t: torch.Tensor) -> int:
+    """``t``'s version counter (0 for an inference tensor, which has none and is
+    never written under autograd)."""
+    return 0 if t.is_inference() else int(t._version)
 
 
 def _versions(shards: Sequence[torch.Tensor | None], uniq: Sequence[int] | None = None
