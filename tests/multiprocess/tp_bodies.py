@@ -46,6 +46,15 @@ def body_gpt_sequence_parallel(n: int) -> None:
     assert counts["all_gather"] == counts["reduce_scatter"] == 2 * run["ref"].config.layers + 1
 
 
+def body_gpt_megatron_fsdp(n: int) -> None:
+    """TP x FSDP: the Megatron plan, then fully_shard over dp per block and on the root."""
+    run = G.train(G.mesh_of(2, n // 2), G.megatron_plan(), fsdp=True)
+    G.assert_parity(run)
+    w = run["model"].get_parameter("layers.0.mlp.w1.weight")
+    (block,) = w.addressable_shards.values()
+    assert block.shape[0] == w.shape[0] // n  # rows over tp, then over dp
+
+
 def body_loss_parallel(n: int) -> None:
     """cross_entropy of class-sharded logits under loss_parallel, value and gradient."""
     from shardwise import PlacementMapping, Sharded

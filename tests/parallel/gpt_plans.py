@@ -20,6 +20,7 @@ from shardwise.parallel import (
     PrepareModuleInput,
     RowwiseParallel,
     SequenceParallel,
+    fully_shard,
     loss_parallel,
     parallelize_module,
 )
@@ -76,15 +77,20 @@ def mesh_of(dp: int, tp: int) -> DeviceMesh:
 
 
 def train(mesh: DeviceMesh, plan: dict[str, Any], steps: int = 10, batch: int = 8,
-          lr: float = 1e-2) -> dict[str, Any]:
+          lr: float = 1e-2, fsdp: bool = False) -> dict[str, Any]:
     """``steps`` AdamW steps of the planned GPT and of the same GPT on one device, from
-    the same initial weights and batches (data Sharded(0) on dp). Returns both models,
-    the losses and the first forward's collectives."""
+    the same initial weights and batches (data Sharded(0) on dp). ``fsdp``: then
+    ``fully_shard`` over dp, per block and on the root (TP x FSDP). Returns both
+    models, the losses and the first forward's collectives."""
     gpt = load_gpt()
     c = gpt.Config()
     torch.manual_seed(0)
     ref = gpt.GPT(c)
     model = parallelize_module(copy.deepcopy(ref), mesh, plan)
+    if fsdp:
+        for layer in model.layers:
+            fully_shard(layer, mesh, axis="dp")
+        fully_shard(model, mesh, axis="dp")
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.1)
     ropt = torch.optim.AdamW(ref.parameters(), lr=lr, weight_decay=0.1)
     data = PlacementMapping(mesh, [Sharded(0), Replicated()])

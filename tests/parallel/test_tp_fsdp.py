@@ -1,0 +1,47 @@
+"""TP x FSDP: parallelize_module over tp, then fully_shard over dp per block and on the
+root (2-D parallelism), on the GPT of examples/gpt.py: 10 AdamW steps equal single-device
+torch and each device holds at most 60% of the parameters and optimizer state."""
+
+from __future__ import annotations
+
+import gpt_plans as G
+import pytest
+import torch
+
+from shardwise.parallel import memory_per_device
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread() -> object:
+    """Tiny blocks on a loaded 2-core machine: torch's thread pool only adds waits."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def _bytes(model: torch.nn.Module, opt: torch.optim.Optimizer) -> int:
+    tensors = {id(p): p for p in model.parameters()}
+    for state in opt.state.values():
+        tensors.update({id(v): v for v in state.values() if isinstance(v, torch.Tensor)})
+    return sum(t.numel() * t.element_size() for t in tensors.values())
+
+
+@pytest.mark.parametrize("plan", ["megatron", "sequence"])
+@pytest.mark.parametrize("shape", [(2, 2), (2, 4)], ids=["2x2", "2x4"])
+def test_tp_x_fsdp_gpt_matches_torch(plan: str, shape: tuple[int, int]) -> None:
+    mesh = G.mesh_of(*shape)
+    run = G.train(mesh, getattr(G, f"{plan}_plan")(), fsdp=True)
+    G.assert_parity(run)
+    model = run["model"]
+    w1 = model.get_parameter("layers.0.mlp.w1.weight")
+    assert w1.dist_layout.dims[0] == (1, 0)  # rows split over tp, then over dp within
+    head = model.get_parameter("head.weight")
+    assert set(head.dist_layout.dims[0]) == {0, 1}
+    # what one device holds of the parameters and AdamW state, against one device
+    # holding all of it (single-device torch)
+    whole = _bytes(run["ref"], torch.optim.AdamW(run["ref"].parameters()))
+    whole += sum(v.numel() * v.element_size() for s in run["opt"].state.values()
+                 for v in s.values() if isinstance(v, torch.Tensor) and v.ndim > 0)
+    per_device = memory_per_device(model, run["opt"])
+    assert max(per_device) <= 0.6 * whole, (per_device, whole)
