@@ -20,4 +20,7 @@ if __name__ == "__main__":
     one = sw.tensor(torch.ones(()), sharding=PlacementMapping(mesh, [sw.Replicated()]))
     total = sw.all_reduce(one)  # psum of a replicated 1: the number of devices
     print(f"process {sd.process_index()} holds {held}; psum {float(total.to_torch())}")
+    # every process done before any tears down (rank 0 hosts the rendezvous store; a
+    # rare SIGABRT at teardown was seen once in CI without this)
+    sd.barrier("done")
     sd.shutdown()
