@@ -118,24 +118,6 @@ def load_gpt() -> Any:
     return sys.modules[name]
 
 
-def megatron_gpt(model: nn.Module, mesh: DeviceMesh) -> nn.Module:
-    """Megatron TP on mesh axis 1: wq/wk/wv/w1 weight and bias Sharded(0), wo/w2
-    weight Sharded(1), everything else Replicated."""
-    R = Replicated()
-    for name, mod in model.named_modules():
-        if not isinstance(mod, (nn.Linear, nn.Embedding, nn.LayerNorm)):
-            continue
-        last = name.split(".")[-1]
-        for pname, p in list(mod.named_parameters(recurse=False)):
-            place: Any = R
-            if last in ("wq", "wk", "wv", "w1"):
-                place = Sharded(0)
-            elif last in ("wo", "w2") and pname == "weight":
-                place = Sharded(1)
-            t = sw.tensor(p.detach(), sharding=PlacementMapping(mesh, (R, place)))
-            setattr(mod, pname, nn.Parameter(t))
-    return model
-
 
 def _gpt(dim: int, repeat: int, inner: int) -> dict[str, Any]:
     gpt = load_gpt()
@@ -143,7 +125,7 @@ def _gpt(dim: int, repeat: int, inner: int) -> dict[str, Any]:
     torch.manual_seed(0)
     ref = gpt.GPT(c)
     mesh = DeviceMesh.cpu((2, 4), ("dp", "tp"))
-    model = megatron_gpt(copy.deepcopy(ref), mesh)
+    model = gpt.megatron_by_hand(copy.deepcopy(ref), mesh)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     ropt = torch.optim.AdamW(ref.parameters(), lr=1e-3)
     x, y = gpt.batch(c, 8, 0)

@@ -106,6 +106,26 @@ def tp_plan() -> dict[str, Any]:
             "head": ColwiseParallel(output_layouts=Sharded(-1))}
 
 
+def megatron_by_hand(model: nn.Module, mesh: Any) -> nn.Module:
+    """Megatron TP without a plan, over mesh axis 1 (``tp``): wq/wk/wv/w1 weight and bias
+    Sharded(0), wo/w2 weight Sharded(1), every other parameter Replicated (what the
+    plan of :func:`tp_plan` does, minus the head and the boundary hooks)."""
+    import shardwise as sw
+    from shardwise import PlacementMapping, Replicated, Sharded
+
+    for name, mod in model.named_modules():
+        last = name.rsplit(".", 1)[-1]
+        for pname, p in list(mod.named_parameters(recurse=False)):
+            place: Any = Replicated()
+            if last in ("wq", "wk", "wv", "w1"):
+                place = Sharded(0)
+            elif last in ("wo", "w2") and pname == "weight":
+                place = Sharded(1)
+            layout = PlacementMapping(mesh, (Replicated(), place))
+            setattr(mod, pname, nn.Parameter(sw.tensor(p.detach(), sharding=layout)))
+    return model
+
+
 def parallelize(model: GPT, mesh: Any, *, tp: bool = True, fsdp: bool = True) -> GPT:
     """Apply the TP plan over mesh axis ``tp`` and FSDP over ``dp`` (per block, then root)."""
     from shardwise.parallel import fully_shard, parallelize_module

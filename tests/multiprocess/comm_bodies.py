@@ -14,38 +14,21 @@ from __future__ import annotations
 import copy
 import math
 from collections import Counter
-from typing import Any
 
 import torch
 import torch.nn as nn
 
 import shardwise as sw
-from examples.gpt import GPT, Block, Config, batch
+from examples.gpt import GPT, Block, Config, batch, megatron_by_hand
 from shardwise import DeviceMesh, PlacementMapping, Replicated, Sharded
 from shardwise.debug import CommCounter
 
 R = Replicated()
-COLUMN = ("wq", "wk", "wv", "w1")
-ROW = ("wo", "w2")
 
 
 def mesh_of(n: int) -> DeviceMesh:
     return DeviceMesh.cpu((2, n // 2), ("dp", "tp"))
 
-
-def megatron(model: nn.Module, mesh: DeviceMesh) -> nn.Module:
-    """Every parameter of ``model`` as a shardwise Tensor with Megatron's layout."""
-    for name, mod in model.named_modules():
-        last = name.rsplit(".", 1)[-1]
-        for pname, p in list(mod.named_parameters(recurse=False)):
-            tp: Any = R
-            if last in COLUMN:
-                tp = Sharded(0)
-            elif last in ROW and pname == "weight":
-                tp = Sharded(1)
-            setattr(mod, pname, nn.Parameter(sw.tensor(
-                p.detach(), sharding=PlacementMapping(mesh, [R, tp]))))
-    return model
 
 
 def ring_all_reduce(nbytes: int, group: int) -> int:
@@ -92,7 +75,7 @@ def check_block(n: int) -> None:
     c = Config()
     torch.manual_seed(0)
     ref = Block(c)
-    block = megatron(copy.deepcopy(ref), mesh)
+    block = megatron_by_hand(copy.deepcopy(ref), mesh)
     b = 4 * dp
     x = torch.randn(b, c.seq, c.dim, generator=torch.Generator().manual_seed(1))
     g = torch.randn(b, c.seq, c.dim, generator=torch.Generator().manual_seed(2))
@@ -129,7 +112,7 @@ def check_gpt(n: int, steps: int = 2) -> None:
     c = Config()
     torch.manual_seed(0)
     ref = GPT(c)
-    model = megatron(copy.deepcopy(ref), mesh)
+    model = megatron_by_hand(copy.deepcopy(ref), mesh)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     ropt = torch.optim.AdamW(ref.parameters(), lr=1e-3)
     b = 4 * dp

@@ -33,23 +33,6 @@ def _gpt() -> Any:
     return module
 
 
-def megatron_gpt(model: nn.Module, mesh: DeviceMesh) -> nn.Module:
-    """wq/wk/wv/w1 column-parallel (weight and bias Sharded(0) on tp), wo/w2 row-parallel
-    (weight Sharded(1)), everything else Replicated."""
-    for name, mod in model.named_modules():
-        if not isinstance(mod, (nn.Linear, nn.Embedding, nn.LayerNorm)):
-            continue
-        last = name.split(".")[-1]
-        for pname, p in list(mod.named_parameters(recurse=False)):
-            place: Any = R
-            if last in ("wq", "wk", "wv", "w1"):
-                place = Sharded(0)
-            elif last in ("wo", "w2") and pname == "weight":
-                place = Sharded(1)
-            t = sw.tensor(p.detach(), sharding=PlacementMapping(mesh, (R, place)))
-            setattr(mod, pname, nn.Parameter(t))
-    return model
-
 
 def _nodes(root: Any) -> int:
     seen, todo = set(), [root]
@@ -67,7 +50,7 @@ def test_gpt_megatron_steps_equal_single_device_torch() -> None:
     c = gpt.Config()
     torch.manual_seed(0)
     ref = gpt.GPT(c)
-    model = megatron_gpt(copy.deepcopy(ref), MESH)
+    model = gpt.megatron_by_hand(copy.deepcopy(ref), MESH)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     ropt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
     data = PlacementMapping(MESH, (Sharded(0), R))
