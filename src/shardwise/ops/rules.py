@@ -42,6 +42,7 @@ from typing import Any
 
 from shardwise.sharding.errors import ShardingError
 from shardwise.sharding.placements import ReduceOp
+from shardwise.sharding.shapes import reshape_groups
 
 __all__ = ["MATMUL", "RULES", "Passes", "Rule", "normalize_index"]
 
@@ -190,28 +191,12 @@ def _reshape(shapes: tuple[tuple[int, ...], ...], target: tuple[int, ...]) -> st
         marks = ["!"] * len(src)
         out = [f"o{j}!={s}" for j, s in enumerate(new)]
     else:
-        i = j = 0
-        while i < len(src) or j < len(new):
-            if i < len(src) and src[i] == 1 and (j >= len(new) or new[j] != 1):
-                marks[i] = "!"  # a dropped size-1 dim
-                i += 1
-                continue
-            if j < len(new) and new[j] == 1 and (i >= len(src) or src[i] != 1):
-                out.append(f"o{j}=1")
-                j += 1
-                continue
-            gi, gj, pi, pj = [i], [j], src[i], new[j]
-            i, j = i + 1, j + 1
-            while pi != pj:
-                if pi < pj:
-                    pi *= src[i]
-                    gi.append(i)
-                    i += 1
-                else:
-                    pj *= new[j]
-                    gj.append(j)
-                    j += 1
-            if len(gi) == 1 and len(gj) == 1:  # an unchanged dim keeps its factor
+        for gi, gj in reshape_groups(src, new):
+            if not gj:
+                marks[gi[0]] = "!"  # a dropped size-1 dim
+            elif not gi:
+                out.append(f"o{gj[0]}=1")
+            elif len(gi) == 1 and len(gj) == 1:  # an unchanged dim keeps its factor
                 out.append(names[gi[0]])
             elif len(gi) == 1:  # a split: the dim is the new dims' compound (major first)
                 names[gi[0]] = "(" + " ".join(f"o{k}={new[k]}" for k in gj) + ")"

@@ -29,6 +29,7 @@ __all__ = [
     "local_shard_shape_from_global",
     "piece_index",
     "reshape_dims",
+    "reshape_groups",
     "shard_shape",
     "split_bounds",
     "split_size",
@@ -203,6 +204,45 @@ def global_shape_from_local(
     return result
 
 
+def reshape_groups(src: Sequence[int], new: Sequence[int]
+                   ) -> list[tuple[list[int], list[int]]]:
+    """How a reshape of ``src`` (at least one element) to ``new`` (as many) aligns
+    dims: ``(source dims, target dims)`` per run of equal element count, in order; a
+    size-1 dim that appears or disappears on its own is ``([], [j])`` / ``([i], [])``.
+
+    >>> reshape_groups((2, 32), (2, 4, 8))
+    [([0], [0]), ([1], [1, 2])]
+    >>> reshape_groups((3, 1, 4), (12,))
+    [([0, 1, 2], [0])]
+    >>> reshape_groups((1, 6), (6,))
+    [([0], []), ([1], [0])]
+    """
+    out: list[tuple[list[int], list[int]]] = []
+    i = j = 0
+    while i < len(src) or j < len(new):
+        if i < len(src) and src[i] == 1 and (j >= len(new) or new[j] != 1):
+            out.append(([i], []))
+            i += 1
+            continue
+        if j < len(new) and new[j] == 1 and (i >= len(src) or src[i] != 1):
+            out.append(([], [j]))
+            j += 1
+            continue
+        gi, gj, pi, pj = [i], [j], src[i], new[j]
+        i, j = i + 1, j + 1
+        while pi != pj:
+            if pi < pj:
+                pi *= src[i]
+                gi.append(i)
+                i += 1
+            else:
+                pj *= new[j]
+                gj.append(j)
+                j += 1
+        out.append((gi, gj))
+    return out
+
+
 def reshape_dims(src: Sequence[int], new: Sequence[int], dims: Sequence[tuple[int, ...]],
                  mesh_shape: Sequence[int]) -> tuple[tuple[int, ...], ...] | None:
     """The sharding of each dim of ``new`` when a tensor of shape ``src``, its dims
@@ -224,27 +264,13 @@ def reshape_dims(src: Sequence[int], new: Sequence[int], dims: Sequence[tuple[in
         return None
     if _prod(src) == 0:
         return tuple(out) if not any(dims) else None
-    i = j = 0
-    while i < len(src) or j < len(new):
-        if i < len(src) and src[i] == 1 and (j >= len(new) or new[j] != 1):
-            if dims[i]:
+    for gi, gj in reshape_groups(src, new):
+        if not gj:  # a dropped size-1 dim
+            if dims[gi[0]]:
                 return None
-            i += 1
             continue
-        if j < len(new) and new[j] == 1 and (i >= len(src) or src[i] != 1):
-            j += 1
+        if not gi:  # a new size-1 dim
             continue
-        gi, gj, pi, pj = [i], [j], src[i], new[j]
-        i, j = i + 1, j + 1
-        while pi != pj:
-            if pi < pj:
-                pi *= src[i]
-                gi.append(i)
-                i += 1
-            else:
-                pj *= new[j]
-                gj.append(j)
-                j += 1
         if any(dims[d] for d in gi[1:]):
             return None
         axes = dims[gi[0]]
