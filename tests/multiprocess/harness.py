@@ -10,7 +10,9 @@ import contextlib
 import importlib
 import os
 import queue as queue_mod
+import signal
 import socket
+import subprocess
 import time
 import traceback
 from collections.abc import Sequence
@@ -25,6 +27,23 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+def run_bounded(cmd: Sequence[str], limit_s: float) -> subprocess.CompletedProcess[str]:
+    """``cmd`` (one thread per process) under a hard limit: on timeout its whole process
+    group (e.g. torchrun and its ranks) is killed and the calling test fails."""
+    import pytest
+
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen(list(cmd), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env=env, start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=limit_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+        pytest.fail(f"{list(cmd)} did not finish within {limit_s} s")
+    return subprocess.CompletedProcess(list(cmd), proc.returncode, out, err)
 
 
 def _worker(rank: int, world: int, port: int, target: str, names: list[str], queue: Any,

@@ -4,55 +4,41 @@ and --save / --resume continue a run on another mesh."""
 
 from __future__ import annotations
 
-import os
-import signal
-import subprocess
 import sys
 from pathlib import Path
 
-import pytest
-from harness import free_port
+from harness import free_port, run_bounded
 
 GPT = Path(__file__).resolve().parents[2] / "examples" / "gpt.py"
 
 
-def _run(cmd: list[str], limit_s: float = 240) -> subprocess.CompletedProcess[str]:
-    """``cmd`` under a hard limit: on timeout its whole process group is killed."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env=env, start_new_session=True)
-    try:
-        out, err = proc.communicate(timeout=limit_s)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.communicate()
-        pytest.fail(f"{cmd} did not finish within {limit_s} s")
-    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+LIMIT_S = 240
 
 
 def test_simulated_save_then_resume_on_another_mesh(tmp_path: Path) -> None:
     ck = str(tmp_path / "ck")
-    first = _run([sys.executable, str(GPT), "--steps", "3", "--save", ck])
+    first = run_bounded([sys.executable, str(GPT), "--steps", "3", "--save", ck], LIMIT_S)
     assert first.returncode == 0, first.stderr[-3000:]
     assert "DeviceMesh(dp=2, tp=4) (simulated)" in first.stdout
     assert "[S(tp,dp), R]" in first.stdout  # wq: column-parallel, then FSDP within tp
     assert "parity OK" in first.stdout and "saved step 3" in first.stdout
-    again = _run([sys.executable, str(GPT), "--steps", "5", "--resume", ck, "--mesh", "4x2"])
+    again = run_bounded([sys.executable, str(GPT), "--steps", "5", "--resume", ck,
+                         "--mesh", "4x2"], LIMIT_S)
     assert again.returncode == 0, again.stderr[-3000:]
     assert "resumed from" in again.stdout and "at step 3" in again.stdout
     assert "parity OK" in again.stdout
 
 
 def test_a_loss_mismatch_exits_non_zero() -> None:
-    out = _run([sys.executable, str(GPT), "--steps", "1", "--rtol", "-1"])
+    out = run_bounded([sys.executable, str(GPT), "--steps", "1", "--rtol", "-1"], LIMIT_S)
     assert out.returncode == 1
     assert "parity FAILED" in out.stdout
 
 
 def test_unchanged_under_torchrun() -> None:
     torchrun = str(Path(sys.executable).with_name("torchrun"))
-    out = _run([torchrun, "--nproc-per-node", "4", "--master-port", str(free_port()),
-                str(GPT), "--steps", "3"])
+    out = run_bounded([torchrun, "--nproc-per-node", "4", "--master-port", str(free_port()),
+                str(GPT), "--steps", "3"], LIMIT_S)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "DeviceMesh(dp=2, tp=2) (torch.distributed, 4 processes)" in out.stdout
     assert out.stdout.count("parity OK") == 1  # only process 0 prints

@@ -5,13 +5,12 @@ from __future__ import annotations
 
 import os
 import re
-import signal
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-from harness import free_port
+from harness import free_port, run_bounded
 
 import shardwise as sw
 import shardwise.distributed as sd
@@ -67,20 +66,10 @@ FORGOT = Path(__file__).resolve().parent / "forgot_initialize.py"
 
 
 def _torchrun(*args: str, limit_s: float = 150) -> subprocess.CompletedProcess[str]:
-    """torchrun with 2 ranks under a hard limit: on timeout the whole process group
-    (torchrun and its ranks) is killed and the test fails."""
+    """torchrun with 2 ranks under a hard limit (:func:`harness.run_bounded`)."""
     torchrun = Path(sys.executable).with_name("torchrun")
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    cmd = [str(torchrun), "--nproc-per-node", "2", "--master-port", str(free_port()), *args]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env=env, start_new_session=True)
-    try:
-        out, err = proc.communicate(timeout=limit_s)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.communicate()
-        pytest.fail(f"torchrun {args} did not finish within {limit_s} s")
-    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+    return run_bounded([str(torchrun), "--nproc-per-node", "2", "--master-port",
+                        str(free_port()), *args], limit_s)
 
 
 def test_forgotten_initialize_under_torchrun_is_an_error() -> None:
