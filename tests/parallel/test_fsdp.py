@@ -212,6 +212,23 @@ def test_mixed_precision_bf16_matches_a_bf16_torch_reference() -> None:
         assert (p.to_torch() - q).abs().max() <= 5 * lr
 
 
+def _assert_sgd_like_torch(model: nn.Module, ref: nn.Module, mesh: DeviceMesh,
+                           steps: int) -> None:
+    """``steps`` SGD steps of ``model`` (batch Sharded(0) over the mesh's first axis)
+    and of ``ref`` on one device leave equal parameters."""
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    ropt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    x = torch.randn(4, 5)
+    xs = sw.tensor(x, sharding=PlacementMapping(mesh, [Sharded(0)] + [R] * (mesh.ndim - 1)))
+    for _ in range(steps):
+        for m, o, inp in ((model, opt, xs), (ref, ropt, x)):
+            o.zero_grad()
+            m(inp).pow(2).sum().backward()
+            o.step()
+    for p, q in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p.to_torch(), q.detach(), rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.parametrize(("shape", "tp"), [((2,), False), ((4,), False), ((2, 2), True)])
 def test_uneven_and_empty_shards(shape: tuple[int, ...], tp: bool) -> None:
     """A (3, 5) weight over 2 or 4 devices (rows 2+1, or 1+1+1+0), alone and over a
@@ -226,17 +243,7 @@ def test_uneven_and_empty_shards(shape: tuple[int, ...], tp: bool) -> None:
     fully_shard(model, mesh)
     rows = [s.shape[0] for s in model[0].weight.shards]
     assert rows == {(2,): [2, 1], (4,): [1, 1, 1, 0], (2, 2): [1, 1, 1, 0]}[shape]
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    ropt = torch.optim.SGD(ref.parameters(), lr=0.1)
-    x = torch.randn(4, 5)
-    xs = sw.tensor(x, sharding=PlacementMapping(mesh, [Sharded(0)] + [R] * (len(shape) - 1)))
-    for _ in range(5):
-        for m, o, inp in ((model, opt, xs), (ref, ropt, x)):
-            o.zero_grad()
-            m(inp).pow(2).sum().backward()
-            o.step()
-    for p, q in zip(model.parameters(), ref.parameters()):
-        torch.testing.assert_close(p.to_torch(), q.detach(), rtol=1e-5, atol=1e-6)
+    _assert_sgd_like_torch(model, ref, mesh, steps=5)
 
 
 def test_parameters_that_one_flat_all_gather_cannot_take() -> None:
@@ -253,17 +260,7 @@ def test_parameters_that_one_flat_all_gather_cannot_take() -> None:
     fully_shard(model, mesh)
     assert model.weight.dist_layout.spec_entries() == ("tp", "dp")
     assert model.bias.dist_layout.spec_entries() == (("tp", "dp"),)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    ropt = torch.optim.SGD(ref.parameters(), lr=0.1)
-    x = torch.randn(4, 5)
-    xs = sw.tensor(x, sharding=PlacementMapping(mesh, [Sharded(0), R]))
-    for _ in range(3):
-        for m, o, inp in ((model, opt, xs), (ref, ropt, x)):
-            o.zero_grad()
-            m(inp).pow(2).sum().backward()
-            o.step()
-    for p, q in zip(model.parameters(), ref.parameters()):
-        torch.testing.assert_close(p.to_torch(), q.detach(), rtol=1e-5, atol=1e-6)
+    _assert_sgd_like_torch(model, ref, mesh, steps=3)
 
 
 def test_state_dict_keeps_names_and_sharded_values() -> None:
