@@ -51,4 +51,39 @@ def test_foldable() -> None:
     assert A.foldable(torch.ones(8, 8, dtype=torch.bfloat16), ReduceOp.AVG)
     assert not A.foldable(torch.ones(8, 8), ReduceOp.MAX)        # the message is summed
     assert not A.foldable(torch.ones(64, 64), ReduceOp.SUM)      # larger than DATA
+    assert A.foldable(torch.ones(64, 64), ReduceOp.SUM, room=4096)  # a learned room
     assert not A.foldable(torch.ones(8, dtype=torch.int64), ReduceOp.SUM)  # not exact
+
+
+def _fp(name: str, fold: int) -> A.Fingerprint:
+    return A.fingerprint("all_reduce", ReduceOp.SUM, name, (fold,), torch.float32, fold=fold)
+
+
+def test_room_is_learned_from_the_agreed_history_alone() -> None:
+    """A repeated step: after one pass every collective that fits CAP finds room; the
+    room before a call depends on the calls before it, never on the call itself."""
+    ch = A.Channel(None, (0, 1), torch.device("cpu"))
+    step = [_fp("a", 2048), _fp("b", 10), _fp("c", A.CAP + 1), _fp("a", 2048), _fp("d", 300)]
+    rooms = []
+    for _ in range(3):
+        for fp in step:
+            rooms.append(ch.room())
+            ch.agreed(fp)
+    assert rooms[:5] == [A.DATA] * 5  # nothing learned yet
+    # learned: 2048 fits; 10 needs no more than DATA; above CAP travels natively
+    assert rooms[10:] == [2048, A.DATA, A.DATA, 2048, 512]
+    assert rooms[5:7] == [A.DATA, A.DATA]  # the step's first calls follow the step's end
+
+
+def test_room_covers_the_last_two_followers() -> None:
+    """The same two collectives followed by different ones: the room fits the larger
+    of the last two followers (a wrong guess costs bytes, never a fold that does not fit)."""
+    ch = A.Channel(None, (0, 1), torch.device("cpu"))
+    seen = []
+    for nxt in (_fp("x", 3000), _fp("y", 700), _fp("z", 5000), _fp("y", 700), _fp("y", 700)):
+        ch.last = (1, 2)
+        seen.append(ch.room())
+        ch.agreed(nxt)
+    assert seen == [A.DATA, 4096, 4096, 8192, 8192]
+    ch.last = (1, 2)
+    assert ch.room() == 1024  # the 5000 aged out

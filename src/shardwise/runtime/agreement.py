@@ -1,6 +1,7 @@
 """Moved to :mod:`shardwise.runtime.process.agreement`; this path stays importable."""
 
 from shardwise.runtime.process.agreement import (
+    CAP,
     DATA,
     Fingerprint,
     agree,
@@ -11,5 +12,5 @@ from shardwise.runtime.process.agreement import (
     wait_all,
 )
 
-__all__ = ["DATA", "Fingerprint", "agree", "fingerprint", "foldable", "foldable_gather", "run",
-           "wait_all"]
+__all__ = ["CAP", "DATA", "Fingerprint", "agree", "fingerprint", "foldable", "foldable_gather",
+           "run", "wait_all"]

@@ -2,15 +2,19 @@
 message every member sends, that all members call the same collective, and every
 wait is bounded by the run's timeout.
 
-The control message of a group is one float64 all_reduce(SUM) of fixed length
-``DATA + 2 * CODE`` (the same bytes and op on every member, so a disagreement can
-never make Gloo abort on a size mismatch, nor mix reduce ops). Its tail carries the
+The control message of a group is one float64 all_reduce(SUM) of ``room + 2 * CODE``
+elements, where ``room`` (``DATA`` to ``CAP``) is chosen from the group's agreed history
+alone, so it is the same on every member whatever each one calls now: a disagreement
+can never make Gloo abort on a size mismatch, nor mix reduce ops. The history predicts
+the next collective's data (the one that followed the same two collectives last time:
+a training step repeats), so the room fits it and a step's medium-sized collectives
+travel in one Gloo call each; a wrong guess costs bytes, never safety. Its tail carries the
 collective's fingerprint (op, reduce op, group, shape, dtype, layout, sizes, and the
 group's sequence number) as bytes ``p`` in 1..256, written ``[p, p*p]``: every
 member finds ``n * tail`` exactly when all fingerprints are equal (the sum and the
 sum of squares of n values are n*p and n*p*p only when all are p: zero variance).
-A small SUM/AVG all_reduce or reduce_scatter, all_gather or broadcast of a float
-dtype travels in the first ``DATA`` elements of the same message (one Gloo call in
+A SUM/AVG all_reduce or reduce_scatter, all_gather or broadcast of a float dtype
+that fits the room travels in the first elements of the same message (one Gloo call in
 all); every other collective sends a header-only message first, while it prepares
 its data. (A MAX or MIN message would not do: with mixed ops each chunk of the
 message is reduced by whichever rank's op, and a max of ``p`` beside a min of ``-p``
@@ -20,6 +24,9 @@ Invariants:
 - Every message a group's members exchange is either a control message or the data
   of a collective whose control message every member has checked: sizes, dtypes and
   ops then agree, so nothing reaches Gloo with mismatched buffers.
+- A message's size depends only on what the group agreed before it (``Channel.room``:
+  every member learns the same facts from the same agreed messages, none from a
+  mismatch), never on the call at hand.
 - Each group (torch ProcessGroup) counts its collectives: the count is in the
   fingerprint and names the position in errors ("collective #k of this group").
   Control messages pair by order, so a member that skipped one is caught by the
@@ -50,10 +57,15 @@ from shardwise.runtime.process.world import WORLD
 from shardwise.sharding.errors import CollectiveError
 from shardwise.sharding.placements import ReduceOp
 
-__all__ = ["DATA", "Fingerprint", "agree", "fingerprint", "foldable", "foldable_gather", "run",
-           "wait_all"]
+__all__ = ["CAP", "DATA", "Fingerprint", "agree", "fingerprint", "foldable", "foldable_gather",
+           "room", "run", "wait_all"]
 
-DATA = 256            # elements of data a control message carries (2 KiB as float64)
+DATA = 256            # elements of data every control message has room for (2 KiB as float64)
+# The most a predicted message carries (128 KiB as float64). Below it one Gloo round trip
+# costs more than the bytes (measured: a 4-rank all_reduce takes the same time from 16 to
+# 64Ki elements); above it, data travels natively, at half the bytes for float32.
+CAP = 16384
+_LEARNED = 4096       # predictions a group keeps (all members forget them at the same call)
 CODE = 8              # fingerprint bytes in the tail
 _TAIL = 2 * CODE
 # on: the agreement runs (default). Off only to measure its cost (``shardwise bench``):
@@ -78,6 +90,7 @@ class Fingerprint:
 
     values: tuple[str, ...]   # one per FIELDS entry
     code: int                 # crc32 of the values
+    fold: int = 0             # elements it carries in a message with room (0: never)
 
     @property
     def what(self) -> str:
@@ -86,15 +99,18 @@ class Fingerprint:
 
 @functools.lru_cache(maxsize=8192)
 def fingerprint(what: str, op: ReduceOp | None, group: str, shape: tuple[int, ...],
-                dtype: Any, layout: str = "", sizes: tuple[int, ...] = ()) -> Fingerprint:
+                dtype: Any, layout: str = "", sizes: tuple[int, ...] = (), fold: int = 0
+                ) -> Fingerprint:
     """The fingerprint of one collective call (cached: the hot path is one lookup).
+    ``fold``: the elements its data takes in a control message when there is room (the
+    same on every member that agrees; 0 for data that never travels there).
 
     >>> fingerprint("all_reduce", ReduceOp.SUM, "x", (8, 8), torch.float32).values[:2]
     ('all_reduce', 'sum')
     """
     values = (what, "-" if op is None else op.value, group, str(tuple(shape)),
               str(dtype).replace("torch.", ""), layout.strip(), str(tuple(sizes)))
-    return Fingerprint(values, zlib.crc32("|".join(values).encode()))
+    return Fingerprint(values, zlib.crc32("|".join(values).encode()), fold)
 
 
 def timeout() -> datetime.timedelta:
@@ -102,9 +118,11 @@ def timeout() -> datetime.timedelta:
 
 
 class Channel:
-    """One process group's agreement state: its control buffer and sequence number."""
+    """One process group's agreement state: its control buffers, sequence number and
+    what its agreed history predicts."""
 
-    __slots__ = ("arr", "buf", "key", "mem", "mismatches", "pg", "ranks", "seq")
+    __slots__ = ("device", "key", "last", "learned", "messages", "mismatches", "pg", "ranks",
+                 "rooms", "seq")
 
     def __init__(self, pg: Any, ranks: tuple[int, ...], device: torch.device) -> None:
         self.pg = pg
@@ -112,7 +130,44 @@ class Channel:
         self.key = "-".join(map(str, self.ranks))
         self.seq = 0
         self.mismatches = 0
-        self.buf = torch.zeros(DATA + _TAIL, dtype=torch.float64, device=device)
+        self.device = device
+        self.last = (0, 0)    # the codes of the last two agreed collectives
+        # last -> the folds of the (at most two) collectives that followed it lately
+        self.learned: dict[tuple[int, int], tuple[int, ...]] = {}
+        self.rooms: dict[tuple[int, int], int] = {}       # last -> room (powers of two)
+        self.messages: dict[int, Message] = {}
+
+    def room(self) -> int:
+        """Data elements the next control message has room for (agreed history only):
+        the most the collectives that followed the same two last times carried,
+        among those that fit ``CAP``."""
+        return self.rooms.get(self.last, DATA)
+
+    def agreed(self, fp: Fingerprint) -> None:
+        if len(self.learned) >= _LEARNED:
+            self.learned.clear()
+            self.rooms.clear()
+        folds = (*self.learned.get(self.last, ())[-1:], fp.fold)
+        self.learned[self.last] = folds
+        want = max((f for f in folds if f <= CAP), default=0)
+        self.rooms[self.last] = DATA if want <= DATA else 1 << (want - 1).bit_length()
+        self.last = (self.last[1], fp.code)
+
+    def message(self, room: int) -> Message:
+        msg = self.messages.get(room)
+        if msg is None:
+            msg = self.messages[room] = Message(room, self.device)
+        return msg
+
+
+class Message:
+    """A control buffer with room for ``room`` elements of data, then the tail."""
+
+    __slots__ = ("arr", "buf", "mem", "room")
+
+    def __init__(self, room: int, device: torch.device) -> None:
+        self.room = room
+        self.buf = torch.zeros(room + _TAIL, dtype=torch.float64, device=device)
         self.arr = self.buf.numpy() if device.type == "cpu" else None
         self.mem = None if self.arr is None else self.arr.data.cast("B")
 
@@ -123,11 +178,19 @@ class Channel:
 
 
 def channel(pg: Any, ranks: tuple[int, ...], device: torch.device) -> Channel:
+    if device.type == "meta":
+        device = torch.device("cpu")
     key = (id(pg), device.type)
     ch = WORLD.channels.get(key)
     if ch is None:
         ch = WORLD.channels[key] = Channel(pg, ranks, device)
     return ch
+
+
+def room(pg: Any, ranks: tuple[int, ...], device: torch.device) -> int:
+    """Data elements the next control message over ``pg`` carries (see
+    :meth:`Channel.room`): a collective whose data fits travels inside it."""
+    return channel(pg, ranks, device).room()
 
 
 def reset() -> None:
@@ -140,16 +203,38 @@ def _broken(pg: Any, err: CollectiveError) -> CollectiveError:
     return err
 
 
-def foldable_gather(x: torch.Tensor, total: int) -> bool:
+def _sums(x: torch.Tensor, op: ReduceOp | None) -> bool:
+    """The control message (a float64 sum) carries ``x`` exactly: a float dtype that
+    float64 holds, and a gather (``op`` None), sum or mean."""
+    return x.dtype in _FOLD and op in (None, ReduceOp.SUM, ReduceOp.AVG)
+
+
+def gather_fold(x: torch.Tensor, total: int) -> int:
+    """The elements a gather (or broadcast) of ``total`` elements like ``x`` takes in a
+    control message (0: it never travels there)."""
+    return total if _sums(x, None) else 0
+
+
+def reduce_fold(x: torch.Tensor, op: ReduceOp) -> int:
+    """The elements an all_reduce of ``x`` by ``op`` takes in a control message (0:
+    it never travels there)."""
+    return x.numel() if _sums(x, op) else 0
+
+
+def foldable_gather(x: torch.Tensor, total: int, room: int = DATA) -> bool:
     """True when a gather (or broadcast) of ``total`` elements like ``x`` travels
-    inside the control message (a float dtype that float64 holds exactly)."""
-    return total <= DATA and x.dtype in _FOLD
+    inside a control message with ``room`` for data."""
+    return _sums(x, None) and total <= room
 
 
-def foldable(x: torch.Tensor, op: ReduceOp) -> bool:
-    """True when an all_reduce of ``x`` travels inside the control message: small,
-    a float dtype that float64 holds exactly, a sum or mean (the message is summed)."""
-    return x.numel() <= DATA and x.dtype in _FOLD and op in (ReduceOp.SUM, ReduceOp.AVG)
+def foldable(x: torch.Tensor, op: ReduceOp, room: int = DATA) -> bool:
+    """True when an all_reduce of ``x`` travels inside a control message with ``room``
+    for data: it fits, in a float dtype, and the op is a sum or mean.
+
+    >>> foldable(torch.ones(8, 8), ReduceOp.SUM), foldable(torch.ones(8, 8), ReduceOp.MAX)
+    (True, False)
+    """
+    return _sums(x, op) and x.numel() <= room
 
 
 def _tail(code: int, seq: int) -> tuple[float, ...]:
@@ -186,10 +271,11 @@ def agree(pg: Any, ranks: tuple[int, ...], label: str, fp: Fingerprint,
             "data reliably any more. Stop the program (or shutdown() and initialize() "
             f"again). The earlier error: {WORLD.broken[id(pg)][:400]}")
     dev = x.device if x is not None else device or _device_of(pg)
-    ch = channel(pg, ranks, dev if dev.type != "meta" else torch.device("cpu"))
+    ch = channel(pg, ranks, dev)
     ch.seq += 1
     tail = _tail(fp.code, ch.seq)
-    buf, arr = ch.buf, ch.arr
+    msg = ch.message(ch.room())
+    buf, arr, at_tail = msg.buf, msg.arr, msg.room
     fast = arr is not None and x is not None and x.dtype in _NUMPY
     n = at = 0
     if x is not None:
@@ -197,21 +283,24 @@ def agree(pg: Any, ranks: tuple[int, ...], label: str, fp: Fingerprint,
         if place is not None:
             at, total = place
             buf[:total].fill_(-0.0)
+        if at + n > msg.room or (place is not None and place[1] > msg.room):
+            raise AssertionError(f"{fp.what}: {n} elements do not fit a control message "
+                                 f"with room for {msg.room} (check room() first)")
         if fast:  # numpy: a third of torch's per-call cost on tiny tensors
             assert arr is not None
             arr[at:at + n] = (x.detach() if x.requires_grad else x).numpy().reshape(-1)
         else:
             buf[at:at + n].copy_(x.reshape(-1))
-    if ch.mem is not None:
-        _PACK.pack_into(ch.mem, DATA * 8, *tail)
+    if msg.mem is not None:
+        _PACK.pack_into(msg.mem, at_tail * 8, *tail)
     else:
-        buf[DATA:].copy_(torch.tensor(tail, dtype=torch.float64))
+        buf[at_tail:].copy_(torch.tensor(tail, dtype=torch.float64))
     work = _start(lambda: dist.all_reduce(buf, dist.ReduceOp.SUM, group=pg, async_op=True),
                   ch, label, fp)
     if x is None and deferred is not None:  # the caller prepares its data meanwhile
-        deferred.append(lambda: _finish(work, ch, label, fp, tail))
+        deferred.append(lambda: _finish(work, ch, msg, label, fp, tail))
         return None
-    _finish(work, ch, label, fp, tail)
+    _finish(work, ch, msg, label, fp, tail)
     if x is None:
         return None
     size = len(ch.ranks)
@@ -225,17 +314,19 @@ def agree(pg: Any, ranks: tuple[int, ...], label: str, fp: Fingerprint,
     return out.to(x.dtype).view(x.shape)
 
 
-def _finish(work: Any, ch: Channel, label: str, fp: Fingerprint, tail: tuple[float, ...]
-            ) -> None:
-    """Wait for a control message (bounded) and check its tail."""
+def _finish(work: Any, ch: Channel, msg: Message, label: str, fp: Fingerprint,
+            tail: tuple[float, ...]) -> None:
+    """Wait for a control message (bounded) and check its tail; the group learns the
+    collective once agreed (on a mismatch no member learns anything)."""
     _wait_control(work, ch, label, fp)
-    got = (_PACK.unpack_from(ch.mem, DATA * 8) if ch.mem is not None
-           else tuple(ch.buf[DATA:].tolist()))
+    got = (_PACK.unpack_from(msg.mem, msg.room * 8) if msg.mem is not None
+           else tuple(msg.buf[msg.room:].tolist()))
     size = len(ch.ranks)
     if got != tuple(v * size for v in tail):
         ch.mismatches += 1
         raise CollectiveError(diagnose.mismatch(ch, label, dict(zip(FIELDS, fp.values)),
                                                 fp.what))
+    ch.agreed(fp)
 
 
 def _device_of(pg: Any) -> torch.device:

@@ -52,14 +52,14 @@ _TORCH_OP = A._TORCH_OP
 
 def _agree(what: str, g: Group, shape: tuple[int, ...], dtype: Any, tag: str,
            op: ReduceOp | None = None, sizes: tuple[int, ...] = (),
-           device: torch.device | None = None) -> Callable[[], None]:
+           device: torch.device | None = None, fold: int = 0) -> Callable[[], None]:
     """Send the control message of one collective (see ``agreement.py``). Returns the
     wait-and-check, which the caller runs after preparing its buffers and before any
     data moves; with the debug check on, that also all_gathers every member's full
     fingerprint."""
     if WORLD.check_collectives:
         tag += " [debug check]"  # members that differ in the mode disagree here
-    fp = A.fingerprint(what, op, g.label, shape, dtype, tag, sizes)
+    fp = A.fingerprint(what, op, g.label, shape, dtype, tag, sizes, fold)
     pending: list[Callable[[], None]] = []
     if WORLD.agreement:
         A.agree(g.pg, g.ranks, g.label, fp, device=device, deferred=pending)
@@ -89,17 +89,18 @@ def all_gather(x: torch.Tensor, dim: int, g: Group, sizes: Sequence[int], tag: s
     if g.size == 1:
         return x
     shape = _shape(x.shape, {dim: sum(sizes)})
-    if _fold_gather(x, math.prod(shape)):  # the pieces ride in the control message
+    fold = A.gather_fold(x, math.prod(shape))
+    if _fold_gather(x, math.prod(shape), g):  # the pieces ride in the control message
         xm = x.movedim(dim, 0).contiguous()
         rest = math.prod(xm.shape[1:])
         fp = A.fingerprint("all_gather", None, g.label, shape, x.dtype, f"{tag} dim {dim}",
-                           tuple(sizes))
+                           tuple(sizes), fold)
         flat = _call("all_gather", g, lambda: A.agree(
             g.pg, g.ranks, g.label, fp, xm, place=(sum(sizes[:g.pos]) * rest,
                                                    math.prod(shape))))
         return flat.view(sum(sizes), *xm.shape[1:]).movedim(0, dim)
     done = _agree("all_gather", g, shape, x.dtype, f"{tag} dim {dim}", sizes=tuple(sizes),
-                  device=x.device)
+                  device=x.device, fold=fold)
     if x.device.type == "cpu":
         return _all_gather_by_exchange(x, dim, g, sizes, done)
     m = max(sizes)
@@ -142,26 +143,38 @@ def _all_gather_by_exchange(x: torch.Tensor, dim: int, g: Group, sizes: Sequence
     return out.movedim(0, dim)
 
 
-def _fold_gather(x: torch.Tensor, total: int) -> bool:
+def _checked(g: Group, x: torch.Tensor) -> int:
+    """Room for data in ``g``'s next control message (0: no control message carries
+    data: the agreement is off, or the debug check runs)."""
+    if not WORLD.agreement or WORLD.check_collectives:
+        return 0
+    return A.room(g.pg, g.ranks, x.device)
+
+
+def _fold_gather(x: torch.Tensor, total: int, g: Group) -> bool:
     """The pieces of a gather (or broadcast) ride in the control message."""
-    return A.foldable_gather(x, total) and WORLD.agreement and not WORLD.check_collectives
+    room = _checked(g, x)
+    return room > 0 and A.foldable_gather(x, total, room)
 
 
-def _fold(x: torch.Tensor, op: ReduceOp) -> bool:
+def _fold(x: torch.Tensor, op: ReduceOp, g: Group) -> bool:
     """A sum or mean of ``x`` rides in the control message (it is summed)."""
-    return A.foldable(x, op) and WORLD.agreement and not WORLD.check_collectives
+    room = _checked(g, x)
+    return room > 0 and A.foldable(x, op, room)
 
 
 def all_reduce(x: torch.Tensor, g: Group, op: ReduceOp, tag: str = "") -> torch.Tensor:
     check_reduce(x, op)
     if g.size == 1:
         return buffers.empty(x.shape, x).copy_(x)
-    if _fold(x, op):  # data in the message
-        fp = A.fingerprint("all_reduce", op, g.label, tuple(x.shape), x.dtype, tag)
+    fold = A.reduce_fold(x, op)
+    if _fold(x, op, g):  # data in the message
+        fp = A.fingerprint("all_reduce", op, g.label, tuple(x.shape), x.dtype, tag, (), fold)
         out: torch.Tensor = _call("all_reduce", g,
                                   lambda: A.agree(g.pg, g.ranks, g.label, fp, x, op))
         return out
-    done = _agree("all_reduce", g, tuple(x.shape), x.dtype, tag, op, device=x.device)
+    done = _agree("all_reduce", g, tuple(x.shape), x.dtype, tag, op, device=x.device,
+                  fold=fold)
     out = buffers.empty(x.shape, x).copy_(x)  # a clone (huge pages when large)
     done()  # the control message travelled while this copied
     _call("all_reduce", g, lambda: dist.all_reduce(out, _TORCH_OP[op], group=g.pg))
@@ -174,14 +187,15 @@ def reduce_scatter(x: torch.Tensor, dim: int, g: Group, sizes: Sequence[int],
     if g.size == 1:
         return x.clone()
     check_reduce(x, op)
-    if _fold(x, op):  # data in the message
+    fold = A.reduce_fold(x, op)
+    if _fold(x, op, g):  # data in the message
         fp = A.fingerprint("reduce_scatter", op, g.label, tuple(x.shape), x.dtype,
-                           f"{tag} dim {dim}", tuple(sizes))
+                           f"{tag} dim {dim}", tuple(sizes), fold)
         full: torch.Tensor = _call("reduce_scatter", g,
                                    lambda: A.agree(g.pg, g.ranks, g.label, fp, x, op))
         return full.narrow(dim, sum(sizes[:g.pos]), sizes[g.pos])
     done = _agree("reduce_scatter", g, tuple(x.shape), x.dtype, f"{tag} dim {dim}", op,
-                  tuple(sizes), x.device)
+                  tuple(sizes), x.device, fold)
     if x.device.type == "cpu":
         return _reduce_scatter_by_exchange(x, dim, g, sizes, op, done)
     m = max(sizes)
@@ -310,13 +324,14 @@ def broadcast(x: torch.Tensor, src_rank: int, g: Group, tag: str = "") -> torch.
     if g.size == 1:
         return x.clone(memory_format=torch.contiguous_format)
     tag = f"{tag} from rank {src_rank}"
-    if _fold_gather(x, x.numel()):  # the source's data rides in the control message
-        fp = A.fingerprint("broadcast", None, g.label, tuple(x.shape), x.dtype, tag)
+    fold = A.gather_fold(x, x.numel())
+    if _fold_gather(x, x.numel(), g):  # the source's data rides in the control message
+        fp = A.fingerprint("broadcast", None, g.label, tuple(x.shape), x.dtype, tag, (), fold)
         piece = x if rank() == src_rank else x.reshape(-1)[:0]
         flat = _call("broadcast", g, lambda: A.agree(g.pg, g.ranks, g.label, fp, piece,
                                                      place=(0, x.numel())))
         return flat.view(x.shape)
-    done = _agree("broadcast", g, tuple(x.shape), x.dtype, tag, device=x.device)
+    done = _agree("broadcast", g, tuple(x.shape), x.dtype, tag, device=x.device, fold=fold)
     out = x.clone(memory_format=torch.contiguous_format)
     done()
     _call("broadcast", g, lambda: dist.broadcast(out, src_rank, group=g.pg))
