@@ -70,8 +70,9 @@ def test_room_is_learned_from_the_agreed_history_alone() -> None:
             rooms.append(ch.room())
             ch.agreed(fp)
     assert rooms[:5] == [A.DATA] * 5  # nothing learned yet
-    # learned: 2048 fits; 10 needs no more than DATA; above CAP travels natively
-    assert rooms[10:] == [2048, A.DATA, A.DATA, 2048, 512]
+    # learned: 2048 fits; 10 needs no more than DATA; the all_reduce above CAP is the
+    # next message itself (fused: no room for other data)
+    assert rooms[10:] == [2048, A.DATA, 0, 2048, 512]
     assert rooms[5:7] == [A.DATA, A.DATA]  # the step's first calls follow the step's end
 
 
@@ -87,3 +88,37 @@ def test_room_covers_the_last_two_followers() -> None:
     assert seen == [A.DATA, 4096, 4096, 8192, 8192]
     ch.last = (1, 2)
     assert ch.room() == 1024  # the 5000 aged out
+
+
+def test_a_large_all_reduce_is_fused_once_it_repeated_twice() -> None:
+    ch = A.Channel(None, (0, 1), torch.device("cpu"))
+    big = _fp("big", A.CAP * 4)
+    assert big.fuse == A.Kind(A.CAP * 4, torch.float32, ReduceOp.SUM, fused=True)
+    kinds = []
+    for _ in range(4):
+        ch.last = (5, 6)
+        kinds.append(ch.kind())
+        ch.agreed(big)
+    assert kinds[:2] == [A.Kind(A.DATA)] * 2 and kinds[2:] == [big.fuse] * 2
+    ch.last = (5, 6)
+    ch.agreed(_fp("small", 8))  # the pattern changed: a control message again
+    ch.last = (5, 6)
+    assert ch.kind() == A.Kind(A.DATA)
+    assert A.fingerprint("all_reduce", ReduceOp.AVG, "g", (A.CAP * 4,), torch.float32).fuse \
+        is None  # a mean is not fused (the tail checks a sum, max or min), nor integers
+    assert A.fingerprint("all_reduce", ReduceOp.SUM, "g", (A.CAP * 4,), torch.int64).fuse is None
+
+
+@given(st.lists(st.tuples(codes, seqs), min_size=2, max_size=9),
+       st.sampled_from([ReduceOp.MAX, ReduceOp.MIN]))
+def test_max_and_min_tails_detect_any_disagreement(members: list[tuple[int, int]],
+                                                   op: ReduceOp) -> None:
+    """A fused max/min message reduces its tail by the same op: [p, -p] gives max and
+    -min (or min and -max), equal to one member's [p, -p] only when all are equal."""
+    from shardwise.runtime.process import channel as C
+    tails = [C.tail(c, s, op) for c, s in members]
+    pick = max if op is ReduceOp.MAX else min
+    reduced = tuple(pick(col) for col in zip(*tails))
+    agree = len(set(members)) == 1
+    for mine in tails:
+        assert (reduced == C.expected(mine, op, len(tails))) == agree

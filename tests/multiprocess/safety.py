@@ -168,33 +168,53 @@ def _gloo_calls(fn: Callable[[], Any]) -> int:
 
 def body_learned_room(n: int) -> None:
     """A repeated step of medium collectives (2048 elements, above the fixed room of a
-    control message): once the group has seen the step, each travels in one Gloo call.
-    Disagreements about them still raise on every rank (a skip, another shape, one
-    above CAP), never a Gloo size abort, and the next steps are exact again."""
+    control message) and a large all_reduce (32768 elements, above CAP): once the
+    group has seen the step, each travels in one Gloo call (medium ones inside the
+    control message, the large one as its data with the tail appended). Disagreements
+    about them still raise on every rank (a skip, another shape, another op, one above
+    CAP), never a Gloo size abort, and the next steps are exact again."""
     mesh, me = line(n), process_index()
+
+    def partial(local: torch.Tensor) -> Any:
+        return sw.from_local([local if k == me else None for k in range(n)],
+                             pm(mesh, Partial()), shape=tuple(local.shape))
+
     x = torch.arange(2048.0).reshape(64, 32)
-    p = sw.from_local([x + k if k == me else None for k in range(n)], pm(mesh, Partial()),
-                      shape=(64, 32))
-    total = sum(x + k for k in range(n))
+    y = torch.arange(32768.0).reshape(256, 128) % 97
+    p, big = partial(x + me), partial(y * (me + 1))
+    total, big_total = sum(x + k for k in range(n)), y * (n * (n + 1) // 2)
     g = sw.tensor(x, sharding=pm(mesh, Sharded(0)))  # uneven over 3 ranks
 
     def step() -> None:
         assert torch.equal(sw.all_reduce(p).to_torch(), total)
         assert torch.equal(sw.all_gather(g).to_torch(), x)
+        assert torch.equal(sw.all_reduce(big).to_torch(), big_total)
 
-    assert _gloo_calls(step) == 4  # not learned yet: a header, then the data
-    step()
-    assert _gloo_calls(step) == 2  # learned: the data rides in the control messages
-    fn = (lambda: sw.all_gather(g)) if me == n - 1 else (lambda: sw.all_reduce(p))
-    expect_error(fn, "collective: ", "all_reduce", "all_gather", f"rank {n - 1}")
+    assert _gloo_calls(step) == 6  # not learned yet: a header, then the data
     step(), step()
+    assert _gloo_calls(step) == 3  # learned: the data rides in the messages
+    assert _gloo_calls(lambda: sw.all_reduce(p)) == 1
+    expect_error(lambda: sw.all_gather(g) if me == n - 1 else sw.all_reduce(p),
+                 "collective: ", "all_reduce", "all_gather", f"rank {n - 1}")
+    step(), step(), step()
     for other in ((32, 32), (1024, 32)):   # fits the room / above CAP
         shape = (64, 32) if me == 0 else other
-        q = sw.from_local([torch.ones(shape) if k == me else None for k in range(n)],
-                          pm(mesh, Partial()), shape=shape)
+        q = partial(torch.ones(shape))
         expect_error(lambda q=q: sw.all_reduce(q), "all_reduce", "shape", "(64, 32)")
-        step(), step()
-    assert _gloo_calls(step) == 2
+        step(), step(), step()
+    # the large one: another collective, another op, another shape of the same size
+    sw.all_reduce(p), sw.all_gather(g)  # next: the fused all_reduce
+    expect_error(lambda: sw.all_reduce(big) if me == 0 else sw.all_gather(g), "collective: ")
+    step(), step(), step()
+    sw.all_reduce(p), sw.all_gather(g)
+    op = "sum" if me == 0 else "max"
+    expect_error(lambda: sw.all_reduce(big, reduce_op=op), "reduce op", "sum", "max")
+    step(), step(), step()
+    sw.all_reduce(p), sw.all_gather(g)
+    other_big = big if me == 0 else partial(torch.ones(512, 64))
+    expect_error(lambda: sw.all_reduce(other_big), "shape", "(256, 128)", "(512, 64)")
+    step(), step(), step()
+    assert _gloo_calls(step) == 3
 
 
 def body_group_creation_mismatch(n: int) -> None:

@@ -1,76 +1,73 @@
-"""Agreement before data: every collective on a process group proves, in a control
-message every member sends, that all members call the same collective, and every
-wait is bounded by the run's timeout.
+"""Agreement before data: every collective on a process group proves, in a message
+every member sends, that all members call the same collective, and every wait is
+bounded by the run's timeout.
 
-The control message of a group is one float64 all_reduce(SUM) of ``room + 2 * CODE``
-elements, where ``room`` (``DATA`` to ``CAP``) is chosen from the group's agreed history
-alone, so it is the same on every member whatever each one calls now: a disagreement
-can never make Gloo abort on a size mismatch, nor mix reduce ops. The history predicts
-the next collective's data (the one that followed the same two collectives last time:
-a training step repeats), so the room fits it and a step's medium-sized collectives
-travel in one Gloo call each; a wrong guess costs bytes, never safety. Its tail carries the
-collective's fingerprint (op, reduce op, group, shape, dtype, layout, sizes, and the
-group's sequence number) as bytes ``p`` in 1..256, written ``[p, p*p]``: every
-member finds ``n * tail`` exactly when all fingerprints are equal (the sum and the
-sum of squares of n values are n*p and n*p*p only when all are p: zero variance).
-A SUM/AVG all_reduce or reduce_scatter, all_gather or broadcast of a float dtype
-that fits the room travels in the first elements of the same message (one Gloo call in
-all); every other collective sends a header-only message first, while it prepares
-its data. (A MAX or MIN message would not do: with mixed ops each chunk of the
-message is reduced by whichever rank's op, and a max of ``p`` beside a min of ``-p``
-can pass for agreement.)
+The message (see :mod:`.channel`) is one all_reduce whose kind (length, dtype, op) the
+group's agreed history alone decides, so it is the same on every member whatever each
+one calls now: a disagreement can never make Gloo abort on a size mismatch, nor mix
+reduce ops. Its tail carries the collective's fingerprint (op, reduce op, group, shape,
+dtype, layout, sizes, and the group's sequence number): every member finds the
+expected reduced tail exactly when all fingerprints are equal.
+- A control message (float64 sum) carries a SUM/AVG all_reduce or reduce_scatter, an
+  all_gather or a broadcast of a float dtype when it fits the room the history
+  predicted (a training step repeats: from its second iteration a step's small and
+  medium collectives travel in one Gloo call each).
+- A repeated large all_reduce (float32/64; sum, max or min) is its own message: the
+  data with the tail appended, in its dtype and op (one Gloo call).
+- Every other collective sends a header-only message first, while it prepares its
+  data, and its data after the check.
 
 Invariants:
-- Every message a group's members exchange is either a control message or the data
-  of a collective whose control message every member has checked: sizes, dtypes and
-  ops then agree, so nothing reaches Gloo with mismatched buffers.
-- A message's size depends only on what the group agreed before it (``Channel.room``:
-  every member learns the same facts from the same agreed messages, none from a
-  mismatch), never on the call at hand.
+- Every message a group's members exchange is either a message of the kind the
+  history decided or the data of a collective whose message every member has
+  checked: sizes, dtypes and ops then agree, so nothing reaches Gloo with mismatched
+  buffers. Data reduced inside a message is returned only after its tail checked.
 - Each group (torch ProcessGroup) counts its collectives: the count is in the
   fingerprint and names the position in errors ("collective #k of this group").
-  Control messages pair by order, so a member that skipped one is caught by the
-  next field that differs (or by the timeout), not by the count itself.
+  Messages pair by order, so a member that skipped one is caught by the next field
+  that differs (or by the timeout), not by the count itself.
 - A mismatch raises :class:`CollectiveError` on every member (all read the same
   reduced tail); the message names the collective, the field and the ranks, read
   from the members' fingerprints in the rendezvous store.
-- Waits: control messages, p2p and collectives end within ``timeout_s`` (+ a
-  small slack for naming the ranks that did not arrive).
+- Waits: messages, p2p and collectives end within ``timeout_s`` (+ a small slack for
+  naming the ranks that did not arrive).
 """
 
 from __future__ import annotations
 
 import datetime
-import functools
-import struct
 import time
-import zlib
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
+from shardwise.runtime import buffers
 from shardwise.runtime.process import diagnose
+from shardwise.runtime.process.channel import (  # re-exported: the runtime reaches them here
+    CAP,
+    DATA,
+    FIELDS,
+    PACK,
+    TAIL,
+    Channel,
+    Fingerprint,
+    Kind,
+    Message,
+    channel,
+    expected,
+    fingerprint,
+    tail,
+)
 from shardwise.runtime.process.world import WORLD
 from shardwise.sharding.errors import CollectiveError
 from shardwise.sharding.placements import ReduceOp
 
-__all__ = ["CAP", "DATA", "Fingerprint", "agree", "fingerprint", "foldable", "foldable_gather",
-           "room", "run", "wait_all"]
+__all__ = ["CAP", "DATA", "FIELDS", "Channel", "Fingerprint", "Kind", "agree", "agree_fused",
+           "fingerprint", "foldable", "foldable_gather", "kind", "room", "run", "wait_all"]
 
-DATA = 256            # elements of data every control message has room for (2 KiB as float64)
-# The most a predicted message carries (128 KiB as float64). Below it one Gloo round trip
-# costs more than the bytes (measured: a 4-rank all_reduce takes the same time from 16 to
-# 64Ki elements); above it, data travels natively, at half the bytes for float32.
-CAP = 16384
-_LEARNED = 4096       # predictions a group keeps (all members forget them at the same call)
-CODE = 8              # fingerprint bytes in the tail
-_TAIL = 2 * CODE
-# on: the agreement runs (default). Off only to measure its cost (``shardwise bench``):
-# every process must switch alike, or Gloo pairs a control message with data.
-_NOTE_AFTER_S = 1.0   # a control message slower than this leaves a note in the store
+_NOTE_AFTER_S = 1.0   # a message slower than this leaves a note in the store
 _FOLD = {torch.float32, torch.float64, torch.float16, torch.bfloat16}
 _NUMPY = {torch.float32: np.float32, torch.float64: np.float64}
 _TORCH_OP = {
@@ -78,118 +75,26 @@ _TORCH_OP = {
     ReduceOp.MIN: dist.ReduceOp.MIN, ReduceOp.MAX: dist.ReduceOp.MAX,
     ReduceOp.PROD: dist.ReduceOp.PRODUCT,
 }
-_P = tuple(float(b + 1) for b in range(256))   # byte -> p (never 0)
-_PACK = struct.Struct(f"<{_TAIL}d")
 _FIRST_WAIT = datetime.timedelta(seconds=_NOTE_AFTER_S)
-FIELDS = ("collective", "reduce op", "group", "shape", "dtype", "layout", "sizes")
 
 
-@dataclass(frozen=True)
-class Fingerprint:
-    """What a collective call is, as every member must see it."""
-
-    values: tuple[str, ...]   # one per FIELDS entry
-    code: int                 # crc32 of the values
-    fold: int = 0             # elements it carries in a message with room (0: never)
-
-    @property
-    def what(self) -> str:
-        return self.values[0]
-
-
-@functools.lru_cache(maxsize=8192)
-def fingerprint(what: str, op: ReduceOp | None, group: str, shape: tuple[int, ...],
-                dtype: Any, layout: str = "", sizes: tuple[int, ...] = (), fold: int = 0
-                ) -> Fingerprint:
-    """The fingerprint of one collective call (cached: the hot path is one lookup).
-    ``fold``: the elements its data takes in a control message when there is room (the
-    same on every member that agrees; 0 for data that never travels there).
-
-    >>> fingerprint("all_reduce", ReduceOp.SUM, "x", (8, 8), torch.float32).values[:2]
-    ('all_reduce', 'sum')
-    """
-    values = (what, "-" if op is None else op.value, group, str(tuple(shape)),
-              str(dtype).replace("torch.", ""), layout.strip(), str(tuple(sizes)))
-    return Fingerprint(values, zlib.crc32("|".join(values).encode()), fold)
+def _tail(code: int, seq: int) -> tuple[float, ...]:
+    """A control message's tail (a sum's ``[p, p*p]``)."""
+    return tail(code, seq)
 
 
 def timeout() -> datetime.timedelta:
     return datetime.timedelta(seconds=WORLD.timeout_s)
 
 
-class Channel:
-    """One process group's agreement state: its control buffers, sequence number and
-    what its agreed history predicts."""
-
-    __slots__ = ("device", "key", "last", "learned", "messages", "mismatches", "pg", "ranks",
-                 "rooms", "seq")
-
-    def __init__(self, pg: Any, ranks: tuple[int, ...], device: torch.device) -> None:
-        self.pg = pg
-        self.ranks = tuple(sorted(ranks))
-        self.key = "-".join(map(str, self.ranks))
-        self.seq = 0
-        self.mismatches = 0
-        self.device = device
-        self.last = (0, 0)    # the codes of the last two agreed collectives
-        # last -> the folds of the (at most two) collectives that followed it lately
-        self.learned: dict[tuple[int, int], tuple[int, ...]] = {}
-        self.rooms: dict[tuple[int, int], int] = {}       # last -> room (powers of two)
-        self.messages: dict[int, Message] = {}
-
-    def room(self) -> int:
-        """Data elements the next control message has room for (agreed history only):
-        the most the collectives that followed the same two last times carried,
-        among those that fit ``CAP``."""
-        return self.rooms.get(self.last, DATA)
-
-    def agreed(self, fp: Fingerprint) -> None:
-        if len(self.learned) >= _LEARNED:
-            self.learned.clear()
-            self.rooms.clear()
-        folds = (*self.learned.get(self.last, ())[-1:], fp.fold)
-        self.learned[self.last] = folds
-        want = max((f for f in folds if f <= CAP), default=0)
-        self.rooms[self.last] = DATA if want <= DATA else 1 << (want - 1).bit_length()
-        self.last = (self.last[1], fp.code)
-
-    def message(self, room: int) -> Message:
-        msg = self.messages.get(room)
-        if msg is None:
-            msg = self.messages[room] = Message(room, self.device)
-        return msg
-
-
-class Message:
-    """A control buffer with room for ``room`` elements of data, then the tail."""
-
-    __slots__ = ("arr", "buf", "mem", "room")
-
-    def __init__(self, room: int, device: torch.device) -> None:
-        self.room = room
-        self.buf = torch.zeros(room + _TAIL, dtype=torch.float64, device=device)
-        self.arr = self.buf.numpy() if device.type == "cpu" else None
-        self.mem = None if self.arr is None else self.arr.data.cast("B")
-
-
-# WORLD.broken: process groups (by id) on which a wait failed or timed out, with the
-# first error: Gloo's state is then unknown (a message may still arrive), so later
-# collectives on the group raise at once instead of pairing with stale messages.
-
-
-def channel(pg: Any, ranks: tuple[int, ...], device: torch.device) -> Channel:
-    if device.type == "meta":
-        device = torch.device("cpu")
-    key = (id(pg), device.type)
-    ch = WORLD.channels.get(key)
-    if ch is None:
-        ch = WORLD.channels[key] = Channel(pg, ranks, device)
-    return ch
+def kind(pg: Any, ranks: tuple[int, ...], device: torch.device) -> Kind:
+    """The kind of the next message over ``pg`` (see :meth:`.channel.Channel.kind`)."""
+    return channel(pg, ranks, device).kind()
 
 
 def room(pg: Any, ranks: tuple[int, ...], device: torch.device) -> int:
-    """Data elements the next control message over ``pg`` carries (see
-    :meth:`Channel.room`): a collective whose data fits travels inside it."""
+    """Data elements the next control message over ``pg`` carries (0: the next message
+    is a fused all_reduce): a collective whose data fits travels inside it."""
     return channel(pg, ranks, device).room()
 
 
@@ -237,20 +142,23 @@ def foldable(x: torch.Tensor, op: ReduceOp, room: int = DATA) -> bool:
     return _sums(x, op) and x.numel() <= room
 
 
-def _tail(code: int, seq: int) -> tuple[float, ...]:
-    """[p, p*p] for the 8 bytes of (fingerprint code, sequence number)."""
-    h = ((code & 0xFFFFFFFF) << 32) | (seq & 0xFFFFFFFF)
-    p = [_P[b] for b in h.to_bytes(CODE, "little")]
-    return (*p, *[v * v for v in p])
+def _refuse_broken(pg: Any, ranks: tuple[int, ...], label: str, fp: Fingerprint) -> None:
+    if id(pg) in WORLD.broken:
+        raise CollectiveError(
+            f"{fp.what} over {label} (ranks {sorted(ranks)}) refused on rank "
+            f"{dist.get_rank()}: this group failed earlier, and its processes cannot exchange "
+            "data reliably any more. Stop the program (or shutdown() and initialize() "
+            f"again). The earlier error: {WORLD.broken[id(pg)][:400]}")
 
 
 def agree(pg: Any, ranks: tuple[int, ...], label: str, fp: Fingerprint,
           x: torch.Tensor | None = None, op: ReduceOp = ReduceOp.SUM,
           device: torch.device | None = None, place: tuple[int, int] | None = None,
           deferred: list[Any] | None = None) -> torch.Tensor | None:
-    """Send one control message over ``pg``: check that every member calls ``fp``
-    and, when ``x`` is given (see :func:`foldable`), all_reduce it by ``op`` (SUM or
-    AVG) in the same message. Returns the reduced ``x`` (a new tensor) or None.
+    """Send one message over ``pg``: check that every member calls ``fp`` and, when
+    ``x`` is given (it must fit :func:`room`, see :func:`foldable`), all_reduce it by
+    ``op`` (SUM or AVG) in the same control message. Returns the reduced ``x`` (a new
+    tensor) or None.
 
     ``place=(at, total)``: ``x`` is this member's piece of a gather instead: written
     at element ``at`` of ``total``, -0.0 elsewhere (``x + -0.0`` is ``x`` for every
@@ -264,18 +172,22 @@ def agree(pg: Any, ranks: tuple[int, ...], label: str, fp: Fingerprint,
     Raises :class:`CollectiveError` on every member when the fingerprints differ,
     and when a member does not arrive within the timeout.
     """
-    if id(pg) in WORLD.broken:
-        raise CollectiveError(
-            f"{fp.what} over {label} (ranks {sorted(ranks)}) refused on rank "
-            f"{dist.get_rank()}: this group failed earlier, and its processes cannot exchange "
-            "data reliably any more. Stop the program (or shutdown() and initialize() "
-            f"again). The earlier error: {WORLD.broken[id(pg)][:400]}")
-    dev = x.device if x is not None else device or _device_of(pg)
-    ch = channel(pg, ranks, dev)
+    _refuse_broken(pg, ranks, label, fp)
+    ch = channel(pg, ranks, x.device if x is not None else device or _device_of(pg))
     ch.seq += 1
-    tail = _tail(fp.code, ch.seq)
-    msg = ch.message(ch.room())
-    buf, arr, at_tail = msg.buf, msg.arr, msg.room
+    k = ch.kind()
+    if k.fused:  # a header as long as the predicted all_reduce (it is not this call)
+        if x is not None:
+            raise AssertionError(f"{fp.what}: the next message is a fused all_reduce "
+                                 "(check room() first)")
+        mine = tail(fp.code, ch.seq, k.op)
+        buf = torch.zeros(k.room + TAIL, dtype=k.dtype, device=ch.device)
+        buf[k.room:].copy_(torch.tensor(mine, dtype=k.dtype))
+        _send(ch, buf, k, label, fp, mine, deferred)
+        return None
+    msg = ch.message(k.room)
+    mine = tail(fp.code, ch.seq)
+    buf, arr = msg.buf, msg.arr
     fast = arr is not None and x is not None and x.dtype in _NUMPY
     n = at = 0
     if x is not None:
@@ -292,15 +204,10 @@ def agree(pg: Any, ranks: tuple[int, ...], label: str, fp: Fingerprint,
         else:
             buf[at:at + n].copy_(x.reshape(-1))
     if msg.mem is not None:
-        _PACK.pack_into(msg.mem, at_tail * 8, *tail)
+        PACK.pack_into(msg.mem, msg.room * 8, *mine)
     else:
-        buf[at_tail:].copy_(torch.tensor(tail, dtype=torch.float64))
-    work = _start(lambda: dist.all_reduce(buf, dist.ReduceOp.SUM, group=pg, async_op=True),
-                  ch, label, fp)
-    if x is None and deferred is not None:  # the caller prepares its data meanwhile
-        deferred.append(lambda: _finish(work, ch, msg, label, fp, tail))
-        return None
-    _finish(work, ch, msg, label, fp, tail)
+        buf[msg.room:].copy_(torch.tensor(mine, dtype=torch.float64))
+    _send(ch, buf, k, label, fp, mine, None if x is not None else deferred, msg)
     if x is None:
         return None
     size = len(ch.ranks)
@@ -314,15 +221,47 @@ def agree(pg: Any, ranks: tuple[int, ...], label: str, fp: Fingerprint,
     return out.to(x.dtype).view(x.shape)
 
 
-def _finish(work: Any, ch: Channel, msg: Message, label: str, fp: Fingerprint,
-            tail: tuple[float, ...]) -> None:
-    """Wait for a control message (bounded) and check its tail; the group learns the
-    collective once agreed (on a mismatch no member learns anything)."""
+def agree_fused(pg: Any, ranks: tuple[int, ...], label: str, fp: Fingerprint,
+                x: torch.Tensor) -> torch.Tensor:
+    """all_reduce ``x`` as the fused message the group expects next (``fp.fuse`` must be
+    :func:`kind`): its data with the tail appended, reduced by its own op in one Gloo
+    call; the tail is checked before the result is returned (a new tensor)."""
+    _refuse_broken(pg, ranks, label, fp)
+    ch = channel(pg, ranks, x.device)
+    ch.seq += 1
+    k = ch.kind()
+    if fp.fuse != k:
+        raise AssertionError(f"{fp.what}: not the fused all_reduce the group expects "
+                             "(check kind() first)")
+    mine = tail(fp.code, ch.seq, k.op)
+    out = buffers.empty((k.room + TAIL,), x)
+    out[:k.room].view(x.shape).copy_(x)
+    out[k.room:].copy_(torch.tensor(mine, dtype=k.dtype))
+    _send(ch, out, k, label, fp, mine)
+    return out[:k.room].view(x.shape)
+
+
+def _send(ch: Channel, buf: torch.Tensor, k: Kind, label: str, fp: Fingerprint,
+          mine: tuple[float, ...], deferred: list[Any] | None = None,
+          msg: Message | None = None) -> None:
+    """all_reduce one message of kind ``k``, then wait and check it (or append the
+    wait-and-check to ``deferred``)."""
+    work = _start(lambda: dist.all_reduce(buf, _TORCH_OP[k.op], group=ch.pg, async_op=True),
+                  ch, label, fp)
+    if deferred is not None:  # the caller prepares its data meanwhile
+        deferred.append(lambda: _finish(work, ch, buf, k, label, fp, mine, msg))
+        return
+    _finish(work, ch, buf, k, label, fp, mine, msg)
+
+
+def _finish(work: Any, ch: Channel, buf: torch.Tensor, k: Kind, label: str, fp: Fingerprint,
+            mine: tuple[float, ...], msg: Message | None) -> None:
+    """Wait for a message (bounded) and check its tail; the group learns the collective
+    once agreed (on a mismatch no member learns anything)."""
     _wait_control(work, ch, label, fp)
-    got = (_PACK.unpack_from(msg.mem, msg.room * 8) if msg.mem is not None
-           else tuple(msg.buf[msg.room:].tolist()))
-    size = len(ch.ranks)
-    if got != tuple(v * size for v in tail):
+    got = (PACK.unpack_from(msg.mem, msg.room * 8) if msg is not None and msg.mem is not None
+           else tuple(buf[k.room:].tolist()))
+    if got != expected(mine, k.op, len(ch.ranks)):
         ch.mismatches += 1
         raise CollectiveError(diagnose.mismatch(ch, label, dict(zip(FIELDS, fp.values)),
                                                 fp.what))

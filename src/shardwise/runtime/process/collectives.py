@@ -143,12 +143,18 @@ def _all_gather_by_exchange(x: torch.Tensor, dim: int, g: Group, sizes: Sequence
     return out.movedim(0, dim)
 
 
-def _checked(g: Group, x: torch.Tensor) -> int:
-    """Room for data in ``g``'s next control message (0: no control message carries
-    data: the agreement is off, or the debug check runs)."""
+def _kind(g: Group, x: torch.Tensor) -> A.Kind | None:
+    """The kind of ``g``'s next message when it may carry data (None: the agreement is
+    off, or the debug check runs)."""
     if not WORLD.agreement or WORLD.check_collectives:
-        return 0
-    return A.room(g.pg, g.ranks, x.device)
+        return None
+    return A.kind(g.pg, g.ranks, x.device)
+
+
+def _checked(g: Group, x: torch.Tensor) -> int:
+    """Room for data in ``g``'s next control message (0: none carries data)."""
+    k = _kind(g, x)
+    return 0 if k is None or k.fused else k.room
 
 
 def _fold_gather(x: torch.Tensor, total: int, g: Group) -> bool:
@@ -168,7 +174,14 @@ def all_reduce(x: torch.Tensor, g: Group, op: ReduceOp, tag: str = "") -> torch.
     if g.size == 1:
         return buffers.empty(x.shape, x).copy_(x)
     fold = A.reduce_fold(x, op)
-    if _fold(x, op, g):  # data in the message
+    k = _kind(g, x)
+    if k is not None and k.fused:  # a repeated large all_reduce: is this the one?
+        fp = A.fingerprint("all_reduce", op, g.label, tuple(x.shape), x.dtype, tag, (), fold)
+        if fp.fuse == k:  # the data is the message
+            fused: torch.Tensor = _call("all_reduce", g, lambda: A.agree_fused(
+                g.pg, g.ranks, g.label, fp, x))
+            return fused
+    elif k is not None and A.foldable(x, op, k.room):  # data in the message
         fp = A.fingerprint("all_reduce", op, g.label, tuple(x.shape), x.dtype, tag, (), fold)
         out: torch.Tensor = _call("all_reduce", g,
                                   lambda: A.agree(g.pg, g.ranks, g.label, fp, x, op))
