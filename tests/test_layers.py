@@ -15,7 +15,8 @@ SRC = Path(__file__).resolve().parents[1] / "src"
 ROOT = SRC / "shardwise"
 
 PURE = {"shardwise.ops.rules", "shardwise.ops.binding", "shardwise.ops.propagation"}
-CORE = {"shardwise.tensors", "shardwise.chunks", "shardwise.dtensor_interop",
+CORE = {"shardwise.tensors", "shardwise.tensor_meta", "shardwise.tensor_relayout",
+        "shardwise.tensor_grad", "shardwise.chunks", "shardwise.dtensor_interop",
         "shardwise.ops.execute", "shardwise.ops.compute",
         "shardwise.ops.registry"}
 

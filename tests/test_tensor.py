@@ -188,6 +188,23 @@ def test_inspection() -> None:
     assert x.tolist() == torch.arange(10.0).reshape(5, 2).tolist()
 
 
+def test_the_mixins_override_torchs_attributes() -> None:
+    """Tensor's bases put its mixins before torch.Tensor, so their Python properties win
+    over torch's C attributes (``grad`` read from torch would be the wrapper's, None)."""
+    from shardwise.tensor_grad import GradMixin
+    from shardwise.tensor_meta import MetaMixin
+    from shardwise.tensors import Tensor
+
+    assert not issubclass(GradMixin, torch.Tensor) and not issubclass(MetaMixin, torch.Tensor)
+    for name in ("grad", "requires_grad", "data", "is_leaf", "grad_fn", "detach"):
+        assert getattr(Tensor, name) is GradMixin.__dict__[name], name
+    for name in ("shape", "dtype", "ndim", "device", "layout", "is_sparse", "size"):
+        assert getattr(Tensor, name) is MetaMixin.__dict__[name], name
+    w = torch.nn.Parameter(sw.tensor(torch.arange(4.0), sharding=on(M4, Sharded(0))))
+    (w * w).sum().backward()
+    assert isinstance(w.grad, Tensor) and torch.equal(w.grad.to_torch(), 2 * torch.arange(4.0))
+
+
 def test_sharding_forms_by_layout() -> None:
     named = sw.tensor(torch.ones(4, 4), sharding=NamedMapping(M22, (("tp", "dp"), None)))
     assert named.sharding == NamedMapping(M22, (("tp", "dp"), None))

@@ -32,7 +32,8 @@ from shardwise.runtime import backend_for
 from shardwise.runtime import observe as comm
 from shardwise.sharding.errors import ShardingError, ShardingTypeError
 from shardwise.sharding.layout import Layout
-from shardwise.tensors import Tensor, _versions, place
+from shardwise.tensor_relayout import _versions
+from shardwise.tensors import Tensor, place
 
 __all__ = ["apply", "apply_elementwise"]
 

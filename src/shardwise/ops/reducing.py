@@ -15,7 +15,8 @@ from shardwise.runtime import backend_for
 from shardwise.sharding.errors import ShardingError
 from shardwise.sharding.layout import Layout, normalize_dim
 from shardwise.sharding.placements import ReduceOp
-from shardwise.tensors import Tensor, run_plan
+from shardwise.tensor_relayout import run_plan
+from shardwise.tensors import Tensor
 
 __all__ = ["all_reduce", "reduce_scatter"]
 
