@@ -320,3 +320,22 @@ def test_no_op_mutates_its_input() -> None:
             assert [id(s) for s in t.shards] == ids
             assert all(torch.equal(a, b) for a, b in zip(t.shards, values, strict=True))
             assert t.dist_layout == layout
+
+
+def test_python_scalar_conversions_and_invert_match_torch() -> None:
+    """int(), operator.index(), float(), complex() and ~x read the global value as torch
+    does (they share the ``__i`` prefix with the in-place ``__iadd__`` family, which
+    is refused)."""
+    import operator
+
+    mesh = DeviceMesh.cpu((2,), ("x",))
+    partial = sw.from_local([torch.tensor(3), torch.tensor(5)],
+                            PlacementMapping(mesh, (Partial(),)), shape=())
+    ref = torch.tensor(8)
+    assert int(partial) == int(ref) and operator.index(partial) == 8
+    assert float(partial) == 8.0 and complex(partial) == complex(ref)
+    assert "abcdefghi"[partial] == "i"
+    x = sw.tensor(torch.arange(4), sharding=PlacementMapping(mesh, (Sharded(0),)))
+    assert torch.equal((~x).to_torch(), ~torch.arange(4))
+    with pytest.raises(ShardingError, match="in place"):
+        x.__ilshift__(1)  # an in-place dunder without a rule is refused by name

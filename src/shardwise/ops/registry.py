@@ -103,6 +103,10 @@ _READ = {TensorMethod.__format__, TensorMethod.__array__, torch.equal, TensorMet
          torch.allclose, TensorMethod.allclose, TensorMethod.__float__, TensorMethod.__int__,
          TensorMethod.__index__, TensorMethod.__complex__}
 _WARNED: set[str] = set()
+# x += y and friends (not __int__, __index__, __invert__: they only share the prefix)
+_INPLACE_DUNDERS = {f"__i{op}__" for op in (
+    "add", "sub", "mul", "matmul", "truediv", "floordiv", "div", "mod", "pow", "and", "or",
+    "xor", "lshift", "rshift")}
 
 
 def _describe(args: Sequence[Any]) -> str:
@@ -150,7 +154,7 @@ def _fallback(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
             return func(*args, **kwargs)
     name = _name(func)
     short = getattr(func, "__name__", "")
-    if (short.endswith("_") and not short.endswith("__")) or short.startswith("__i") or (
+    if (short.endswith("_") and not short.endswith("__")) or short in _INPLACE_DUNDERS or (
             "out" in kwargs) or short == "__setitem__":
         raise ShardingError(
             f"{name} writes in place and has no sharding rule for a shardwise.Tensor "
