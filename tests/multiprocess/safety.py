@@ -145,9 +145,13 @@ def body_lax_mismatch(n: int) -> None:
 
 
 def _gloo_calls(fn: Callable[[], Any]) -> int:
-    """How many Gloo calls ``fn`` makes (control messages and data alike)."""
-    names = ("all_reduce", "batch_isend_irecv", "all_to_all_single", "broadcast")
-    saved = {name: getattr(dist, name) for name in names}
+    """How many Gloo calls ``fn`` makes: messages (``agreement._post``) and data."""
+    from shardwise.runtime.process import agreement
+
+    targets = [(dist, name) for name in ("all_reduce", "batch_isend_irecv",
+                                         "all_to_all_single", "broadcast")]
+    targets.append((agreement, "_post"))
+    saved = [(mod, name, getattr(mod, name)) for mod, name in targets]
     count = [0]
 
     def counting(real: Callable[..., Any]) -> Callable[..., Any]:
@@ -157,12 +161,12 @@ def _gloo_calls(fn: Callable[[], Any]) -> int:
         return call
 
     try:
-        for name, real in saved.items():
-            setattr(dist, name, counting(real))
+        for mod, name, real in saved:
+            setattr(mod, name, counting(real))
         fn()
     finally:
-        for name, real in saved.items():
-            setattr(dist, name, real)
+        for mod, name, real in saved:
+            setattr(mod, name, real)
     return count[0]
 
 

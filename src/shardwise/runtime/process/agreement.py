@@ -59,6 +59,7 @@ from shardwise.runtime.process.channel import (  # re-exported: the runtime reac
     expected,
     fingerprint,
     tail,
+    tails,
 )
 from shardwise.runtime.process.world import WORLD
 from shardwise.sharding.errors import CollectiveError
@@ -76,6 +77,7 @@ _TORCH_OP = {
     ReduceOp.PROD: dist.ReduceOp.PRODUCT,
 }
 _FIRST_WAIT = datetime.timedelta(seconds=_NOTE_AFTER_S)
+_OPTIONS: dict[ReduceOp, Any] = {}  # reduce op -> AllreduceOptions (one per op, reused)
 
 
 def _tail(code: int, seq: int) -> tuple[float, ...]:
@@ -207,18 +209,63 @@ def agree(pg: Any, ranks: tuple[int, ...], label: str, fp: Fingerprint,
         PACK.pack_into(msg.mem, msg.room * 8, *mine)
     else:
         buf[msg.room:].copy_(torch.tensor(mine, dtype=torch.float64))
-    _send(ch, buf, k, label, fp, mine, None if x is not None else deferred, msg)
     if x is None:
+        _send(ch, buf, k, label, fp, mine, deferred, msg)
         return None
+    work = _post(ch, buf, k.op, label, fp)
     size = len(ch.ranks)
+    want = expected(mine, k.op, size)  # while the message travels
+    if fast and place is None:
+        out = torch.empty(tuple(x.shape), dtype=x.dtype)
+        _finish(work, ch, buf, k, label, fp, want, msg)
+        assert arr is not None
+        if op is ReduceOp.AVG:
+            np.divide(arr[:n], size, out=out.numpy().reshape(-1), casting="unsafe")
+        else:
+            out.numpy().reshape(-1)[:] = arr[:n]
+        return out
+    _finish(work, ch, buf, k, label, fp, want, msg)
     if place is not None:
         return buf[:place[1]].to(x.dtype, copy=True)
-    if fast:
-        assert arr is not None
-        got_x = arr[:n] / size if op is ReduceOp.AVG else arr[:n]
-        return torch.from_numpy(got_x.astype(_NUMPY[x.dtype]).reshape(tuple(x.shape)))
-    out = buf[:n] / size if op is ReduceOp.AVG else buf[:n].clone()
-    return out.to(x.dtype).view(x.shape)
+    res = buf[:n] / size if op is ReduceOp.AVG else buf[:n].clone()
+    return res.to(x.dtype).view(x.shape)
+
+
+def fold_reduce(ch: Channel, label: str, fp: Fingerprint, x: torch.Tensor, op: ReduceOp,
+                room: int) -> torch.Tensor:
+    """all_reduce a small float32/float64 CPU ``x`` by SUM or AVG inside the group's
+    next control message (``room`` = :meth:`Channel.room`, which ``x`` fits): what
+    :func:`agree` does for it, written flat (the hot path of every small all_reduce).
+    Returns a new tensor."""
+    if id(ch.pg) in WORLD.broken:
+        _refuse_broken(ch.pg, ch.ranks, label, fp)
+    ch.seq += 1
+    msg = ch.messages.get(room) or ch.message(room)
+    arr, n, size = msg.arr, x.numel(), len(ch.ranks)
+    assert arr is not None and msg.mem is not None
+    arr[:n] = (x.detach() if x.requires_grad else x).numpy().reshape(-1)
+    mine, want = tails(fp.code, ch.seq, size)
+    PACK.pack_into(msg.mem, room * 8, *mine)
+    work = _post(ch, msg.buf, ReduceOp.SUM, label, fp)
+    out = torch.empty(tuple(x.shape), dtype=x.dtype)  # while the message travels
+    if WORLD.timeout_s < 2 * _NOTE_AFTER_S:
+        _wait_control(work, ch, label, fp)
+    else:  # _wait_control inlined (the common case of the hot path)
+        start = time.monotonic()
+        try:
+            work.wait(timeout=_FIRST_WAIT)
+        except RuntimeError as err:
+            _wait_rest(work, ch, label, fp, err, start)
+    if PACK.unpack_from(msg.mem, room * 8) != want:
+        ch.mismatches += 1
+        raise CollectiveError(diagnose.mismatch(ch, label, dict(zip(FIELDS, fp.values)),
+                                                fp.what))
+    ch.agreed(fp)
+    if op is ReduceOp.AVG:
+        np.divide(arr[:n], size, out=out.numpy().reshape(-1), casting="unsafe")
+    else:
+        out.numpy().reshape(-1)[:] = arr[:n]
+    return out
 
 
 def agree_fused(pg: Any, ranks: tuple[int, ...], label: str, fp: Fingerprint,
@@ -246,22 +293,22 @@ def _send(ch: Channel, buf: torch.Tensor, k: Kind, label: str, fp: Fingerprint,
           msg: Message | None = None) -> None:
     """all_reduce one message of kind ``k``, then wait and check it (or append the
     wait-and-check to ``deferred``)."""
-    work = _start(lambda: dist.all_reduce(buf, _TORCH_OP[k.op], group=ch.pg, async_op=True),
-                  ch, label, fp)
+    work = _post(ch, buf, k.op, label, fp)
+    want = expected(mine, k.op, len(ch.ranks))
     if deferred is not None:  # the caller prepares its data meanwhile
-        deferred.append(lambda: _finish(work, ch, buf, k, label, fp, mine, msg))
+        deferred.append(lambda: _finish(work, ch, buf, k, label, fp, want, msg))
         return
-    _finish(work, ch, buf, k, label, fp, mine, msg)
+    _finish(work, ch, buf, k, label, fp, want, msg)
 
 
 def _finish(work: Any, ch: Channel, buf: torch.Tensor, k: Kind, label: str, fp: Fingerprint,
-            mine: tuple[float, ...], msg: Message | None) -> None:
-    """Wait for a message (bounded) and check its tail; the group learns the collective
-    once agreed (on a mismatch no member learns anything)."""
+            want: tuple[float, ...], msg: Message | None) -> None:
+    """Wait for a message (bounded) and check its tail against ``want``; the group
+    learns the collective once agreed (on a mismatch no member learns anything)."""
     _wait_control(work, ch, label, fp)
     got = (PACK.unpack_from(msg.mem, msg.room * 8) if msg is not None and msg.mem is not None
            else tuple(buf[k.room:].tolist()))
-    if got != expected(mine, k.op, len(ch.ranks)):
+    if got != want:
         ch.mismatches += 1
         raise CollectiveError(diagnose.mismatch(ch, label, dict(zip(FIELDS, fp.values)),
                                                 fp.what))
@@ -275,9 +322,16 @@ def _device_of(pg: Any) -> torch.device:
     return torch.device("cpu")
 
 
-def _start(fn: Any, ch: Channel, label: str, fp: Fingerprint) -> Any:
+def _post(ch: Channel, buf: torch.Tensor, op: ReduceOp, label: str, fp: Fingerprint) -> Any:
+    """Start one message's all_reduce: the process group's own call (what
+    ``dist.all_reduce`` ends in, without its per-call checks: this buffer is ours)."""
+    opts = _OPTIONS.get(op)
+    if opts is None:
+        opts = _OPTIONS[op] = dist.AllreduceOptions()
+        opts.reduceOp = dist.ReduceOp(_TORCH_OP[op])
+    pg = ch.pg if ch.pg is not None else dist.distributed_c10d._get_default_group()
     try:
-        return fn()
+        return pg.allreduce([buf], opts)
     except RuntimeError as err:
         raise _broken(ch.pg, CollectiveError(
             diagnose.failed_text(ch, label, fp.what, err, [], WORLD.timeout_s))) from err
@@ -290,16 +344,22 @@ def _wait_control(work: Any, ch: Channel, label: str, fp: Fingerprint) -> None:
     try:
         work.wait(timeout=_FIRST_WAIT if first == _NOTE_AFTER_S else
                   datetime.timedelta(seconds=first))
-        return
     except RuntimeError as err:
-        if "timed out" not in str(err).lower():
-            raise _arrival_error(ch, label, fp, err) from err
+        _wait_rest(work, ch, label, fp, err, start)
+
+
+def _wait_rest(work: Any, ch: Channel, label: str, fp: Fingerprint, err: Exception,
+               start: float) -> None:
+    """The first wait (begun at ``start``) ended in ``err``: a timeout leaves a note and
+    waits for the rest of the run's timeout; anything else is an arrival error."""
+    if "timed out" not in str(err).lower():
+        raise _arrival_error(ch, label, fp, err) from err
     diagnose.note(ch)  # slow: say where this rank waits, so the others can name the absent
     try:
-        work.wait(timeout=datetime.timedelta(seconds=max(total - (time.monotonic() - start),
-                                                         0.01)))
-    except RuntimeError as err:
-        raise _arrival_error(ch, label, fp, err) from err
+        work.wait(timeout=datetime.timedelta(
+            seconds=max(WORLD.timeout_s - (time.monotonic() - start), 0.01)))
+    except RuntimeError as err2:
+        raise _arrival_error(ch, label, fp, err2) from err2
 
 
 def _arrival_error(ch: Channel, label: str, fp: Fingerprint, err: Exception

@@ -36,7 +36,7 @@ from shardwise.runtime.process.world import WORLD
 from shardwise.sharding.placements import ReduceOp
 
 __all__ = ["CAP", "DATA", "FIELDS", "Channel", "Fingerprint", "Kind", "Message", "channel",
-           "expected", "fingerprint", "tail"]
+           "expected", "fingerprint", "tail", "tails"]
 
 DATA = 256            # elements of data every control message has room for (2 KiB as float64)
 # The most a control message carries (128 KiB as float64). Below it one Gloo round trip
@@ -68,6 +68,9 @@ class Kind:
 @functools.lru_cache(maxsize=64)
 def control(room: int) -> Kind:
     return Kind(room)
+
+
+_FIRST = control(DATA)   # the kind of a message nothing predicts
 
 
 @dataclass(frozen=True)
@@ -120,6 +123,30 @@ def _code_tail(code: int) -> tuple[tuple[float, ...], tuple[float, ...], tuple[f
     return p, tuple(v * v for v in p), tuple(-v for v in p)
 
 
+def tails(code: int, seq: int, size: int) -> tuple[tuple[float, ...], tuple[float, ...]]:
+    """A control message's tail and its expected sum over ``size`` members (the same
+    as ``tail`` and ``expected`` for a sum; cheaper: the code's half is cached).
+
+    >>> mine, want = tails(7, 3, 4)
+    >>> mine == tail(7, 3) and want == expected(mine, ReduceOp.SUM, 4)
+    True
+    """
+    s = seq & 0xFFFFFFFF
+    p0, p1, p2, p3 = _P[s & 255], _P[(s >> 8) & 255], _P[(s >> 16) & 255], _P[s >> 24]
+    c, c2, w, w2 = _code_want(code & 0xFFFFFFFF, size)
+    q0, q1, q2, q3 = p0 * p0, p1 * p1, p2 * p2, p3 * p3
+    return ((p0, p1, p2, p3, *c, q0, q1, q2, q3, *c2),
+            (p0 * size, p1 * size, p2 * size, p3 * size, *w,
+             q0 * size, q1 * size, q2 * size, q3 * size, *w2))
+
+
+@functools.lru_cache(maxsize=8192)
+def _code_want(code: int, size: int) -> tuple[tuple[float, ...], ...]:
+    """The code's half of a sum's tail, and of its expected sum over ``size`` members."""
+    c, c2, _ = _code_tail(code)
+    return c, c2, tuple(v * size for v in c), tuple(v * size for v in c2)
+
+
 def expected(mine: tuple[float, ...], op: ReduceOp, size: int) -> tuple[float, ...]:
     """The reduced tail when all ``size`` members sent ``mine``."""
     return tuple(v * size for v in mine) if op is ReduceOp.SUM else mine
@@ -149,7 +176,7 @@ class Channel:
         """The next message's kind (agreed history only): the fused kind of a large
         all_reduce that followed the same two collectives the last two times, else a
         control message with room for the most that either of them carried, up to CAP."""
-        return self.kinds.get(self.last, control(DATA))
+        return self.kinds.get(self.last, _FIRST)
 
     def room(self) -> int:
         """Data elements the next control message carries (0: the next is fused)."""

@@ -47,6 +47,7 @@ __all__ = ["Group", "agree_permute", "all_gather", "all_reduce", "all_to_all", "
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 _TORCH_OP = A._TORCH_OP
+_FLAT = (torch.float32, torch.float64)  # the dtypes of agreement.fold_reduce (numpy)
 
 
 
@@ -174,18 +175,20 @@ def all_reduce(x: torch.Tensor, g: Group, op: ReduceOp, tag: str = "") -> torch.
     if g.size == 1:
         return buffers.empty(x.shape, x).copy_(x)
     fold = A.reduce_fold(x, op)
-    k = _kind(g, x)
-    if k is not None and k.fused:  # a repeated large all_reduce: is this the one?
+    if WORLD.agreement and not WORLD.check_collectives:
+        ch = A.channel(g.pg, g.ranks, x.device)
+        k = ch.kind()
         fp = A.fingerprint("all_reduce", op, g.label, tuple(x.shape), x.dtype, tag, (), fold)
-        if fp.fuse == k:  # the data is the message
+        if k.fused and fp.fuse == k:  # a repeated large all_reduce: the data is the message
             fused: torch.Tensor = _call("all_reduce", g, lambda: A.agree_fused(
                 g.pg, g.ranks, g.label, fp, x))
             return fused
-    elif k is not None and A.foldable(x, op, k.room):  # data in the message
-        fp = A.fingerprint("all_reduce", op, g.label, tuple(x.shape), x.dtype, tag, (), fold)
-        out: torch.Tensor = _call("all_reduce", g,
-                                  lambda: A.agree(g.pg, g.ranks, g.label, fp, x, op))
-        return out
+        if not k.fused and A.foldable(x, op, k.room):  # data in the control message
+            if x.dtype in _FLAT and x.device.type == "cpu":
+                return A.fold_reduce(ch, g.label, fp, x, op, k.room)
+            out: torch.Tensor = _call("all_reduce", g,
+                                      lambda: A.agree(g.pg, g.ranks, g.label, fp, x, op))
+            return out
     done = _agree("all_reduce", g, tuple(x.shape), x.dtype, tag, op, device=x.device,
                   fold=fold)
     out = buffers.empty(x.shape, x).copy_(x)  # a clone (huge pages when large)
