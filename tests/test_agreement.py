@@ -70,9 +70,9 @@ def test_room_is_learned_from_the_agreed_history_alone() -> None:
             rooms.append(ch.room())
             ch.agreed(fp)
     assert rooms[:5] == [A.DATA] * 5  # nothing learned yet
-    # learned: 2048 fits; 10 needs no more than DATA; the all_reduce above CAP is the
+    # learned: room for 2048 and 10 (powers of two); the all_reduce above CAP is the
     # next message itself (fused: no room for other data)
-    assert rooms[10:] == [2048, A.DATA, 0, 2048, 512]
+    assert rooms[10:] == [2048, 16, 0, 2048, 512]
     assert rooms[5:7] == [A.DATA, A.DATA]  # the step's first calls follow the step's end
 
 
@@ -99,11 +99,17 @@ def test_a_large_all_reduce_is_fused_once_it_repeated_twice() -> None:
         ch.last = (5, 6)
         kinds.append(ch.kind())
         ch.agreed(big)
-    assert kinds[:2] == [A.Kind(A.DATA)] * 2 and kinds[2:] == [big.fuse] * 2
+    assert kinds == [A.Kind(A.DATA), A.Kind(0), big.fuse, big.fuse]  # seen once: a header
     ch.last = (5, 6)
     ch.agreed(_fp("small", 8))  # the pattern changed: a control message again
     ch.last = (5, 6)
-    assert ch.kind() == A.Kind(A.DATA)
+    assert ch.kind() == A.Kind(8)
+    ch.agreed(_fp("header only", 0))
+    ch.last = (5, 6)
+    assert ch.kind() == A.Kind(8)  # the larger of the last two
+    ch.agreed(_fp("header only", 0))
+    ch.last = (5, 6)
+    assert ch.kind() == A.Kind(0)  # neither folds: a bare header
     assert A.fingerprint("all_reduce", ReduceOp.AVG, "g", (A.CAP * 4,), torch.float32).fuse \
         is None  # a mean is not fused (the tail checks a sum, max or min), nor integers
     assert A.fingerprint("all_reduce", ReduceOp.SUM, "g", (A.CAP * 4,), torch.int64).fuse is None

@@ -175,7 +175,8 @@ class Channel:
     def kind(self) -> Kind:
         """The next message's kind (agreed history only): the fused kind of a large
         all_reduce that followed the same two collectives the last two times, else a
-        control message with room for the most that either of them carried, up to CAP."""
+        control message with room for the most that either of them carried, up to CAP
+        (``DATA`` when nothing followed them yet)."""
         return self.kinds.get(self.last, _FIRST)
 
     def room(self) -> int:
@@ -205,8 +206,10 @@ def _kind(follow: tuple[tuple[int, Kind | None], ...]) -> Kind:
     fuse = follow[0][1]
     if len(follow) == 2 and fuse is not None and follow[1][1] == fuse:
         return fuse
+    # room for the most either carried: a power of two (few buffers), 0 when neither
+    # folds (its header then travels alone, 128 bytes)
     want = max((f for f, _ in follow if f <= CAP), default=0)
-    return control(DATA if want <= DATA else 1 << (want - 1).bit_length())  # few buffers
+    return control(1 << (want - 1).bit_length() if want > 1 else want)
 
 
 class Message:

@@ -184,10 +184,11 @@ def all_reduce(x: torch.Tensor, g: Group, op: ReduceOp, tag: str = "") -> torch.
                 g.pg, g.ranks, g.label, fp, x))
             return fused
         if not k.fused and A.foldable(x, op, k.room):  # data in the control message
-            if x.dtype in _FLAT and x.device.type == "cpu":
-                return A.fold_reduce(ch, g.label, fp, x, op, k.room)
-            out: torch.Tensor = _call("all_reduce", g,
-                                      lambda: A.agree(g.pg, g.ranks, g.label, fp, x, op))
+            room = k.room
+            flat = x.dtype in _FLAT and x.device.type == "cpu"
+            out: torch.Tensor = _call("all_reduce", g, (
+                lambda: A.fold_reduce(ch, g.label, fp, x, op, room)) if flat else (
+                lambda: A.agree(g.pg, g.ranks, g.label, fp, x, op)))
             return out
     done = _agree("all_reduce", g, tuple(x.shape), x.dtype, tag, op, device=x.device,
                   fold=fold)
