@@ -67,7 +67,7 @@ def test_room_is_learned_from_the_agreed_history_alone() -> None:
     rooms = []
     for _ in range(3):
         for fp in step:
-            rooms.append(ch.room())
+            rooms.append(ch.room(torch.float32))
             ch.agreed(fp)
     assert rooms[:5] == [A.DATA] * 5  # nothing learned yet
     # learned: room for 2048 and 10 (powers of two); the all_reduce above CAP is the
@@ -83,14 +83,16 @@ def test_room_covers_the_last_two_followers() -> None:
     seen = []
     for nxt in (_fp("x", 3000), _fp("y", 700), _fp("z", 5000), _fp("y", 700), _fp("y", 700)):
         ch.last = (1, 2)
-        seen.append(ch.room())
+        seen.append(ch.room(torch.float32))
         ch.agreed(nxt)
     assert seen == [A.DATA, 4096, 4096, 8192, 8192]
     ch.last = (1, 2)
-    assert ch.room() == 1024  # the 5000 aged out
+    assert ch.room(torch.float32) == 1024  # the 5000 aged out
+    assert ch.room(torch.float64) == 0  # a float32 message (all that fold are float32)
 
 
 def test_a_large_all_reduce_is_fused_once_it_repeated_twice() -> None:
+    f32 = torch.float32
     ch = A.Channel(None, (0, 1), torch.device("cpu"))
     big = _fp("big", A.CAP * 4)
     assert big.fuse == A.Kind(A.CAP * 4, torch.float32, ReduceOp.SUM, fused=True)
@@ -99,17 +101,17 @@ def test_a_large_all_reduce_is_fused_once_it_repeated_twice() -> None:
         ch.last = (5, 6)
         kinds.append(ch.kind())
         ch.agreed(big)
-    assert kinds == [A.Kind(A.DATA), A.Kind(0), big.fuse, big.fuse]  # seen once: a header
+    assert kinds == [A.Kind(A.DATA), A.Kind(0, f32), big.fuse, big.fuse]  # seen once: header
     ch.last = (5, 6)
     ch.agreed(_fp("small", 8))  # the pattern changed: a control message again
     ch.last = (5, 6)
-    assert ch.kind() == A.Kind(8)
+    assert ch.kind() == A.Kind(8, f32)
     ch.agreed(_fp("header only", 0))
     ch.last = (5, 6)
-    assert ch.kind() == A.Kind(8)  # the larger of the last two
+    assert ch.kind() == A.Kind(8, f32)  # the larger of the last two
     ch.agreed(_fp("header only", 0))
     ch.last = (5, 6)
-    assert ch.kind() == A.Kind(0)  # neither folds: a bare header
+    assert ch.kind() == A.Kind(0, f32)  # neither folds: a bare header
     assert A.fingerprint("all_reduce", ReduceOp.AVG, "g", (A.CAP * 4,), torch.float32).fuse \
         is None  # a mean is not fused (the tail checks a sum, max or min), nor integers
     assert A.fingerprint("all_reduce", ReduceOp.SUM, "g", (A.CAP * 4,), torch.int64).fuse is None
@@ -128,3 +130,13 @@ def test_max_and_min_tails_detect_any_disagreement(members: list[tuple[int, int]
     agree = len(set(members)) == 1
     for mine in tails:
         assert (reduced == C.expected(mine, op, len(tails))) == agree
+
+
+def test_float64_data_asks_for_a_float64_message() -> None:
+    ch = A.Channel(None, (0, 1), torch.device("cpu"))
+    f64 = A.fingerprint("all_reduce", ReduceOp.SUM, "g", (100,), torch.float64, fold=100)
+    for fp in (_fp("a", 300), f64):
+        ch.last = (1, 2)
+        ch.agreed(fp)
+    ch.last = (1, 2)
+    assert ch.kind() == A.Kind(512) and ch.room(torch.float64) == ch.room(torch.float32) == 512

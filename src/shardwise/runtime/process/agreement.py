@@ -49,7 +49,6 @@ from shardwise.runtime.process.channel import (  # re-exported: the runtime reac
     CAP,
     DATA,
     FIELDS,
-    PACK,
     TAIL,
     Channel,
     Fingerprint,
@@ -94,10 +93,10 @@ def kind(pg: Any, ranks: tuple[int, ...], device: torch.device) -> Kind:
     return channel(pg, ranks, device).kind()
 
 
-def room(pg: Any, ranks: tuple[int, ...], device: torch.device) -> int:
-    """Data elements the next control message over ``pg`` carries (0: the next message
-    is a fused all_reduce): a collective whose data fits travels inside it."""
-    return channel(pg, ranks, device).room()
+def room(pg: Any, ranks: tuple[int, ...], x: torch.Tensor) -> int:
+    """Elements like ``x`` the next control message over ``pg`` carries (0: none; see
+    :meth:`.channel.Channel.room`): a collective whose data fits travels inside it."""
+    return channel(pg, ranks, x.device).room(x.dtype)
 
 
 def reset() -> None:
@@ -187,7 +186,10 @@ def agree(pg: Any, ranks: tuple[int, ...], label: str, fp: Fingerprint,
         buf[k.room:].copy_(torch.tensor(mine, dtype=k.dtype))
         _send(ch, buf, k, label, fp, mine, deferred)
         return None
-    msg = ch.message(k.room)
+    msg = ch.message(k)
+    if x is not None and k.dtype is torch.float32 and x.dtype is not torch.float32:
+        raise AssertionError(f"{fp.what}: {x.dtype} data does not fit a float32 control "
+                             "message (check room_for() first)")
     mine = tail(fp.code, ch.seq)
     buf, arr = msg.buf, msg.arr
     fast = arr is not None and x is not None and x.dtype in _NUMPY
@@ -206,9 +208,9 @@ def agree(pg: Any, ranks: tuple[int, ...], label: str, fp: Fingerprint,
         else:
             buf[at:at + n].copy_(x.reshape(-1))
     if msg.mem is not None:
-        PACK.pack_into(msg.mem, msg.room * 8, *mine)
+        msg.pack.pack_into(msg.mem, msg.tail_at, *mine)
     else:
-        buf[msg.room:].copy_(torch.tensor(mine, dtype=torch.float64))
+        buf[msg.room:].copy_(torch.tensor(mine, dtype=k.dtype))
     if x is None:
         _send(ch, buf, k, label, fp, mine, deferred, msg)
         return None
@@ -232,20 +234,20 @@ def agree(pg: Any, ranks: tuple[int, ...], label: str, fp: Fingerprint,
 
 
 def fold_reduce(ch: Channel, label: str, fp: Fingerprint, x: torch.Tensor, op: ReduceOp,
-                room: int) -> torch.Tensor:
+                kind: Kind) -> torch.Tensor:
     """all_reduce a small float32/float64 CPU ``x`` by SUM or AVG inside the group's
-    next control message (``room`` = :meth:`Channel.room`, which ``x`` fits): what
+    next control message (``kind`` = :meth:`Channel.kind`, whose room fits ``x``): what
     :func:`agree` does for it, written flat (the hot path of every small all_reduce).
     Returns a new tensor."""
     if id(ch.pg) in WORLD.broken:
         _refuse_broken(ch.pg, ch.ranks, label, fp)
     ch.seq += 1
-    msg = ch.messages.get(room) or ch.message(room)
+    msg = ch.messages.get(kind) or ch.message(kind)
     arr, n, size = msg.arr, x.numel(), len(ch.ranks)
     assert arr is not None and msg.mem is not None
     arr[:n] = (x.detach() if x.requires_grad else x).numpy().reshape(-1)
     mine, want = tails(fp.code, ch.seq, size)
-    PACK.pack_into(msg.mem, room * 8, *mine)
+    msg.pack.pack_into(msg.mem, msg.tail_at, *mine)
     work = _post(ch, msg.buf, ReduceOp.SUM, label, fp)
     out = torch.empty(tuple(x.shape), dtype=x.dtype)  # while the message travels
     if WORLD.timeout_s < 2 * _NOTE_AFTER_S:
@@ -256,7 +258,7 @@ def fold_reduce(ch: Channel, label: str, fp: Fingerprint, x: torch.Tensor, op: R
             work.wait(timeout=_FIRST_WAIT)
         except RuntimeError as err:
             _wait_rest(work, ch, label, fp, err, start)
-    if PACK.unpack_from(msg.mem, room * 8) != want:
+    if msg.pack.unpack_from(msg.mem, msg.tail_at) != want:
         ch.mismatches += 1
         raise CollectiveError(diagnose.mismatch(ch, label, dict(zip(FIELDS, fp.values)),
                                                 fp.what))
@@ -306,7 +308,7 @@ def _finish(work: Any, ch: Channel, buf: torch.Tensor, k: Kind, label: str, fp: 
     """Wait for a message (bounded) and check its tail against ``want``; the group
     learns the collective once agreed (on a mismatch no member learns anything)."""
     _wait_control(work, ch, label, fp)
-    got = (PACK.unpack_from(msg.mem, msg.room * 8) if msg is not None and msg.mem is not None
+    got = (msg.pack.unpack_from(msg.mem, msg.tail_at) if msg is not None and msg.mem is not None
            else tuple(buf[k.room:].tolist()))
     if got != want:
         ch.mismatches += 1

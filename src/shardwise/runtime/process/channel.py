@@ -36,7 +36,7 @@ from shardwise.runtime.process.world import WORLD
 from shardwise.sharding.placements import ReduceOp
 
 __all__ = ["CAP", "DATA", "FIELDS", "Channel", "Fingerprint", "Kind", "Message", "channel",
-           "expected", "fingerprint", "tail", "tails"]
+           "control", "expected", "fingerprint", "tail", "tails"]
 
 DATA = 256            # elements of data every control message has room for (2 KiB as float64)
 # The most a control message carries (128 KiB as float64). Below it one Gloo round trip
@@ -49,6 +49,7 @@ TAIL = 2 * CODE
 FIELDS = ("collective", "reduce op", "group", "shape", "dtype", "layout", "sizes")
 _P = tuple(float(b + 1) for b in range(256))   # byte -> p (never 0)
 PACK = struct.Struct(f"<{TAIL}d")
+_PACKS = {torch.float64: PACK, torch.float32: struct.Struct(f"<{TAIL}f")}
 # A large all_reduce travels as its own message when it repeats: an exact tail needs
 # float32 or float64, and a sum, max or min (the tail's two checks).
 _FUSE_DTYPES = (torch.float32, torch.float64)
@@ -66,8 +67,8 @@ class Kind:
 
 
 @functools.lru_cache(maxsize=64)
-def control(room: int) -> Kind:
-    return Kind(room)
+def control(room: int, dtype: torch.dtype = torch.float64) -> Kind:
+    return Kind(room, dtype)
 
 
 _FIRST = control(DATA)   # the kind of a message nothing predicts
@@ -81,6 +82,7 @@ class Fingerprint:
     code: int                 # crc32 of the values
     fold: int = 0             # elements it carries in a control message with room (0: never)
     fuse: Kind | None = None  # the fused kind that carries it (a large all_reduce)
+    wire: torch.dtype = torch.float64  # the control dtype its folded data needs
 
     @property
     def what(self) -> str:
@@ -103,7 +105,8 @@ def fingerprint(what: str, op: ReduceOp | None, group: str, shape: tuple[int, ..
     n = math.prod(shape)
     fuse = (Kind(n, dtype, op, fused=True) if what == "all_reduce" and n > CAP
             and dtype in _FUSE_DTYPES and op in _FUSE_OPS else None)
-    return Fingerprint(values, zlib.crc32("|".join(values).encode()), fold, fuse)
+    wire = torch.float32 if dtype is torch.float32 else torch.float64
+    return Fingerprint(values, zlib.crc32("|".join(values).encode()), fold, fuse, wire)
 
 
 def tail(code: int, seq: int, op: ReduceOp = ReduceOp.SUM) -> tuple[float, ...]:
@@ -167,10 +170,11 @@ class Channel:
         self.mismatches = 0
         self.device = device
         self.last = (0, 0)    # the codes of the last two agreed collectives
-        # last -> (fold, fuse) of the (at most two) collectives that followed it lately
-        self.learned: dict[tuple[int, int], tuple[tuple[int, Kind | None], ...]] = {}
+        # last -> (fold, wire, fuse) of the (at most two) collectives that followed it
+        self.learned: dict[tuple[int, int], tuple[tuple[int, torch.dtype, Kind | None],
+                                                  ...]] = {}
         self.kinds: dict[tuple[int, int], Kind] = {}      # last -> the next message's kind
-        self.messages: dict[int, Message] = {}
+        self.messages: dict[Kind, Message] = {}
 
     def kind(self) -> Kind:
         """The next message's kind (agreed history only): the fused kind of a large
@@ -179,49 +183,55 @@ class Channel:
         (``DATA`` when nothing followed them yet)."""
         return self.kinds.get(self.last, _FIRST)
 
-    def room(self) -> int:
-        """Data elements the next control message carries (0: the next is fused)."""
+    def room(self, dtype: torch.dtype = torch.float64) -> int:
+        """Data elements of ``dtype`` the next control message carries (0: the next
+        is fused, or a float32 message and other data)."""
         k = self.kind()
-        return 0 if k.fused else k.room
+        return 0 if k.fused or (k.dtype is not dtype and k.dtype is torch.float32) else k.room
 
     def agreed(self, fp: Fingerprint) -> None:
         if len(self.learned) >= _LEARNED:
             self.learned.clear()
             self.kinds.clear()
         seen = self.learned.get(self.last, ())
-        new = (fp.fold, fp.fuse)
+        new = (fp.fold, fp.wire, fp.fuse)
         if seen != (new, new):  # else: learned already (the steady state)
             follow = self.learned[self.last] = (*seen[-1:], new)
             self.kinds[self.last] = _kind(follow)
         self.last = (self.last[1], fp.code)
 
-    def message(self, room: int) -> Message:
-        msg = self.messages.get(room)
+    def message(self, kind: Kind) -> Message:
+        msg = self.messages.get(kind)
         if msg is None:
-            msg = self.messages[room] = Message(room, self.device)
+            msg = self.messages[kind] = Message(kind.room, kind.dtype, self.device)
         return msg
 
 
-def _kind(follow: tuple[tuple[int, Kind | None], ...]) -> Kind:
-    fuse = follow[0][1]
-    if len(follow) == 2 and fuse is not None and follow[1][1] == fuse:
+def _kind(follow: tuple[tuple[int, torch.dtype, Kind | None], ...]) -> Kind:
+    fuse = follow[0][2]
+    if len(follow) == 2 and fuse is not None and follow[1][2] == fuse:
         return fuse
     # room for the most either carried: a power of two (few buffers), 0 when neither
-    # folds (its header then travels alone, 128 bytes)
-    want = max((f for f, _ in follow if f <= CAP), default=0)
-    return control(1 << (want - 1).bit_length() if want > 1 else want)
+    # folds (its header then travels alone); float32 when all that fold are float32
+    # (the tail is exact there too), so the message is as small as the data's own
+    folds = [(f, w) for f, w, _ in follow if 0 < f <= CAP]
+    want = max((f for f, _ in folds), default=0)
+    wire = torch.float64 if any(w is torch.float64 for _, w in folds) else torch.float32
+    return control(1 << (want - 1).bit_length() if want > 1 else want, wire)
 
 
 class Message:
-    """A control buffer (float64) with room for ``room`` elements of data, then the tail."""
+    """A control buffer with room for ``room`` elements of data, then the tail."""
 
-    __slots__ = ("arr", "buf", "mem", "room")
+    __slots__ = ("arr", "buf", "mem", "pack", "room", "tail_at")
 
-    def __init__(self, room: int, device: torch.device) -> None:
+    def __init__(self, room: int, dtype: torch.dtype, device: torch.device) -> None:
         self.room = room
-        self.buf = torch.zeros(room + TAIL, dtype=torch.float64, device=device)
+        self.buf = torch.zeros(room + TAIL, dtype=dtype, device=device)
         self.arr = self.buf.numpy() if device.type == "cpu" else None
         self.mem = None if self.arr is None else self.arr.data.cast("B")
+        self.pack = _PACKS[dtype]
+        self.tail_at = room * self.buf.element_size()   # byte offset of the tail
 
 
 def channel(pg: Any, ranks: tuple[int, ...], device: torch.device) -> Channel:

@@ -144,18 +144,11 @@ def _all_gather_by_exchange(x: torch.Tensor, dim: int, g: Group, sizes: Sequence
     return out.movedim(0, dim)
 
 
-def _kind(g: Group, x: torch.Tensor) -> A.Kind | None:
-    """The kind of ``g``'s next message when it may carry data (None: the agreement is
-    off, or the debug check runs)."""
-    if not WORLD.agreement or WORLD.check_collectives:
-        return None
-    return A.kind(g.pg, g.ranks, x.device)
-
-
 def _checked(g: Group, x: torch.Tensor) -> int:
-    """Room for data in ``g``'s next control message (0: none carries data)."""
-    k = _kind(g, x)
-    return 0 if k is None or k.fused else k.room
+    """Room for data like ``x`` in ``g``'s next control message (0: none)."""
+    if not WORLD.agreement or WORLD.check_collectives:
+        return 0
+    return A.room(g.pg, g.ranks, x)
 
 
 def _fold_gather(x: torch.Tensor, total: int, g: Group) -> bool:
@@ -183,11 +176,10 @@ def all_reduce(x: torch.Tensor, g: Group, op: ReduceOp, tag: str = "") -> torch.
             fused: torch.Tensor = _call("all_reduce", g, lambda: A.agree_fused(
                 g.pg, g.ranks, g.label, fp, x))
             return fused
-        if not k.fused and A.foldable(x, op, k.room):  # data in the control message
-            room = k.room
+        if A.foldable(x, op, ch.room(x.dtype)):  # data in the control message
             flat = x.dtype in _FLAT and x.device.type == "cpu"
             out: torch.Tensor = _call("all_reduce", g, (
-                lambda: A.fold_reduce(ch, g.label, fp, x, op, room)) if flat else (
+                lambda: A.fold_reduce(ch, g.label, fp, x, op, k)) if flat else (
                 lambda: A.agree(g.pg, g.ranks, g.label, fp, x, op)))
             return out
     done = _agree("all_reduce", g, tuple(x.shape), x.dtype, tag, op, device=x.device,
