@@ -5,6 +5,7 @@ it exits 1 on any unexpected outcome."""
 
 from __future__ import annotations
 
+import faulthandler
 import sys
 import time
 
@@ -31,6 +32,9 @@ def expect(fn, *needles: str) -> str:  # type: ignore[no-untyped-def]
 
 
 def main() -> int:
+    # a worker still running after a minute prints every thread's stack and exits 1,
+    # so a hang (ours or the launcher's) shows where it waits instead of a bare timeout
+    faulthandler.dump_traceback_later(60, exit=True)
     sd.initialize("gloo", timeout_s=TIMEOUT_S)
     r, n = sd.process_index(), sd.process_count()
     assert n == 4, n

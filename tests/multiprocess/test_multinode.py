@@ -34,6 +34,15 @@ def _two_nodes(*program: str) -> list[tuple[int, str, str]]:
         for p in procs:
             so, se = p.communicate(timeout=LIMIT_S)
             out.append((p.returncode, so, se))
+    except subprocess.TimeoutExpired:
+        seen = []
+        for p in procs:  # what each launch printed (workers dump their stacks when stuck)
+            if p.poll() is None:
+                p.kill()
+            so, se = p.communicate()
+            seen.append(f"--- exit {p.returncode}\n{so[-3000:]}\n{se[-6000:]}")
+        raise AssertionError(f"two-node launch still running after {LIMIT_S} s:\n"
+                             + "\n".join(seen)) from None
     finally:
         for p in procs:
             if p.poll() is None:
