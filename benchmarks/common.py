@@ -13,18 +13,21 @@
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import json
 import os
 import queue as queue_mod
 import socket
 import statistics
+import sys
 import time
 import traceback
 from collections.abc import Callable
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
-__all__ = ["dist_time", "fmt", "free_port", "launch", "ratio", "write_json"]
+__all__ = ["dist_time", "example_gpt", "fmt", "free_port", "launch", "ratio", "write_json"]
 
 
 def free_port() -> int:
@@ -172,3 +175,25 @@ def ratio(a: float | None, b: float | None) -> float | None:
 
 def fmt(x: float | None, width: int, prec: int = 2) -> str:
     return f"{'-':>{width}}" if x is None else f"{x:{width}.{prec}f}"
+
+
+EXAMPLE_GPT = Path(__file__).resolve().parent.parent / "examples" / "gpt.py"
+
+
+def example_gpt() -> ModuleType:
+    """``examples/gpt.py`` as a module, loaded once per process under one name
+    (examples/ is not a package): the model the README, the guide, the tests and the
+    benchmarks share.
+
+    >>> example_gpt().Config().dim
+    32
+    """
+    name = "shardwise_example_gpt"
+    mod = sys.modules.get(name)
+    if mod is None:
+        spec = importlib.util.spec_from_file_location(name, EXAMPLE_GPT)
+        assert spec is not None and spec.loader is not None
+        mod = importlib.util.module_from_spec(spec)
+        sys.modules[name] = mod  # its dataclasses look their module up here
+        spec.loader.exec_module(mod)
+    return mod

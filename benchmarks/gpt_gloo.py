@@ -24,35 +24,17 @@ from __future__ import annotations
 
 import argparse
 import copy
-import importlib.util
 import logging
 import os
 import sys
-from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from benchmarks.common import dist_time, launch, ratio, write_json
+from benchmarks.common import dist_time, example_gpt, launch, ratio, write_json
 
 __all__ = ["main", "parser", "run"]
-
-EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
-
-
-def gpt_module() -> ModuleType:
-    """``examples/gpt.py`` as a module (examples/ is not a package)."""
-    spec = importlib.util.spec_from_file_location("shardwise_example_gpt", EXAMPLES / "gpt.py")
-    assert spec is not None and spec.loader is not None
-    mod = sys.modules.get(spec.name)
-    if mod is None:
-        mod = importlib.util.module_from_spec(spec)
-        sys.modules[spec.name] = mod
-        spec.loader.exec_module(mod)
-    return mod
-
 
 def _dtensor(model: torch.nn.Module, dp: int, tp: int) -> Any:
     from torch.distributed.fsdp import fully_shard
@@ -128,7 +110,7 @@ def _shardwise(model: torch.nn.Module, dp: int, tp: int) -> Any:
 def rank_body(args: argparse.Namespace) -> dict[str, Any]:
     logging.getLogger("torch.distributed.tensor._collective_utils").setLevel(logging.ERROR)
     torch.set_num_threads(1)
-    gpt = gpt_module()
+    gpt = example_gpt()
     world = dist.get_world_size()
     tp = args.tp
     dp = world // tp

@@ -19,10 +19,7 @@ and the minimum over rounds; ``ratio`` is the medians', ``ratio_min`` the minima
 from __future__ import annotations
 
 import copy
-import importlib.util
-import sys
 import time
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -30,6 +27,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import shardwise as sw
+from benchmarks.common import example_gpt
 from benchmarks.timing import interleave
 from shardwise import DeviceMesh, PlacementMapping, Replicated, Sharded
 
@@ -105,22 +103,8 @@ def _row(case: str, ours: Any, theirs: Any, repeat: int, inner: int) -> dict[str
             "ratio_min": a["min_s"] / b["min_s"]}
 
 
-def load_gpt() -> Any:
-    """``examples/gpt.py`` as a module (examples/ is not a package)."""
-    name = "shardwise_examples_gpt"
-    if name not in sys.modules:
-        path = Path(__file__).resolve().parents[1] / "examples" / "gpt.py"
-        spec = importlib.util.spec_from_file_location(name, path)
-        assert spec is not None and spec.loader is not None
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module  # its dataclasses look the module up
-        spec.loader.exec_module(module)
-    return sys.modules[name]
-
-
-
 def _gpt(dim: int, repeat: int, inner: int) -> dict[str, Any]:
-    gpt = load_gpt()
+    gpt = example_gpt()
     c = gpt.Config(dim=dim)
     torch.manual_seed(0)
     ref = gpt.GPT(c)

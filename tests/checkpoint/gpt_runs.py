@@ -3,30 +3,13 @@ save mid-run, resume on another mesh: shared by the simulated and Gloo tests."""
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
 from typing import Any
 
 import torch
 
 import shardwise as sw
+from benchmarks.common import example_gpt
 from shardwise import DeviceMesh, PlacementMapping, Replicated, Sharded
-
-_PATH = Path(__file__).resolve().parents[2] / "examples" / "gpt.py"
-
-
-def gpt_module() -> Any:
-    """examples/gpt.py imported by path (examples/ is not a package)."""
-    mod = sys.modules.get("shardwise_examples_gpt")
-    if mod is None:
-        spec = importlib.util.spec_from_file_location("shardwise_examples_gpt", _PATH)
-        assert spec is not None and spec.loader is not None
-        mod = importlib.util.module_from_spec(spec)
-        sys.modules["shardwise_examples_gpt"] = mod
-        spec.loader.exec_module(mod)
-    return mod
-
 
 # module path suffix -> placement of the weight's dims over tp (Megatron: column then row)
 _TP = {"attn.wq.weight": 0, "attn.wk.weight": 0, "attn.wv.weight": 0, "attn.wo.weight": 1,
@@ -45,7 +28,7 @@ def parallelize(model: torch.nn.Module, mesh: DeviceMesh) -> torch.nn.Module:
 
 
 def build(mesh: DeviceMesh, seed: int = 0) -> tuple[Any, torch.optim.Optimizer, Any]:
-    gpt = gpt_module()
+    gpt = example_gpt()
     torch.manual_seed(seed)
     config = gpt.Config(seq=8, layers=1)  # small: the test is about state, not size
     model = parallelize(gpt.GPT(config), mesh)
@@ -55,7 +38,7 @@ def build(mesh: DeviceMesh, seed: int = 0) -> tuple[Any, torch.optim.Optimizer, 
 
 def step(model: Any, opt: torch.optim.Optimizer, config: Any, mesh: DeviceMesh, i: int
          ) -> float:
-    ids, targets = gpt_module().batch(config, 8, i)
+    ids, targets = example_gpt().batch(config, 8, i)
     on_dp = PlacementMapping(mesh, [Sharded(0), Replicated()])
     loss = model(sw.tensor(ids, sharding=on_dp), sw.tensor(targets, sharding=on_dp))
     opt.zero_grad()

@@ -6,15 +6,13 @@ which it computes itself from the same seed."""
 from __future__ import annotations
 
 import copy
-import importlib.util
-import sys
-from pathlib import Path
 from typing import Any
 
 import torch
 import torch.nn as nn
 
 import shardwise as sw
+from benchmarks.common import example_gpt
 from shardwise import DeviceMesh, PlacementMapping, Replicated, Sharded
 from shardwise.debug import CommCounter
 from shardwise.parallel import MixedPrecisionPolicy, fully_shard, memory_per_device
@@ -22,24 +20,12 @@ from shardwise.sharding.layout import Layout
 
 R = Replicated()
 STEPS = 10  # AdamW steps per body, as on the simulated mesh
-EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "gpt.py"
 
 
 
 def _every(counter: Any) -> list[tuple[str, int, Any]]:
     """(kind, bytes, step) of every collective, forward and backward phases alike."""
     return [(e.kind, e.nbytes, e.step) for e in counter.events]
-
-
-def load_gpt() -> Any:
-    """examples/gpt.py as a module (the examples folder is not a package)."""
-    if "sw_example_gpt" not in sys.modules:
-        spec = importlib.util.spec_from_file_location("sw_example_gpt", EXAMPLE)
-        assert spec is not None and spec.loader is not None
-        module = importlib.util.module_from_spec(spec)
-        sys.modules["sw_example_gpt"] = module
-        spec.loader.exec_module(module)
-    return sys.modules["sw_example_gpt"]
 
 
 def hand_tp(model: nn.Module, mesh: DeviceMesh) -> None:
@@ -71,7 +57,7 @@ def train(mesh: DeviceMesh, *, tp: bool, reshard: bool = True, steps: int = 10,
     With a bf16 ``policy`` the reference computes with bf16 copies of its fp32
     weights (FSDP2's semantics): losses within one bf16 ulp (2**-7 relative),
     parameters within 5 * LR (an AdamW step moves a parameter by about LR at most)."""
-    gpt = load_gpt()
+    gpt = example_gpt()
     torch.manual_seed(0)
     c = gpt.Config()
     ref = gpt.GPT(c)

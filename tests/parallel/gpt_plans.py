@@ -5,14 +5,12 @@ Gloo bodies (tests/multiprocess/tp_bodies.py)."""
 from __future__ import annotations
 
 import copy
-import importlib.util
-import sys
-from pathlib import Path
 from typing import Any
 
 import torch
 
 import shardwise as sw
+from benchmarks.common import example_gpt
 from shardwise import DeviceMesh, PlacementMapping, Replicated, Sharded
 from shardwise.debug import CommCounter
 from shardwise.parallel import (
@@ -24,20 +22,6 @@ from shardwise.parallel import (
     loss_parallel,
     parallelize_module,
 )
-
-_PATH = Path(__file__).resolve().parents[2] / "examples" / "gpt.py"
-
-
-def load_gpt() -> Any:
-    """examples/gpt.py as a module (examples/ is not a package)."""
-    mod = sys.modules.get("shardwise_example_gpt")
-    if mod is None:
-        spec = importlib.util.spec_from_file_location("shardwise_example_gpt", _PATH)
-        assert spec is not None and spec.loader is not None
-        mod = importlib.util.module_from_spec(spec)
-        sys.modules[spec.name] = mod  # dataclasses look their module up here
-        spec.loader.exec_module(mod)
-    return mod
 
 
 def megatron_plan() -> dict[str, Any]:
@@ -82,7 +66,7 @@ def train(mesh: DeviceMesh, plan: dict[str, Any], steps: int = 10, batch: int = 
     the same initial weights and batches (data Sharded(0) on dp). ``fsdp``: then
     ``fully_shard`` over dp, per block and on the root (TP x FSDP). Returns both
     models, the losses and the first forward's collectives."""
-    gpt = load_gpt()
+    gpt = example_gpt()
     c = gpt.Config()
     torch.manual_seed(0)
     ref = gpt.GPT(c)

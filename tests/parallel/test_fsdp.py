@@ -18,6 +18,7 @@ import torch
 import torch.nn as nn
 
 import shardwise as sw
+from benchmarks.common import example_gpt
 from shardwise import DeviceMesh, Partial, PlacementMapping, Replicated, Sharded
 from shardwise.debug import CommCounter
 from shardwise.parallel import MixedPrecisionPolicy, fully_shard, memory_per_device
@@ -31,7 +32,7 @@ if _BODIES not in sys.path:
 import fsdp_bodies as fb  # noqa: E402
 
 R = Replicated()
-GPT = fb.load_gpt()
+GPT = example_gpt()
 
 
 def _every(counter: Any) -> list[tuple[str, int, Any]]:

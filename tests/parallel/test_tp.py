@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import shardwise as sw
+from benchmarks.common import example_gpt
 from shardwise import DeviceMesh, PlacementMapping, Replicated, Sharded, ShardingError
 from shardwise.debug import CommCounter
 from shardwise.parallel import (
@@ -54,7 +55,7 @@ def test_gpt_training_matches_torch(shape: tuple[int, int], plan: object) -> Non
 
 
 def _block_input(mesh: DeviceMesh, seq_sharded: bool) -> sw.Tensor:
-    c = G.load_gpt().Config()
+    c = example_gpt().Config()
     x = torch.randn(8, c.seq, c.dim)
     tp = Sharded(1) if seq_sharded else Replicated()
     return sw.tensor(x, sharding=PlacementMapping(mesh, [Sharded(0), tp]))
@@ -105,7 +106,7 @@ def test_sequence_parallel_block_is_gather_scatter_pairs(shape: tuple[int, int])
 
 
 def test_unplanned_parameters_are_untouched() -> None:
-    gpt = G.load_gpt()
+    gpt = example_gpt()
     model = gpt.GPT(gpt.Config())
     before = {n: p for n, p in model.named_parameters()}
     parallelize_module(model, G.mesh_of(2, 2), G.megatron_plan())
@@ -131,7 +132,7 @@ def test_one_dimensional_mesh_needs_no_axis() -> None:
 
 
 def test_errors_name_the_value_and_the_fix() -> None:
-    gpt = G.load_gpt()
+    gpt = example_gpt()
     mesh = G.mesh_of(2, 2)
     model = gpt.GPT(gpt.Config())
     with pytest.raises(ShardingError, match=r"'layers\.\*\.attn\.wz' matches no submodule"

@@ -6,9 +6,6 @@ uneven and size-0 shards, Partial values and block-mode operands keep working.""
 from __future__ import annotations
 
 import copy
-import importlib.util
-import sys
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -16,21 +13,12 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import shardwise as sw
+from benchmarks.common import example_gpt
 from shardwise import DeviceMesh, Partial, PlacementMapping, Replicated, Sharded
 from shardwise.debug import CommCounter
 
 R = Replicated()
 MESH = DeviceMesh.cpu((2, 4), ("dp", "tp"))
-
-
-def _gpt() -> Any:
-    path = Path(__file__).parents[2] / "examples" / "gpt.py"
-    spec = importlib.util.spec_from_file_location("shardwise_example_gpt", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up
-    spec.loader.exec_module(module)
-    return module
 
 
 
@@ -46,7 +34,7 @@ def _nodes(root: Any) -> int:
 
 
 def test_gpt_megatron_steps_equal_single_device_torch() -> None:
-    gpt = _gpt()
+    gpt = example_gpt()
     c = gpt.Config()
     torch.manual_seed(0)
     ref = gpt.GPT(c)
