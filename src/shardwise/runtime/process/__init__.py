@@ -11,32 +11,5 @@ This package re-exports the backend (the functions :func:`shardwise.runtime.back
 hands to the core).
 """
 
-from shardwise.runtime.process.backend import (
-    assemble,
-    device_of,
-    diverge,
-    execute_plan,
-    global_value,
-    make_partial,
-    owned,
-    permute,
-    relabel,
-    run_spmd,
-    run_step,
-    spmd_outputs,
-)
-
-__all__ = [
-    "assemble",
-    "device_of",
-    "diverge",
-    "execute_plan",
-    "global_value",
-    "make_partial",
-    "owned",
-    "permute",
-    "relabel",
-    "run_spmd",
-    "run_step",
-    "spmd_outputs",
-]
+from shardwise.runtime.process.backend import *  # noqa: F403  (the backend, re-exported whole)
+from shardwise.runtime.process.backend import __all__ as __all__

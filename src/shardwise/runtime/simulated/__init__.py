@@ -11,42 +11,5 @@ This package re-exports the backend, so ``shardwise.runtime.simulated.set_buffer
 (and the rest) stay where users found them.
 """
 
-from shardwise.runtime.simulated.backend import (
-    assemble,
-    buffer_reuse,
-    device_of,
-    diverge,
-    execute_plan,
-    global_value,
-    make_partial,
-    owned,
-    permute,
-    reduce,
-    reduce_scatter,
-    relabel,
-    rep_indices,
-    run_spmd,
-    run_step,
-    set_buffer_reuse,
-    spmd_outputs,
-)
-
-__all__ = [
-    "assemble",
-    "buffer_reuse",
-    "device_of",
-    "diverge",
-    "execute_plan",
-    "global_value",
-    "make_partial",
-    "owned",
-    "permute",
-    "reduce",
-    "reduce_scatter",
-    "relabel",
-    "rep_indices",
-    "run_spmd",
-    "run_step",
-    "spmd_outputs",
-    "set_buffer_reuse",
-]
+from shardwise.runtime.simulated.backend import *  # noqa: F403  (the backend, re-exported whole)
+from shardwise.runtime.simulated.backend import __all__ as __all__
