@@ -14,28 +14,30 @@ codes = st.integers(min_value=0, max_value=2**32 - 1)
 seqs = st.integers(min_value=1, max_value=2**32 - 1)
 
 
-def _passes(mine: tuple[float, ...], tails: list[tuple[float, ...]]) -> bool:
-    summed = tuple(sum(col) for col in zip(*tails))
-    return summed == tuple(v * len(tails) for v in mine)
+def _verdicts(members: list[tuple[int, int]], op: ReduceOp = ReduceOp.SUM) -> list[bool]:
+    """Each member's check: the reduced tail of all members' tails against its own
+    expected one."""
+    pairs = [A.tails(c, s, len(members), op) for c, s in members]
+    pick = {ReduceOp.SUM: sum, ReduceOp.MAX: max, ReduceOp.MIN: min}[op]
+    reduced = tuple(pick(col) for col in zip(*(mine for mine, _ in pairs)))
+    return [reduced == want for _, want in pairs]
 
 
 @given(st.lists(st.tuples(codes, seqs), min_size=2, max_size=9))
 def test_sum_of_tails_detects_any_disagreement(members: list[tuple[int, int]]) -> None:
-    tails = [A._tail(c, s) for c, s in members]
     agree = len(set(members)) == 1
-    for mine in tails:  # every member reaches the same verdict from the same sum
-        assert _passes(mine, tails) == agree
+    # every member reaches the same verdict from the same sum
+    assert _verdicts(members) == [agree] * len(members)
 
 
 @given(codes, seqs, st.integers(min_value=2, max_value=64))
 def test_one_member_off_by_one_is_caught(code: int, seq: int, n: int) -> None:
-    tails = [A._tail(code, seq)] * (n - 1) + [A._tail(code, seq + 1)]
-    assert not any(_passes(t, tails) for t in tails)
+    assert not any(_verdicts([(code, seq)] * (n - 1) + [(code, seq + 1)]))
 
 
 def test_tail_is_exact_in_float64() -> None:
     # the largest sum of squares stays far below 2**53 for any realistic group
-    assert max(A._tail(2**32 - 1, 2**32 - 1)) == 256.0**2
+    assert max(A.tails(2**32 - 1, 2**32 - 1, 1)[0]) == 256.0**2
 
 
 def test_fingerprint_fields_and_code() -> None:
@@ -123,13 +125,8 @@ def test_max_and_min_tails_detect_any_disagreement(members: list[tuple[int, int]
                                                    op: ReduceOp) -> None:
     """A fused max/min message reduces its tail by the same op: [p, -p] gives max and
     -min (or min and -max), equal to one member's [p, -p] only when all are equal."""
-    from shardwise.runtime.process import channel as C
-    tails = [C.tail(c, s, op) for c, s in members]
-    pick = max if op is ReduceOp.MAX else min
-    reduced = tuple(pick(col) for col in zip(*tails))
     agree = len(set(members)) == 1
-    for mine in tails:
-        assert (reduced == C.expected(mine, op, len(tails))) == agree
+    assert _verdicts(members, op) == [agree] * len(members)
 
 
 def test_float64_data_asks_for_a_float64_message() -> None:

@@ -55,9 +55,7 @@ from shardwise.runtime.process.channel import (  # re-exported: the runtime reac
     Kind,
     Message,
     channel,
-    expected,
     fingerprint,
-    tail,
     tails,
 )
 from shardwise.runtime.process.world import WORLD
@@ -65,7 +63,8 @@ from shardwise.sharding.errors import CollectiveError
 from shardwise.sharding.placements import ReduceOp
 
 __all__ = ["CAP", "DATA", "FIELDS", "Channel", "Fingerprint", "Kind", "agree", "agree_fused",
-           "fingerprint", "foldable", "foldable_gather", "kind", "room", "run", "wait_all"]
+           "fingerprint", "foldable", "foldable_gather", "kind", "room", "run", "tails",
+           "wait_all"]
 
 _NOTE_AFTER_S = 1.0   # a message slower than this leaves a note in the store
 _FOLD = {torch.float32, torch.float64, torch.float16, torch.bfloat16}
@@ -77,11 +76,6 @@ _TORCH_OP = {
 }
 _FIRST_WAIT = datetime.timedelta(seconds=_NOTE_AFTER_S)
 _OPTIONS: dict[ReduceOp, Any] = {}  # reduce op -> AllreduceOptions (one per op, reused)
-
-
-def _tail(code: int, seq: int) -> tuple[float, ...]:
-    """A control message's tail (a sum's ``[p, p*p]``)."""
-    return tail(code, seq)
 
 
 def timeout() -> datetime.timedelta:
@@ -181,16 +175,17 @@ def agree(pg: Any, ranks: tuple[int, ...], label: str, fp: Fingerprint,
         if x is not None:
             raise AssertionError(f"{fp.what}: the next message is a fused all_reduce "
                                  "(check room() first)")
-        mine = tail(fp.code, ch.seq, k.op)
+        mine, want = tails(fp.code, ch.seq, len(ch.ranks), k.op)
         buf = torch.zeros(k.room + TAIL, dtype=k.dtype, device=ch.device)
         buf[k.room:].copy_(torch.tensor(mine, dtype=k.dtype))
-        _send(ch, buf, k, label, fp, mine, deferred)
+        _send(ch, buf, k, label, fp, want, deferred)
         return None
     msg = ch.message(k)
     if x is not None and k.dtype is torch.float32 and x.dtype is not torch.float32:
         raise AssertionError(f"{fp.what}: {x.dtype} data does not fit a float32 control "
                              "message (check room_for() first)")
-    mine = tail(fp.code, ch.seq)
+    size = len(ch.ranks)
+    mine, want = tails(fp.code, ch.seq, size)
     buf, arr = msg.buf, msg.arr
     fast = arr is not None and x is not None and x.dtype in _NUMPY
     n = at = 0
@@ -212,11 +207,9 @@ def agree(pg: Any, ranks: tuple[int, ...], label: str, fp: Fingerprint,
     else:
         buf[msg.room:].copy_(torch.tensor(mine, dtype=k.dtype))
     if x is None:
-        _send(ch, buf, k, label, fp, mine, deferred, msg)
+        _send(ch, buf, k, label, fp, want, deferred, msg)
         return None
     work = _post(ch, buf, k.op, label, fp)
-    size = len(ch.ranks)
-    want = expected(mine, k.op, size)  # while the message travels
     if fast and place is None:
         out = torch.empty(tuple(x.shape), dtype=x.dtype)
         _finish(work, ch, buf, k, label, fp, want, msg)
@@ -250,14 +243,7 @@ def fold_reduce(ch: Channel, label: str, fp: Fingerprint, x: torch.Tensor, op: R
     msg.pack.pack_into(msg.mem, msg.tail_at, *mine)
     work = _post(ch, msg.buf, ReduceOp.SUM, label, fp)
     out = torch.empty(tuple(x.shape), dtype=x.dtype)  # while the message travels
-    if WORLD.timeout_s < 2 * _NOTE_AFTER_S:
-        _wait_control(work, ch, label, fp)
-    else:  # _wait_control inlined (the common case of the hot path)
-        start = time.monotonic()
-        try:
-            work.wait(timeout=_FIRST_WAIT)
-        except RuntimeError as err:
-            _wait_rest(work, ch, label, fp, err, start)
+    _wait_control(work, ch, label, fp)
     if msg.pack.unpack_from(msg.mem, msg.tail_at) != want:
         ch.mismatches += 1
         raise CollectiveError(diagnose.mismatch(ch, label, dict(zip(FIELDS, fp.values)),
@@ -282,21 +268,20 @@ def agree_fused(pg: Any, ranks: tuple[int, ...], label: str, fp: Fingerprint,
     if fp.fuse != k:
         raise AssertionError(f"{fp.what}: not the fused all_reduce the group expects "
                              "(check kind() first)")
-    mine = tail(fp.code, ch.seq, k.op)
+    mine, want = tails(fp.code, ch.seq, len(ch.ranks), k.op)
     out = buffers.empty((k.room + TAIL,), x)
     out[:k.room].view(x.shape).copy_(x)
     out[k.room:].copy_(torch.tensor(mine, dtype=k.dtype))
-    _send(ch, out, k, label, fp, mine)
+    _send(ch, out, k, label, fp, want)
     return out[:k.room].view(x.shape)
 
 
 def _send(ch: Channel, buf: torch.Tensor, k: Kind, label: str, fp: Fingerprint,
-          mine: tuple[float, ...], deferred: list[Any] | None = None,
+          want: tuple[float, ...], deferred: list[Any] | None = None,
           msg: Message | None = None) -> None:
     """all_reduce one message of kind ``k``, then wait and check it (or append the
     wait-and-check to ``deferred``)."""
     work = _post(ch, buf, k.op, label, fp)
-    want = expected(mine, k.op, len(ch.ranks))
     if deferred is not None:  # the caller prepares its data meanwhile
         deferred.append(lambda: _finish(work, ch, buf, k, label, fp, want, msg))
         return
@@ -346,22 +331,16 @@ def _wait_control(work: Any, ch: Channel, label: str, fp: Fingerprint) -> None:
     try:
         work.wait(timeout=_FIRST_WAIT if first == _NOTE_AFTER_S else
                   datetime.timedelta(seconds=first))
+        return
     except RuntimeError as err:
-        _wait_rest(work, ch, label, fp, err, start)
-
-
-def _wait_rest(work: Any, ch: Channel, label: str, fp: Fingerprint, err: Exception,
-               start: float) -> None:
-    """The first wait (begun at ``start``) ended in ``err``: a timeout leaves a note and
-    waits for the rest of the run's timeout; anything else is an arrival error."""
-    if "timed out" not in str(err).lower():
-        raise _arrival_error(ch, label, fp, err) from err
+        if "timed out" not in str(err).lower():
+            raise _arrival_error(ch, label, fp, err) from err
     diagnose.note(ch)  # slow: say where this rank waits, so the others can name the absent
     try:
-        work.wait(timeout=datetime.timedelta(
-            seconds=max(WORLD.timeout_s - (time.monotonic() - start), 0.01)))
-    except RuntimeError as err2:
-        raise _arrival_error(ch, label, fp, err2) from err2
+        work.wait(timeout=datetime.timedelta(seconds=max(total - (time.monotonic() - start),
+                                                         0.01)))
+    except RuntimeError as err:
+        raise _arrival_error(ch, label, fp, err) from err
 
 
 def _arrival_error(ch: Channel, label: str, fp: Fingerprint, err: Exception

@@ -36,7 +36,7 @@ from shardwise.runtime.process.world import WORLD
 from shardwise.sharding.placements import ReduceOp
 
 __all__ = ["CAP", "DATA", "FIELDS", "Channel", "Fingerprint", "Kind", "Message", "channel",
-           "control", "expected", "fingerprint", "tail", "tails"]
+           "control", "fingerprint", "tails"]
 
 DATA = 256            # elements of data every control message has room for (2 KiB as float64)
 # The most a control message carries (128 KiB as float64). Below it one Gloo round trip
@@ -109,34 +109,25 @@ def fingerprint(what: str, op: ReduceOp | None, group: str, shape: tuple[int, ..
     return Fingerprint(values, zlib.crc32("|".join(values).encode()), fold, fuse, wire)
 
 
-def tail(code: int, seq: int, op: ReduceOp = ReduceOp.SUM) -> tuple[float, ...]:
-    """The tail of (sequence number, fingerprint code), little-endian: ``[p, p*p]`` for
-    a sum, ``[p, -p]`` for a max or min."""
-    s = seq & 0xFFFFFFFF
-    p = (_P[s & 255], _P[(s >> 8) & 255], _P[(s >> 16) & 255], _P[s >> 24])
-    c, c2, neg = _code_tail(code & 0xFFFFFFFF)
-    if op is ReduceOp.SUM:
-        return (*p, *c, p[0] * p[0], p[1] * p[1], p[2] * p[2], p[3] * p[3], *c2)
-    return (*p, *c, -p[0], -p[1], -p[2], -p[3], *neg)
-
-
-@functools.lru_cache(maxsize=8192)
-def _code_tail(code: int) -> tuple[tuple[float, ...], tuple[float, ...], tuple[float, ...]]:
-    p = tuple(_P[b] for b in code.to_bytes(4, "little"))
-    return p, tuple(v * v for v in p), tuple(-v for v in p)
-
-
-def tails(code: int, seq: int, size: int) -> tuple[tuple[float, ...], tuple[float, ...]]:
-    """A control message's tail and its expected sum over ``size`` members (the same
-    as ``tail`` and ``expected`` for a sum; cheaper: the code's half is cached).
+def tails(code: int, seq: int, size: int, op: ReduceOp = ReduceOp.SUM
+          ) -> tuple[tuple[float, ...], tuple[float, ...]]:
+    """A member's tail for (sequence number, fingerprint code), little-endian bytes
+    ``p``: ``[p, p*p]`` for a sum, ``[p, -p]`` for a max or min; and the reduced tail
+    every member reads when all ``size`` members sent the same (the code's half is
+    cached: the hot path computes only the sequence number's).
 
     >>> mine, want = tails(7, 3, 4)
-    >>> mine == tail(7, 3) and want == expected(mine, ReduceOp.SUM, 4)
-    True
+    >>> mine[:8], want[:8] == tuple(4 * v for v in mine[:8])
+    ((4.0, 1.0, 1.0, 1.0, 8.0, 1.0, 1.0, 1.0), True)
+    >>> tails(7, 3, 4, ReduceOp.MAX)[1][8:12]
+    (-4.0, -1.0, -1.0, -1.0)
     """
     s = seq & 0xFFFFFFFF
     p0, p1, p2, p3 = _P[s & 255], _P[(s >> 8) & 255], _P[(s >> 16) & 255], _P[s >> 24]
-    c, c2, w, w2 = _code_want(code & 0xFFFFFFFF, size)
+    c, c2, w, w2 = _code_half(code & 0xFFFFFFFF, size, op)
+    if op is not ReduceOp.SUM:  # max and min: the reduced tail is each member's own
+        mine = (p0, p1, p2, p3, *c, -p0, -p1, -p2, -p3, *c2)
+        return mine, mine
     q0, q1, q2, q3 = p0 * p0, p1 * p1, p2 * p2, p3 * p3
     return ((p0, p1, p2, p3, *c, q0, q1, q2, q3, *c2),
             (p0 * size, p1 * size, p2 * size, p3 * size, *w,
@@ -144,15 +135,15 @@ def tails(code: int, seq: int, size: int) -> tuple[tuple[float, ...], tuple[floa
 
 
 @functools.lru_cache(maxsize=8192)
-def _code_want(code: int, size: int) -> tuple[tuple[float, ...], ...]:
-    """The code's half of a sum's tail, and of its expected sum over ``size`` members."""
-    c, c2, _ = _code_tail(code)
-    return c, c2, tuple(v * size for v in c), tuple(v * size for v in c2)
-
-
-def expected(mine: tuple[float, ...], op: ReduceOp, size: int) -> tuple[float, ...]:
-    """The reduced tail when all ``size`` members sent ``mine``."""
-    return tuple(v * size for v in mine) if op is ReduceOp.SUM else mine
+def _code_half(code: int, size: int, op: ReduceOp) -> tuple[tuple[float, ...], ...]:
+    """The code's half of a tail (``p`` and ``p*p``, or ``-p`` for a max or min), and
+    of its reduced tail over ``size`` members."""
+    p = tuple(_P[b] for b in code.to_bytes(4, "little"))
+    if op is not ReduceOp.SUM:
+        neg = tuple(-v for v in p)
+        return p, neg, p, neg
+    sq = tuple(v * v for v in p)
+    return p, sq, tuple(v * size for v in p), tuple(v * size for v in sq)
 
 
 class Channel:
