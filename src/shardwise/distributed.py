@@ -17,12 +17,17 @@ Invariants:
   ``timeout_s``: a peer that skips a collective, calls another one, stalls, dies or
   is killed makes the others raise :class:`CollectiveError` naming the collective,
   the group and, where known, the absent rank; never a hang, never a Gloo abort.
+- A runtime started by :func:`initialize` is shut down at interpreter exit (before
+  finalization) when the program did not call :func:`shutdown`: Gloo worker threads
+  that drop their last tensor reference during finalization abort the process.
 """
 
 from __future__ import annotations
 
+import atexit
 import datetime
 import os
+import sys
 import time
 from typing import Any
 
@@ -134,6 +139,22 @@ def initialize(backend: str | None = None, *, rank: int | None = None,
         dist.destroy_process_group()
         collectives.reset_groups()
         raise
+    global _EXIT_HOOKED
+    if not _EXIT_HOOKED:  # once per process: shutdown() is safe to call again
+        atexit.register(_shutdown_at_exit)
+        _EXIT_HOOKED = True
+
+
+_EXIT_HOOKED = False
+
+
+def _shutdown_at_exit() -> None:
+    # atexit runs while the interpreter is whole; a leftover Gloo group torn down in
+    # finalization can abort the process ("terminate called without an active exception")
+    try:
+        shutdown()
+    except Exception as err:  # exiting anyway: say why, never replace the exit status
+        print(f"shardwise: shutdown at exit failed: {err}", file=sys.stderr)
 
 
 def barrier(label: str = "barrier") -> None:
@@ -181,7 +202,13 @@ def process_count() -> int:
 
 
 def shutdown() -> None:
-    """Tear down the process groups (safe to call twice)."""
+    """Tear down the process groups (safe to call twice). A program that does not
+    call it gets it at interpreter exit, registered by :func:`initialize`.
+
+    >>> shardwise.distributed.shutdown()   # not initialized: nothing to tear down
+    >>> shardwise.distributed.is_initialized()
+    False
+    """
     import torch.distributed as dist
 
     from shardwise.runtime.process import collectives as backend

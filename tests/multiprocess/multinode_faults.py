@@ -5,7 +5,9 @@ it exits 1 on any unexpected outcome."""
 
 from __future__ import annotations
 
+import atexit
 import faulthandler
+import os
 import sys
 import time
 
@@ -35,6 +37,10 @@ def main() -> int:
     # a worker still running after a minute prints every thread's stack and exits 1,
     # so a hang (ours or the launcher's) shows where it waits instead of a bare timeout
     faulthandler.dump_traceback_later(60, exit=True)
+    # No process calls shutdown(): a group left to finalization can abort the process.
+    # atexit runs hooks last-in first-out, so this one runs after initialize()'s own
+    atexit.register(lambda: print(f"OK rank {os.environ['RANK']}: runtime shut down "
+                                  f"before exit ({not sd.is_initialized()})", flush=True))
     sd.initialize("gloo", timeout_s=TIMEOUT_S)
     r, n = sd.process_index(), sd.process_count()
     assert n == 4, n

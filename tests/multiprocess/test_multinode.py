@@ -6,6 +6,7 @@ Every launch has a hard wall-clock limit; stragglers are killed."""
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import uuid
@@ -37,8 +38,8 @@ def _two_nodes(*program: str) -> list[tuple[int, str, str]]:
     except subprocess.TimeoutExpired:
         seen = []
         for p in procs:  # what each launch printed (workers dump their stacks when stuck)
-            if p.poll() is None:
-                p.kill()
+            if p.poll() is None:  # the launcher and its workers
+                os.killpg(p.pid, signal.SIGKILL)
             so, se = p.communicate()
             seen.append(f"--- exit {p.returncode}\n{so[-3000:]}\n{se[-6000:]}")
         raise AssertionError(f"two-node launch still running after {LIMIT_S} s:\n"
@@ -46,7 +47,7 @@ def _two_nodes(*program: str) -> list[tuple[int, str, str]]:
     finally:
         for p in procs:
             if p.poll() is None:
-                p.kill()
+                os.killpg(p.pid, signal.SIGKILL)
                 p.communicate()
     return out
 
@@ -70,3 +71,5 @@ def test_fault_scenario_on_two_nodes() -> None:
         assert f"OK rank {r}: mismatch raised" in text, text
     assert "OK rank 1: absent peer on the other node named" in text, text
     assert text.count("its own gather unaffected") == 2, text
+    for r in range(4):
+        assert f"OK rank {r}: runtime shut down before exit (True)" in text, text
