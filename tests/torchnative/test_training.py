@@ -4,6 +4,7 @@ state dicts, dtype moves and torch.compile, checked against single-device torch.
 from __future__ import annotations
 
 import copy
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -14,7 +15,7 @@ import torch.nn.functional as F
 from torch_bodies import megatron
 
 import shardwise as sw
-from shardwise import DeviceMesh, PlacementMapping, Replicated, Sharded
+from shardwise import DeviceMesh, PlacementMapping, Replicated, Sharded, ShardingError
 
 R = Replicated()
 
@@ -174,5 +175,33 @@ def test_nn_parameter_and_module_attribute_errors_are_torchs() -> None:
     assert isinstance(p, nn.Parameter) and p.requires_grad and p.is_leaf
     assert p.dist_layout == t.dist_layout and not t.requires_grad
     lin = nn.Linear(2, 3)
-    with pytest.raises(TypeError):
-        lin.weight = t  # a non-Parameter tensor cannot replace a parameter (torch's rule)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the message names the type without a gather
+        with pytest.raises(TypeError, match=r"torch\.FloatTensor"):
+            lin.weight = t  # a non-Parameter tensor cannot replace a parameter (torch's rule)
+
+
+def test_type_names_and_casts_like_torch_without_gathering() -> None:
+    mesh = DeviceMesh.cpu((2, 2), ("dp", "tp"))
+    x = torch.randn(5, 3)
+    t = sw.tensor(x, sharding=PlacementMapping(mesh, [Sharded(0), Sharded(1)]))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no fallback: no gather
+        assert t.type() == x.type() == "torch.FloatTensor"
+        assert torch.typename(t) == torch.typename(x)
+        for target in (torch.float64, "torch.DoubleTensor", torch.int32):
+            out = t.type(target)
+            assert out.dist_layout == t.dist_layout
+            assert torch.equal(out.to_torch(), x.type(target))
+    with pytest.raises(ShardingError, match=r"shardwise\.to_device"):
+        t.type("torch.cuda.FloatTensor")  # a device move is not a cast
+    with pytest.raises(ShardingError, match="names no tensor type"):
+        t.type("torch.NoSuchTensor")
+
+
+def test_module_to_dtype_asks_no_fallback() -> None:
+    model = megatron(mlp(6), DeviceMesh.cpu((2, 2), ("dp", "tp")))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        model.to(torch.float64)
+    assert all(p.dtype == torch.float64 for p in model.parameters())

@@ -11,6 +11,7 @@ Invariants:
 from __future__ import annotations
 
 import functools
+import pydoc
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -417,6 +418,31 @@ def _install_conversions() -> None:
     @register(TensorMethod.type_as)
     def type_as(x: Any, other: Any) -> Any:
         return _to(x, other.dtype)
+
+    @register(TensorMethod.type)
+    def type_(x: Any, dtype: Any = None, non_blocking: bool = False, **kwargs: Any) -> Any:
+        # torch.typename and nn.Module's error messages call x.type(): answered from the
+        # dtype, never by gathering the values
+        if dtype is None:
+            return torch.empty(0, dtype=x.dtype, device=x.device).type()
+        if isinstance(dtype, str):  # "torch.DoubleTensor", "torch.cuda.HalfTensor"
+            cls = pydoc.locate(dtype)
+            target = getattr(cls, "dtype", None)
+            if not isinstance(target, torch.dtype):
+                raise ShardingTypeError(
+                    f"{x!r}.type({dtype!r}): {dtype!r} names no tensor type; pass a "
+                    "torch.dtype or a name like 'torch.DoubleTensor'.")
+            cuda = bool(getattr(cls, "is_cuda", False))  # the name says cpu or cuda only
+            same = cuda == (x.device.type == "cuda")
+            return _to(x, target, x.device if same else ("cuda" if cuda else "cpu"))
+        return _to(x, dtype)
+
+    # nn.Module._apply asks it per parameter (module.to(dtype)); wrappers and their
+    # shards are plain TensorImpls, so the answer is torch's on the wrappers themselves
+    @register(torch._has_compatible_shallow_copy_type)
+    def compatible_shallow_copy(a: Any, b: Any) -> bool:
+        with torch._C.DisableTorchFunctionSubclass():
+            return bool(torch._has_compatible_shallow_copy_type(a, b))
 
     @register(torch.clone, TensorMethod.clone)
     def clone(x: Any, memory_format: Any = None) -> Any:
