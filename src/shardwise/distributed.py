@@ -119,6 +119,7 @@ def initialize(backend: str | None = None, *, rank: int | None = None,
     if check_collectives is not None:
         WORLD.check_collectives = check_collectives
     where = init_method or f"{env['MASTER_ADDR']}:{env.get('MASTER_PORT')}"
+    _import_world_capturers()
     start = time.monotonic()
     try:
         dist.init_process_group(
@@ -146,6 +147,15 @@ def initialize(backend: str | None = None, *, rank: int | None = None,
 
 
 _EXIT_HOOKED = False
+
+
+def _import_world_capturers() -> None:
+    # These torch modules bind ``group.WORLD`` as a default argument when imported:
+    # imported after the rendezvous, they keep the world group alive past shutdown()
+    # into interpreter finalization, where Gloo's threads can abort the process.
+    # shardwise imports torch._dynamo (which imports them) on first Tensor use anyway.
+    import torch._dynamo
+    import torch.distributed.nn.functional  # noqa: F401
 
 
 def _shutdown_at_exit() -> None:

@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 import shardwise as sw
 import shardwise.distributed as sd
-from shardwise import DeviceMesh, Partial, PlacementMapping, Sharded, lax
+from shardwise import DeviceMesh, Partial, PlacementMapping, Replicated, Sharded, lax
 from shardwise.distributed import CollectiveError, process_index
 
 TIMEOUT_S = 5.0
@@ -364,3 +364,30 @@ def body_dead_lax_ppermute(n: int) -> None:
     run = sw.shard_map(lambda a: lax.ppermute(a, "x", ring), mesh, in_specs=(("x", None),),
                        out_specs=("x", None))
     _dies(n, "kill", lambda: run(x), "ppermute")
+
+
+# --- teardown: shutdown() releases every process group ------------------------------------
+def body_shutdown_releases_groups(n: int) -> None:
+    """After shutdown() nothing but the caller holds the groups shardwise used, so their
+    Gloo threads stop then, not in interpreter finalization (where one dropping a
+    tensor aborts the process: "terminate called without an active exception")."""
+    import gc
+    import sys
+
+    from shardwise.runtime.world import WORLD
+
+    mesh = DeviceMesh.cpu((2, n // 2), ("a", "b"))
+    x = torch.arange(16.0 * n).reshape(4 * n, 4)
+    t = sw.tensor(x, sharding=pm(mesh, Sharded(0), Replicated()))
+    for axes in ("a", "b", ("a", "b")):
+        p = sw.tensor(x, sharding=pm(mesh, Partial(), Partial()))
+        sw.all_reduce(p, reduce_axes=axes)
+    assert torch.equal(sw.all_gather(t).to_torch(), x)
+    pgs = list({id(pg): pg for pg in [dist.group.WORLD, *(g.pg for g in WORLD.groups.values())]
+                }.values())
+    assert len(pgs) == 3, pgs  # the world (also the group of both axes) and one per axis
+    sd.shutdown()
+    del t, p, mesh
+    gc.collect()
+    held = [sys.getrefcount(pg) - 3 for pg in pgs]  # the list's, the loop's, the call's
+    assert held == [0] * len(pgs), f"references to the process groups left: {held}"

@@ -104,3 +104,7 @@ def test_rendezvous_with_a_missing_process_is_bounded() -> None:
         assert "rendezvous of 3 processes" in out, out
         took = float(out.split("after ")[1].split("s:")[0])
         assert took < timeout_s + 10, out
+
+
+def test_shutdown_releases_every_process_group() -> None:
+    _run(["body_shutdown_releases_groups"], 4)
