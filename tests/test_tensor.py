@@ -185,6 +185,11 @@ def test_inspection() -> None:
                        "layout=DeviceMesh(dp=2, tp=2)[S(dp), R])")
     n = x.numpy()
     assert isinstance(n, np.ndarray) and np.array_equal(n, np.arange(10.0).reshape(5, 2))
+    g, plain = x.detach().requires_grad_(), torch.arange(10.0).reshape(5, 2).requires_grad_()
+    for t in (g, plain):  # torch's rule, and its way out
+        with pytest.raises(RuntimeError, match=r"detach\(\)\.numpy\(\)"):
+            t.numpy()
+        assert np.array_equal(t.numpy(force=True), n)
     assert x.tolist() == torch.arange(10.0).reshape(5, 2).tolist()
 
 

@@ -266,6 +266,16 @@ class Tensor(GradMixin, RelayoutMixin, MetaMixin,  # type: ignore[misc,override]
         return out
 
     def numpy(self, *, force: bool = False) -> Any:
+        # torch's rules (grad, device), then always a gathered copy: the array never
+        # shares memory with the shards
+        if not force and self.requires_grad:
+            raise RuntimeError(
+                "Can't call numpy() on Tensor that requires grad. Use tensor.detach().numpy() "
+                "instead (or numpy(force=True)).")
+        if not force and self.device.type != "cpu":
+            raise TypeError(
+                f"can't convert {self.device} device type tensor to numpy. Use Tensor.cpu() "
+                "to copy the tensor to host memory first (or numpy(force=True)).")
         return self.to_torch().detach().cpu().numpy()
 
     def tolist(self) -> Any:
