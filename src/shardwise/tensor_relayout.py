@@ -15,7 +15,7 @@ Invariants:
   op's identity elsewhere; MIN/MAX/AVG: the value everywhere); nothing is counted.
 - Kept results (``_reused``, ``_whole_as``) live in the source Tensor's ``__dict__``,
   keyed by target layout and grad mode; an in-place write to either tensor (a bumped
-  version counter, ``_versions``) makes an entry stale; leaves that require grad keep
+  version counter, ``shard_versions``) makes an entry stale; leaves that require grad keep
   nothing (their relayout belongs to one step's graph); ops get them, users never do
   (two public relayouts give two tensors a user may write separately).
 - Nothing here imports :mod:`shardwise.tensors`: new Tensors are built as
@@ -37,7 +37,7 @@ from shardwise.sharding.layout import Layout
 from shardwise.sharding.mesh import DeviceMesh
 from shardwise.tensor_meta import MetaMixin
 
-__all__ = ["RelayoutMixin", "record_plan", "run_plan"]
+__all__ = ["RelayoutMixin", "record_plan", "run_plan", "shard_versions"]
 
 _REPLICATED: dict[tuple[int, int], tuple[DeviceMesh, Layout]] = {}
 
@@ -99,8 +99,8 @@ def _version(t: torch.Tensor) -> int:
     return 0 if t.is_inference() else int(t._version)
 
 
-def _versions(shards: Sequence[torch.Tensor | None], uniq: Sequence[int] | None = None
-              ) -> int:
+def shard_versions(shards: Sequence[torch.Tensor | None], uniq: Sequence[int] | None = None
+                   ) -> int:
     """The sum of the distinct local buffers' version counters: any in-place write
     to one of them (or to a view of it) changes it."""
     if uniq is None:
@@ -223,12 +223,12 @@ class RelayoutMixin(MetaMixin):
         if memo is None:
             memo = self.__dict__["_reuse"] = {}
         grad = torch.is_grad_enabled()
-        layout, version = self._layout, _versions(shards, uniq)
+        layout, version = self._layout, shard_versions(shards, uniq)
 
         def fresh(entry: tuple[Any, ...]) -> bool:
             src, lay, ver, kept, kept_ver = entry
             return (src is shards and lay is layout and ver == version
-                    and kept_ver == _versions(kept._shards))
+                    and kept_ver == shard_versions(kept._shards))
 
         hit = memo.get((target, grad))
         if hit is not None and fresh(hit):
@@ -243,7 +243,7 @@ class RelayoutMixin(MetaMixin):
                 if c < cost:
                     source, cost = kept, c
         out = source.relayout(target)
-        memo[(target, grad)] = (shards, layout, version, out, _versions(out._shards))
+        memo[(target, grad)] = (shards, layout, version, out, shard_versions(out._shards))
         return out
 
     def _kept_layouts(self) -> tuple[Layout, ...]:
@@ -254,10 +254,10 @@ class RelayoutMixin(MetaMixin):
             return ()
         shards = self._shards
         grad = torch.is_grad_enabled()
-        version = _versions(shards, self._unique())
+        version = shard_versions(shards, self._unique())
         return tuple(lay for (lay, g), (src, src_lay, ver, kept, kept_ver) in memo.items()
                      if g == grad and src is shards and src_lay is self._layout
-                     and ver == version and kept_ver == _versions(kept._shards))
+                     and ver == version and kept_ver == shard_versions(kept._shards))
 
     def plan_to(self, target: Layout) -> Plan:
         if target.mesh != self.mesh:

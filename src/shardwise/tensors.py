@@ -41,6 +41,7 @@ from shardwise import chunks, dtensor_interop
 from shardwise.runtime import backend_for
 from shardwise.sharding.errors import ShardingError
 from shardwise.sharding.layout import Layout
+from shardwise.sharding.mappings import ShardingSpec
 from shardwise.sharding.types import dtype_name
 from shardwise.tensor_grad import GradMixin
 from shardwise.tensor_meta import MetaMixin
@@ -327,8 +328,6 @@ class Tensor(GradMixin, RelayoutMixin, MetaMixin,  # type: ignore[misc,override]
 def with_open_dims(t: Tensor, sharding: object) -> Tensor:
     """``t`` with the open/closed dims ``sharding`` gives (a ShardingSpec's DimSpecs;
     any other form: all open). Shares ``t``'s shards; ``t`` itself is unchanged."""
-    from shardwise.sharding.mappings import ShardingSpec
-
     want = sharding.open_dims if isinstance(sharding, ShardingSpec) else None
     if want is not None and all(want):
         want = None

@@ -32,7 +32,7 @@ from shardwise.runtime import backend_for
 from shardwise.runtime import observe as comm
 from shardwise.sharding.errors import ShardingError, ShardingTypeError
 from shardwise.sharding.layout import Layout
-from shardwise.tensor_relayout import _versions
+from shardwise.tensor_relayout import shard_versions
 from shardwise.tensors import Tensor, place
 
 __all__ = ["apply", "apply_elementwise"]
@@ -146,7 +146,7 @@ def _diverged(t: Tensor, axes: tuple[int, ...]) -> Sequence[torch.Tensor | None]
     key = (axes, torch.is_grad_enabled())
     if keep:
         memo: dict[Any, Any] = t.__dict__.setdefault("_diverged", {})
-        version = _versions(shards, uniq)
+        version = shard_versions(shards, uniq)
         hit = memo.get(key)
         if hit is not None and hit[0] is shards and hit[1] == version:
             return hit[2]
