@@ -118,6 +118,9 @@ SHAPES = {
     "unbind": lambda x: x.unbind(0), "expand": lambda x: x[:1].expand(3, 6),
     "index_select": lambda x: torch.index_select(x, 1, torch.tensor([0, 5, 2])),
     "advanced_index": lambda x: x.index_select(0, torch.tensor([3, 1])),
+    "flip": lambda x: x.flip(0), "flip_both": lambda x: torch.flip(x, [0, 1]),
+    "flip_kw": lambda x: torch.flip(x, dims=(1,)), "roll": lambda x: torch.roll(x, 2, 1),
+    "roll_two": lambda x: x.roll((1, -2), (0, 1)), "roll_flat": lambda x: torch.roll(x, 3),
 }
 
 
@@ -140,12 +143,15 @@ REDUCTIONS = {
     "tensor_softmax": lambda x: x.softmax(1), "norm": lambda x: torch.linalg.vector_norm(x),
     "norm_inf": lambda x: torch.linalg.vector_norm(x, float("inf")),
     "norm_dim": lambda x: x.norm(dim=1),
+    "sort": lambda x: x.sort(1), "sort_desc": lambda x: torch.sort(x, 0, descending=True),
+    "argsort": lambda x: x.argsort(dim=1, stable=True),
 }
 
 
 @pytest.mark.parametrize("name", sorted(REDUCTIONS))
 def test_reductions(name: str) -> None:
-    check(REDUCTIONS[name], X, grad=name not in ("argmax", "argmax_all", "any", "all"))
+    check(REDUCTIONS[name], X,
+          grad=name not in ("argmax", "argmax_all", "any", "all", "argsort"))
 
 
 def test_linear_matmul_einsum_bmm() -> None:
@@ -226,13 +232,13 @@ def test_partial_operands_are_resolved_before_nonlinear_ops() -> None:
 
 def test_op_without_rule_runs_gathered_with_one_warning() -> None:
     x = put(X, (S0, S1))
-    with pytest.warns(sw.ShardwiseFallbackWarning, match="flip"):
-        out = torch.flip(x, [0])
-    assert isinstance(out, sw.Tensor) and torch.equal(out.to_torch(), torch.flip(X, [0]))
-    assert out.dist_layout.is_replicated if hasattr(out.dist_layout, "is_replicated") else True
+    with pytest.warns(sw.ShardwiseFallbackWarning, match="rot90"):
+        out = torch.rot90(x, 1, [0, 1])
+    assert isinstance(out, sw.Tensor) and torch.equal(out.to_torch(), torch.rot90(X, 1, [0, 1]))
+    assert not out.dist_layout.is_partial and not out.dist_layout.sharded_axes
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        torch.flip(x, [1])  # once per op: no second warning
+        torch.rot90(x, 1, [1, 0])  # once per op: no second warning
 
 
 def test_inplace_op_without_rule_raises_naming_it() -> None:
@@ -304,3 +310,49 @@ def test_like_constructors_keep_the_layout() -> None:
     want = torch.randn_like(X)
     torch.manual_seed(1)
     assert torch.equal(torch.randn_like(x).to_torch(), want)
+
+
+def test_like_and_new_constructors_never_gather_or_reduce() -> None:
+    """``zeros_like(p)`` of a Partial ``p`` and ``x.new_zeros(...)`` read only shapes:
+    no fallback (no gather), no reduction; x's shape keeps x's layout without its
+    Partial axes (DTensor's rule), another shape is Replicated."""
+    from shardwise.debug import CommCounter
+    from shardwise.sharding.layout import Layout
+
+    for lay in [(S0, S1), (R, Partial()), (Partial(), S1)]:
+        x = put(X, lay)
+        keep = x.dist_layout.with_partial((None, None))
+        with warnings.catch_warnings(), CommCounter() as counter:
+            warnings.simplefilter("error")
+            cases = [
+                (torch.zeros_like(x), torch.zeros_like(X)),
+                (torch.full_like(x, 2.5), torch.full_like(X, 2.5)),
+                (x.new_zeros(4, 6), X.new_zeros(4, 6)),
+                (x.new_ones((4, 6), dtype=torch.float64), X.new_ones((4, 6), dtype=torch.float64)),
+                (x.new_full((4, 6), 7.0), X.new_full((4, 6), 7.0)),
+                (x.new_full(size=(4, 6), fill_value=7.0), X.new_full(size=(4, 6), fill_value=7.0)),
+                (x.new_empty(size=(4, 6)).zero_(), X.new_zeros(4, 6)),
+            ]
+            other = [(x.new_zeros(3), X.new_zeros(3)), (x.new_ones(()), X.new_ones(())),
+                     (x.new_full([2, 5], -1), X.new_full([2, 5], -1))]
+        assert counter.total == 0, counter
+        for got, want in cases:
+            assert got.dist_layout == keep and got.dtype == want.dtype
+            assert torch.equal(got.to_torch(), want)
+        for got, want in other:
+            assert got.dist_layout == Layout.replicated(x.mesh, want.ndim)
+            assert got.dtype == want.dtype and torch.equal(got.to_torch(), want)
+    with pytest.raises(sw.ShardingError, match="to_device"):
+        put(X, (S0, S1)).new_zeros(3, device="meta")
+
+
+def test_flip_and_roll_keep_a_partial_sum_without_communication() -> None:
+    from shardwise.debug import CommCounter
+
+    p = put(X, (S0, Partial()))
+    with CommCounter() as counter:
+        outs = [p.flip(1), torch.roll(p, 1, 1)]
+    assert counter.total == 0, counter
+    for out, want in zip(outs, [X.flip(1), torch.roll(X, 1, 1)]):
+        assert out.dist_layout.is_partial
+        torch.testing.assert_close(out.to_torch(), want)

@@ -149,7 +149,11 @@ def _permute(shapes: tuple[tuple[int, ...], ...], perm: tuple[int, ...]) -> str:
 
 
 def _softmax(shapes: tuple[tuple[int, ...], ...], dim: int) -> str:
-    names = [n + ("!" if d == dim else "") for d, n in enumerate(_letters(len(shapes[0])))]
+    return _whole_dims(shapes, (dim,))
+
+
+def _whole_dims(shapes: tuple[tuple[int, ...], ...], dims: tuple[int, ...]) -> str:
+    names = [n + ("!" if d in dims else "") for d, n in enumerate(_letters(len(shapes[0])))]
     return " ".join(names) + " -> " + " ".join(names)
 
 
@@ -382,8 +386,12 @@ RULES.update({
     "log_softmax": Rule("a d! -> a d!", NONLINEAR, build=_softmax),
     "cumsum": Rule("a d! -> a d!", NONLINEAR, build=_softmax),
     "cumprod": Rule("a d! -> a d!", NONLINEAR, build=_softmax),
-    # topk / sort along one whole dim: size k out
+    # topk along one whole dim: size k out; sort along one whole dim
     "topk": Rule("a d! -> a k!=K", NONLINEAR, build=_topk),
+    "sort": Rule("a d! -> a d!", NONLINEAR, build=_softmax),
+    # element order along whole dims (a permutation: Partial passes through)
+    "flip": Rule("a d! -> a d!", LINEAR, build=_whole_dims),
+    "roll": Rule("a d! -> a d!", LINEAR, build=_whole_dims),
     # F.embedding(ids, table): the vocabulary whole, the embedding dim may stay sharded
     "embedding": Rule("..., v! e -> ... e", NONLINEAR),
     # scaled_dot_product_attention over (..., L, E) queries; heads/batch shard freely

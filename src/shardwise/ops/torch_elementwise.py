@@ -24,12 +24,13 @@ from shardwise.ops.registry import (
     _aliases,
     _describe,
     _is_operand,
+    _shape_args,
     register,
 )
 from shardwise.sharding.errors import ShardingError, ShardingTypeError
 from shardwise.sharding.layout import Layout
 from shardwise.tensor_relayout import record_plan
-from shardwise.tensors import FALLBACK, HANDLERS, Tensor, place
+from shardwise.tensors import HANDLERS, Tensor, place
 
 __all__ = ["install"]
 
@@ -337,13 +338,42 @@ def zeros_like(x: Tensor) -> Tensor:
 
 
 def _like(fn: Any, x: Any, *args: Any, **kwargs: Any) -> Tensor:
-    """``fn(x_block, ...)`` per distinct block, in x's layout without its Partial axes."""
-    t = x if not x.dist_layout.is_partial else x.relayout(
-        x.dist_layout.with_partial((None,) * x.mesh.ndim))
+    """``fn(x_block, ...)`` per distinct block, in x's layout without its Partial axes
+    (only the blocks' shapes are read: a Partial ``x`` is never reduced for it)."""
     kwargs.pop("memory_format", None)
-    if t._whole is not None:
-        return Tensor.from_whole(fn(t._whole, *args, **kwargs), t.dist_layout, t._open)
-    return t._map_unique(lambda s: fn(s, *args, **kwargs))
+    layout = x.dist_layout
+    if layout.is_partial:
+        return x._map_unique(lambda s: fn(s, *args, **kwargs),
+                             layout.with_partial((None,) * x.mesh.ndim))
+    if x._whole is not None:
+        return Tensor.from_whole(fn(x._whole, *args, **kwargs), layout, x._open)
+    return x._map_unique(lambda s: fn(s, *args, **kwargs))
+
+
+def _new(name: str) -> Callable[..., Any]:
+    """``x.new_zeros(size)`` and its kin: x's own shape keeps x's layout (less its
+    Partial axes, as DTensor does), any other shape is Replicated; made per block from
+    torch's own method, so dtype, device and value rules are torch's."""
+    method = getattr(torch.Tensor, name)
+
+    def handler(x: Any, *args: Any, **kwargs: Any) -> Any:
+        fill: tuple[Any, ...] = ()
+        if name == "new_full":  # new_full(size, fill_value): size is one sequence
+            fill = (args[1] if len(args) > 1 else kwargs.pop("fill_value"),)
+            args = args[:1]
+        size = _shape_args(args if args else (kwargs.pop("size"),))
+        device = kwargs.get("device")
+        if device is not None and torch.device(device) != x.device:
+            raise ShardingError(
+                f"{x!r}.{name}(..., device={device!r}): the result lives on the mesh of "
+                f"{x.device} shards. Create it there, then move it with "
+                "shardwise.to_device(t, sharding=...).")
+        if size == tuple(x.shape):  # the blocks are plain torch tensors
+            return _like(lambda s: method(s, s.shape, *fill, **kwargs), x)
+        whole = method(torch.empty(0, dtype=x.dtype, device=x.device), size, *fill, **kwargs)
+        return place(whole, Layout.replicated(x.mesh, whole.ndim))
+
+    return handler
 
 
 def _install_like() -> None:
@@ -351,13 +381,8 @@ def _install_like() -> None:
         fn = getattr(torch, name)
         register(fn)(functools.partial(_like, fn))
 
-    @register(torch.Tensor.new_empty)
-    def new_empty(x: Any, size: Any, *args: Any, **kwargs: Any) -> Any:
-        # x's own shape keeps x's layout (DCP's async stager copies a tensor so, then
-        # fills it); another shape takes the general path, as before
-        if tuple(size) == tuple(x.shape) and not args:
-            return _like(torch.empty_like, x, **kwargs)
-        return FALLBACK[0](torch.Tensor.new_empty, (x, size, *args), kwargs)
+    for name in ("new_zeros", "new_ones", "new_empty", "new_full"):
+        register(getattr(torch.Tensor, name))(_new(name))
 
     def random_like(draw: Callable[..., torch.Tensor]) -> Callable[..., Any]:
         # drawn globally from torch's generator, then laid out: the same values as

@@ -281,6 +281,35 @@ def _install_reductions() -> None:
         return torch.return_types.topk(_values_and_indices(
             "topk", x, lambda s: torch.topk(s, k, d, largest, sorted), d, k))
 
+    @register(torch.sort, TensorMethod.sort)
+    def sort(x: Any, dim: int = -1, descending: bool = False, stable: bool = False) -> Any:
+        d = normalize_dim(dim, max(x.ndim, 1), "sort dim")
+        return torch.return_types.sort(_values_and_indices(
+            "sort", x, lambda s: torch.sort(s, dim=d, descending=descending, stable=stable),
+            d))
+
+    @register(torch.argsort, TensorMethod.argsort)
+    def argsort(x: Any, dim: int = -1, descending: bool = False, stable: bool = False) -> Any:
+        return sort(x, dim, descending, stable)[1]
+
+    def whole_dims(x: Any, dims: Any, what: str) -> tuple[int, ...]:
+        if dims is None:  # roll without dims: the flattened order, every dim whole
+            return tuple(range(x.ndim))
+        ds = (dims,) if isinstance(dims, int) else tuple(dims)
+        return tuple(normalize_dim(d, max(x.ndim, 1), what) for d in ds)
+
+    @register(torch.flip, TensorMethod.flip)
+    def flip(x: Any, *dims: Any, **kwargs: Any) -> Any:
+        if "dims" in kwargs:
+            dims = (kwargs.pop("dims"),)
+        ds = whole_dims(x, dims[0] if len(dims) == 1 else dims, "flip dims")
+        return apply("flip", (x,), lambda s: torch.flip(s, ds), ds)
+
+    @register(torch.roll, TensorMethod.roll)
+    def roll(x: Any, shifts: Any, dims: Any = None) -> Any:
+        ds = whole_dims(x, dims, "roll dims")
+        return apply("roll", (x,), lambda s: torch.roll(s, shifts, dims), ds)
+
     for name in ("cumsum", "cumprod", "log_softmax", "softmax"):
         fn = getattr(torch, name)
 
