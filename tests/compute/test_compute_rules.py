@@ -145,10 +145,11 @@ def test_operand_kinds() -> None:
 
 def test_advanced_indexing_runs_gathered_with_one_warning() -> None:
     a = sw.tensor(values(4, 4), sharding=lay(LINE, "x", None))
+    pairs = (torch.tensor([0, 1]), torch.tensor([2, 3]))  # two index tensors: no rule
     with pytest.warns(sw.ShardwiseFallbackWarning, match="__getitem__"):
-        picked = a[torch.tensor([0, 1])]
-    assert torch.equal(picked.to_torch(), a.to_torch()[torch.tensor([0, 1])])
-    assert torch.equal(a[[0, 1]].to_torch(), a.to_torch()[[0, 1]])
+        picked = a[pairs]
+    assert torch.equal(picked.to_torch(), a.to_torch()[pairs])
+    assert torch.equal(a[[0, 1]].to_torch(), a.to_torch()[[0, 1]])  # one: index_select
     with pytest.raises(IndexError, match="out of bounds"):
         a[4]
     assert [row.to_torch().tolist() for row in a] == a.to_torch().tolist()

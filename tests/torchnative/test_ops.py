@@ -118,6 +118,8 @@ SHAPES = {
     "unbind": lambda x: x.unbind(0), "expand": lambda x: x[:1].expand(3, 6),
     "index_select": lambda x: torch.index_select(x, 1, torch.tensor([0, 5, 2])),
     "advanced_index": lambda x: x.index_select(0, torch.tensor([3, 1])),
+    "index_tensor": lambda x: x[torch.tensor([3, -4, 1, 3])],
+    "index_list_dim1": lambda x: x[:, [5, 0, -1]],
     "flip": lambda x: x.flip(0), "flip_both": lambda x: torch.flip(x, [0, 1]),
     "flip_kw": lambda x: torch.flip(x, dims=(1,)), "roll": lambda x: torch.roll(x, 2, 1),
     "roll_two": lambda x: x.roll((1, -2), (0, 1)), "roll_flat": lambda x: torch.roll(x, 3),
@@ -356,3 +358,14 @@ def test_flip_and_roll_keep_a_partial_sum_without_communication() -> None:
     for out, want in zip(outs, [X.flip(1), torch.roll(X, 1, 1)]):
         assert out.dist_layout.is_partial
         torch.testing.assert_close(out.to_torch(), want)
+
+
+def test_integer_array_indexing_is_an_index_select() -> None:
+    x = put(X, (S0, S1))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no fallback, no gather
+        for bad in (torch.tensor([4]), [1, -5]):
+            with pytest.raises(IndexError, match="out of bounds for dimension 0 with size 4"):
+                x[bad]  # torch's error for an index out of range
+        with pytest.raises(IndexError, match="out of bounds for dimension 1 with size 6"):
+            x[:, [6]]

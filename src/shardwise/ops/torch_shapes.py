@@ -163,6 +163,9 @@ def _install_views() -> None:
     def getitem(x: Any, index: Any) -> Any:
         if C.is_basic_index(index):
             return C.getitem(x, index)
+        picked = _one_integer_index(x, index)
+        if picked is not None:  # x[ids], x[:, ids]: an index_select, never a gather of x
+            return torch.index_select(x, *picked)
         return _fallback(TensorMethod.__getitem__, (x, index), {})
 
     for name in ("tril", "triu"):
@@ -173,6 +176,27 @@ def _install_views() -> None:
             return apply("normalize", (x,), lambda s: _fn(s, diagonal), 2)
 
         register(fn, getattr(TensorMethod, name))(handler)
+
+
+def _one_integer_index(x: Any, index: Any) -> tuple[int, torch.Tensor] | None:
+    """(dim, ids) when ``index`` picks along one dim by a 1-D integer tensor or list of
+    ints (negatives counted from the end), every other entry a full slice; an index out
+    of range raises torch's IndexError."""
+    parts = index if isinstance(index, tuple) else (index,)
+    at = [d for d, p in enumerate(parts) if not (isinstance(p, slice) and p == slice(None))]
+    if len(at) != 1 or len(parts) > x.ndim:
+        return None
+    d, ids = at[0], parts[at[0]]
+    if isinstance(ids, list) and ids and all(type(i) is int for i in ids):
+        ids = torch.tensor(ids, device=x.device)
+    if (not isinstance(ids, torch.Tensor) or isinstance(ids, Tensor) or ids.ndim != 1
+            or ids.dtype not in (torch.int64, torch.int32) or not len(ids)):
+        return None
+    n = x.shape[d]
+    bad = ids[(ids < -n) | (ids >= n)]
+    if len(bad):  # torch's error, without gathering x
+        raise IndexError(f"index {int(bad[0])} is out of bounds for dimension {d} with size {n}")
+    return d, torch.where(ids < 0, ids + n, ids)
 
 
 # --- reductions ---------------------------------------------------------------------------
