@@ -91,4 +91,31 @@ def body_torch_ops_on_process_meshes(n: int) -> None:
     assert torch.equal(F.dropout(xs, 0.3).to_torch(), want)
 
 
-BODIES = ["body_megatron_mlp_adamw_clip", "body_torch_ops_on_process_meshes"]
+def body_init_matches_single_device(n: int) -> None:
+    """Every process seeds alike and initializes its own blocks: the model equals
+    single-device torch's init (drawn per block, the blocks would repeat per process)."""
+    from shardwise.parallel import ColwiseParallel, RowwiseParallel, fully_shard, parallelize_module
+
+    mesh = _mesh(n)
+
+    def mlp() -> nn.Sequential:
+        return nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 8))
+
+    plain, model = mlp(), mlp()
+    parallelize_module(model, mesh, {"0": ColwiseParallel(), "2": RowwiseParallel()}, axis="tp")
+    fully_shard(model, mesh, axis="dp")
+    for m in (plain, model):
+        torch.manual_seed(5)
+        for layer in (m[0], m[2]):
+            layer.reset_parameters()
+            nn.init.trunc_normal_(layer.weight, std=0.02)
+        with torch.no_grad():
+            m[2].bias.uniform_(-1.0, 1.0)
+        m[0].bias.data.normal_()
+    for (k, p), q in zip(model.named_parameters(), plain.parameters()):
+        assert p.dist_layout.sharded_axes, k
+        assert torch.equal(p.to_torch(), q), k
+
+
+BODIES = ["body_megatron_mlp_adamw_clip", "body_torch_ops_on_process_meshes",
+          "body_init_matches_single_device"]

@@ -344,8 +344,16 @@ def test_like_and_new_constructors_never_gather_or_reduce() -> None:
         for got, want in other:
             assert got.dist_layout == Layout.replicated(x.mesh, want.ndim)
             assert got.dtype == want.dtype and torch.equal(got.to_torch(), want)
-    with pytest.raises(sw.ShardingError, match="to_device"):
-        put(X, (S0, S1)).new_zeros(3, device="meta")
+    x = put(X, (S0, S1))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        off_mesh = x.new_zeros(3, device="meta")  # not on the mesh: torch's plain tensor
+        assert type(off_mesh) is torch.Tensor and off_mesh.is_meta
+        for data in (2.5, [[1, 2], [3, 4]]):
+            got, want = x.new_tensor(data), X.new_tensor(data)
+            assert got.dist_layout == Layout.replicated(x.mesh, want.ndim)
+            assert got.dtype == want.dtype and torch.equal(got.to_torch(), want)
+        assert type(x.new_tensor(1.5, device="meta")) is torch.Tensor
 
 
 def test_flip_and_roll_keep_a_partial_sum_without_communication() -> None:

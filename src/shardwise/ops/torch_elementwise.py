@@ -30,7 +30,7 @@ from shardwise.ops.registry import (
 from shardwise.sharding.errors import ShardingError, ShardingTypeError
 from shardwise.sharding.layout import Layout
 from shardwise.tensor_relayout import record_plan
-from shardwise.tensors import HANDLERS, Tensor, place
+from shardwise.tensors import FALLBACK, HANDLERS, Tensor, place
 
 __all__ = ["install"]
 
@@ -255,14 +255,55 @@ def _inplace(name: str, method: Any, out_of_place: Callable[..., Any] | None
     return handler
 
 
+# in-place fills from torch's generator (nn.init ends in these)
+_RANDOM_FILLS = ("uniform_", "normal_", "bernoulli_", "exponential_", "random_", "cauchy_",
+                 "log_normal_", "geometric_")
+
+
+def _random_fill(name: str, fill: Callable[..., Any], init: bool = False
+                 ) -> Callable[..., Any]:
+    """``x.normal_()`` and kin, and the ``nn.init`` functions: ``fill`` runs on one
+    plain tensor of x's global shape, then each of x's buffers takes its block. So the
+    values are single-device torch's for the same seed, on every layout and in every
+    process (each process draws the same stream; drawn per block, the blocks of one
+    seed would repeat across processes). ``init``: an nn.init function (no autograd,
+    as its own body runs under no_grad)."""
+
+    def handler(*args: Any, **kwargs: Any) -> Any:
+        if init:
+            with torch.no_grad():
+                return fill_(*args, **kwargs)
+        return fill_(*args, **kwargs)
+
+    def fill_(*args: Any, **kwargs: Any) -> Any:
+        # nn.init passes its tensor by keyword
+        self, args = (args[0], args[1:]) if args else (kwargs.pop("tensor"), ())
+        t = _target(self, name)
+        _refuse_partial(t, name)
+        if t._whole is not None:  # it holds its global value: fill that in place
+            fill(t._whole, *args, **kwargs)
+            return t
+        drawn = torch.empty(tuple(t.shape), dtype=t.dtype, device=t.device)
+        fill(drawn, *args, **kwargs)
+        return _write(t, place(drawn, t.dist_layout), name)
+
+    return handler
+
+
 def _install_inplace() -> None:
-    names = set(_LINEAR) | set(_NONLINEAR) | {"copy", "zero", "fill", "uniform", "normal"}
+    names = set(_LINEAR) | set(_NONLINEAR) | {"copy", "zero", "fill"}
     for name in sorted(names):
         method = getattr(TensorMethod, name + "_", None)
         if method is None:
             continue
         out = HANDLERS.get(getattr(TensorMethod, name, None))
         register(method)(_inplace(name + "_", method, out))
+    for name in _RANDOM_FILLS:
+        register(getattr(TensorMethod, name))(_random_fill(name, getattr(TensorMethod, name)))
+    # the nn.init functions that dispatch on their tensor (the others call x.normal_()...)
+    for name in ("uniform_", "normal_", "kaiming_uniform_", "constant_"):
+        fn = getattr(torch.nn.init, name)
+        register(fn)(_random_fill(f"torch.nn.init.{name}", fn, init=True))
     for dunder, name in (("__iadd__", "add"), ("__isub__", "sub"), ("__imul__", "mul"),
                          ("__itruediv__", "div"), ("__ipow__", "pow")):
         register(getattr(TensorMethod, dunder))(
@@ -353,10 +394,20 @@ def _like(fn: Any, x: Any, *args: Any, **kwargs: Any) -> Tensor:
 def _new(name: str) -> Callable[..., Any]:
     """``x.new_zeros(size)`` and its kin: x's own shape keeps x's layout (less its
     Partial axes, as DTensor does), any other shape is Replicated; made per block from
-    torch's own method, so dtype, device and value rules are torch's."""
+    torch's own method, so dtype, device and value rules are torch's. ``device=``
+    other than the mesh's gives a plain torch tensor there (nn.init reads its bounds
+    through ``x.new_tensor(a, device="cpu").item()``)."""
     method = getattr(torch.Tensor, name)
 
     def handler(x: Any, *args: Any, **kwargs: Any) -> Any:
+        if name == "new_tensor":  # data, not a size: a new Replicated (or plain) tensor
+            data = args[0] if args else kwargs.pop("data")
+            if isinstance(data, Tensor):
+                return FALLBACK[0](method, (x, data), kwargs)
+            whole = method(torch.empty(0, dtype=x.dtype, device=x.device), data, **kwargs)
+            if whole.device != x.device:
+                return whole
+            return place(whole, Layout.replicated(x.mesh, whole.ndim))
         fill: tuple[Any, ...] = ()
         if name == "new_full":  # new_full(size, fill_value): size is one sequence
             fill = (args[1] if len(args) > 1 else kwargs.pop("fill_value"),)
@@ -364,10 +415,8 @@ def _new(name: str) -> Callable[..., Any]:
         size = _shape_args(args if args else (kwargs.pop("size"),))
         device = kwargs.get("device")
         if device is not None and torch.device(device) != x.device:
-            raise ShardingError(
-                f"{x!r}.{name}(..., device={device!r}): the result lives on the mesh of "
-                f"{x.device} shards. Create it there, then move it with "
-                "shardwise.to_device(t, sharding=...).")
+            # not on the mesh's devices: a plain torch tensor there, as torch gives
+            return method(torch.empty(0, dtype=x.dtype), size, *fill, **kwargs)
         if size == tuple(x.shape):  # the blocks are plain torch tensors
             return _like(lambda s: method(s, s.shape, *fill, **kwargs), x)
         whole = method(torch.empty(0, dtype=x.dtype, device=x.device), size, *fill, **kwargs)
@@ -381,7 +430,7 @@ def _install_like() -> None:
         fn = getattr(torch, name)
         register(fn)(functools.partial(_like, fn))
 
-    for name in ("new_zeros", "new_ones", "new_empty", "new_full"):
+    for name in ("new_zeros", "new_ones", "new_empty", "new_full", "new_tensor"):
         register(getattr(torch.Tensor, name))(_new(name))
 
     def random_like(draw: Callable[..., torch.Tensor]) -> Callable[..., Any]:
