@@ -349,7 +349,7 @@ def place(value: torch.Tensor, layout: Layout) -> Tensor:
     backend = backend_for(mesh)
     mine = backend.owned(mesh)
     first = backend.device_of(mesh, mine[0]) if len(mine) else value.device
-    if value.device != first:
+    if value.device != first and not value.is_meta:  # meta: shapes only (deferred init)
         value = value.to(first)
     plain = layout.with_partial((None,) * mesh.ndim)
     t = Tensor.from_whole(value, plain)

@@ -101,10 +101,16 @@ def body_init_matches_single_device(n: int) -> None:
     def mlp() -> nn.Sequential:
         return nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 8))
 
-    plain, model = mlp(), mlp()
-    parallelize_module(model, mesh, {"0": ColwiseParallel(), "2": RowwiseParallel()}, axis="tp")
-    fully_shard(model, mesh, axis="dp")
-    for m in (plain, model):
+    def planned(model: nn.Sequential) -> nn.Sequential:
+        parallelize_module(model, mesh, {"0": ColwiseParallel(), "2": RowwiseParallel()},
+                           axis="tp")
+        return fully_shard(model, mesh, axis="dp")
+
+    with torch.device("meta"):  # deferred init: planned on meta, made real per process
+        deferred = planned(mlp())
+    deferred.to_empty(device="cpu")
+    plain, model = mlp(), planned(mlp())
+    for m in (plain, model, deferred):
         torch.manual_seed(5)
         for layer in (m[0], m[2]):
             layer.reset_parameters()
@@ -112,9 +118,13 @@ def body_init_matches_single_device(n: int) -> None:
         with torch.no_grad():
             m[2].bias.uniform_(-1.0, 1.0)
         m[0].bias.data.normal_()
-    for (k, p), q in zip(model.named_parameters(), plain.parameters()):
-        assert p.dist_layout.sharded_axes, k
-        assert torch.equal(p.to_torch(), q), k
+    for m in (model, deferred):
+        for (k, p), q in zip(m.named_parameters(), plain.parameters()):
+            assert p.dist_layout.sharded_axes, k
+            assert torch.equal(p.to_torch(), q), k
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(1))
+    xs = sw.tensor(x, sharding=PlacementMapping(mesh, [Sharded(0), R]))
+    torch.testing.assert_close(deferred(xs).to_torch(), plain(x))
 
 
 BODIES = ["body_megatron_mlp_adamw_clip", "body_torch_ops_on_process_meshes",

@@ -61,20 +61,34 @@ def mesh_of(dp: int, tp: int) -> DeviceMesh:
 
 
 def train(mesh: DeviceMesh, plan: dict[str, Any], steps: int = 10, batch: int = 8,
-          lr: float = 1e-2, fsdp: bool = False) -> dict[str, Any]:
+          lr: float = 1e-2, fsdp: bool = False, meta: bool = False) -> dict[str, Any]:
     """``steps`` AdamW steps of the planned GPT and of the same GPT on one device, from
     the same initial weights and batches (data Sharded(0) on dp). ``fsdp``: then
-    ``fully_shard`` over dp, per block and on the root (TP x FSDP). Returns both
-    models, the losses and the first forward's collectives."""
+    ``fully_shard`` over dp, per block and on the root (TP x FSDP). ``meta``: the
+    planned GPT is built on the meta device, planned, made real with ``to_empty`` and
+    initialized by its modules' ``reset_parameters`` (torchtitan's deferred init), the
+    single-device GPT likewise from the same seed. Returns both models, the losses and
+    the first forward's collectives."""
     gpt = example_gpt()
     c = gpt.Config()
     torch.manual_seed(0)
     ref = gpt.GPT(c)
-    model = parallelize_module(copy.deepcopy(ref), mesh, plan)
+    if meta:
+        with torch.device("meta"):
+            model = parallelize_module(gpt.GPT(c), mesh, plan)
+    else:
+        model = parallelize_module(copy.deepcopy(ref), mesh, plan)
     if fsdp:
         for layer in model.layers:
             fully_shard(layer, mesh, axis="dp")
         fully_shard(model, mesh, axis="dp")
+    if meta:
+        model.to_empty(device="cpu")
+        for m in (ref, model):
+            torch.manual_seed(1)
+            for sub in m.modules():
+                if hasattr(sub, "reset_parameters"):
+                    sub.reset_parameters()
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.1)
     ropt = torch.optim.AdamW(ref.parameters(), lr=lr, weight_decay=0.1)
     data = PlacementMapping(mesh, [Sharded(0), Replicated()])

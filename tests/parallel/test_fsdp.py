@@ -359,3 +359,21 @@ def test_training_patterns_match_torch() -> None:
     with torch.no_grad():
         torch.testing.assert_close(model(xs).to_torch(), ref(x), rtol=1e-5, atol=1e-6)
     assert all(0 in p.dist_layout.sharded_axes for p in model.parameters())
+
+
+def test_a_replaced_parameter_is_taken_again_or_refused() -> None:
+    """to_empty/.to() may register new Parameter objects: the unit takes them when they
+    keep the sharded layout, and names the parameter when they do not."""
+    mesh = DeviceMesh.cpu(2, "dp")
+    torch.manual_seed(0)
+    ref = nn.Linear(4, 3)
+    model = fully_shard(copy.deepcopy(ref), mesh)
+    x = torch.randn(2, 4)
+    xs = sw.tensor(x, sharding=PlacementMapping(mesh, [Sharded(0)]))
+    model.weight = nn.Parameter(model.weight.detach() * 2)  # same layout: taken
+    torch.testing.assert_close(model(xs).to_torch(),
+                               nn.functional.linear(x, 2 * ref.weight, ref.bias))
+    assert model.weight.dist_layout.sharded_axes == (0,)
+    model.weight = nn.Parameter(torch.zeros(3, 4))  # a plain tensor: refused, named
+    with pytest.raises(ShardingError, match=r"Linear\.weight was replaced"):
+        model(xs)

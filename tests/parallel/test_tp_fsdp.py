@@ -8,6 +8,7 @@ import gpt_plans as G
 import pytest
 import torch
 
+import shardwise as sw
 from shardwise.parallel import memory_per_device
 
 
@@ -45,3 +46,14 @@ def test_tp_x_fsdp_gpt_matches_torch(plan: str, shape: tuple[int, int]) -> None:
                  for v in s.values() if isinstance(v, torch.Tensor) and v.ndim > 0)
     per_device = memory_per_device(model, run["opt"])
     assert max(per_device) <= 0.6 * whole, (per_device, whole)
+
+
+@pytest.mark.parametrize("fsdp", [False, True], ids=["tp", "tp_x_fsdp"])
+def test_meta_device_init_matches_torch(fsdp: bool) -> None:
+    """Built on the meta device, planned, made real with to_empty, initialized by the
+    modules' own reset_parameters: the same weights and training as torch's."""
+    run = G.train(G.mesh_of(2, 2), G.megatron_plan(), steps=3, fsdp=fsdp, meta=True)
+    for name, p in run["model"].named_parameters():  # no block left on meta
+        blocks = p.shards if isinstance(p, sw.Tensor) else [p]
+        assert all(b.device.type == "cpu" for b in blocks), name
+    G.assert_parity(run)

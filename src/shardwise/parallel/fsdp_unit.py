@@ -218,7 +218,27 @@ class Unit:
             out[i] = list(values[i].relayout(self.params[i].gathered).shards)
         return out
 
+    def refresh(self) -> None:
+        """Take each parameter from its module again: ``to_empty``, ``.to()`` or an
+        assignment may have registered a new Parameter object (a meta-device model
+        made real, say), which must keep the sharded layout."""
+        for fp in self.params:
+            owner, name = fp.owners[0]
+            now = owner._parameters.get(name)
+            if now is fp.sharded:
+                continue
+            if (not isinstance(now, Tensor) or now.dist_layout != fp.sharded.dist_layout
+                    or now.shape != fp.sharded.shape):
+                raise ShardingError(
+                    f"fully_shard: {type(owner).__name__}.{name} was replaced by "
+                    f"{now!r}, not a shardwise Tensor laid out as {fp.sharded!r}. Replace "
+                    "parameters before fully_shard, or assign one with the same layout.")
+            fp.sharded = now
+            for other, other_name in fp.owners[1:]:
+                other._parameters[other_name] = now
+
     def unshard(self) -> None:
+        self.refresh()
         call = self.call = _Call(self)
         leaves = [s for fp in self.params for s in fp.sharded.unique_shards()[1]]
         outs = _Gather.apply(call, *leaves)

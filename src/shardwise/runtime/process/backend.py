@@ -284,5 +284,6 @@ def assemble(shards: Sequence[torch.Tensor | None], src: Layout, dst: Layout,
     rep_dst, nodes = blocks.assemble_recipe(src, dst, shape)
     block = blocks.run_node(nodes[rep_dst[k]], shards)  # type: ignore[arg-type]
     dev = device_of(mesh, k)
-    out[k] = block if block.device == dev else block.to(dev)
+    # a meta block (a model built on the meta device) stays meta until to_empty
+    out[k] = block if block.device == dev or block.is_meta else block.to(dev)
     return out
