@@ -120,6 +120,10 @@ SHAPES = {
     "advanced_index": lambda x: x.index_select(0, torch.tensor([3, 1])),
     "index_tensor": lambda x: x[torch.tensor([3, -4, 1, 3])],
     "index_list_dim1": lambda x: x[:, [5, 0, -1]],
+    "complex_views": lambda x: torch.view_as_real(
+        torch.view_as_complex(x.reshape(4, 3, 2)) * (1 + 2j)).flatten(1),
+    "repeat_interleave": lambda x: torch.repeat_interleave(x, 2, dim=1),
+    "repeat_interleave_rows": lambda x: x.repeat_interleave(3, 0),
     "flip": lambda x: x.flip(0), "flip_both": lambda x: torch.flip(x, [0, 1]),
     "flip_kw": lambda x: torch.flip(x, dims=(1,)), "roll": lambda x: torch.roll(x, 2, 1),
     "roll_two": lambda x: x.roll((1, -2), (0, 1)), "roll_flat": lambda x: torch.roll(x, 3),
@@ -377,3 +381,27 @@ def test_integer_array_indexing_is_an_index_select() -> None:
                 x[bad]  # torch's error for an index out of range
         with pytest.raises(IndexError, match="out of bounds for dimension 1 with size 6"):
             x[:, [6]]
+
+
+def test_rope_and_gqa_keep_the_heads_sharded() -> None:
+    """torchtitan's Llama attention on head-sharded activations: complex RoPE and
+    repeat_interleave of the key/value heads run blockwise, no gather."""
+    from shardwise.debug import CommCounter
+
+    q = rnd(2, 4, 4, 8)  # batch, seq, heads, head dim
+    freqs = torch.polar(torch.ones(4, 4), rnd(4, 4, seed=5))
+    lay = (S0, Sharded(2))
+
+    def rope(x: Any) -> Any:
+        xc = torch.view_as_complex(x.float().reshape(*x.shape[:-1], -1, 2))
+        return torch.view_as_real(xc * freqs.view(1, 4, 1, 4)).flatten(3).type_as(x)
+
+    with warnings.catch_warnings(), CommCounter() as counter:
+        warnings.simplefilter("error")
+        rotated = rope(put(q, lay))
+        repeated = torch.repeat_interleave(put(q, lay), 2, dim=2)
+    assert counter.total == 0, counter
+    assert rotated.dist_layout == put(q, lay).dist_layout
+    torch.testing.assert_close(rotated.to_torch(), rope(q))
+    assert torch.equal(repeated.to_torch(), torch.repeat_interleave(q, 2, dim=2))
+    assert repeated.dist_layout.dims[2] == (1,)  # heads still split over tp

@@ -152,6 +152,16 @@ def _softmax(shapes: tuple[tuple[int, ...], ...], dim: int) -> str:
     return _whole_dims(shapes, (dim,))
 
 
+def _as_complex(shapes: tuple[tuple[int, ...], ...]) -> str:
+    names = _letters(len(shapes[0]) - 1)
+    return " ".join([*names, "z!"]) + " -> " + " ".join(names)
+
+
+def _as_real(shapes: tuple[tuple[int, ...], ...]) -> str:
+    names = _letters(len(shapes[0]))
+    return " ".join(names) + " -> " + " ".join([*names, "z=2"])
+
+
 def _whole_dims(shapes: tuple[tuple[int, ...], ...], dims: tuple[int, ...]) -> str:
     names = [n + ("!" if d in dims else "") for d, n in enumerate(_letters(len(shapes[0])))]
     return " ".join(names) + " -> " + " ".join(names)
@@ -392,6 +402,9 @@ RULES.update({
     # element order along whole dims (a permutation: Partial passes through)
     "flip": Rule("a d! -> a d!", LINEAR, build=_whole_dims),
     "roll": Rule("a d! -> a d!", LINEAR, build=_whole_dims),
+    # complex views: the (real, imaginary) pair is one whole dim of size 2
+    "view_as_complex": Rule("a z! -> a", LINEAR, build=_as_complex),
+    "view_as_real": Rule("a -> a z=2", LINEAR, build=_as_real),
     # F.embedding(ids, table): the vocabulary whole, the embedding dim may stay sharded
     "embedding": Rule("..., v! e -> ... e", NONLINEAR),
     # scaled_dot_product_attention over (..., L, E) queries; heads/batch shard freely

@@ -322,6 +322,29 @@ def _install_reductions() -> None:
         ds = (dims,) if isinstance(dims, int) else tuple(dims)
         return tuple(normalize_dim(d, max(x.ndim, 1), what) for d in ds)
 
+    # RoPE (torchtitan's Llama): the pairs become complex numbers and back, blockwise
+    @register(torch.view_as_complex)
+    def view_as_complex(x: Any) -> Any:
+        return apply("view_as_complex", (x,), torch.view_as_complex)
+
+    @register(torch.view_as_real)
+    def view_as_real(x: Any) -> Any:
+        return apply("view_as_real", (x,), torch.view_as_real)
+
+    @register(torch.repeat_interleave, TensorMethod.repeat_interleave)
+    def repeat_interleave(x: Any, repeats: Any, dim: Any = None, *,
+                          output_size: Any = None) -> Any:
+        # GQA's key/value heads: an int repeat along one dim is unsqueeze, expand and
+        # merge (the layout follows reshape's rule); tensor repeats and dim=None fall back
+        if not isinstance(repeats, int) or dim is None or isinstance(dim, Tensor):
+            return _fallback(torch.repeat_interleave, (x, repeats),
+                             {"dim": dim, "output_size": output_size})
+        d = normalize_dim(dim, max(x.ndim, 1), "repeat_interleave dim")
+        shape = tuple(x.shape)
+        wide = (*shape[:d + 1], repeats, *shape[d + 1:])
+        merged = (*shape[:d], shape[d] * repeats, *shape[d + 1:])
+        return C.reshape(x.unsqueeze(d + 1).expand(wide), merged)
+
     @register(torch.flip, TensorMethod.flip)
     def flip(x: Any, *dims: Any, **kwargs: Any) -> Any:
         if "dims" in kwargs:
