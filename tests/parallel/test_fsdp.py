@@ -377,3 +377,56 @@ def test_a_replaced_parameter_is_taken_again_or_refused() -> None:
     model.weight = nn.Parameter(torch.zeros(3, 4))  # a plain tensor: refused, named
     with pytest.raises(ShardingError, match=r"Linear\.weight was replaced"):
         model(xs)
+
+
+@pytest.mark.parametrize("checkpointed", [False, True])
+def test_accumulation_and_activation_checkpointing_match_torch(checkpointed: bool) -> None:
+    """Two micro-batches per step, blocks under torch.utils.checkpoint (non-reentrant),
+    zero_grad(set_to_none=False): TP x FSDP steps equal single-device torch's."""
+    import torch.utils.checkpoint as ckpt
+
+    from shardwise.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    class Block(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.l1, self.l2 = nn.Linear(8, 16), nn.Linear(16, 8)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x + self.l2(torch.relu(self.l1(x)))
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.blocks = nn.ModuleList([Block(), Block()])
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            for b in self.blocks:
+                x = ckpt.checkpoint(b, x, use_reentrant=False) if checkpointed else b(x)
+            return x
+
+    mesh = DeviceMesh.cpu((2, 2), ("dp", "tp"))
+    torch.manual_seed(0)
+    ref = Net()
+    model = parallelize_module(copy.deepcopy(ref), mesh, {"blocks.*.l1": ColwiseParallel(),
+                                                          "blocks.*.l2": RowwiseParallel()})
+    for b in model.blocks:
+        fully_shard(b, mesh, axis="dp")
+    fully_shard(model, mesh, axis="dp")
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    ropt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    g = torch.Generator().manual_seed(1)
+    for _ in range(3):
+        for _ in range(2):
+            x = torch.randn(8, 8, generator=g)
+            xs = sw.tensor(x, sharding=PlacementMapping(mesh, [Sharded(0), Replicated()]))
+            model(xs).square().mean().backward()
+            ref(x).square().mean().backward()
+        opt.step()
+        ropt.step()
+        opt.zero_grad(set_to_none=False)
+        ropt.zero_grad(set_to_none=False)
+        assert all(float(p.grad.to_torch().abs().max()) == 0.0 for p in model.parameters())
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(p.detach().to_torch(), q.detach(), rtol=1e-5, atol=1e-6,
+                                   msg=name)
