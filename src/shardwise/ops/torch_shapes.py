@@ -200,11 +200,12 @@ def _one_integer_index(x: Any, index: Any) -> tuple[int, torch.Tensor] | None:
 
 
 # --- reductions ---------------------------------------------------------------------------
-def _reduce_dims(x: Any, dim: Any) -> tuple[int, ...]:
+def _reduce_dims(x: Any, dim: Any, what: str = "dim") -> tuple[int, ...]:
+    """The dims ``dim`` names (an int, a sequence, or None: all), normalized, sorted."""
     if dim is None:
         return tuple(range(x.ndim))
     ds = (dim,) if isinstance(dim, int) else tuple(dim)
-    return tuple(sorted({normalize_dim(d, max(x.ndim, 1), "dim") for d in ds})) if x.ndim else ()
+    return tuple(sorted({normalize_dim(d, max(x.ndim, 1), what) for d in ds})) if x.ndim else ()
 
 
 def _values_and_indices(op: str, x: Any, fn: Callable[[torch.Tensor], Any], *params: Any
@@ -316,12 +317,6 @@ def _install_reductions() -> None:
     def argsort(x: Any, dim: int = -1, descending: bool = False, stable: bool = False) -> Any:
         return sort(x, dim, descending, stable)[1]
 
-    def whole_dims(x: Any, dims: Any, what: str) -> tuple[int, ...]:
-        if dims is None:  # roll without dims: the flattened order, every dim whole
-            return tuple(range(x.ndim))
-        ds = (dims,) if isinstance(dims, int) else tuple(dims)
-        return tuple(normalize_dim(d, max(x.ndim, 1), what) for d in ds)
-
     # RoPE (torchtitan's Llama): the pairs become complex numbers and back, blockwise
     @register(torch.view_as_complex)
     def view_as_complex(x: Any) -> Any:
@@ -349,12 +344,13 @@ def _install_reductions() -> None:
     def flip(x: Any, *dims: Any, **kwargs: Any) -> Any:
         if "dims" in kwargs:
             dims = (kwargs.pop("dims"),)
-        ds = whole_dims(x, dims[0] if len(dims) == 1 else dims, "flip dims")
+        ds = _reduce_dims(x, dims[0] if len(dims) == 1 else dims, "flip dims")
         return apply("flip", (x,), lambda s: torch.flip(s, ds), ds)
 
     @register(torch.roll, TensorMethod.roll)
     def roll(x: Any, shifts: Any, dims: Any = None) -> Any:
-        ds = whole_dims(x, dims, "roll dims")
+        # dims=None rolls the flattened order: every dim whole
+        ds = _reduce_dims(x, dims, "roll dims")
         return apply("roll", (x,), lambda s: torch.roll(s, shifts, dims), ds)
 
     for name in ("cumsum", "cumprod", "log_softmax", "softmax"):
