@@ -395,19 +395,10 @@ def _new(name: str) -> Callable[..., Any]:
     """``x.new_zeros(size)`` and its kin: x's own shape keeps x's layout (less its
     Partial axes, as DTensor does), any other shape is Replicated; made per block from
     torch's own method, so dtype, device and value rules are torch's. ``device=``
-    other than the mesh's gives a plain torch tensor there (nn.init reads its bounds
-    through ``x.new_tensor(a, device="cpu").item()``)."""
+    other than the mesh's gives a plain torch tensor there, as torch gives."""
     method = getattr(torch.Tensor, name)
 
     def handler(x: Any, *args: Any, **kwargs: Any) -> Any:
-        if name == "new_tensor":  # data, not a size: a new Replicated (or plain) tensor
-            data = args[0] if args else kwargs.pop("data")
-            if isinstance(data, Tensor):
-                return FALLBACK[0](method, (x, data), kwargs)
-            whole = method(torch.empty(0, dtype=x.dtype, device=x.device), data, **kwargs)
-            if whole.device != x.device:
-                return whole
-            return place(whole, Layout.replicated(x.mesh, whole.ndim))
         fill: tuple[Any, ...] = ()
         if name == "new_full":  # new_full(size, fill_value): size is one sequence
             fill = (args[1] if len(args) > 1 else kwargs.pop("fill_value"),)
@@ -425,13 +416,26 @@ def _new(name: str) -> Callable[..., Any]:
     return handler
 
 
+def _new_tensor(x: Any, data: Any, **kwargs: Any) -> Any:
+    """``x.new_tensor(data)``: a new Replicated tensor on x's mesh (a plain torch tensor
+    when ``device=`` is not the mesh's: nn.init reads its bounds through
+    ``x.new_tensor(a, device="cpu").item()``)."""
+    if isinstance(data, Tensor):
+        return FALLBACK[0](torch.Tensor.new_tensor, (x, data), kwargs)
+    whole = torch.empty(0, dtype=x.dtype, device=x.device).new_tensor(data, **kwargs)
+    if whole.device != x.device:
+        return whole
+    return place(whole, Layout.replicated(x.mesh, whole.ndim))
+
+
 def _install_like() -> None:
     for name in ("zeros_like", "ones_like", "empty_like", "full_like"):
         fn = getattr(torch, name)
         register(fn)(functools.partial(_like, fn))
 
-    for name in ("new_zeros", "new_ones", "new_empty", "new_full", "new_tensor"):
+    for name in ("new_zeros", "new_ones", "new_empty", "new_full"):
         register(getattr(torch.Tensor, name))(_new(name))
+    register(torch.Tensor.new_tensor)(_new_tensor)
 
     def random_like(draw: Callable[..., torch.Tensor]) -> Callable[..., Any]:
         # drawn globally from torch's generator, then laid out: the same values as
