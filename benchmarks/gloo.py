@@ -394,7 +394,7 @@ def agreement_overhead(args: argparse.Namespace) -> list[dict[str, Any]]:
     import statistics
     import time
 
-    from shardwise.runtime.world import WORLD
+    from shardwise.runtime.process.world import WORLD
 
     w, r = dist.get_world_size(), dist.get_rank()
     mesh = DeviceMesh.cpu((w,), ("x",))

@@ -162,7 +162,7 @@ def test_pool_under_threads_never_shares_a_live_buffer(pool: None) -> None:
 def test_dispatch_modes_bypass_the_pool_unless_they_only_observe() -> None:
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    from shardwise.shard_map_guard import _Guard
+    from shardwise.spmd.guard import _Guard
 
     class Other(TorchDispatchMode):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]

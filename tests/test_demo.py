@@ -7,7 +7,7 @@ import sys
 
 import torch
 
-from shardwise import demo
+from shardwise.cli import demo
 from shardwise.debug import CommCounter
 
 

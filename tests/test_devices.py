@@ -7,7 +7,8 @@ import dataclasses
 import pytest
 import torch
 
-from shardwise.devices import (
+from shardwise.sharding import ShardingError
+from shardwise.sharding.devices import (
     CPU,
     Accelerator,
     Device,
@@ -17,7 +18,6 @@ from shardwise.devices import (
     default_device,
     from_torch,
 )
-from shardwise.sharding import ShardingError
 
 
 def test_values_and_reprs() -> None:

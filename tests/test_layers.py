@@ -1,9 +1,12 @@
 """The house's floors: every import inside shardwise points down, and none forms a circle.
 
-Floors (docs/DESIGN.md §1): 0 spec (sharding, devices) < 1 pure plans and rules <
-2 runtime < 3 core (Tensor, op registry) < 4 API (everything else). Imports are
-read from the source (module level and inside functions alike); the root package
-``shardwise`` is a facade and may be imported by anyone.
+Floors (docs/DESIGN.md §1) are folders: 0 spec (``sharding/``) < 1 pure plans and rules
+(``planner/``, ``propagation/``) < 2 runtime (``runtime/``) < 3 core (``tensors/``,
+``ops/``) < 4 API (``api/``, ``spmd/``, ``parallel/``, ``checkpoint/``, ``graph/``,
+``debug/``, ``cli/``). The top of the package holds only public faces (``__init__``,
+``lax``, ``distributed``), which re-export and may import any floor; nothing below
+may import them. Imports are read from the source (module level and inside
+functions alike).
 """
 
 from __future__ import annotations
@@ -14,23 +17,21 @@ from pathlib import Path
 SRC = Path(__file__).resolve().parents[1] / "src"
 ROOT = SRC / "shardwise"
 
-PURE = {"shardwise.ops.rules", "shardwise.ops.binding", "shardwise.ops.propagation"}
-CORE = {"shardwise.tensors", "shardwise.tensor_meta", "shardwise.tensor_relayout",
-        "shardwise.tensor_grad", "shardwise.chunks", "shardwise.dtensor_interop",
-        "shardwise.ops.execute", "shardwise.ops.compute",
-        "shardwise.ops.registry"}
+FLOORS = {"sharding": 0, "planner": 1, "propagation": 1, "runtime": 2, "tensors": 3, "ops": 3,
+          "api": 4, "spmd": 4, "parallel": 4, "checkpoint": 4, "graph": 4, "debug": 4, "cli": 4}
+FACES = {"shardwise", "shardwise.lax", "shardwise.distributed"}
+#: one floor above every folder: the faces re-export, and only users import them
+FACE_FLOOR = 5
 
 
 def floor(module: str) -> int:
-    if module.startswith(("shardwise.sharding", "shardwise.devices")):
-        return 0
-    if module.startswith("shardwise.planner") or module in PURE:
-        return 1
-    if module.startswith("shardwise.runtime"):
-        return 2
-    if module in CORE or module.startswith("shardwise.ops.torch_"):
-        return 3
-    return 4
+    if module in FACES:
+        return FACE_FLOOR
+    folder = module.split(".")[1]
+    if folder not in FLOORS:
+        raise AssertionError(f"{module} is in no floor folder: add its folder to FLOORS "
+                             "(and docs/DESIGN.md §1) or move it into one")
+    return FLOORS[folder]
 
 
 def modules() -> dict[str, Path]:
@@ -77,14 +78,31 @@ def imports() -> dict[str, set[str]]:
 def test_the_graph_is_read() -> None:
     graph = imports()
     assert "shardwise.ops.torch_api" in graph["shardwise.ops"]
-    assert "shardwise.tensors" in graph["shardwise.creation"]
+    assert "shardwise.tensors.tensor" in graph["shardwise.api.creation"]
+    assert "shardwise.spmd.lax" in graph["shardwise.lax"]
     assert len(graph) > 50
+
+
+def test_the_top_holds_only_public_faces_and_floor_folders() -> None:
+    top = {p.name for p in ROOT.iterdir() if not p.name.startswith((".", "__pycache__"))}
+    files = {n for n in top if (ROOT / n).is_file()}
+    assert files == {"__init__.py", "lax.py", "distributed.py", "py.typed"}, files
+    assert top - files == set(FLOORS), top - files
+    for name in FACES - {"shardwise"}:  # a face re-exports: no definitions of its own
+        tree = ast.parse((ROOT / (name.split(".")[1] + ".py")).read_text())
+        defs = [n for n in tree.body if isinstance(n, (ast.FunctionDef, ast.ClassDef))]
+        assert not defs, f"{name} defines {[d.name for d in defs]}; define them in a floor"
+
+
+def test_every_module_is_on_a_floor() -> None:
+    for name in modules():
+        floor(name)
 
 
 def test_every_import_points_down() -> None:
     up = [f"{a} (floor {floor(a)}) imports {b} (floor {floor(b)})"
           for a, targets in imports().items() for b in targets
-          if a != "shardwise" and floor(b) > floor(a)]
+          if floor(b) > floor(a)]
     assert not up, "\n".join(up)
 
 
@@ -124,10 +142,17 @@ def test_no_import_circles() -> None:
 
 
 def test_the_spec_floor_never_imports_torch() -> None:
+    """No spec module imports torch; ``sharding.devices`` binds a device to torch only
+    inside the functions that need it (lazily), never at import."""
     for name, path in modules().items():
-        if floor(name) == 0 and name.startswith("shardwise.sharding"):
-            text = path.read_text()
-            assert "import torch" not in text, name
+        if floor(name) != 0:
+            continue
+        tree = ast.parse(path.read_text())
+        if name == "shardwise.sharding.devices":
+            top = [n for n in tree.body if isinstance(n, (ast.Import, ast.ImportFrom))]
+            assert not any("torch" in ast.unparse(n) for n in top), name
+        else:
+            assert "import torch" not in path.read_text(), name
 
 
 def test_the_two_backends_never_import_each_other() -> None:
@@ -141,5 +166,5 @@ def test_the_two_backends_never_import_each_other() -> None:
     assert not crossing, crossing
     graph = imports()
     assert "shardwise.runtime.simulated.collectives" in graph["shardwise.graph.ops"]
-    assert not any(b.startswith(proc) for b in graph["shardwise.shard_map_io"])
-    assert not any(b.startswith(proc) for b in graph["shardwise.shard_map"])
+    assert not any(b.startswith(proc) for b in graph["shardwise.spmd.io"])
+    assert not any(b.startswith(proc) for b in graph["shardwise.spmd.shard_map"])

@@ -9,7 +9,8 @@ import sys
 import pytest
 
 import shardwise as sw
-from shardwise import DeviceMesh, Partial, PlacementMapping, Sharded, demo
+from shardwise import DeviceMesh, Partial, PlacementMapping, Sharded
+from shardwise.cli import demo
 from shardwise.debug import visualize
 
 CORE_PATH = """

@@ -196,9 +196,9 @@ def test_inspection() -> None:
 def test_the_mixins_override_torchs_attributes() -> None:
     """Tensor's bases put its mixins before torch.Tensor, so their Python properties win
     over torch's C attributes (``grad`` read from torch would be the wrapper's, None)."""
-    from shardwise.tensor_grad import GradMixin
-    from shardwise.tensor_meta import MetaMixin
-    from shardwise.tensors import Tensor
+    from shardwise.tensors.grad import GradMixin
+    from shardwise.tensors.meta import MetaMixin
+    from shardwise.tensors.tensor import Tensor
 
     assert not issubclass(GradMixin, torch.Tensor) and not issubclass(MetaMixin, torch.Tensor)
     for name in ("grad", "requires_grad", "data", "is_leaf", "grad_fn", "detach"):

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from shardwise import cli
+from shardwise.cli import command as cli
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -11,8 +11,8 @@ from torch.distributed.tensor import Replicate, Shard
 
 import shardwise as sw
 from shardwise import DeviceMesh, Partial, PlacementMapping, ReduceOp, Replicated, Sharded
-from shardwise.dtensor_interop import differing_dims, layout_of, torch_placements
 from shardwise.sharding.layout import Layout
+from shardwise.tensors.dtensor import differing_dims, layout_of, torch_placements
 
 M22 = DeviceMesh.cpu((2, 2), ("dp", "tp"))
 

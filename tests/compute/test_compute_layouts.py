@@ -168,9 +168,9 @@ def test_layout_table(case: str) -> None:
 
 def test_chosen_plan_is_the_cheapest() -> None:
     """Every candidate layout costs at least as much as the chosen one (one op)."""
-    from shardwise.ops.binding import bind
-    from shardwise.ops.propagation import decide
     from shardwise.planner import make_plan
+    from shardwise.propagation.binding import bind
+    from shardwise.propagation.decide import decide
     from shardwise.sharding import Layout
 
     a, b = lay(MESH, "dp", "tp"), lay(MESH, "tp", None)
@@ -224,7 +224,7 @@ def test_torch_runs_once_per_distinct_input(monkeypatch: pytest.MonkeyPatch) -> 
 
 
 def test_decisions_are_cached() -> None:
-    from shardwise.ops.propagation import decide
+    from shardwise.propagation.decide import decide
 
     def pair() -> tuple[sw.Tensor, sw.Tensor]:
         # fresh values: a value relayouted once keeps the result, which its next ops
@@ -244,7 +244,7 @@ def test_decisions_are_cached() -> None:
 
 
 def test_large_searches_are_cut_and_stay_correct(monkeypatch: pytest.MonkeyPatch) -> None:
-    from shardwise.ops import propagation
+    from shardwise.propagation import decide as propagation
 
     monkeypatch.setattr(propagation, "MAX_COMBINATIONS", 1)
     propagation.decide.cache_clear()

@@ -74,8 +74,8 @@ def test_megatron_functional_grad() -> None:
 def test_diverge_axes_of_the_megatron_ops() -> None:
     """x is replicated over tp but x @ W1 is sharded there (and W1 over dp): their
     gradients are sums of shares, which the backend's diverge provides."""
-    from shardwise.ops.binding import bind
-    from shardwise.ops.propagation import decide
+    from shardwise.propagation.binding import bind
+    from shardwise.propagation.decide import decide
 
     x, w1 = lay(MESH, "dp", None), lay(MESH, None, "tp")
     dec = decide(bind("matmul", ((8, 16), (16, 12))), (x, w1), (None, None), (8, 8))

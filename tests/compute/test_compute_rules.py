@@ -10,8 +10,8 @@ import torch
 from computecheck import LINE, MESH, lay, values
 
 import shardwise as sw
-from shardwise.ops.binding import bind, normalize_index
-from shardwise.ops.rules import MATMUL, RULES, Passes, Rule
+from shardwise.propagation.binding import bind, normalize_index
+from shardwise.propagation.rules import MATMUL, RULES, Passes, Rule
 from shardwise.sharding import DeviceMesh, ReduceOp
 
 
@@ -77,7 +77,7 @@ def test_the_table_flags() -> None:
 def test_rules_are_pure_python(module: str) -> None:
     import importlib
 
-    mod = importlib.import_module(f"shardwise.ops.{module}")
+    mod = importlib.import_module(f"shardwise.propagation.{module}")
     tree = ast.parse(Path(mod.__file__).read_text())
     imported = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
     imported |= {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
@@ -86,7 +86,7 @@ def test_rules_are_pure_python(module: str) -> None:
     # never imports torch either (tests/test_layers.py)
     assert {m for m in imported if m and m.startswith("shardwise")} <= {
         "shardwise.sharding.errors", "shardwise.sharding.placements",
-        "shardwise.sharding.shapes", "shardwise.ops.rules"}
+        "shardwise.sharding.shapes", "shardwise.propagation.rules"}
 
 
 def test_normalize_index() -> None:
@@ -173,7 +173,7 @@ def test_errors_from_torch_say_op_and_shapes() -> None:
 
 def test_family_builders_are_registered_with_their_rules(monkeypatch: pytest.MonkeyPatch
                                                          ) -> None:
-    from shardwise.ops import binding
+    from shardwise.propagation import binding
 
     assert not hasattr(binding, "_FAMILIES")  # no lookup of builders by family name
     built = {op for op, rule in RULES.items() if rule.build is not None}

@@ -12,7 +12,6 @@ import torch
 
 import shardwise
 from shardwise import eval_shape
-from shardwise.devices import CPU
 from shardwise.graph import Signals, from_tensor, ops, to_tensor
 from shardwise.sharding import (
     BufferType,
@@ -25,6 +24,7 @@ from shardwise.sharding import (
     ShardingError,
     TensorType,
 )
+from shardwise.sharding.devices import CPU
 
 HUGE = (2**20, 2**16)  # float32: 256 GiB
 S2 = Signals([CPU(0), CPU(1)])

@@ -10,9 +10,9 @@ import pytest
 import torch
 
 import shardwise
-from shardwise.devices import CPU, DeviceError
 from shardwise.graph import AxisError, Signals, ops
 from shardwise.sharding import DeviceMesh, PlacementMapping, Sharded, ShardingError, TensorType
+from shardwise.sharding.devices import CPU, DeviceError
 from shardwise.sharding.errors import ShardingTypeError
 
 KINDS = ["tensor", "type"]

@@ -10,7 +10,6 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import shardwise
-from shardwise.devices import CPU
 from shardwise.graph import Signals, from_tensor, ops, to_tensor
 from shardwise.sharding import (
     DeviceMesh,
@@ -24,8 +23,9 @@ from shardwise.sharding import (
     ShardingError,
     TensorType,
 )
+from shardwise.sharding.devices import CPU
 from shardwise.sharding.errors import ShardingTypeError
-from shardwise.tensors import Tensor
+from shardwise.tensors.tensor import Tensor
 
 MESH = DeviceMesh.cpu((2, 2), ("dp", "tp"))
 

@@ -8,9 +8,9 @@ import torch
 
 import shardwise
 import shardwise.graph
-from shardwise.devices import CPU
 from shardwise.graph import Signals, ops
-from shardwise.tensors import Tensor
+from shardwise.sharding.devices import CPU
+from shardwise.tensors.tensor import Tensor
 
 S2 = Signals([CPU(0), CPU(1)])
 
@@ -26,7 +26,7 @@ def values(outs: list[Tensor]) -> list[list[object]]:
 def test_namespace() -> None:
     assert shardwise.graph.ops is ops
     assert callable(ops.allreduce.sum) and callable(ops.reducescatter.sum)
-    assert shardwise.eval_shape is shardwise.abstract.eval_shape
+    assert shardwise.eval_shape is shardwise.api.abstract.eval_shape
     assert "eval_shape" in shardwise.__all__
 
 

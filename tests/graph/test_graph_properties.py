@@ -11,11 +11,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import shardwise
-from shardwise.devices import CPU
 from shardwise.graph import Signals, ops
 from shardwise.sharding import TensorType
+from shardwise.sharding.devices import CPU
 from shardwise.sharding.shapes import split_size
-from shardwise.tensors import Tensor
+from shardwise.tensors.tensor import Tensor
 
 FAST = settings(max_examples=60, deadline=None)
 DTYPES = [torch.float32, torch.float64, torch.int64]

@@ -8,9 +8,9 @@ import pytest
 import torch
 
 import shardwise
-from shardwise.devices import CPU, Accelerator, DeviceError
 from shardwise.graph import SIGNAL_BUFFER_BYTES, SignalBuffer, Signals, ops
 from shardwise.sharding import BufferType, DeviceMesh, ShardingError
+from shardwise.sharding.devices import CPU, Accelerator, DeviceError
 from shardwise.sharding.errors import ShardingTypeError
 
 

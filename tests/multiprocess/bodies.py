@@ -446,7 +446,7 @@ BODIES.append("body_reorder_within_dim")
 def body_permuted_devices(n: int) -> None:
     """A mesh whose devices are not in rank order: every collective keeps the mesh
     order (torch orders a group's members by rank), uneven sizes included."""
-    from shardwise.devices import CPU
+    from shardwise.sharding.devices import CPU
 
     order = [(k * 3 + 1) % n for k in range(n)] if n == 4 else list(reversed(range(n)))
     mesh = DeviceMesh(tuple(CPU(i) for i in order), (n,), ("x",))
@@ -474,7 +474,7 @@ BODIES.append("body_permuted_devices")
 
 def body_demo_parity(n: int) -> None:
     """The demo script's training matches single-device torch on both runtimes."""
-    from shardwise import demo
+    from shardwise.cli import demo
 
     shape = (2, n // 2) if n % 2 == 0 and n > 1 else (1, n)
     assert demo.run(demo.Config(steps=10), shape, show=False) == 0

@@ -50,7 +50,7 @@ def body_mismatched_collective(n: int) -> None:
 def body_same_size_mismatch_checked(n: int) -> None:
     """Two different collectives of the same size would exchange data silently;
     with collective checking on, both sides raise instead."""
-    from shardwise.runtime.world import WORLD
+    from shardwise.runtime.process.world import WORLD
 
     WORLD.check_collectives = True
     mesh = DeviceMesh.cpu((n,), ("x",))

@@ -374,7 +374,7 @@ def body_shutdown_releases_groups(n: int) -> None:
     import gc
     import sys
 
-    from shardwise.runtime.world import WORLD
+    from shardwise.runtime.process.world import WORLD
 
     mesh = DeviceMesh.cpu((2, n // 2), ("a", "b"))
     x = torch.arange(16.0 * n).reshape(4 * n, 4)

@@ -53,7 +53,7 @@ def _two_nodes(*program: str) -> list[tuple[int, str, str]]:
 
 
 def test_demo_on_two_nodes() -> None:
-    res = _two_nodes("-m", "shardwise.demo", "--steps", "20")
+    res = _two_nodes("-m", "shardwise.cli.demo", "--steps", "20")
     for code, _, se in res:
         assert code == 0, se[-3000:]
     text = "".join(so for _, so, _ in res)

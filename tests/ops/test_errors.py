@@ -20,7 +20,7 @@ from shardwise import (
     Sharded,
     ShardingError,
 )
-from shardwise.devices import accelerator_count
+from shardwise.sharding.devices import accelerator_count
 from shardwise.sharding.errors import ShardingTypeError
 
 M4 = DeviceMesh.cpu(4, "x")

@@ -10,8 +10,8 @@ import threading
 
 import pytest
 
-from shardwise.devices import CPU, Accelerator
 from shardwise.sharding import DeviceMesh, ShardingError, current_mesh
+from shardwise.sharding.devices import CPU, Accelerator
 
 
 @pytest.fixture

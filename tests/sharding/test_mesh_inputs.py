@@ -8,7 +8,6 @@ from typing import Any
 
 import pytest
 
-from shardwise.devices import CPU
 from shardwise.sharding import (
     DeviceMesh,
     NamedMapping,
@@ -17,6 +16,7 @@ from shardwise.sharding import (
     ShardingError,
     ShardingSpec,
 )
+from shardwise.sharding.devices import CPU
 from shardwise.sharding.errors import ShardingTypeError
 
 MESH = DeviceMesh.cpu((2, 2), ("dp", "tp"))

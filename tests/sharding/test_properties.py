@@ -12,7 +12,6 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import shardwise.sharding as sharding
-from shardwise.devices import CPU
 from shardwise.sharding import (
     ConversionError,
     DeviceMesh,
@@ -28,6 +27,7 @@ from shardwise.sharding import (
     global_shape_from_local,
     local_shard_shape_from_global,
 )
+from shardwise.sharding.devices import CPU
 from shardwise.sharding.shapes import local_bounds, local_shape, split_bounds, split_size
 
 NAMES = ("dp", "tp", "pp", "x", "y")

@@ -6,7 +6,6 @@ import itertools
 
 import pytest
 
-from shardwise.devices import CPU
 from shardwise.sharding import (
     ConversionError,
     DeviceMesh,
@@ -23,6 +22,7 @@ from shardwise.sharding import (
     local_shard_shape_from_global,
     shard_shape,
 )
+from shardwise.sharding.devices import CPU
 from shardwise.sharding.shapes import (
     local_bounds,
     local_shape,

@@ -168,8 +168,9 @@ def test_concurrent_callers() -> None:
     assert results == [True] * 4
 
 
-@pytest.mark.parametrize("first", ["import shardwise.shard_map", "from shardwise import lax",
-                                   "from shardwise.shard_map import shard_map as _f"])
+@pytest.mark.parametrize("first", ["import shardwise.spmd.shard_map", "from shardwise import lax",
+                                   "from shardwise.spmd.shard_map import shard_map as _f",
+                                   "import shardwise.spmd"])
 def test_importing_the_module_keeps_the_function_callable(first: str) -> None:
     code = textwrap.dedent(f"""
         {first}

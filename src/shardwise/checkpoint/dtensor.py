@@ -7,7 +7,7 @@ Invariants:
   ``r`` is device ``CPU(r)`` or ``Accelerator(r)``) and axis names.
 - Zero copy where DTensor's uneven split (torch.chunk) and shardwise's agree: the
   local tensor becomes this process's block. Dims they split differently are
-  gathered by DTensor and cut by shardwise locally (see ``shardwise.dtensor_interop``).
+  gathered by DTensor and cut by shardwise locally (see ``shardwise.tensors.dtensor``).
 """
 
 from __future__ import annotations
@@ -16,13 +16,13 @@ from typing import Any
 
 import torch
 
-from shardwise.creation import from_local
-from shardwise.devices import CPU, Accelerator
-from shardwise.dtensor_interop import differing_dims, layout_of
+from shardwise.api.creation import from_local
+from shardwise.sharding.devices import CPU, Accelerator
 from shardwise.sharding.errors import ShardingTypeError
 from shardwise.sharding.mappings import PlacementMapping
 from shardwise.sharding.mesh import DeviceMesh
-from shardwise.tensors import Tensor
+from shardwise.tensors.dtensor import differing_dims, layout_of
+from shardwise.tensors.tensor import Tensor
 
 __all__ = ["from_dtensor", "to_dtensor"]
 

@@ -27,10 +27,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from shardwise import distributed
+from shardwise.api import distributed
 from shardwise.checkpoint.store import CheckpointError
-from shardwise.chunks import owned_chunks
-from shardwise.tensors import Tensor
+from shardwise.tensors.chunks import owned_chunks
+from shardwise.tensors.tensor import Tensor
 
 __all__ = ["load_safetensors", "save_safetensors"]
 

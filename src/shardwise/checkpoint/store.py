@@ -14,7 +14,7 @@ Invariants:
   the key. Then DCP fills ``state`` in place, resharding by global offsets.
 - Unpickling: the metadata file through an allowlist (DCP's own metadata classes,
   ``torch.Size``, dtypes, paths); non-tensor values with ``weights_only=True``.
-  shardwise Tensors are written as their blocks (``shardwise.chunks``), never
+  shardwise Tensors are written as their blocks (``shardwise.tensors.chunks``), never
   pickled (``Tensor.__reduce_ex__`` raises).
 """
 
@@ -39,9 +39,9 @@ from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
 from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, ReadItem
 from torch.futures import Future
 
-from shardwise import distributed
+from shardwise.api import distributed
 from shardwise.sharding.errors import ShardingError
-from shardwise.tensors import Tensor
+from shardwise.tensors.tensor import Tensor
 
 __all__ = ["CheckpointError", "load", "save"]
 

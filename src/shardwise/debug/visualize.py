@@ -18,7 +18,7 @@ from shardwise.sharding.shapes import local_bounds
 if TYPE_CHECKING:
     from rich.console import Console
 
-    from shardwise.tensors import Tensor
+    from shardwise.tensors.tensor import Tensor
 
 __all__ = ["visualize"]
 
@@ -100,7 +100,7 @@ def visualize(t: Tensor, *, console: Console | None = None, color: bool = True) 
     ...                  color=False)
     [4]...CPU 0...CPU 1...[0:2]...[2:4]...
     """
-    from shardwise.tensors import Tensor
+    from shardwise.tensors.tensor import Tensor
 
     if not isinstance(t, Tensor):
         raise ShardingTypeError(f"visualize needs a shardwise.Tensor. Got {type(t).__name__}; "

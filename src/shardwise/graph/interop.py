@@ -20,7 +20,7 @@ from shardwise.sharding.errors import ShardingError, ShardingTypeError
 from shardwise.sharding.layout import Layout
 from shardwise.sharding.mappings import as_layout
 from shardwise.sharding.types import DistributedTensorType, TensorType
-from shardwise.tensors import Tensor
+from shardwise.tensors.tensor import Tensor
 
 __all__ = ["from_tensor", "to_tensor"]
 
@@ -65,7 +65,7 @@ def to_tensor(values: Iterable[Any], sharding: Any,
                 "values or transfer_to() them."
             )
     if locs[0].local is not None:
-        from shardwise.creation import from_local
+        from shardwise.api.creation import from_local
 
         return from_local([loc.tensor() for loc in locs], sharding, shape)
     return _to_type(locs[0].dtype, [loc.shape for loc in locs],

@@ -27,7 +27,6 @@ from typing import Any
 
 import torch
 
-from shardwise.devices import Device, DeviceError
 from shardwise.graph import allreduce, reducescatter
 from shardwise.graph.signals import participants
 from shardwise.graph.values import (
@@ -42,6 +41,7 @@ from shardwise.graph.values import (
     single_device,
 )
 from shardwise.runtime.simulated import collectives
+from shardwise.sharding.devices import Device, DeviceError
 from shardwise.sharding.errors import ShardingError, ShardingTypeError
 from shardwise.sharding.types import TensorType
 

@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from shardwise.devices import Device, DeviceError
+from shardwise.sharding.devices import Device, DeviceError
 from shardwise.sharding.errors import ShardingError, ShardingTypeError
 from shardwise.sharding.types import BufferType
 

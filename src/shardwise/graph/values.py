@@ -4,7 +4,7 @@ how outputs are built.
 Invariants:
 - A per-device value is a single-device :class:`shardwise.Tensor` or, for
   abstract evaluation, a ``TensorType(dtype, shape, device)`` whose device is a
-  shardwise :class:`~shardwise.devices.Device`. Plain torch tensors are refused:
+  shardwise :class:`~shardwise.sharding.devices.Device`. Plain torch tensors are refused:
   they cannot say which virtual CPU they are on.
 - One call takes values of one kind: all Tensors (outputs are Tensors) or all
   TensorTypes (outputs are TensorTypes and nothing is allocated).
@@ -23,13 +23,13 @@ from typing import Any, TypeAlias
 import torch
 
 import shardwise.ops  # noqa: F401  (installs the Tensor operators: x + y, x @ w)
-from shardwise.devices import Device, DeviceError
 from shardwise.graph.signals import participants
+from shardwise.sharding.devices import Device, DeviceError
 from shardwise.sharding.errors import ShardingError, ShardingTypeError
 from shardwise.sharding.layout import Layout
 from shardwise.sharding.mesh import DeviceMesh
 from shardwise.sharding.types import BufferType, DistributedType, TensorType, dtype_name
-from shardwise.tensors import Tensor
+from shardwise.tensors.tensor import Tensor
 
 __all__ = [
     "AxisError",

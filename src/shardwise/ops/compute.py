@@ -1,8 +1,8 @@
 """Compute ops on :class:`~shardwise.Tensor`, with sharding propagation.
 
 Every op runs the same way (:func:`shardwise.ops.execute.apply`): bind its
-rule from the table in :mod:`shardwise.ops.rules` to the operand shapes, let
-:mod:`shardwise.ops.propagation` pick the cheapest layouts, reshard each
+rule from the table in :mod:`shardwise.propagation.rules` to the operand shapes, let
+:mod:`shardwise.propagation.decide` pick the cheapest layouts, reshard each
 operand through the planner, then run the torch op on the local shards.
 
 Invariants:
@@ -28,12 +28,12 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from shardwise.ops.binding import bind, normalize_index
 from shardwise.ops.execute import apply
+from shardwise.propagation.binding import bind, normalize_index
 from shardwise.sharding.errors import ShardingError, ShardingTypeError
 from shardwise.sharding.layout import Layout, normalize_dim
 from shardwise.sharding.shapes import local_shape, reshape_dims
-from shardwise.tensors import Tensor
+from shardwise.tensors.tensor import Tensor
 
 __all__ = [
     "add", "amax", "amin", "cat", "div", "einsum", "eq", "exp", "ge", "gelu", "gt", "le",

@@ -25,15 +25,15 @@ from typing import Any
 
 import torch
 
-from shardwise.ops.binding import Factors, bind
-from shardwise.ops.propagation import Decision, decide
 from shardwise.planner import diverge_step
+from shardwise.propagation.binding import Factors, bind
+from shardwise.propagation.decide import Decision, decide
 from shardwise.runtime import backend_for
 from shardwise.runtime import observe as comm
 from shardwise.sharding.errors import ShardingError, ShardingTypeError
 from shardwise.sharding.layout import Layout
-from shardwise.tensor_relayout import shard_versions
-from shardwise.tensors import Tensor, place
+from shardwise.tensors.relayout import shard_versions
+from shardwise.tensors.tensor import Tensor, place
 
 __all__ = ["apply", "apply_elementwise"]
 

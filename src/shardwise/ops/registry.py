@@ -1,7 +1,7 @@
 """The op registry's shared parts: ``register``, the fallback, operand helpers.
 
 Invariants:
-- :func:`register` maps torch functions to handlers in ``shardwise.tensors.HANDLERS``;
+- :func:`register` maps torch functions to handlers in ``shardwise.tensors.tensor.HANDLERS``;
   the installers of :mod:`shardwise.ops.torch_api` call it once at import.
 - The fallback never gives a wrong value: an op without a rule runs on the gathered
   global operands and returns a Replicated result, warning once per op by name
@@ -22,7 +22,7 @@ import torch.nn.functional as F
 
 from shardwise.sharding.errors import ShardingError, ShardingTypeError
 from shardwise.sharding.layout import Layout
-from shardwise.tensors import HANDLERS, Tensor, place
+from shardwise.tensors.tensor import HANDLERS, Tensor, place
 
 __all__ = ["ShardwiseFallbackWarning", "TensorMethod", "register"]
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from shardwise.ops import torch_elementwise, torch_nn, torch_shapes
 from shardwise.ops.registry import ShardwiseFallbackWarning, _fallback, register
-from shardwise.tensors import FALLBACK, HANDLERS
+from shardwise.tensors.tensor import FALLBACK, HANDLERS
 
 __all__ = ["ShardwiseFallbackWarning", "install", "register"]
 

@@ -29,8 +29,8 @@ from shardwise.ops.registry import (
 )
 from shardwise.sharding.errors import ShardingError, ShardingTypeError
 from shardwise.sharding.layout import Layout
-from shardwise.tensor_relayout import record_plan
-from shardwise.tensors import FALLBACK, HANDLERS, Tensor, place
+from shardwise.tensors.relayout import record_plan
+from shardwise.tensors.tensor import FALLBACK, HANDLERS, Tensor, place
 
 __all__ = ["install"]
 

@@ -29,7 +29,7 @@ from shardwise.ops.torch_elementwise import _to
 from shardwise.runtime import observe as comm
 from shardwise.sharding.errors import ShardingError
 from shardwise.sharding.layout import normalize_dim
-from shardwise.tensors import Tensor, place
+from shardwise.tensors.tensor import Tensor, place
 
 __all__ = ["install"]
 

@@ -30,7 +30,7 @@ from shardwise.ops.registry import (
 from shardwise.ops.torch_elementwise import _to
 from shardwise.sharding.errors import ShardingError
 from shardwise.sharding.layout import normalize_dim
-from shardwise.tensors import HANDLERS, Tensor
+from shardwise.tensors.tensor import HANDLERS, Tensor
 
 __all__ = ["install"]
 

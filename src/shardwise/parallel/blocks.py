@@ -28,7 +28,7 @@ from shardwise.sharding.errors import ShardingError
 from shardwise.sharding.layout import Layout
 from shardwise.sharding.placements import ReduceOp
 from shardwise.sharding.shapes import local_bounds
-from shardwise.tensors import Tensor, place
+from shardwise.tensors.tensor import Tensor, place
 
 __all__ = ["blockwise", "pick_classes", "vocab_embedding"]
 

@@ -27,7 +27,7 @@ from shardwise.sharding.errors import ShardingError, ShardingTypeError
 from shardwise.sharding.layout import Layout
 from shardwise.sharding.mesh import DeviceMesh
 from shardwise.sharding.shapes import local_shape
-from shardwise.tensors import Tensor, place
+from shardwise.tensors.tensor import Tensor, place
 
 __all__ = ["MixedPrecisionPolicy", "fully_shard", "memory_per_device"]
 

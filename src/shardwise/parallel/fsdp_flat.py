@@ -26,7 +26,7 @@ from shardwise.sharding.layout import Layout
 from shardwise.sharding.mesh import DeviceMesh
 from shardwise.sharding.placements import ReduceOp
 from shardwise.sharding.shapes import local_shape
-from shardwise.tensors import Tensor
+from shardwise.tensors.tensor import Tensor
 
 __all__ = ["Flat", "one_all_gather"]
 

@@ -40,7 +40,7 @@ from shardwise.sharding.errors import ShardingError
 from shardwise.sharding.layout import Layout
 from shardwise.sharding.mesh import DeviceMesh
 from shardwise.sharding.placements import ReduceOp
-from shardwise.tensors import Tensor
+from shardwise.tensors.tensor import Tensor
 
 __all__ = ["UNIT", "Param", "Unit", "sharded_layout"]
 

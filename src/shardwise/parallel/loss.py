@@ -33,7 +33,7 @@ from torch.overrides import TorchFunctionMode
 
 from shardwise.parallel.blocks import pick_classes
 from shardwise.sharding.layout import Layout
-from shardwise.tensors import Tensor, place
+from shardwise.tensors.tensor import Tensor, place
 
 __all__ = ["loss_parallel"]
 

@@ -27,7 +27,7 @@ from shardwise.sharding.errors import ShardingError, ShardingTypeError
 from shardwise.sharding.layout import Layout, normalize_dim
 from shardwise.sharding.mesh import DeviceMesh
 from shardwise.sharding.placements import Partial, Placement, Replicated, Sharded
-from shardwise.tensors import Tensor, place
+from shardwise.tensors.tensor import Tensor, place
 
 __all__ = ["axis_of", "check_placement", "keeping_ties", "layout_on", "place_on",
            "shard_parameter"]

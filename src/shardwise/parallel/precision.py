@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from shardwise.sharding.errors import ShardingTypeError
-from shardwise.tensors import Tensor
+from shardwise.tensors.tensor import Tensor
 
 __all__ = ["MixedPrecisionPolicy", "cast_floating"]
 

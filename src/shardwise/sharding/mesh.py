@@ -107,7 +107,7 @@ class DeviceMesh:
         cls, mesh_shape: Sequence[int] | int, axis_names: Sequence[str] | str
     ) -> DeviceMesh:
         """A simulated mesh of virtual CPU devices ``CPU(0) .. CPU(n-1)``."""
-        from shardwise.devices import CPU
+        from shardwise.sharding.devices import CPU
 
         shape = _mesh_shape(mesh_shape, "DeviceMesh.cpu")
         names = _axis_names(axis_names, "DeviceMesh.cpu")
@@ -158,7 +158,7 @@ class DeviceMesh:
     @property
     def is_simulated(self) -> bool:
         """True when its devices are virtual devices sharing one process's memory."""
-        from shardwise.devices import CPU
+        from shardwise.sharding.devices import CPU
 
         return all(isinstance(d, CPU) for d in self.devices)
 

@@ -23,13 +23,13 @@ from typing import Any, TypeAlias
 
 import torch
 
-from shardwise.devices import accelerator_type
 from shardwise.planner import Plan, Step, StepKind, check_handlers, permute_sources
 from shardwise.runtime import blocks
 from shardwise.runtime.process import collectives as D
 from shardwise.runtime.process import functions as F
 from shardwise.runtime.process.spmd import run_spmd, spmd_outputs
 from shardwise.runtime.process.world import WORLD
+from shardwise.sharding.devices import accelerator_type
 from shardwise.sharding.layout import Layout
 from shardwise.sharding.placements import ReduceOp
 from shardwise.sharding.shapes import local_bounds

@@ -1,4 +1,4 @@
-"""Naming what failed, for :mod:`shardwise.runtime.agreement`: the ranks that did not
+"""Naming what failed, for :mod:`shardwise.runtime.process.agreement`: the ranks that did not
 arrive at a collective and the fields on which members disagree, read through the
 rendezvous store (never through the process group, whose state is then unknown).
 

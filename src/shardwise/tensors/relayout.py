@@ -1,6 +1,6 @@
 """Moving a Tensor's value between layouts: plans run on its blocks, and kept results.
 
-:class:`RelayoutMixin` (a base of :class:`shardwise.tensors.Tensor`) changes a
+:class:`RelayoutMixin` (a base of :class:`shardwise.tensors.tensor.Tensor`) changes a
 value's layout through the planner and keeps, per value, the layouts ops asked for;
 the module functions cut a global value into a layout's blocks and run plans,
 counting their collectives for :class:`~shardwise.debug.CommCounter`.
@@ -18,7 +18,7 @@ Invariants:
   version counter, ``shard_versions``) makes an entry stale; leaves that require grad keep
   nothing (their relayout belongs to one step's graph); ops get them, users never do
   (two public relayouts give two tensors a user may write separately).
-- Nothing here imports :mod:`shardwise.tensors`: new Tensors are built as
+- Nothing here imports :mod:`shardwise.tensors.tensor`: new Tensors are built as
   ``type(self)(...)``.
 """
 
@@ -35,7 +35,7 @@ from shardwise.runtime import observe as comm
 from shardwise.sharding.errors import ShardingError
 from shardwise.sharding.layout import Layout
 from shardwise.sharding.mesh import DeviceMesh
-from shardwise.tensor_meta import MetaMixin
+from shardwise.tensors.meta import MetaMixin
 
 __all__ = ["RelayoutMixin", "record_plan", "run_plan", "shard_versions"]
 

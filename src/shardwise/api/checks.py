@@ -6,7 +6,7 @@ from typing import Any
 
 from shardwise.sharding.errors import ShardingError, ShardingTypeError, check_items
 from shardwise.sharding.mesh import DeviceMesh
-from shardwise.tensors import Tensor
+from shardwise.tensors.tensor import Tensor
 
 __all__ = ["mesh_axes", "need_tensor"]
 

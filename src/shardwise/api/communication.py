@@ -21,17 +21,17 @@ from __future__ import annotations
 import warnings
 from typing import Any
 
-from shardwise.creation import tensor
-from shardwise.devices import CPU, Accelerator, Device, DeviceError
-from shardwise.ops.checks import need_tensor
-from shardwise.ops.point_to_point import ppermute
-from shardwise.ops.reducing import all_reduce, reduce_scatter
+from shardwise.api.checks import need_tensor
+from shardwise.api.creation import tensor
+from shardwise.api.point_to_point import ppermute
+from shardwise.api.reducing import all_reduce, reduce_scatter
 from shardwise.planner import Plan
+from shardwise.sharding.devices import CPU, Accelerator, Device, DeviceError
 from shardwise.sharding.errors import ShardingError, ShardingTypeError
 from shardwise.sharding.layout import Layout, normalize_dim
 from shardwise.sharding.mappings import DeviceMapping, ShardingSpec, as_layout
 from shardwise.sharding.mesh import DeviceMesh, current_mesh
-from shardwise.tensors import Tensor, to_layout, with_open_dims
+from shardwise.tensors.tensor import Tensor, to_layout, with_open_dims
 
 __all__ = [
     "accelerator",

@@ -1,6 +1,6 @@
 """Sharding propagation: one sharding per factor of a rule, chosen by cost.
 
-Given a rule bound to shapes (:class:`~shardwise.ops.rules.Factors`) and the
+Given a rule bound to shapes (:class:`~shardwise.propagation.rules.Factors`) and the
 operands' layouts, :func:`decide` picks a sharding (tuple of mesh axes) for
 every factor and a Partial pass-through per mesh axis; that fixes the layout
 each operand is resharded to and the output layout.
@@ -30,9 +30,9 @@ import itertools
 import math
 from dataclasses import dataclass
 
-from shardwise.ops.binding import Factors
-from shardwise.ops.rules import Passes
 from shardwise.planner import make_plan
+from shardwise.propagation.binding import Factors
+from shardwise.propagation.rules import Passes
 from shardwise.sharding.layout import Layout
 from shardwise.sharding.placements import ReduceOp
 from shardwise.sharding.shapes import local_shape

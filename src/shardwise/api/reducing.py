@@ -9,14 +9,14 @@ import functools
 from collections.abc import Sequence
 from typing import Any
 
-from shardwise.ops.checks import mesh_axes, need_tensor
+from shardwise.api.checks import mesh_axes, need_tensor
 from shardwise.planner import Plan, make_plan
 from shardwise.runtime import backend_for
 from shardwise.sharding.errors import ShardingError
 from shardwise.sharding.layout import Layout, normalize_dim
 from shardwise.sharding.placements import ReduceOp
-from shardwise.tensor_relayout import run_plan
-from shardwise.tensors import Tensor
+from shardwise.tensors.relayout import run_plan
+from shardwise.tensors.tensor import Tensor
 
 __all__ = ["all_reduce", "reduce_scatter"]
 

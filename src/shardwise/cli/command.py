@@ -24,7 +24,7 @@ BENCH_MISSING = (
 
 
 def _demo(args: argparse.Namespace) -> int:
-    from shardwise import demo
+    from shardwise.cli import demo
 
     return demo.main(args.extra)
 
@@ -79,7 +79,7 @@ def _info(args: argparse.Namespace) -> int:
     import torch
 
     import shardwise as sw
-    from shardwise.devices import accelerator_type, available_devices
+    from shardwise.sharding.devices import accelerator_type, available_devices
 
     print(f"shardwise {sw.__version__}  torch {torch.__version__}  "
           f"python {platform.python_version()}")
@@ -110,6 +110,3 @@ def main(argv: list[str] | None = None) -> int:
     handlers = {"demo": _demo, "bench": _bench, "info": _info}
     return handlers[args.command](args)
 
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -8,7 +8,7 @@ Invariants:
 - ``...`` batch dims broadcast right-aligned; a size-1 dim broadcast against a
   larger one gets its own factor, marked full (never sharded).
 - The concrete rule of an op whose rule depends on its arguments comes from the
-  builder its :class:`~shardwise.ops.rules.Rule` holds (``rule.build``): no lookup
+  builder its :class:`~shardwise.propagation.rules.Rule` holds (``rule.build``): no lookup
   by family name.
 - Pure Python, no torch.
 """
@@ -21,7 +21,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from shardwise.ops.rules import RULES, Passes, Rule, normalize_index
+from shardwise.propagation.rules import RULES, Passes, Rule, normalize_index
 from shardwise.sharding.errors import ShardingError
 from shardwise.sharding.placements import ReduceOp
 

@@ -15,14 +15,14 @@ Invariants:
   alone, so replicas share one buffer and shards may be views of a larger buffer.
   ``local()``/``shards`` expose those buffers: read them, never write them.
 - ``_whole``, when set, is the global value (Partial axes reduced) and the shards
-  are cut from it on first use (:func:`~shardwise.tensor_relayout._cut`). It is set
+  are cut from it on first use (:func:`~shardwise.tensors.relayout._cut`). It is set
   only on a mesh this process holds wholly. Autograd then runs on the whole; shards
   cut from it are views that autograd flows through. A Tensor built from shards
   (``Tensor(...)``) has none.
 - The class is built from three bases, each in its own module and each below this
-  one: :class:`~shardwise.tensor_meta.MetaMixin` (the fields, torch metadata, mesh
-  views) < :class:`~shardwise.tensor_relayout.RelayoutMixin` (layout changes, kept
-  results) < :class:`~shardwise.tensor_grad.GradMixin` (autograd, gradients). None
+  one: :class:`~shardwise.tensors.meta.MetaMixin` (the fields, torch metadata, mesh
+  views) < :class:`~shardwise.tensors.relayout.RelayoutMixin` (layout changes, kept
+  results) < :class:`~shardwise.tensors.grad.GradMixin` (autograd, gradients). None
   subclasses ``torch.Tensor``; they precede it in the bases, so their properties
   (``shape``, ``grad``, ``requires_grad``, ``data``...) override torch's.
 - Here: construction, torch's routing, Python protocols, DCP hooks, values out,
@@ -37,15 +37,15 @@ from typing import Any
 
 import torch
 
-from shardwise import chunks, dtensor_interop
 from shardwise.runtime import backend_for
 from shardwise.sharding.errors import ShardingError
 from shardwise.sharding.layout import Layout
 from shardwise.sharding.mappings import ShardingSpec
 from shardwise.sharding.types import dtype_name
-from shardwise.tensor_grad import GradMixin
-from shardwise.tensor_meta import MetaMixin
-from shardwise.tensor_relayout import RelayoutMixin, _cut, _local_mesh
+from shardwise.tensors import chunks, dtensor
+from shardwise.tensors.grad import GradMixin
+from shardwise.tensors.meta import MetaMixin
+from shardwise.tensors.relayout import RelayoutMixin, _cut, _local_mesh
 
 __all__ = ["Tensor"]
 
@@ -252,7 +252,7 @@ class Tensor(GradMixin, RelayoutMixin, MetaMixin,  # type: ignore[misc,override]
     def to_dtensor(self) -> Any:
         """This value as a torch ``DTensor`` on the same processes and placements (no
         copy where the uneven-split conventions agree); process meshes only."""
-        return dtensor_interop.to_dtensor(self)
+        return dtensor.to_dtensor(self)
 
     # --- values -------------------------------------------------------------------------
     def to_torch(self) -> torch.Tensor:

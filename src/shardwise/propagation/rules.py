@@ -2,7 +2,7 @@
 
 Each op names the dims of its operands and of its output by *factors*, in an
 einsum-like notation: matmul is ``"... i k, ... k j -> ... i j"``. Propagation
-(:mod:`shardwise.ops.propagation`) gives every factor one sharding (a tuple of
+(:mod:`shardwise.propagation.decide`) gives every factor one sharding (a tuple of
 mesh axes) and lays each dim out as its factor.
 
 Invariants:
@@ -28,8 +28,8 @@ Invariants:
 - A rule that depends on the op's arguments (dims, shapes, an index) holds its
   family's builder (``Rule.build``), defined in this module right above the
   table: ``build(shapes, *params)`` writes the concrete factor rule.
-- Pure Python, no torch: :mod:`shardwise.ops.binding` parses a rule bound to
-  operand shapes (a hashable, cached :class:`~shardwise.ops.binding.Factors`).
+- Pure Python, no torch: :mod:`shardwise.propagation.binding` parses a rule bound to
+  operand shapes (a hashable, cached :class:`~shardwise.propagation.binding.Factors`).
 """
 
 from __future__ import annotations

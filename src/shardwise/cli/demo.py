@@ -1,7 +1,7 @@
 """``shardwise demo``: train a small MLP with data x tensor parallelism.
 
 On a simulated 2x4 mesh (``dp`` x ``tp``) by default, or over processes under
-torchrun (``torchrun --nproc-per-node 4 -m shardwise.demo``: a 2x2 mesh). The
+torchrun (``torchrun --nproc-per-node 4 -m shardwise.cli.demo``: a 2x2 mesh). The
 MLP is Megatron-style::
 
     x[S(dp)] @ W1[S(tp) on cols] -> gelu -> @ W2[S(tp) on rows] -> Partial(tp)
@@ -28,8 +28,8 @@ from typing import Any
 import torch
 
 import shardwise as sw
+from shardwise.api.distributed import maybe_initialize, process_count, process_index, shutdown
 from shardwise.debug import CommCounter, visualize
-from shardwise.distributed import maybe_initialize, process_count, process_index, shutdown
 
 __all__ = ["main", "run"]
 

@@ -38,20 +38,17 @@ out_specs=("dp", None))(x)`` for a 4-row ``x``::
 from __future__ import annotations
 
 import functools
-import sys
-import types
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 
-from shardwise import shard_map_guard as guard
-from shardwise import shard_map_io as io
 from shardwise.runtime import backend_for, spmd
 from shardwise.sharding.errors import ShardingError, ShardingTypeError
 from shardwise.sharding.layout import Layout
 from shardwise.sharding.mesh import DeviceMesh, current_mesh
-from shardwise.tensors import Tensor, place
+from shardwise.spmd import guard, io
+from shardwise.tensors.tensor import Tensor, place
 
 __all__ = ["shard_map"]
 
@@ -108,7 +105,7 @@ def shard_map(fn: Callable[..., Any] | None = None, mesh: DeviceMesh | None = No
     io.check_names(in_specs, mesh, "in_specs")
     io.check_names(out_specs, mesh, "out_specs")
     if timeout_s is None:
-        from shardwise.distributed import DEFAULT_TIMEOUT_S
+        from shardwise.api.distributed import DEFAULT_TIMEOUT_S
 
         timeout_s = DEFAULT_TIMEOUT_S
     if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)):
@@ -148,7 +145,7 @@ def _inputs(mesh: DeviceMesh, in_specs: Any, args: Sequence[Any]) -> list[Tensor
     placed = []
     for i, (x, spec) in enumerate(zip(args, specs)):
         if isinstance(x, Tensor):
-            from shardwise.ops.communication import shard
+            from shardwise.api.communication import shard
 
             layout = io.layout_of(spec, x.ndim, mesh, f"in_specs[{i}]")
             placed.append(shard(x, dim_specs=layout))
@@ -205,15 +202,3 @@ def _call(fn: Callable[..., Any], mesh: DeviceMesh, in_specs: Any, out_specs: An
         timeout_s)
     _check_unmodified(versions)
     return io.outputs(results, k, mesh, out_specs, check)
-
-
-class _CallableModule(types.ModuleType):
-    """``import shardwise.shard_map`` binds the package attribute ``shardwise.shard_map``
-    to this module instead of the function; calling the module calls the function,
-    so ``shardwise.shard_map(...)`` works however it was first imported."""
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        return shard_map(*args, **kwargs)
-
-
-sys.modules[__name__].__class__ = _CallableModule

@@ -16,14 +16,14 @@ from typing import Any
 
 import torch
 
-from shardwise.devices import Device, DeviceError, default_device
 from shardwise.runtime import backend_for
+from shardwise.sharding.devices import Device, DeviceError, default_device
 from shardwise.sharding.errors import ShardingError, ShardingTypeError, check_items
 from shardwise.sharding.layout import Layout
 from shardwise.sharding.mappings import as_layout
 from shardwise.sharding.mesh import DeviceMesh
 from shardwise.sharding.shapes import check_shape, local_bounds, local_shape
-from shardwise.tensors import Tensor, as_layout_of, place, to_layout, with_open_dims
+from shardwise.tensors.tensor import Tensor, as_layout_of, place, to_layout, with_open_dims
 
 __all__ = [
     "arange",

@@ -29,7 +29,7 @@ from shardwise.sharding.layout import Layout
 from shardwise.sharding.mappings import DeviceMapping, NamedMapping, as_layout
 from shardwise.sharding.mesh import DeviceMesh
 from shardwise.sharding.shapes import local_shape
-from shardwise.tensors import Tensor
+from shardwise.tensors.tensor import Tensor
 
 __all__ = ["HINT", "check_names", "is_leaf", "layout_of", "outputs", "replicated_axes"]
 

@@ -16,7 +16,7 @@ import torch.autograd.forward_ad as fwAD
 
 from shardwise.sharding.errors import ShardingError, ShardingTypeError, check_items
 from shardwise.sharding.placements import ReduceOp
-from shardwise.tensors import Tensor, as_layout_of
+from shardwise.tensors.tensor import Tensor, as_layout_of
 
 __all__ = ["grad", "jvp", "value_and_grad", "vjp"]
 

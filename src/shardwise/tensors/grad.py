@@ -1,6 +1,6 @@
 """A Tensor's autograd, seen globally: flags, gradients, detaching.
 
-:class:`GradMixin` (a base of :class:`shardwise.tensors.Tensor`) shows the global
+:class:`GradMixin` (a base of :class:`shardwise.tensors.tensor.Tensor`) shows the global
 view of autograd, which runs on the local blocks or on the whole value (torch
 records each local op), as torch's own properties do for a plain tensor.
 
@@ -16,7 +16,7 @@ Invariants:
 - The same local gradients give the same ``.grad`` Tensor (kept in ``__dict__``):
   optimizers read ``.grad`` often.
 - ``backward()`` lives on ``Tensor`` itself, beside ``as_layout_of`` which lays out
-  its seed gradient; nothing here imports :mod:`shardwise.tensors`: new Tensors are
+  its seed gradient; nothing here imports :mod:`shardwise.tensors.tensor`: new Tensors are
   built through ``type(self)``.
 """
 
@@ -29,7 +29,7 @@ import torch
 from shardwise.sharding.errors import ShardingError, ShardingTypeError
 from shardwise.sharding.layout import Layout
 from shardwise.sharding.placements import ReduceOp
-from shardwise.tensor_relayout import RelayoutMixin
+from shardwise.tensors.relayout import RelayoutMixin
 
 __all__ = ["GradMixin"]
 

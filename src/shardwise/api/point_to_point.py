@@ -8,13 +8,13 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
-from shardwise.ops.checks import need_tensor
+from shardwise.api.checks import need_tensor
 from shardwise.runtime import backend_for
 from shardwise.runtime import observe as comm
 from shardwise.sharding.errors import ShardingError, ShardingTypeError
 from shardwise.sharding.layout import Layout
 from shardwise.sharding.shapes import local_shape
-from shardwise.tensors import Tensor
+from shardwise.tensors.tensor import Tensor
 
 __all__ = ["ppermute"]
 

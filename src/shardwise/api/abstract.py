@@ -24,7 +24,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 import shardwise.ops  # noqa: F401  (installs the Tensor operators: x + y, x @ w)
-from shardwise.devices import Device, DeviceError, from_torch
+from shardwise.sharding.devices import Device, DeviceError, from_torch
 from shardwise.sharding.errors import ShardingTypeError
 from shardwise.sharding.layout import Layout
 from shardwise.sharding.mesh import DeviceMesh
@@ -35,7 +35,7 @@ from shardwise.sharding.types import (
     TensorType,
     dtype_name,
 )
-from shardwise.tensors import Tensor
+from shardwise.tensors.tensor import Tensor
 
 __all__ = ["eval_shape"]
 

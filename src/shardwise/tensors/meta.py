@@ -1,6 +1,6 @@
 """What a Tensor says about itself: its fields, torch's metadata and the mesh view.
 
-:class:`MetaMixin` is the lowest base of :class:`shardwise.tensors.Tensor`: it declares
+:class:`MetaMixin` is the lowest base of :class:`shardwise.tensors.tensor.Tensor`: it declares
 the fields every Tensor holds and answers every question about them without running
 an op (torch metadata, layout, mesh, shards).
 
@@ -11,7 +11,7 @@ Invariants:
   :attr:`~MetaMixin.dist_layout`.
 - ``shards``/``local()`` hand out the local buffers themselves (shared by replicas,
   possibly views of a larger buffer): read them, never write them.
-- Nothing here builds a Tensor or imports :mod:`shardwise.tensors` (which derives
+- Nothing here builds a Tensor or imports :mod:`shardwise.tensors.tensor` (which derives
   from this class); the mixin never subclasses ``torch.Tensor``, and comes before it
   in ``Tensor``'s bases so that these properties override torch's.
 """
@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any, Self
 
 import torch
 
-from shardwise.devices import Device
+from shardwise.sharding.devices import Device
 from shardwise.sharding.errors import ConversionError, ShardingError
 from shardwise.sharding.layout import Layout
 from shardwise.sharding.mappings import DeviceMapping, NamedMapping, PlacementMapping
