@@ -1,8 +1,11 @@
-"""The op registry's shared parts: ``register``, the fallback, operand helpers.
+"""The op registry's shared parts: ``register``, the fallback, argument helpers.
 
 Invariants:
 - :func:`register` maps torch functions to handlers in ``shardwise.tensors.tensor.HANDLERS``;
-  the installers of :mod:`shardwise.ops.torch_api` call it once at import.
+  each family module (``elementwise``, ``shapes``, ``reductions``...) calls it right above
+  each handler, at import, and :mod:`shardwise.ops.torch_api` imports every family.
+- The public names here are the helpers the families share; a helper one family uses
+  lives in that family.
 - The fallback never gives a wrong value: an op without a rule runs on the gathered
   global operands and returns a Replicated result, warning once per op by name
   (:class:`ShardwiseFallbackWarning`); an in-place op or ``out=`` call without a rule
@@ -12,19 +15,18 @@ Invariants:
 
 from __future__ import annotations
 
-import numbers
 import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
 from shardwise.sharding.errors import ShardingError, ShardingTypeError
-from shardwise.sharding.layout import Layout
+from shardwise.sharding.layout import Layout, normalize_dim
 from shardwise.tensors.tensor import HANDLERS, Tensor, place
 
-__all__ = ["ShardwiseFallbackWarning", "TensorMethod", "register"]
+__all__ = ["ShardwiseFallbackWarning", "TensorMethod", "describe", "fallback", "on_mesh",
+           "reduce_dims", "register", "shape_args"]
 
 TensorMethod = torch.Tensor
 
@@ -54,29 +56,40 @@ def register(*funcs: Any) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
     return deco
 
 
-def _aliases(name: str) -> list[Any]:
-    """``torch.name``, ``Tensor.name``, ``F.name``, ``torch.special.name`` that exist."""
-    return [getattr(mod, name, None) for mod in (torch, TensorMethod, F, torch.special)]
+def shape_args(args: tuple[Any, ...]) -> tuple[int, ...]:
+    """A size given as ``f(2, 3)`` or ``f((2, 3))``, as a tuple of ints.
 
-
-def _is_operand(a: Any) -> bool:
-    return isinstance(a, torch.Tensor) or (
-        isinstance(a, numbers.Number) and not isinstance(a, bool))
-
-
-def _shape_args(args: tuple[Any, ...]) -> tuple[int, ...]:
+    >>> shape_args((2, 3)), shape_args(([2, 3],)), shape_args((torch.Size([4]),))
+    ((2, 3), (2, 3), (4,))
+    """
     if len(args) == 1 and isinstance(args[0], (list, tuple, torch.Size)):
         return tuple(int(s) for s in args[0])
     return tuple(int(s) for s in args)
 
 
-def _zeros(like: Tensor, shape: tuple[int, ...]) -> Tensor:
-    z = torch.zeros((), dtype=like.dtype, device=like.device).expand(shape)
-    return place(z, Layout.replicated(like.mesh, len(shape)))
+def reduce_dims(x: Any, dim: Any, what: str = "dim") -> tuple[int, ...]:
+    """The dims ``dim`` names (an int, a sequence, or None: all), normalized, sorted;
+    ``what`` names the argument in the error of a dim out of range.
+
+    >>> x = torch.zeros(2, 3, 4)
+    >>> reduce_dims(x, None), reduce_dims(x, -1), reduce_dims(x, (2, 0), "flip dims")
+    ((0, 1, 2), (2,), (0, 2))
+    """
+    if dim is None:
+        return tuple(range(x.ndim))
+    ds = (dim,) if isinstance(dim, int) else tuple(dim)
+    return tuple(sorted({normalize_dim(d, max(x.ndim, 1), what) for d in ds})) if x.ndim else ()
 
 
-def _on_mesh(tensors: Sequence[Any]) -> list[Tensor]:
-    """Tensors of one op on the first one's mesh (plain tensors become Replicated)."""
+def on_mesh(tensors: Sequence[Any]) -> list[Tensor]:
+    """Tensors of one op on the first one's mesh (plain tensors become Replicated).
+
+    >>> mesh = DeviceMesh.cpu(2, "x")
+    >>> x = shardwise.tensor([1.0, 2.0], sharding=PlacementMapping(mesh, [Sharded(0)]))
+    >>> a, b = on_mesh([x, torch.ones(2)])
+    >>> a is x, str(b.dist_layout)
+    (True, 'DeviceMesh(x=2)[R]')
+    """
     first = next((t for t in tensors if isinstance(t, Tensor)), None)
     if first is None:
         raise ShardingTypeError("expected at least one shardwise.Tensor among the operands.")
@@ -109,7 +122,14 @@ _INPLACE_DUNDERS = {f"__i{op}__" for op in (
     "xor", "lshift", "rshift")}
 
 
-def _describe(args: Sequence[Any]) -> str:
+def describe(args: Sequence[Any]) -> str:
+    """The shardwise and torch tensors among ``args``, for an error message.
+
+    >>> mesh = DeviceMesh.cpu(2, "x")
+    >>> x = shardwise.tensor([1.0, 2.0], sharding=PlacementMapping(mesh, [Sharded(0)]))
+    >>> describe((x, torch.ones(3), 2.0))
+    'shape [2] DeviceMesh(x=2)[S(x)]; torch shape [3]'
+    """
     parts = []
     for a in args:
         if isinstance(a, Tensor):
@@ -146,9 +166,20 @@ def _mesh_of(args: Any) -> Tensor | None:
     return None
 
 
-def _fallback(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+def fallback(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """No rule: metadata from the wrapper, readers on gathered values, otherwise run on
-    gathered operands and return Replicated results (warning once per op)."""
+    gathered operands and return Replicated results (warning once per op). An in-place
+    op or ``out=`` call raises: writing into a gathered copy would be lost silently.
+
+    >>> mesh = DeviceMesh.cpu(2, "x")
+    >>> x = shardwise.tensor([1.0, 2.0], sharding=PlacementMapping(mesh, [Sharded(0)]))
+    >>> fallback(torch.equal, (x, x), {})  # a reader: gathers silently
+    True
+    >>> fallback(torch.Tensor.exp_, (x,), {})
+    Traceback (most recent call last):
+    ...
+    shardwise.sharding.errors.ShardingError: TensorBase.exp_ writes in place and has no ...
+    """
     if func in _META and func not in _READ:
         with torch._C.DisableTorchFunctionSubclass():
             return func(*args, **kwargs)
@@ -158,7 +189,7 @@ def _fallback(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
             "out" in kwargs) or short == "__setitem__":
         raise ShardingError(
             f"{name} writes in place and has no sharding rule for a shardwise.Tensor "
-            f"({_describe(args)}). Use the out-of-place op (x = op(x, ...)), or gather "
+            f"({describe(args)}). Use the out-of-place op (x = op(x, ...)), or gather "
             "with x.to_torch() and re-shard the result."
         )
     like = _mesh_of(list(args) + list(kwargs.values()))
@@ -167,7 +198,7 @@ def _fallback(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         _WARNED.add(name)
         warnings.warn(ShardwiseFallbackWarning(
             f"{name} has no sharding rule: it ran on the gathered global operands "
-            f"({_describe(args)}) and its result is Replicated. Values are exact; the "
+            f"({describe(args)}) and its result is Replicated. Values are exact; the "
             "communication and memory are not sharded."), stacklevel=3)
     result = func(*plain_args, **plain_kwargs)
     if func in _READ or like is None:

@@ -1,7 +1,21 @@
 """torch functions on shardwise Tensors: the registry behind ``Tensor.__torch_function__``.
 
 Every ``torch.*`` function, ``Tensor`` method or operator and ``torch.nn.functional``
-op called with a shardwise Tensor arrives here as ``(func, args, kwargs)``.
+op called with a shardwise Tensor arrives here as ``(func, args, kwargs)``. Importing
+this module imports every family of handlers (each registers its own at import, right
+above each handler) and then sets the fallback:
+
+==================  ================================================================
+``elementwise``     ``x + y``, ``torch.relu``, ``F.gelu``, ``torch.where``...
+``conversions``     ``x.to(dtype)``, ``x.float()``, ``clone``, ``contiguous``, ``conj``
+``factories``       ``torch.zeros_like``, ``x.new_zeros``, ``torch.randn_like``...
+``inplace``         ``x.add_(y)``, ``x += y``, ``copy_``, ``zero_``, random fills
+``foreach``         ``torch._foreach_*`` (the optimizers)
+``shapes``          view, reshape, permute, expand, cat, stack, split, flip...
+``indexing``        ``x[...]``, ``torch.index_select``
+``reductions``      sum, mean, amax, norms, var, max, topk, sort, cumsum, softmax
+``nn``              linear, matmul, layer/rms norm, embedding, dropout, sdpa, losses
+==================  ================================================================
 
 Invariants:
 - Each call resolves to exactly one of: a registered handler (sharding propagation
@@ -15,26 +29,41 @@ Invariants:
   ``torch.optim`` updates a sharded parameter exactly as it would the global one.
 - Plain torch tensors mixed with shardwise Tensors are treated as Replicated on the
   Tensor's mesh (every process must hold the same value), like JAX's numpy arrays.
+- A torch function has one handler: the families register disjoint sets of functions
+  (within a family a later registration may replace an earlier one on purpose:
+  ``Tensor.__neg__`` is ``Tensor.neg``; ``copy_`` and ``zero_`` replace the generic
+  in-place handler). A family imports the families it reads (``inplace`` reads
+  ``elementwise``'s handlers), so the order of the imports below does not matter.
 """
 
 from __future__ import annotations
 
-from shardwise.ops import torch_elementwise, torch_nn, torch_shapes
-from shardwise.ops.registry import ShardwiseFallbackWarning, _fallback, register
-from shardwise.tensors.tensor import FALLBACK, HANDLERS
+from shardwise.ops import (
+    conversions,
+    elementwise,
+    factories,
+    foreach,
+    indexing,
+    inplace,
+    nn,
+    reductions,
+    shapes,
+)
+from shardwise.ops.registry import ShardwiseFallbackWarning, fallback, register
+from shardwise.tensors.tensor import FALLBACK
 
 __all__ = ["ShardwiseFallbackWarning", "install", "register"]
 
+#: the handler families (the table in the module docstring)
+FAMILIES = (elementwise, conversions, factories, inplace, foreach, shapes, indexing,
+            reductions, nn)
+
 
 def install() -> None:
-    """Fill the registry (idempotent)."""
-    if FALLBACK:
-        return
-    torch_elementwise.install()
-    torch_shapes.install()
-    torch_nn.install()
-    HANDLERS.pop(None, None)
-    FALLBACK.append(_fallback)
+    """Set the fallback once the families have registered their handlers (idempotent;
+    importing this module calls it)."""
+    if not FALLBACK:
+        FALLBACK.append(fallback)
 
 
 install()

@@ -1,0 +1,149 @@
+"""torch's elementwise ops and operators on shardwise Tensors: ``x + y``, ``torch.relu``,
+``F.gelu``, ``torch.where``... one handler per alias, registered from the name tables.
+
+Invariants:
+- Each alias (``torch.name``, ``Tensor.name``, ``F.name``, ``torch.special.name``) runs
+  itself on the blocks, so its own keywords (``F.relu``'s ``inplace=``, ``F.gelu``'s
+  ``approximate=``) keep torch's meaning; the rule table decides the layouts
+  (:func:`shardwise.ops.execute.apply_elementwise`), per distinct block or once on
+  whole values.
+- Tensors and numbers (not bools) among the positional arguments, and tensors among
+  the keywords, are the operands; every other argument passes through unchanged.
+- An operator given an argument that is no operand returns ``NotImplemented``, so
+  Python tries the other side, as torch's own operators do.
+- ``div`` with a ``rounding_mode`` is nonlinear: a Partial numerator is reduced first.
+"""
+
+from __future__ import annotations
+
+import numbers
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from shardwise.ops.execute import apply_elementwise
+from shardwise.ops.registry import TensorMethod, register
+
+__all__ = ["LINEAR", "NONLINEAR"]
+
+
+def _is_operand(a: Any) -> bool:
+    return isinstance(a, torch.Tensor) or (
+        isinstance(a, numbers.Number) and not isinstance(a, bool))
+
+
+def _aliases(name: str) -> list[Any]:
+    """``torch.name``, ``Tensor.name``, ``F.name``, ``torch.special.name`` (None if absent)."""
+    return [getattr(mod, name, None) for mod in (torch, TensorMethod, F, torch.special)]
+
+
+def _elementwise(rule: str, func: Any) -> Callable[..., Any]:
+    """A handler running ``func`` per local block; tensors and numbers among the
+    positional arguments are its operands, everything else passes through."""
+
+    def handler(*args: Any, **kwargs: Any) -> Any:
+        if not kwargs and all(isinstance(a, (torch.Tensor, int, float)) and not isinstance(
+                a, bool) for a in args):
+            return apply_elementwise(rule, args, func)  # every argument is an operand
+        pos = [i for i, a in enumerate(args) if _is_operand(a)]
+        kws = [k for k, v in kwargs.items() if isinstance(v, torch.Tensor)]
+        operands = [args[i] for i in pos] + [kwargs[k] for k in kws]
+        npos = len(pos)
+
+        def local(*blocks: Any) -> torch.Tensor:
+            call = list(args)
+            for i, b in zip(pos, blocks):
+                call[i] = b
+            kw = dict(kwargs)
+            for k, b in zip(kws, blocks[npos:]):
+                kw[k] = b
+            return func(*call, **kw)
+
+        return apply_elementwise(rule, operands, local)
+
+    return handler
+
+
+#: linear ops (a Partial operand may stay Partial): name -> its rule
+LINEAR = {"add": "add", "sub": "sub", "subtract": "sub", "neg": "neg", "negative": "neg",
+          "positive": "ew_linear", "mul": "mul", "multiply": "mul", "div": "div",
+          "divide": "div", "true_divide": "div"}
+#: the other elementwise ops, each its own rule unless _RULE_OF names another
+NONLINEAR = [
+    "abs", "relu", "gelu", "silu", "sigmoid", "tanh", "exp", "log", "sqrt", "pow",
+    "maximum", "minimum", "eq", "ne", "lt", "le", "gt", "ge", "where",
+    "rsqrt", "reciprocal", "sin", "cos", "erf", "exp2", "expm1", "log1p", "log2", "log10",
+    "floor", "ceil", "round", "trunc", "frac", "sign", "sgn", "square", "logical_not",
+    "isnan", "isinf", "isfinite", "bitwise_not", "nan_to_num", "clamp", "clip", "clamp_min",
+    "clamp_max", "leaky_relu", "elu", "softplus", "hardtanh", "mish", "hardswish",
+    "hardsigmoid", "relu6", "logit", "float_power", "fmax", "fmin", "logical_and",
+    "logical_or", "logical_xor", "bitwise_and", "bitwise_or", "bitwise_xor", "masked_fill",
+    "lerp", "addcmul", "addcdiv", "atan2", "remainder", "fmod", "floor_divide", "copysign",
+    "hypot", "xlogy", "threshold", "logsigmoid", "softsign", "tanhshrink", "greater",
+    "greater_equal", "less", "less_equal", "not_equal", "absolute", "arctan2",
+]
+_RULE_OF = {"clip": "clamp", "absolute": "abs", "arctan2": "atan2", "greater": "gt",
+            "greater_equal": "ge", "less": "lt", "less_equal": "le", "not_equal": "ne",
+            "logsigmoid": "log_sigmoid", "relu6": "relu6"}
+
+for _name, _rule in [*LINEAR.items(), *((n, _RULE_OF.get(n, n)) for n in NONLINEAR)]:
+    for _f in _aliases(_name):
+        if _f is not None:
+            register(_f)(_elementwise(_rule, _f))
+
+
+# --- operators: x + y, 2 * x, -x, x == y ... -------------------------------------------
+_DUNDERS = {"__add__": "add", "__radd__": "add", "__sub__": "sub", "__rsub__": "sub",
+            "__mul__": "mul", "__rmul__": "mul", "__truediv__": "div", "__rtruediv__": "div",
+            "__div__": "div", "__rdiv__": "div", "__pow__": "pow", "__rpow__": "pow",
+            "__neg__": "neg", "__abs__": "abs", "__eq__": "eq", "__ne__": "ne",
+            "__lt__": "lt", "__le__": "le", "__gt__": "gt", "__ge__": "ge",
+            "__and__": "logical_and", "__or__": "logical_or", "__xor__": "logical_xor",
+            "__invert__": "bitwise_not", "__floordiv__": "floor_divide",
+            "__rfloordiv__": "floor_divide", "__mod__": "remainder"}
+_REFLECTED = {"__radd__", "__rsub__", "__rmul__", "__rtruediv__", "__rdiv__", "__rpow__",
+              "__rfloordiv__"}
+
+
+def _operator(plain: Callable[..., Any]) -> Callable[..., Any]:
+    """``x op y``: ``plain(x, y)``, or NotImplemented when ``y`` is no operand."""
+
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        if len(args) > 1 and not _is_operand(args[1]):
+            return NotImplemented
+        return plain(*args, **kwargs)
+
+    return forward
+
+
+def _reflected(plain: Callable[..., Any]) -> Callable[..., Any]:
+    """``y op x`` with x the Tensor (``x.__radd__(y)``): ``plain(y, x)``."""
+
+    def reflected(a: Any, b: Any) -> Any:
+        if not _is_operand(b):
+            return NotImplemented
+        return plain(b, a)
+
+    return reflected
+
+
+# After the aliases: torch's Tensor.__neg__ and __abs__ are Tensor.neg and Tensor.abs
+# themselves, so those two methods end on the operator's handler (as they always did).
+for _dunder, _name in _DUNDERS.items():
+    _plain = _elementwise(LINEAR.get(_name) or _RULE_OF.get(_name, _name),
+                          getattr(torch, _name, None) or getattr(TensorMethod, _name))
+    register(getattr(TensorMethod, _dunder))(
+        (_reflected if _dunder in _REFLECTED else _operator)(_plain))
+
+_div_plain = _elementwise("div", torch.div)
+_div_round = _elementwise("div_rounding", torch.div)
+
+
+@register(torch.div, TensorMethod.div, torch.divide, TensorMethod.divide)
+def div(*args: Any, **kwargs: Any) -> Any:
+    """``torch.div``: linear, unless a ``rounding_mode`` makes it nonlinear (a Partial
+    numerator must then be reduced first)."""
+    return (_div_round if kwargs.get("rounding_mode") is not None else _div_plain)(
+        *args, **kwargs)

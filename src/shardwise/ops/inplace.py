@@ -1,0 +1,233 @@
+"""Writes into a shardwise Tensor: ``x.add_(y)``, ``x += y``, ``x.copy_(y)``, ``x.zero_()``,
+and the random fills (``x.normal_()``, ``nn.init.kaiming_uniform_``).
+
+Invariants:
+- An in-place op writes each distinct local buffer once (replicas share one buffer),
+  so ``torch.optim`` updates a sharded parameter exactly as it would the global one.
+- The written tensor keeps its layout and shape: operands laid out like it run the
+  op on its buffers; otherwise the out-of-place result is relaid out and copied in.
+- A Partial tensor refuses every write but ``zero_`` (zeros are a valid Partial value).
+- Random fills draw over the global shape from torch's generator, so the values are
+  single-device torch's for a seed, on every layout and in every process.
+- The out-of-place handlers are read from the registry when this module loads, so
+  :mod:`shardwise.ops.elementwise` registers first (imported here).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from shardwise.ops import compute as C
+from shardwise.ops.conversions import to
+from shardwise.ops.elementwise import LINEAR, NONLINEAR
+from shardwise.ops.factories import zeros_like
+from shardwise.ops.registry import TensorMethod, describe, register
+from shardwise.sharding.errors import ShardingError, ShardingTypeError
+from shardwise.sharding.layout import Layout
+from shardwise.tensors.relayout import record_plan
+from shardwise.tensors.tensor import HANDLERS, Tensor, place
+
+__all__: list[str] = []
+
+
+def _target(x: Any, name: str) -> Tensor:
+    if not isinstance(x, Tensor):
+        raise ShardingTypeError(
+            f"{name}: the tensor written in place is a {type(x).__name__}, but an operand is "
+            "a shardwise.Tensor. Write into a shardwise.Tensor, or gather the operand first "
+            "with .to_torch()."
+        )
+    return x
+
+
+def _refuse_partial(t: Tensor, name: str) -> None:
+    if t.dist_layout.is_partial:
+        raise ShardingError(
+            f"{name} on {t!r}: a Partial tensor cannot be written in place (its devices "
+            "hold addends, not the value). Reduce it first (x = x.redistribute(...) or "
+            "shardwise.all_reduce(x))."
+        )
+
+
+def _write(self: Tensor, value: Tensor, name: str) -> Tensor:
+    """Copy ``value`` (same global shape) into ``self``'s own buffers."""
+    if value.shape != self.shape:
+        raise ShardingError(
+            f"{name}: the result has shape {tuple(value.shape)} but the tensor written in "
+            f"place has shape {tuple(self.shape)}; in-place ops cannot change the shape."
+        )
+    _refuse_partial(self, name)
+    if value.mesh != self.mesh:
+        raise ShardingError(f"{name}: the operands live on {value.mesh!r} and {self.mesh!r}.")
+    if self._whole is not None and value._whole is not None and not value.dist_layout.is_partial:
+        # both hold their global values: one copy, the layout change only counted
+        if value.dist_layout != self.dist_layout:
+            record_plan(value.plan_to(self.dist_layout))
+        self._whole.copy_(value._whole)
+        return self
+    src = value.relayout(self.dist_layout)
+    shards = self._shards
+    for k in self._unique():
+        shards[k].copy_(src._shards[k])
+    return self
+
+
+def _same_layout_rows(self: Tensor, operands: Sequence[Any]) -> bool:
+    lay = self.dist_layout
+    if lay.is_partial:
+        return False
+    for a in operands:
+        if isinstance(a, Tensor):
+            if a.dist_layout != lay and not (a.ndim == 0 and not a.dist_layout.is_partial):
+                return False
+        elif isinstance(a, torch.Tensor) and a.ndim != 0:
+            return False
+    return True
+
+
+def _wholes_like(t: Tensor, operands: Any) -> list[Any] | None:
+    """The operands as whole values when ``t`` (no Partial axes) and every Tensor among
+    them hold one in ``t``'s layout (0-d: any layout without Partial axes); else None."""
+    lay = t._layout
+    if lay.is_partial:
+        return None
+    out = []
+    for a in operands:
+        if isinstance(a, Tensor):
+            w = a._whole
+            if w is None or (a._layout is not lay and a._layout != lay and (
+                    a._shape or a._layout.is_partial)):
+                return None
+            out.append(w)
+        elif isinstance(a, torch.Tensor) and a.ndim != 0:
+            return None
+        else:
+            out.append(a)
+    return out
+
+
+def _inplace(name: str, method: Any, out_of_place: Callable[..., Any] | None
+             ) -> Callable[..., Any]:
+    """``x.op_(...)``: run ``method`` on each distinct local buffer when every operand
+    is laid out like ``x``; else compute ``out_of_place`` and copy it into ``x``."""
+
+    def handler(self: Any, *args: Any, **kwargs: Any) -> Any:
+        t = _target(self, name)
+        whole = t._whole
+        if whole is not None:  # the optimizers' hot path: one call on the wholes
+            wargs = _wholes_like(t, args)
+            wkw = _wholes_like(t, kwargs.values()) if kwargs else []
+            if wargs is not None and wkw is not None:
+                method(whole, *wargs, **dict(zip(kwargs, wkw)))
+                return t
+        if _same_layout_rows(t, list(args) + list(kwargs.values())):
+            shards = t._shards
+            tensors = [i for i, a in enumerate(args) if isinstance(a, Tensor)]
+            tkw = [key for key, v in kwargs.items() if isinstance(v, Tensor)]
+            if not tensors and not tkw:  # numbers only: the same call on every buffer
+                for k in t._unique():
+                    method(shards[k], *args, **kwargs)
+                return t
+            call = list(args)
+            kw = dict(kwargs)
+            for k in t._unique():
+                for i in tensors:
+                    call[i] = args[i]._shards[k]
+                for key in tkw:
+                    kw[key] = kwargs[key]._shards[k]
+                method(shards[k], *call, **kw)
+            return t
+        if out_of_place is None:
+            _refuse_partial(t, name)
+            raise ShardingError(
+                f"{name} has no sharding rule for these operands ({describe((self, *args))}). "
+                "Lay the operands out like the tensor written in place, or use the "
+                "out-of-place op."
+            )
+        return _write(t, out_of_place(t, *args, **kwargs), name)
+
+    return handler
+
+
+# x.add_(y), x.relu_()...: the out-of-place handler is the elementwise one, when it has
+# one (copy_ and zero_ are replaced below, fill_ has none)
+for _name in sorted(set(LINEAR) | set(NONLINEAR) | {"copy", "zero", "fill"}):
+    _method = getattr(TensorMethod, _name + "_", None)
+    if _method is not None:
+        register(_method)(_inplace(_name + "_", _method,
+                                   HANDLERS.get(getattr(TensorMethod, _name, None))))
+
+for _dunder, _name in (("__iadd__", "add"), ("__isub__", "sub"), ("__imul__", "mul"),
+                       ("__itruediv__", "div"), ("__ipow__", "pow")):
+    register(getattr(TensorMethod, _dunder))(
+        _inplace(_dunder, getattr(TensorMethod, _name + "_"),
+                 HANDLERS[getattr(TensorMethod, _name)]))
+
+
+@register(TensorMethod.copy_)
+def copy_(self: Any, src: Any, non_blocking: bool = False) -> Any:
+    """``x.copy_(src)``: src cast to x's dtype, broadcast to its shape, laid out like x."""
+    t = _target(self, "copy_")
+    if isinstance(src, Tensor):
+        value: Tensor = src if src.dtype == t.dtype else to(src, t.dtype)
+        if value.shape != t.shape:
+            value = C.add(value, zeros_like(t))  # broadcast to t's shape
+        return _write(t, value, "copy_")
+    value = torch.as_tensor(src).to(t.dtype).expand(t.shape)  # type: ignore[assignment]
+    return _write(t, place(value, Layout.replicated(t.mesh, t.ndim)), "copy_")
+
+
+@register(TensorMethod.zero_)
+def zero_(self: Any) -> Any:
+    # zeros are a valid Partial value too (they reduce to zeros), unlike other writes
+    t = _target(self, "zero_")
+    if t._whole is not None:
+        t._whole.zero_()
+        return t
+    for s in t.unique_shards()[1]:
+        s.zero_()
+    return t
+
+
+# --- random fills: in place from torch's generator (nn.init ends in these) -----------------
+def _random_fill(name: str, fill: Callable[..., Any], init: bool = False
+                 ) -> Callable[..., Any]:
+    """``x.normal_()`` and kin, and the ``nn.init`` functions: ``fill`` runs on one
+    plain tensor of x's global shape, then each of x's buffers takes its block. So the
+    values are single-device torch's for the same seed, on every layout and in every
+    process (each process draws the same stream; drawn per block, the blocks of one
+    seed would repeat across processes). ``init``: an nn.init function (no autograd,
+    as its own body runs under no_grad)."""
+
+    def handler(*args: Any, **kwargs: Any) -> Any:
+        if init:
+            with torch.no_grad():
+                return fill_(*args, **kwargs)
+        return fill_(*args, **kwargs)
+
+    def fill_(*args: Any, **kwargs: Any) -> Any:
+        # nn.init passes its tensor by keyword
+        self, args = (args[0], args[1:]) if args else (kwargs.pop("tensor"), ())
+        t = _target(self, name)
+        _refuse_partial(t, name)
+        if t._whole is not None:  # it holds its global value: fill that in place
+            fill(t._whole, *args, **kwargs)
+            return t
+        drawn = torch.empty(tuple(t.shape), dtype=t.dtype, device=t.device)
+        fill(drawn, *args, **kwargs)
+        return _write(t, place(drawn, t.dist_layout), name)
+
+    return handler
+
+
+for _name in ("uniform_", "normal_", "bernoulli_", "exponential_", "random_", "cauchy_",
+              "log_normal_", "geometric_"):
+    register(getattr(TensorMethod, _name))(_random_fill(_name, getattr(TensorMethod, _name)))
+
+# the nn.init functions that dispatch on their tensor (the others call x.normal_()...)
+for _name in ("uniform_", "normal_", "kaiming_uniform_", "constant_"):
+    _init = getattr(torch.nn.init, _name)
+    register(_init)(_random_fill(f"torch.nn.init.{_name}", _init, init=True))
