@@ -48,8 +48,20 @@ def text(op: str, shapes: tuple[tuple[int, ...], ...], *params: object) -> str:
     ("reshape", ((4, 6),), ((4, 1, 6),), "d0 d1 -> d0 o1 d1 [4, 1, 6] full=[]"),
     # a split: the old dim is the compound of the new ones
     ("reshape", ((4, 6),), ((2, 2, -1),), "(o0 o1!) d1 -> o0 o1! d1 [2, 2, 6] full=[1]"),
-    # neither (6, 4) -> (4, 6): regrouped dims stay whole
-    ("reshape", ((6, 4),), ((4, 6),), "d0! d1! -> o0! o1! [4, 6] full=[0, 1, 2, 3]"),
+    # neither, (6, 4) -> (4, 6): the run's first dims share a major of size gcd(6, 4)
+    ("reshape", ((6, 4),), ((4, 6),), "(m0 d0!) d1! -> (m0 o0!) o1! [4, 6] full=[1, 2, 3, 4]"),
+    # ... named alone on the side whose first dim it is: gcd(8, 4) == 4, gcd(2, 4) == 2
+    ("reshape", ((8, 6),), ((4, 12),), "(m0 d0!) d1! -> m0 o1! [4, 12] full=[1, 2, 3]"),
+    ("reshape", ((2, 12),), ((4, 6),), "m0 d1! -> (m0 o0!) o1! [4, 6] full=[1, 2, 3]"),
+    # coprime first dims: a major of size 1 (sharded over size-1 mesh axes only)
+    ("reshape", ((3, 4),), ((4, 3),), "(m0 d0!) d1! -> (m0 o0!) o1! [4, 3] full=[1, 2, 3, 4]"),
+    # runs are independent: a regroup, a split, a kept dim (-1 inferred)
+    ("reshape", ((6, 4, 8, 5),), ((4, 6, 2, 4, -1),),
+     "(m0 d0!) d1! (o2 o3!) d3 -> (m0 o0!) o1! o2 o3! d3 [4, 6, 2, 4, 5] "
+     "full=[1, 2, 4, 6, 7]"),
+    # size-0: no runs to align, every dim whole; size-1 dims come and go alone
+    ("reshape", ((0, 4),), ((4, 0),), "d0! d1! -> o0! o1! [4, 0] full=[0, 1, 2, 3]"),
+    ("reshape", ((1, 6, 1),), ((6, 1, 1),), "d0! d1 d2 -> d1 d2 o2 [6, 1, 1] full=[0]"),
     ("getitem", ((4, 8, 3),), ((("slice", None, None, None), 1),),
      "d0 d1! d2 -> d0 d2 [4, 3] full=[1]"),
     ("getitem", ((4, 8, 3),), ((Ellipsis, ("slice", 1, 3, None), None),),

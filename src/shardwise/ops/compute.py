@@ -29,10 +29,9 @@ import torch
 import torch.nn.functional as F
 
 from shardwise.ops.execute import apply
-from shardwise.propagation.binding import bind, normalize_index
+from shardwise.propagation.binding import normalize_index
 from shardwise.sharding.errors import ShardingError, ShardingTypeError
-from shardwise.sharding.layout import Layout, normalize_dim
-from shardwise.sharding.shapes import local_shape, reshape_dims
+from shardwise.sharding.layout import normalize_dim
 from shardwise.tensors.tensor import Tensor
 
 __all__ = [
@@ -210,35 +209,30 @@ def transpose(x: Tensor, dim0: int, dim1: int) -> Tensor:
     return apply("permute", (t,), lambda s: s.permute(order), order)
 
 
+def _reshape_block(s: torch.Tensor, local: tuple[int, ...]) -> torch.Tensor:
+    """One block to its block of the output (``apply(..., shaped=True)`` passes it):
+    the global target shape would not fit a block of a sharded dim."""
+    return s.reshape(local)
+
+
 def reshape(x: Tensor, *shape: Any) -> Tensor:
-    """A new shape. Dims that stay unchanged keep their sharding; a dim split or
-    merged keeps it on the run's first dim when the blocks stay contiguous
-    (``(b, t, d)`` with ``d`` sharded viewed as ``(b, t, heads, d // heads)``
-    shards the heads: :func:`~shardwise.sharding.shapes.reshape_dims`); otherwise
-    the dims are gathered first."""
+    """A new shape. Dims that stay unchanged keep their sharding; a dim split,
+    merged or regrouped keeps it on the run's first dim when every block stays a
+    contiguous piece of the run, and then no block moves (``(b, t, d)`` with ``d``
+    sharded viewed as ``(b, t, heads, d // heads)`` shards the heads); otherwise
+    the dims are gathered first. The rule ``"reshape"`` decides (compound dims
+    ``(a b)``, :mod:`shardwise.propagation.rules`); Partial axes pass through.
+
+    On ``DeviceMesh(tp=2)``, ``x`` of shape (2, 8) Sharded(1) viewed as (2, 2, 4)::
+
+        device      CPU(0)                          CPU(1)
+        block       x[:, 0:4].reshape(2, 1, 4)      x[:, 4:8].reshape(2, 1, 4)
+    """
     t = _need(x, "reshape")
     if len(shape) == 1 and isinstance(shape[0], (list, tuple, torch.Size)):
         shape = tuple(shape[0])
     target = tuple(int(s) for s in shape)
-    if -1 in target and t._layout.sharded_axes:
-        target = bind("reshape", (t._shape,), target).out_shape
-    lay = t._layout
-    kept = None
-    if lay.sharded_axes and t._open is None and target != t._shape:
-        kept = reshape_dims(t._shape, target, lay.dims, lay.mesh.mesh_shape)
-    if kept is None:
-        return apply("reshape", (t,), lambda s, local: s.reshape(local), target, shaped=True)
-    # every block is reshaped where it is: no communication
-    out_lay = Layout(lay.mesh, kept, lay.partial)
-    if t._whole is not None:  # the blocks stay contiguous: cut the reshaped whole alike
-        return Tensor.from_whole(t._whole.reshape(target), out_lay)
-    done: dict[int, torch.Tensor] = {}
-    blocks: list[torch.Tensor | None] = []
-    for k, s in enumerate(t._shards):
-        if s is not None and id(s) not in done:
-            done[id(s)] = s.reshape(local_shape(target, out_lay, lay.mesh.coord_of(k)))
-        blocks.append(None if s is None else done[id(s)])
-    return Tensor(blocks, out_lay, target, t._dtype)
+    return apply("reshape", (t,), _reshape_block, target, shaped=True)
 
 
 def cat(tensors: Sequence[Tensor], dim: int = 0) -> Tensor:

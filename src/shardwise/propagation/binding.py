@@ -46,6 +46,7 @@ class Factors:
     extents: tuple[tuple[int, ...], ...] = ()
     out_extents: tuple[int, ...] = ()
     even: frozenset[int] = frozenset()     # majors of compounds: sharded only evenly
+    any_partial: bool = False              # every Partial op passes (Rule.any_partial)
     shapes: tuple[tuple[int, ...], ...] = field(init=False, compare=False)
     out_shape: tuple[int, ...] = field(init=False, compare=False)
     _hash: int = field(init=False, repr=False, compare=False)
@@ -225,7 +226,7 @@ def _parse(op: str, spec: str, shapes: tuple[tuple[int, ...], ...], rule: Rule) 
     return Factors(op, text.strip(), tuple(operands), tuple(output), tuple(sizes),
                    frozenset(full), rule.passes, reduce, carriers,
                    () if plain else tuple(extents), () if plain else tuple(out_ext),
-                   frozenset(even))
+                   frozenset(even), rule.any_partial)
 
 
 @functools.lru_cache(maxsize=8192)

@@ -12,7 +12,8 @@ Invariants:
   an axis no operand uses for that factor (no new shardings are invented).
 - A mesh axis serves at most one factor, or one Partial pass-through.
 - A sharded factor missing from the output makes the output Partial(rule's
-  reduce op) over its axes; a pass-through axis keeps Partial(SUM).
+  reduce op) over its axes; a pass-through axis keeps Partial(SUM) (any op for a
+  rule marked ``any_partial``: reshape only moves elements).
 - Cost = bytes per device the planner moves to lay the operands out as
   required (from the operand's layout or, cheaper, from a layout it already has
   at hand: a kept relayout, free to reuse), plus :data:`CLOSED_PENALTY` per
@@ -80,23 +81,32 @@ def _candidates(factors: Factors, layouts: tuple[Layout | None, ...],
     return out
 
 
-def _pass_options(factors: Factors, layouts: tuple[Layout | None, ...]
-                  ) -> list[tuple[int, list[int | None]]]:
-    """Per mesh axis where some operand is Partial(SUM): the choices of which
-    operands keep it (-1: all of them; None: nobody, resolve)."""
-    out: list[tuple[int, list[int | None]]] = []
+# per mesh axis where a Partial may pass: (axis, its reduce op, the choices of which
+# operands keep it: -1 all of them, None nobody (resolve), i operand i alone)
+PassOptions = list[tuple[int, ReduceOp, list[int | None]]]
+
+
+def _pass_options(factors: Factors, layouts: tuple[Layout | None, ...]) -> PassOptions:
+    """Per mesh axis where some operand is Partial(SUM), or, for a rule that passes
+    any Partial (``any_partial``), where every operand is Partial with one op."""
+    out: PassOptions = []
     mesh = next(lay for lay in layouts if lay is not None).mesh
     for a in range(mesh.ndim):
         holders = [i for i, lay in enumerate(layouts)
                    if lay is not None and lay.partial[a] is ReduceOp.SUM]
         if not holders:
+            ops = {lay.partial[a] if lay is not None else None for lay in layouts}
+            if factors.any_partial and factors.passes is Passes.LINEAR and len(ops) == 1:
+                op = ops.pop()
+                if op is not None:
+                    out.append((a, op, [None, -1]))
             continue
         opts: list[int | None] = [None]
         if factors.passes is Passes.LINEAR and all(lay is not None for lay in layouts):
             opts.append(-1)
         elif factors.passes is Passes.MULTILINEAR:
             opts += [i for i in holders if i in factors.carriers]
-        out.append((a, opts))
+        out.append((a, ReduceOp.SUM, opts))
     return out
 
 
@@ -125,13 +135,13 @@ def decide(factors: Factors, layouts: tuple[Layout | None, ...],
         if len(used) != len(set(used)) or (factors.even and not _even(factors, shardings,
                                                                         mesh.mesh_shape)):
             continue
-        for keep in itertools.product(*(opts for _, opts in passes)):
-            axes_kept = [a for (a, _), k in zip(passes, keep) if k is not None]
-            if set(axes_kept) & set(used):
+        for keep in itertools.product(*(opts for _, _, opts in passes)):
+            axes_kept = [(a, op) for (a, op, _), k in zip(passes, keep) if k is not None]
+            if {a for a, _ in axes_kept} & set(used):
                 continue
             out_partial: list[ReduceOp | None] = [None] * mesh.ndim
-            for a in axes_kept:
-                out_partial[a] = ReduceOp.SUM
+            for a, op in axes_kept:
+                out_partial[a] = op
             for f, axes in enumerate(shardings):
                 if axes and f not in in_output:
                     assert factors.reduce is not None, f"{factors.text}: factor {f} reduced"
@@ -144,8 +154,8 @@ def decide(factors: Factors, layouts: tuple[Layout | None, ...],
                     required.append(None)
                     changed.append(0)
                     continue
-                part = tuple(ReduceOp.SUM if k == -1 or k == i else None
-                             for k in _per_axis(passes, keep, mesh.ndim))
+                part = tuple(op if k == -1 or k == i else None
+                             for k, op in _per_axis(passes, keep, mesh.ndim))
                 req = Layout(mesh, tuple(shardings[f] for f in fs), part)
                 if req == lay:
                     req = lay  # the operand's own object: compute skips relayout by identity
@@ -179,11 +189,12 @@ def _even(factors: Factors, shardings: tuple[tuple[int, ...], ...],
                for f in factors.even)
 
 
-def _per_axis(passes: list[tuple[int, list[int | None]]], keep: tuple[int | None, ...],
-              ndim: int) -> list[int | None]:
-    out: list[int | None] = [None] * ndim
-    for (a, _), k in zip(passes, keep):
-        out[a] = k
+def _per_axis(passes: PassOptions, keep: tuple[int | None, ...], ndim: int
+              ) -> list[tuple[int | None, ReduceOp | None]]:
+    """Per mesh axis: who keeps its Partial (as in :data:`PassOptions`) and its op."""
+    out: list[tuple[int | None, ReduceOp | None]] = [(None, None)] * ndim
+    for (a, op, _), k in zip(passes, keep):
+        out[a] = (k, op)
     return out
 
 

@@ -12,10 +12,12 @@ Invariants:
 - ``name!`` marks a factor that must stay replicated ("needs full": softmax's
   dim, cat's dim, indexed dims). ``name=size`` gives the size of a factor only
   the output has (cat, reshape, indexing, keepdim).
-- ``(a b)`` is one dim made of factors ``a`` (major) and ``b`` (reshape's split
-  and merged dims): the dim is laid out as ``a``, the minor factors stay
+- ``(a b)`` is one dim made of factors ``a`` (major) and ``b`` (reshape's split,
+  merged and regrouped dims): the dim is laid out as ``a``, the minor factors stay
   replicated, and ``a`` may be sharded only where its pieces divide evenly (then
   the dim's contiguous blocks are exactly ``a``'s blocks times the minors).
+  Reshape's rule alone decides which dims keep their sharding: every dim it
+  keeps sharded is reshaped block by block, with no communication.
 - A sharded factor missing from the output (matmul's ``k``, a summed dim)
   leaves the output ``Partial(reduce)`` over its mesh axes, with no
   communication: SUM for sum/mean/matmul/einsum, MAX/MIN for amax/amin.
@@ -24,7 +26,9 @@ Invariants:
   on ``a`` (neg, sum, mean, add, sub, layout ops); ``MULTILINEAR`` when
   exactly one operand among ``carriers`` is and the others are replicated on
   ``a`` (mul, matmul, einsum, div by a non-partial denominator);
-  ``NONLINEAR`` never: the Partial is resolved first.
+  ``NONLINEAR`` never: the Partial is resolved first. ``any_partial`` (reshape,
+  which only moves elements): under ``LINEAR`` a Partial of *any* reduce op
+  passes, not only SUM (the max of moved blocks is the moved max).
 - A rule that depends on the op's arguments (dims, shapes, an index) holds its
   family's builder (``Rule.build``), defined in this module right above the
   table: ``build(shapes, *params)`` writes the concrete factor rule.
@@ -80,6 +84,7 @@ class Rule:
     reduce: ReduceOp | None = None
     build: Builder | None = None             # None: ``spec`` is the rule for any shapes
     carriers: tuple[int, ...] | None = None  # operands that may carry a Partial; None: all
+    any_partial: bool = False                # Partial(MAX/MIN/...) passes as SUM does
 
 
 # matmul by (lhs is 1-D, rhs is 1-D), as torch.matmul
@@ -218,10 +223,28 @@ def _reshape(shapes: tuple[tuple[int, ...], ...], target: tuple[int, ...]) -> st
             elif len(gj) == 1:  # a merge: the new dim is the old dims' compound
                 out.append("(" + " ".join(names[d] for d in gi) + ")")
             else:
-                for d in gi:
-                    marks[d] = "!"
-                out += [f"o{k}!={new[k]}" for k in gj]
+                out += _regroup(src, new, gi, gj, names, marks)
     return " ".join(n + m for n, m in zip(names, marks)) + " -> " + " ".join(out)
+
+
+def _regroup(src: tuple[int, ...], new: list[int], gi: list[int], gj: list[int],
+             names: list[str], marks: list[str]) -> list[str]:
+    """A run regrouped, neither a split nor a merge (``(6, 4) -> (4, 6)``): its first
+    source and first target dim share a major factor ``m`` of size ``g = gcd`` of the
+    two, their rests are minors, and the run's other dims stay whole. ``m`` sharded
+    over ``n`` devices (``n`` dividing ``g``, the compound's "only evenly") leaves
+    device ``k`` the ``k``-th contiguous ``1/n`` of the run on both sides. Coprime
+    first dims give ``g == 1``: only size-1 mesh axes may shard ``m`` then."""
+    a, b = src[gi[0]], new[gj[0]]
+    g = math.gcd(a, b)
+    for d in gi[1:]:
+        marks[d] = "!"
+    m = f"m{gi[0]}"
+    # a side whose first dim is m itself (g equals it) names m alone: one of a, b
+    # differs from g, since a run whose first dims agree would be a single dim
+    names[gi[0]] = m if g == a else f"({m}={g} {names[gi[0]]}={a // g})"
+    first = m if g == b else f"({m} o{gj[0]}={b // g})"
+    return [first] + [f"o{k}!={new[k]}" for k in gj[1:]]
 
 
 def normalize_index(index: tuple[Any, ...], shape: tuple[int, ...]) -> tuple[Any, ...]:
@@ -364,7 +387,7 @@ RULES: dict[str, Rule] = {
     "permute": Rule("a b c -> c a b", LINEAR, build=_permute),
     "softmax": Rule("a d! -> a d!", NONLINEAR, build=_softmax),
     "cat": Rule("a0! b, a1! b -> a!=N b", LINEAR, build=_cat),
-    "reshape": Rule("a (h=4 e=8) -> a h e", LINEAR, build=_reshape),
+    "reshape": Rule("a (h=4 e=8) -> a h e", LINEAR, build=_reshape, any_partial=True),
     "getitem": Rule("a b! c -> a e=N c", LINEAR, build=_index),
 }
 

@@ -28,7 +28,6 @@ __all__ = [
     "local_shape",
     "local_shard_shape_from_global",
     "piece_index",
-    "reshape_dims",
     "reshape_groups",
     "shard_shape",
     "split_bounds",
@@ -241,45 +240,6 @@ def reshape_groups(src: Sequence[int], new: Sequence[int]
                 j += 1
         out.append((gi, gj))
     return out
-
-
-def reshape_dims(src: Sequence[int], new: Sequence[int], dims: Sequence[tuple[int, ...]],
-                 mesh_shape: Sequence[int]) -> tuple[tuple[int, ...], ...] | None:
-    """The sharding of each dim of ``new`` when a tensor of shape ``src``, its dims
-    sharded over the mesh axes ``dims``, is reshaped to ``new`` with no communication
-    (each block reshaped where it is), or None when some block would not be a block.
-
-    Dims group into runs of equal element count (``(2, 32) -> (2, 4, 8)``: ``[0]->[0]``,
-    ``[1]->[1, 2]``). In a run that splits or merges dims only its first source dim may
-    be sharded, over ``n`` devices dividing both that dim and the first target dim: the
-    ``k``-th block is then the ``k``-th contiguous ``1/n`` of the run either way.
-
-    >>> reshape_dims((2, 32), (2, 4, 8), ((), (1,)), (2, 2))   # heads split off d
-    ((), (1,), ())
-    >>> reshape_dims((2, 4, 8), (2, 32), ((), (), (1,)), (2, 2)) is None  # minor dim
-    True
-    """
-    out: list[tuple[int, ...]] = [()] * len(new)
-    if _prod(src) != _prod(new):
-        return None
-    if _prod(src) == 0:
-        return tuple(out) if not any(dims) else None
-    for gi, gj in reshape_groups(src, new):
-        if not gj:  # a dropped size-1 dim
-            if dims[gi[0]]:
-                return None
-            continue
-        if not gi:  # a new size-1 dim
-            continue
-        if any(dims[d] for d in gi[1:]):
-            return None
-        axes = dims[gi[0]]
-        n = _prod([mesh_shape[a] for a in axes])
-        if (len(gi) == 1 and len(gj) == 1) or (src[gi[0]] % n == 0 and new[gj[0]] % n == 0):
-            out[gj[0]] = axes
-        else:
-            return None
-    return tuple(out)
 
 
 def _prod(shape: Sequence[int]) -> int:
