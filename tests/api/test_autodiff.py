@@ -14,7 +14,6 @@ from dataclasses import dataclass
 import pytest
 import torch
 import torch.autograd.forward_ad as fwAD
-from shardcheck import assert_shares_replicas
 
 import shardwise as sw
 from shardwise import (
@@ -28,12 +27,11 @@ from shardwise import (
     Sharded,
 )
 from shardwise.sharding import Layout
+from tests.helpers.meshes import M4, M22, M23
+from tests.helpers.shardcheck import assert_shares_replicas
 
 pytestmark = pytest.mark.filterwarnings("ignore:`torch.jit.script` is deprecated")
 
-M4 = DeviceMesh.cpu(4, "x")
-M22 = DeviceMesh.cpu((2, 2), ("dp", "tp"))
-M23 = DeviceMesh.cpu((2, 3), ("dp", "tp"))
 SINGLE = PlacementMapping(DeviceMesh.single(CPU(0)), [Replicated()])
 
 

@@ -13,8 +13,8 @@ import torch
 import shardwise as sw
 from shardwise import DeviceMesh, Partial, PlacementMapping, Replicated, Sharded, lax
 from shardwise.sharding.errors import ShardingError, ShardingTypeError
+from tests.helpers.meshes import M2
 
-M2 = DeviceMesh.cpu(2, "x")
 X = torch.ones(4, 2)
 
 

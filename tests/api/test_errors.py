@@ -12,7 +12,6 @@ from shardwise import (
     CPU,
     Accelerator,
     DeviceError,
-    DeviceMesh,
     Partial,
     PlacementMapping,
     ReduceOp,
@@ -22,9 +21,7 @@ from shardwise import (
 )
 from shardwise.sharding.devices import accelerator_count
 from shardwise.sharding.errors import ShardingTypeError
-
-M4 = DeviceMesh.cpu(4, "x")
-M22 = DeviceMesh.cpu((2, 2), ("dp", "tp"))
+from tests.helpers.meshes import M4, M22
 
 
 def x22(shape: tuple = (4, 4)) -> sw.Tensor:

@@ -5,9 +5,8 @@ from __future__ import annotations
 import torch
 
 import shardwise as sw
-from shardwise import DeviceMesh, Partial, PlacementMapping, Replicated, Sharded
-
-MESH = DeviceMesh.cpu((2, 2), ("dp", "tp"))
+from shardwise import Partial, PlacementMapping, Replicated, Sharded
+from tests.helpers.meshes import M22 as MESH
 
 
 def test_from_local_shares_the_given_tensors() -> None:

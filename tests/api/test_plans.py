@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from shardcheck import global_of, ints
 
 import shardwise as sw
 from shardwise import (
@@ -16,9 +15,8 @@ from shardwise import (
     Replicated,
     Sharded,
 )
-
-M4 = DeviceMesh.cpu(4, "x")
-M22 = DeviceMesh.cpu((2, 2), ("dp", "tp"))
+from tests.helpers.meshes import M4, M22
+from tests.helpers.shardcheck import global_of, ints
 
 
 def kinds(plan: sw.Plan) -> list[str]:

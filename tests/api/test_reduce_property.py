@@ -12,10 +12,17 @@ import math
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from shardcheck import REDUCE, Snapshot, assert_shares_replicas, coord, from_blocks, global_of
 
 import shardwise as sw
 from shardwise.sharding import DeviceMesh, Layout, ReduceOp
+from tests.helpers.shardcheck import (
+    REDUCE,
+    Snapshot,
+    assert_shares_replicas,
+    coord,
+    from_blocks,
+    global_of,
+)
 
 SETTINGS = settings(max_examples=300, deadline=None,
                     suppress_health_check=[HealthCheck.too_slow])

@@ -5,10 +5,10 @@ from __future__ import annotations
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from shardcheck import Snapshot, assert_shares_replicas, from_blocks, global_of, ints
 
 import shardwise as sw
 from shardwise.sharding import DeviceMesh, Layout, ReduceOp
+from tests.helpers.shardcheck import Snapshot, assert_shares_replicas, from_blocks, global_of, ints
 
 SETTINGS = settings(max_examples=400, deadline=None,
                     suppress_health_check=[HealthCheck.too_slow])

@@ -13,7 +13,6 @@ import warnings
 
 import pytest
 import torch
-from shardcheck import REDUCE, Snapshot, assert_shares_replicas, coord, global_of, ints
 
 import shardwise as sw
 from shardwise import (
@@ -26,11 +25,16 @@ from shardwise import (
     Sharded,
 )
 from shardwise.sharding import Layout
+from tests.helpers.meshes import M4, M22, M23, M222
+from tests.helpers.shardcheck import (
+    REDUCE,
+    Snapshot,
+    assert_shares_replicas,
+    coord,
+    global_of,
+    ints,
+)
 
-M4 = DeviceMesh.cpu(4, "x")
-M22 = DeviceMesh.cpu((2, 2), ("dp", "tp"))
-M23 = DeviceMesh.cpu((2, 3), ("dp", "tp"))
-M222 = DeviceMesh.cpu((2, 2, 2), ("a", "b", "c"))
 MESHES = [M4, M22, M23, M222]
 # even, uneven (5 over 4, 2 over 3) and empty dims
 SHAPES = [(12, 6), (5, 7), (2, 3), (0, 4), (4, 6, 5)]

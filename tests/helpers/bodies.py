@@ -12,15 +12,9 @@ import torch
 
 import shardwise as sw
 from shardwise import DeviceMesh, Partial, PlacementMapping, Replicated, Sharded
+from tests.helpers.meshes import meshes_for
 
 OPS = ["sum", "avg", "min", "max", "prod"]
-
-
-def meshes(n: int) -> list[DeviceMesh]:
-    out = [DeviceMesh.cpu((n,), ("x",))]
-    if n == 4:
-        out.append(DeviceMesh.cpu((2, 2), ("dp", "tp")))
-    return out
 
 
 def data(*shape: int) -> torch.Tensor:
@@ -39,7 +33,7 @@ def layouts(mesh: DeviceMesh, ndim: int) -> list[PlacementMapping]:
 
 def body_reshard_values(n: int) -> None:
     """Every source layout to every target layout keeps the global value."""
-    for mesh in meshes(n):
+    for mesh in meshes_for(n):
         for shape in [(5, 3), (8, 4), (2, 6), (0, 4)]:
             x = data(*shape)
             for src in layouts(mesh, 2):
@@ -104,7 +98,7 @@ def ref_fn(fn, x: torch.Tensor) -> torch.Tensor:  # type: ignore[no-untyped-def]
 
 
 def body_gradients(n: int) -> None:
-    for mesh in meshes(n):
+    for mesh in meshes_for(n):
         x = data(6, 4)
         for src in layouts(mesh, 2):
             for dst in layouts(mesh, 2):
@@ -281,7 +275,7 @@ def body_compute_grads(n: int) -> None:
     operands of sharded outputs) give torch's values and gradients on both runtimes."""
     import operator
 
-    for mesh in meshes(n):
+    for mesh in meshes_for(n):
         a = mesh.axis_names[-1]
         axis = mesh.axis_index(a)
 
@@ -496,7 +490,7 @@ def body_reduce_op_grads(n: int) -> None:
     """Gradients through all_reduce / reduce_scatter of a Partial(op), for every op,
     equal single-device torch's (each device's term is a leaf; the reference
     reduces the stacked terms). Terms are distinct and nonzero: no ties, no 0/0."""
-    for mesh in meshes(n):
+    for mesh in meshes_for(n):
         size = mesh.num_devices  # Partial over every mesh axis: one term per device
         for op in OPS:
             pm = PlacementMapping(mesh, [Partial(op)] * mesh.ndim)

@@ -1,4 +1,4 @@
-"""Checkpoint bodies run on Gloo ranks (``tests/multiprocess/harness.py``): 4 ranks
+"""Checkpoint bodies run on Gloo ranks (``tests/helpers/harness.py``): 4 ranks
 save, 2 ranks load what they saved. Files go to ``$SHARDWISE_CKPT_TEST_DIR``, a
 directory every rank of both launches shares."""
 
@@ -203,7 +203,7 @@ def body_dtensor_round_trips(world: int) -> None:
 
 
 def body_gpt_trains_then_saves(world: int) -> None:
-    import gpt_runs
+    from tests.helpers import gpt_runs
 
     mesh = DeviceMesh.cpu((2, 2), ("dp", "tp"))
     model, opt, config = gpt_runs.build(mesh)
@@ -239,7 +239,7 @@ def two_load_store_and_safetensors(world: int) -> None:
 
 
 def two_gpt_resumes(world: int) -> None:
-    import gpt_runs
+    from tests.helpers import gpt_runs
 
     mesh = DeviceMesh.cpu((2, 1), ("dp", "tp"))
     model, opt, config = gpt_runs.build(mesh, seed=5)

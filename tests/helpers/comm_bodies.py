@@ -22,12 +22,9 @@ import shardwise as sw
 from examples.gpt import GPT, Block, Config, batch, megatron_by_hand
 from shardwise import DeviceMesh, PlacementMapping, Replicated, Sharded
 from shardwise.debug import CommCounter
+from tests.helpers.meshes import grid
 
 R = Replicated()
-
-
-def mesh_of(n: int) -> DeviceMesh:
-    return DeviceMesh.cpu((2, n // 2), ("dp", "tp"))
 
 
 
@@ -70,7 +67,7 @@ def check_block(n: int) -> None:
     """One Megatron block, forward and backward: exactly 2 + 2 all_reduces over tp of
     the activations' size, the dp gradient all_reduces, nothing else; values and
     gradients equal single-device torch."""
-    mesh = mesh_of(n)
+    mesh = grid(n)
     dp, tp = mesh.mesh_shape
     c = Config()
     torch.manual_seed(0)
@@ -107,7 +104,7 @@ def check_gpt(n: int, steps: int = 2) -> None:
     block over tp (and the loss's token count, one scalar over dp), the backward 2 per
     block plus the dp gradient all_reduces; no all_gather anywhere. Losses and
     gradients equal single-device torch (AdamW steps in between)."""
-    mesh = mesh_of(n)
+    mesh = grid(n)
     dp, tp = mesh.mesh_shape
     c = Config()
     torch.manual_seed(0)

@@ -1,4 +1,4 @@
-"""Helpers for tests/compute (not collected: no ``test_`` prefix).
+"""Helpers for the compute-op tests in tests/ops and tests/propagation.
 
 ``run(fn_sw, fn_torch, inputs)`` runs a compute op on shardwise Tensors and the
 same function on plain torch, and checks value (through the independent oracle
@@ -17,14 +17,16 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
-from shardcheck import assert_shares_replicas, block, global_of
 
 import shardwise as sw
 from shardwise.debug import CommCounter
 from shardwise.sharding import DeviceMesh, Layout, ReduceOp
+from tests.helpers.meshes import M4, M24
+from tests.helpers.shardcheck import assert_shares_replicas, block, global_of
 
-MESH = DeviceMesh.cpu((2, 4), ("dp", "tp"))
-LINE = DeviceMesh.cpu((4,), ("x",))
+# the compute tests' meshes, under the names they import from here
+MESH = M24
+LINE = M4
 
 
 def lay(mesh: DeviceMesh, *dims: Any, partial: dict[str, ReduceOp] | None = None) -> Layout:

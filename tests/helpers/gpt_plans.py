@@ -1,6 +1,6 @@
 """The shared GPT (examples/gpt.py, imported by path), its tensor-parallel plans and a
 training loop beside single-device torch: used by the simulated tests and by the
-Gloo bodies (tests/multiprocess/tp_bodies.py)."""
+Gloo bodies (tests/helpers/tp_bodies.py)."""
 
 from __future__ import annotations
 

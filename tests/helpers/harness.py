@@ -77,6 +77,9 @@ def run_on_ranks(target: str, names: list[str], world: int, *, limit_s: float = 
                  timeout_s: float = 30.0) -> dict[int, dict[str, str | None]]:
     """Run ``target.<name>(world)`` for each name on ``world`` Gloo ranks.
 
+    ``target`` is a module name the ranks import (``bodies.__name__``, e.g.
+    ``"tests.helpers.bodies"``): spawned ranks inherit the caller's ``sys.path``.
+
     Returns ``{rank: {name: None | traceback}}``; a rank that died without
     reporting maps to ``{"<exit>": ...}``; ranks missing after ``limit_s`` are absent.
     """

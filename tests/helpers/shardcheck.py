@@ -1,4 +1,4 @@
-"""Independent oracle for the tests under tests/ops (not collected: no ``test_`` prefix).
+"""Independent oracle for the value tests (tests/api, and the compute ops through computecheck).
 
 ``global_of(t)`` rebuilds a Tensor's global value from its raw shards with its own
 copy of the split rule (DESIGN.md §2), checking on the way that every shard has the

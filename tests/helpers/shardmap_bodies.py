@@ -17,15 +17,9 @@ import torch
 
 import shardwise as sw
 from shardwise import DeviceMesh, NamedMapping, Partial, PlacementMapping, Sharded, lax
+from tests.helpers.meshes import meshes_for
 
 Fn = Callable[..., Any]
-
-
-def meshes(n: int) -> list[DeviceMesh]:
-    out = [DeviceMesh.cpu((n,), ("x",))]
-    if n == 4:
-        out.append(DeviceMesh.cpu((2, 2), ("dp", "tp")))
-    return out
 
 
 def data(*shape: int, seed: int = 0) -> torch.Tensor:
@@ -82,7 +76,7 @@ def check_collective(mesh: DeviceMesh, x: torch.Tensor, body: Fn,
 
 def body_collective_values(n: int) -> None:
     """Every lax collective, by single axis and by tuples (in and out of mesh order)."""
-    for mesh in meshes(n):
+    for mesh in meshes_for(n):
         for axes in axis_choices(mesh):
             g = lax_size(mesh, axes)
             x = data(3 * mesh.num_devices, 4)

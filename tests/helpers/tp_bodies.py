@@ -1,21 +1,13 @@
 """shardwise.parallel on 4 Gloo processes (a 2x2 mesh, one device each): the GPT of
-examples/gpt.py with the Megatron and sequence-parallel plans of tests/parallel
+examples/gpt.py with the Megatron and sequence-parallel plans of ``gpt_plans``
 trains as single-device torch does, which every rank computes itself."""
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import torch
 
-_PLANS = str(Path(__file__).resolve().parents[1] / "parallel")
-if _PLANS not in sys.path:
-    sys.path.insert(0, _PLANS)
-
-import gpt_plans as G  # noqa: E402
-
-import shardwise as sw  # noqa: E402
+import shardwise as sw
+from tests.helpers import gpt_plans as G
 
 
 def _check(plan: dict[str, object], n: int) -> dict[str, object]:

@@ -1,7 +1,7 @@
 """Communication-optimal propagation: a relayout is done once per value and reused,
 Partial values resolve by cost, reshapes keep split/merged dims sharded, and
 CommCounter counts backward collectives and names each one's source line.
-(The Megatron GPT's exact counts: tests/multiprocess/test_comm_gloo.py.)"""
+(The Megatron GPT's exact counts: tests/runtime/test_comm_gloo.py.)"""
 
 from __future__ import annotations
 
@@ -17,10 +17,10 @@ import shardwise as sw
 from shardwise import DeviceMesh, PlacementMapping, Replicated, Sharded
 from shardwise.debug import CommCounter
 from shardwise.sharding.layout import Layout
+from tests.helpers.meshes import M4 as LINE
+from tests.helpers.meshes import M24 as MESH
 
 R = Replicated()
-MESH = DeviceMesh.cpu((2, 4), ("dp", "tp"))
-LINE = DeviceMesh.cpu(4, "x")
 
 
 def on(mesh: DeviceMesh, *places: object) -> PlacementMapping:

@@ -1,18 +1,18 @@
 """The Megatron MLP on the simulated 2x4 mesh: zero collectives to a Partial(SUM)
 over tp, one all_reduce in the whole forward, values and gradients equal torch.
-(The same check runs on Gloo ranks as ``body_megatron`` in tests/multiprocess.)"""
+(The same check runs on Gloo ranks as ``body_megatron`` in tests/runtime/test_gloo.py.)"""
 
 from __future__ import annotations
 
 import pytest
 import torch
 import torch.nn.functional as F
-from computecheck import MESH, lay, values
 
 import shardwise as sw
 from shardwise.debug import CommCounter
 from shardwise.runtime import simulated
 from shardwise.sharding import ReduceOp
+from tests.helpers.computecheck import MESH, lay, values
 
 XV, AV, BV = values(8, 16, seed=1), values(16, 12, seed=2) / 4, values(12, 16, seed=3) / 4
 

@@ -6,13 +6,13 @@ from __future__ import annotations
 import operator
 
 import torch
-from computecheck import make
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from shardcheck import assert_shares_replicas, global_of
 
 import shardwise as sw
 from shardwise.sharding import DeviceMesh, Layout, ReduceOp
+from tests.helpers.computecheck import make
+from tests.helpers.shardcheck import assert_shares_replicas, global_of
 
 NAMES = ("a", "b", "c")
 # op: (shardwise, torch)

@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from computecheck import LINE, MESH, lay, run, values
 
 import shardwise as sw
 from shardwise.sharding import ReduceOp
+from tests.helpers.computecheck import LINE, MESH, lay, run, values
 
 SUM, MAX = ReduceOp.SUM, ReduceOp.MAX
 

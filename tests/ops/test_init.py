@@ -15,9 +15,9 @@ import torch
 import torch.nn as nn
 
 import shardwise as sw
-from shardwise import DeviceMesh, Partial, PlacementMapping, Replicated, Sharded
+from shardwise import Partial, PlacementMapping, Replicated, Sharded
+from tests.helpers.meshes import M22 as MESH
 
-MESH = DeviceMesh.cpu((2, 2), ("dp", "tp"))
 R = Replicated()
 LAYOUTS = [(R, R), (Sharded(0), R), (R, Sharded(1)), (Sharded(0), Sharded(1)),
            (Sharded(1), Sharded(0))]

@@ -16,9 +16,9 @@ import torch
 import torch.nn.functional as F
 
 import shardwise as sw
-from shardwise import DeviceMesh, Partial, PlacementMapping, Replicated, Sharded
+from shardwise import Partial, PlacementMapping, Replicated, Sharded
+from tests.helpers.meshes import M22 as MESH
 
-MESH = DeviceMesh.cpu((2, 2), ("dp", "tp"))
 R, S0, S1, S2 = Replicated(), Sharded(0), Sharded(1), Sharded(2)
 LAYOUTS = [(R, R), (S0, R), (R, S1), (S0, S1), (S1, S0)]
 

@@ -7,11 +7,11 @@ import pytest
 import torch
 
 import shardwise as sw
-from shardwise import DeviceMesh, PlacementMapping, Replicated, Sharded
+from shardwise import PlacementMapping, Replicated, Sharded
 from shardwise.debug import CommCounter
 from shardwise.sharding.shapes import reshape_dims
+from tests.helpers.meshes import M24 as MESH
 
-MESH = DeviceMesh.cpu((2, 4), ("dp", "tp"))
 DP, TP = 0, 1
 
 

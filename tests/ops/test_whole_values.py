@@ -14,12 +14,11 @@ import torch.nn.functional as F
 
 import shardwise as sw
 from benchmarks.common import example_gpt
-from shardwise import DeviceMesh, Partial, PlacementMapping, Replicated, Sharded
+from shardwise import Partial, PlacementMapping, Replicated, Sharded
 from shardwise.debug import CommCounter
+from tests.helpers.meshes import M24 as MESH
 
 R = Replicated()
-MESH = DeviceMesh.cpu((2, 4), ("dp", "tp"))
-
 
 
 def _nodes(root: Any) -> int:

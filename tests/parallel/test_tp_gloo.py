@@ -4,10 +4,11 @@ processes: one launch runs every body (tp_bodies.py)."""
 from __future__ import annotations
 
 import pytest
-import tp_bodies
-from harness import check_body
+
+from tests.helpers import tp_bodies
+from tests.helpers.harness import check_body
 
 
 @pytest.mark.parametrize("name", tp_bodies.BODIES)
 def test_tp_body_on_gloo(name: str) -> None:
-    check_body("tp_bodies", tp_bodies.BODIES, 4, name)
+    check_body(tp_bodies.__name__, tp_bodies.BODIES, 4, name)

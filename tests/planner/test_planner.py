@@ -19,11 +19,11 @@ from shardwise.planner import (
     permute_sources,
 )
 from shardwise.sharding import DeviceMesh, Layout, ReduceOp
+from tests.helpers.meshes import M22, line
 
 SUM, AVG, MIN, MAX, PROD = ReduceOp.SUM, ReduceOp.AVG, ReduceOp.MIN, ReduceOp.MAX, ReduceOp.PROD
-MESHES = [DeviceMesh.cpu(n, "x") for n in (2, 3, 4)]
+MESHES = [line(n) for n in (2, 3, 4)]
 SHAPES = [(8, 12), (5, 7), (2, 3), (0, 4)]
-M22 = DeviceMesh.cpu((2, 2), ("dp", "tp"))
 
 
 def lay(mesh: DeviceMesh, dims: tuple, partial: tuple | None = None) -> Layout:

@@ -10,10 +10,10 @@ import operator
 
 import pytest
 import torch
-from computecheck import LINE, MESH, lay, run, show, values
 
 import shardwise as sw
 from shardwise.sharding import ReduceOp
+from tests.helpers.computecheck import LINE, MESH, lay, run, show, values
 
 SUM, MAX = ReduceOp.SUM, ReduceOp.MAX
 P_TP = {"tp": SUM}

@@ -4,11 +4,11 @@ and an output dim is open iff every operand dim of its factor is open."""
 from __future__ import annotations
 
 import torch
-from computecheck import LINE, MESH, show, values
 
 import shardwise as sw
 from shardwise import DimSpec, PlacementMapping, Replicated, Sharded
 from shardwise.debug import CommCounter
+from tests.helpers.computecheck import LINE, MESH, show, values
 
 X, Y = values(8, 8, seed=1), values(8, 8, seed=2)
 

@@ -7,12 +7,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from computecheck import LINE, MESH, lay, values
 
 import shardwise as sw
 from shardwise.propagation.binding import bind, normalize_index
 from shardwise.propagation.rules import MATMUL, RULES, Passes, Rule
 from shardwise.sharding import DeviceMesh, ReduceOp
+from tests.helpers.computecheck import LINE, MESH, lay, values
 
 
 def text(op: str, shapes: tuple[tuple[int, ...], ...], *params: object) -> str:

@@ -3,14 +3,15 @@ every body) and on the simulated mesh: the same counts and bytes, forward and ba
 
 from __future__ import annotations
 
-import comm_bodies
 import pytest
-from harness import check_body
+
+from tests.helpers import comm_bodies
+from tests.helpers.harness import check_body
 
 
 @pytest.mark.parametrize("name", comm_bodies.BODIES)
 def test_comm_body_on_gloo(name: str) -> None:
-    check_body("comm_bodies", comm_bodies.BODIES, 4, name)
+    check_body(comm_bodies.__name__, comm_bodies.BODIES, 4, name)
 
 
 @pytest.mark.parametrize("n", [4, 8])

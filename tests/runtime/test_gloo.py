@@ -2,15 +2,16 @@
 
 from __future__ import annotations
 
-import bodies
 import pytest
-from harness import check_body
+
+from tests.helpers import bodies
+from tests.helpers.harness import check_body
 
 
 @pytest.mark.parametrize("world", [2, 4])
 @pytest.mark.parametrize("name", bodies.BODIES)
 def test_body_on_gloo(world: int, name: str) -> None:
-    check_body("bodies", bodies.BODIES, world, name)
+    check_body(bodies.__name__, bodies.BODIES, world, name)
 
 
 @pytest.mark.parametrize("world", [2, 4])

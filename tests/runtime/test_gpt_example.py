@@ -7,7 +7,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from harness import free_port, run_bounded
+from tests.helpers.harness import free_port, run_bounded
 
 GPT = Path(__file__).resolve().parents[2] / "examples" / "gpt.py"
 

@@ -10,10 +10,11 @@ import sys
 from pathlib import Path
 
 import pytest
-from harness import free_port, run_bounded
 
 import shardwise as sw
 import shardwise.distributed as sd
+from tests.helpers import HELPERS_DIR
+from tests.helpers.harness import free_port, run_bounded
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "tour.py"
 
@@ -62,7 +63,7 @@ def test_collective_error_is_in_the_family() -> None:
     assert issubclass(sd.CollectiveError, RuntimeError)
 
 
-FORGOT = Path(__file__).resolve().parent / "forgot_initialize.py"
+FORGOT = HELPERS_DIR / "forgot_initialize.py"
 
 
 def _torchrun(*args: str, limit_s: float = 150) -> subprocess.CompletedProcess[str]:

@@ -12,9 +12,9 @@ import sys
 import uuid
 from pathlib import Path
 
-from harness import free_port
+from tests.helpers import HELPERS_DIR
+from tests.helpers.harness import free_port
 
-HERE = Path(__file__).resolve().parent
 LIMIT_S = 240
 
 
@@ -62,7 +62,7 @@ def test_demo_on_two_nodes() -> None:
 
 
 def test_fault_scenario_on_two_nodes() -> None:
-    res = _two_nodes(str(HERE / "multinode_faults.py"))
+    res = _two_nodes(str(HELPERS_DIR / "multinode_faults.py"))
     for code, so, se in res:
         assert code == 0, (so, se[-3000:])
     text = "".join(so for _, so, _ in res)

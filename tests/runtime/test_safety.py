@@ -14,15 +14,17 @@ import sys
 import time
 
 import pytest
-import safety
-from harness import free_port, run_on_ranks
+
+from tests.helpers import safety
+from tests.helpers.harness import free_port, run_on_ranks
 
 LIMIT_S = 120.0
 
 
 def _run(names: list[str], world: int, *, died: int | None = None, code: str = "17") -> None:
     start = time.monotonic()
-    results = run_on_ranks("safety", names, world, limit_s=LIMIT_S, timeout_s=safety.TIMEOUT_S)
+    results = run_on_ranks(safety.__name__, names, world, limit_s=LIMIT_S,
+                           timeout_s=safety.TIMEOUT_S)
     assert time.monotonic() - start < LIMIT_S
     for r in range(world):
         assert r in results, f"rank {r} did not report within {LIMIT_S} s: {results}"

@@ -17,8 +17,9 @@ import shardwise as sw
 from shardwise.runtime import buffers, simulated
 from shardwise.runtime.simulated import host_paths
 from shardwise.sharding import DeviceMesh, Layout, ReduceOp
+from tests.helpers.meshes import M4, M23
 
-MESHES = [DeviceMesh.cpu((4,), ("x",)), DeviceMesh.cpu((2, 3), ("dp", "tp"))]
+MESHES = [M4, M23]
 
 
 def layouts(mesh: DeviceMesh, rank: int) -> list[Layout]:

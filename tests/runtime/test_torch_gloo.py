@@ -3,14 +3,15 @@
 from __future__ import annotations
 
 import pytest
-import torch_bodies
-from harness import check_body
+
+from tests.helpers import torch_bodies
+from tests.helpers.harness import check_body
 
 
 @pytest.mark.parametrize("world", [2, 4])
 @pytest.mark.parametrize("name", torch_bodies.BODIES)
 def test_torch_body_on_gloo(world: int, name: str) -> None:
-    check_body("torch_bodies", torch_bodies.BODIES, world, name)
+    check_body(torch_bodies.__name__, torch_bodies.BODIES, world, name)
 
 
 @pytest.mark.parametrize("world", [2, 4])

@@ -9,10 +9,10 @@ import pytest
 import torch
 
 import shardwise as sw
-from shardwise import DeviceMesh, PlacementMapping, Sharded, ShardingError, lax
+from shardwise import PlacementMapping, Sharded, ShardingError, lax
+from tests.helpers.meshes import M4 as MESH
+from tests.helpers.meshes import M22 as MESH2
 
-MESH = DeviceMesh.cpu(4, "x")
-MESH2 = DeviceMesh.cpu((2, 2), ("dp", "tp"))
 X = torch.arange(24.0).reshape(8, 3)
 
 

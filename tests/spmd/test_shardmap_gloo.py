@@ -3,14 +3,15 @@
 from __future__ import annotations
 
 import pytest
-import shardmap_bodies as bodies
-from harness import check_body
+
+from tests.helpers import shardmap_bodies as bodies
+from tests.helpers.harness import check_body
 
 
 @pytest.mark.parametrize("world", [2, 4])
 @pytest.mark.parametrize("name", bodies.BODIES)
 def test_shardmap_body_on_gloo(world: int, name: str) -> None:
-    check_body("shardmap_bodies", bodies.BODIES, world, name)
+    check_body(bodies.__name__, bodies.BODIES, world, name)
 
 
 @pytest.mark.parametrize("world", [2, 4])

@@ -23,8 +23,8 @@ from shardwise import (
     lax,
 )
 from shardwise.debug import CommCounter
+from tests.helpers.meshes import M22 as MESH
 
-MESH = DeviceMesh.cpu((2, 2), ("dp", "tp"))
 X = torch.arange(24.0).reshape(4, 6)
 
 

@@ -13,8 +13,7 @@ import shardwise as sw
 from shardwise import DeviceMesh, Partial, PlacementMapping, ReduceOp, Replicated, Sharded
 from shardwise.sharding.layout import Layout
 from shardwise.tensors.dtensor import differing_dims, layout_of, torch_placements
-
-M22 = DeviceMesh.cpu((2, 2), ("dp", "tp"))
+from tests.helpers.meshes import M4, M22
 
 
 @pytest.mark.parametrize("ours, theirs", [
@@ -39,9 +38,6 @@ def test_prod_and_strided_shards_have_no_counterpart() -> None:
         torch_placements(Layout.from_placements(M22, (Partial(ReduceOp.PROD), Replicated()), 1))
     with pytest.raises(sw.ConversionError, match="no shardwise form"):
         layout_of(M22, [_StridedShard(0, split_factor=2), Replicate()], 1)
-
-
-M4 = DeviceMesh.cpu(4, "x")
 
 
 @pytest.mark.parametrize("mesh, shape, placements, bad", [

@@ -20,9 +20,7 @@ from shardwise import (
     ShardingSpec,
 )
 from shardwise.sharding import ConversionError, DistributedTensorType, Layout
-
-M4 = DeviceMesh.cpu(4, "x")
-M22 = DeviceMesh.cpu((2, 2), ("dp", "tp"))
+from tests.helpers.meshes import M4, M22
 
 
 def ptr(t: torch.Tensor) -> int:

@@ -12,10 +12,10 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from torch_bodies import megatron
 
 import shardwise as sw
 from shardwise import DeviceMesh, PlacementMapping, Replicated, Sharded, ShardingError
+from tests.helpers.torch_bodies import megatron
 
 R = Replicated()
 
