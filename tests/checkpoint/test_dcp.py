@@ -14,11 +14,10 @@ import torch.distributed.checkpoint as dcp
 
 import shardwise as sw
 from shardwise import DeviceMesh, Partial, PlacementMapping, Replicated, Sharded
+from tests.helpers.meshes import M3 as M1
+from tests.helpers.meshes import M22, M24
 
 R = Replicated()
-M1 = DeviceMesh.cpu(3, "x")
-M22 = DeviceMesh.cpu((2, 2), ("dp", "tp"))
-M24 = DeviceMesh.cpu((2, 4), ("dp", "tp"))
 
 
 def value(shape: tuple[int, ...], dtype: torch.dtype = torch.float32, seed: int = 0

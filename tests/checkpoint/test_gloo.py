@@ -8,9 +8,10 @@ import os
 from pathlib import Path
 from typing import Any
 
-import ckpt_bodies
 import pytest
-from harness import run_on_ranks
+
+from tests.helpers import ckpt_bodies
+from tests.helpers.harness import run_on_ranks
 
 
 @pytest.fixture(scope="module")
@@ -18,8 +19,8 @@ def results(tmp_path_factory: pytest.TempPathFactory) -> dict[int, Any]:
     shared: Path = tmp_path_factory.mktemp("gloo_checkpoints")
     os.environ["SHARDWISE_CKPT_TEST_DIR"] = str(shared)  # inherited by the spawned ranks
     try:
-        four = run_on_ranks("ckpt_bodies", ckpt_bodies.BODIES_4, 4, limit_s=240)
-        two = run_on_ranks("ckpt_bodies", ckpt_bodies.BODIES_2, 2, limit_s=180)
+        four = run_on_ranks(ckpt_bodies.__name__, ckpt_bodies.BODIES_4, 4, limit_s=240)
+        two = run_on_ranks(ckpt_bodies.__name__, ckpt_bodies.BODIES_2, 2, limit_s=180)
     finally:
         del os.environ["SHARDWISE_CKPT_TEST_DIR"]
     return {4: four, 2: two}

@@ -5,14 +5,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import gpt_runs
 import torch
 
 import shardwise as sw
-from shardwise import DeviceMesh
-
-M22 = DeviceMesh.cpu((2, 2), ("dp", "tp"))
-M41 = DeviceMesh.cpu((4, 1), ("dp", "tp"))
+from tests.helpers import gpt_runs
+from tests.helpers.meshes import M22, M41
 
 
 def test_saved_on_2x2_resumes_on_4x1_with_the_same_losses(tmp_path: Path) -> None:

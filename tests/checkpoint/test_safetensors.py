@@ -15,11 +15,9 @@ import torch
 import shardwise as sw
 from shardwise import DeviceMesh, PlacementMapping, Replicated, Sharded
 from shardwise.checkpoint import CheckpointError
+from tests.helpers.meshes import M3, M22, M24
 
 R = Replicated()
-M22 = DeviceMesh.cpu((2, 2), ("dp", "tp"))
-M24 = DeviceMesh.cpu((2, 4), ("dp", "tp"))
-M3 = DeviceMesh.cpu(3, "x")
 
 
 def on(g: torch.Tensor, mesh: DeviceMesh, *placements: Any) -> sw.Tensor:

@@ -13,12 +13,11 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 import shardwise as sw
-from shardwise import DeviceMesh, PlacementMapping, Replicated, Sharded
+from shardwise import PlacementMapping, Replicated, Sharded
 from shardwise.checkpoint import CheckpointError
+from tests.helpers.meshes import M3, M22
 
 R = Replicated()
-M22 = DeviceMesh.cpu((2, 2), ("dp", "tp"))
-M3 = DeviceMesh.cpu(3, "x")
 
 
 def state(seed: float) -> dict[str, Any]:

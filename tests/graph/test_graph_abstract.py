@@ -25,6 +25,7 @@ from shardwise.sharding import (
     TensorType,
 )
 from shardwise.sharding.devices import CPU
+from tests.helpers.meshes import M22 as MESH
 
 HUGE = (2**20, 2**16)  # float32: 256 GiB
 S2 = Signals([CPU(0), CPU(1)])
@@ -127,7 +128,6 @@ def test_eval_shape_of_all_gather_and_reduce_scatter_on_256_gib() -> None:
     assert [t.shape for t in scattered.local_types] == [(2**20, 2**14)] * 4
 
 
-MESH = DeviceMesh.cpu((2, 2), ("dp", "tp"))
 OTHER = DeviceMesh.cpu(3, "z")
 COMM: dict[str, tuple[list[Any], Callable[[Any], Any]]] = {
     "all_gather": ([Sharded(0), Sharded(1)], lambda t: shardwise.all_gather(t, 1)),

@@ -26,8 +26,7 @@ from shardwise.sharding import (
 from shardwise.sharding.devices import CPU
 from shardwise.sharding.errors import ShardingTypeError
 from shardwise.tensors.tensor import Tensor
-
-MESH = DeviceMesh.cpu((2, 2), ("dp", "tp"))
+from tests.helpers.meshes import M22 as MESH
 
 
 def same(a: Tensor, b: Tensor) -> bool:

@@ -2,15 +2,13 @@
 (alone and over hand TP, reshard after forward or not, mixed precision), layouts
 between and during steps, memory per device, collectives per step, freeing,
 uneven and empty shards, state_dict, and bad inputs. The Gloo runs are in
-tests/multiprocess/test_fsdp_gloo.py and share ``fsdp_bodies``'s helpers."""
+tests/parallel/test_fsdp_gloo.py and share ``tests.helpers.fsdp_bodies``'s helpers."""
 
 from __future__ import annotations
 
 import copy
 import gc
-import sys
 import weakref
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -26,10 +24,7 @@ from shardwise.sharding.errors import ShardingError, ShardingTypeError
 from shardwise.sharding.layout import Layout
 
 # the GPT helpers are shared with the Gloo bodies (one way to shard, both runtimes)
-_BODIES = str(Path(__file__).parents[1] / "multiprocess")
-if _BODIES not in sys.path:
-    sys.path.insert(0, _BODIES)
-import fsdp_bodies as fb  # noqa: E402
+from tests.helpers import fsdp_bodies as fb
 
 R = Replicated()
 GPT = example_gpt()

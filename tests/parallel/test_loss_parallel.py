@@ -8,11 +8,10 @@ import torch
 import torch.nn.functional as F
 
 import shardwise as sw
-from shardwise import DeviceMesh, PlacementMapping, Replicated, Sharded
+from shardwise import PlacementMapping, Replicated, Sharded
 from shardwise.debug import CommCounter
 from shardwise.parallel import loss_parallel
-
-MESH = DeviceMesh.cpu((2, 4), ("dp", "tp"))
+from tests.helpers.meshes import M24 as MESH
 
 
 def _case(classes: int, rows: int = 6, ignored: int = -100

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-import gpt_plans as G
 import pytest
 import torch
 
@@ -21,6 +20,7 @@ from shardwise.parallel import (
     SequenceParallel,
     parallelize_module,
 )
+from tests.helpers import gpt_plans as G
 
 
 @pytest.fixture(autouse=True)

@@ -4,12 +4,12 @@ torch and each device holds at most 60% of the parameters and optimizer state.""
 
 from __future__ import annotations
 
-import gpt_plans as G
 import pytest
 import torch
 
 import shardwise as sw
 from shardwise.parallel import memory_per_device
+from tests.helpers import gpt_plans as G
 
 
 @pytest.fixture(autouse=True, scope="module")

@@ -18,8 +18,7 @@ from shardwise.sharding import (
 )
 from shardwise.sharding.devices import CPU
 from shardwise.sharding.errors import ShardingTypeError
-
-MESH = DeviceMesh.cpu((2, 2), ("dp", "tp"))
+from tests.helpers.meshes import M22 as MESH
 
 
 def raises(exc: type[BaseException], *needles: str) -> Any:

@@ -1,0 +1,1 @@
+"""The test suite, a package so that ``tests.helpers`` wins over any other ``tests`` on sys.path."""

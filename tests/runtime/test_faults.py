@@ -1,0 +1,45 @@
+"""A dead or mismatched rank makes the others raise CollectiveError, not hang."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from tests.helpers import faults
+from tests.helpers.harness import check_body, run_on_ranks
+
+
+def test_dead_rank_makes_others_raise() -> None:
+    start = time.monotonic()
+    results = run_on_ranks(faults.__name__, ["body_dead_rank"], 3, limit_s=120,
+                           timeout_s=faults.TIMEOUT_S)
+    assert results[2] == {"<exit>": "exit code 17"}, results.get(2)
+    for r in (0, 1):
+        assert results[r].get("<setup>") is None, results[r]
+        assert results[r]["body_dead_rank"] is None, results[r]["body_dead_rank"]
+    assert time.monotonic() - start < 120
+
+
+def test_mismatched_collective_raises_within_timeout() -> None:
+    results = run_on_ranks(faults.__name__, ["body_mismatched_collective"], 2, limit_s=120,
+                           timeout_s=faults.TIMEOUT_S)
+    for r in (0, 1):
+        assert results[r].get("<setup>") is None, results[r]
+        assert results[r]["body_mismatched_collective"] is None, \
+            results[r]["body_mismatched_collective"]
+
+
+def test_same_size_mismatch_is_caught_when_checking() -> None:
+    results = run_on_ranks(faults.__name__, ["body_same_size_mismatch_checked"], 2, limit_s=120,
+                           timeout_s=faults.TIMEOUT_S)
+    for r in (0, 1):
+        assert results[r].get("<setup>") is None, results[r]
+        assert results[r]["body_same_size_mismatch_checked"] is None, \
+            results[r]["body_same_size_mismatch_checked"]
+
+
+def test_a_rank_that_dies_without_reporting_fails_the_body() -> None:
+    """The harness must not count a silent exit as a pass (exit code 0 included)."""
+    with pytest.raises(AssertionError, match=r"rank 1\n<exit>: exit code 0"):
+        check_body(faults.__name__, ["body_rank_exits_silently"], 2, "body_rank_exits_silently")
