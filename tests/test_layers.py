@@ -168,3 +168,14 @@ def test_the_two_backends_never_import_each_other() -> None:
     assert "shardwise.runtime.simulated.collectives" in graph["shardwise.graph.ops"]
     assert not any(b.startswith(proc) for b in graph["shardwise.spmd.io"])
     assert not any(b.startswith(proc) for b in graph["shardwise.spmd.shard_map"])
+
+
+def test_the_tests_mirror_the_package() -> None:
+    """``tests/<folder>`` per package folder (plus the shared ``helpers``), and helpers are
+    imported as a package, never through ``sys.path`` edits."""
+    tests = Path(__file__).resolve().parent
+    folders = {p.name for p in tests.iterdir() if p.is_dir() and p.name != "__pycache__"}
+    assert folders - {"helpers"} <= set(FLOORS), folders - {"helpers"} - set(FLOORS)
+    edits = [str(p.relative_to(tests)) for p in tests.rglob("*.py")
+             if "sys.path" in p.read_text() and p.name != "test_layers.py"]
+    assert not edits, edits
