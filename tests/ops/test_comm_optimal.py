@@ -17,6 +17,7 @@ import shardwise as sw
 from shardwise import DeviceMesh, PlacementMapping, Replicated, Sharded
 from shardwise.debug import CommCounter
 from shardwise.sharding.layout import Layout
+from shardwise.tensors import cache
 from tests.helpers.meshes import M4 as LINE
 from tests.helpers.meshes import M24 as MESH
 
@@ -61,13 +62,13 @@ def test_a_partial_read_by_three_nonlinear_ops_is_reduced_once() -> None:
 def test_the_kept_result_is_one_tensor_and_one_autograd_node() -> None:
     p, _, _ = partial_product()
     target = p.dist_layout.with_partial((None, None))
-    first = p._reused(target)
-    assert p._reused(target) is first
+    first = cache.relayout(p, target)
+    assert cache.relayout(p, target) is first
     assert first.grad_fn is not None
     # a leaf that requires grad keeps nothing: its relayout belongs to one step's graph
     w = sw.tensor(randn(16, 12), sharding=on(MESH, R, Sharded(0)), requires_grad=True)
     rep = Layout.replicated(MESH, 2)
-    assert w._reused(rep) is not w._reused(rep)
+    assert cache.relayout(w, rep) is not cache.relayout(w, rep)
 
 
 def test_an_in_place_write_drops_the_kept_relayout() -> None:
@@ -84,9 +85,9 @@ def test_an_in_place_write_drops_the_kept_relayout() -> None:
     assert torch.allclose(s3.to_torch(), torch.softmax(2 * randn(8, 6), 0))
     # a write into the kept result itself drops it too
     rep = Layout.replicated(LINE, 2)
-    kept = x._reused(rep)
+    kept = cache.relayout(x, rep)
     kept.add_(1)
-    again = x._reused(rep)
+    again = cache.relayout(x, rep)
     assert again is not kept
     assert torch.allclose(again.to_torch(), 2 * randn(8, 6))
 
@@ -103,7 +104,7 @@ def test_a_relayout_kept_without_grad_is_not_reused_with_grad() -> None:
 
 def test_kept_relayouts_live_as_long_as_their_value() -> None:
     p, _, _ = partial_product()
-    kept = weakref.ref(p._reused(p.dist_layout.with_partial((None, None))))
+    kept = weakref.ref(cache.relayout(p, p.dist_layout.with_partial((None, None))))
     assert kept() is not None
     del p
     gc.collect()

@@ -1,6 +1,12 @@
-"""The executor shared by every compute op: bind, decide, reshard, run locally.
+"""The executor shared by every compute op, one way: bind the rule to the operands'
+shapes, decide the layouts (cached by value), move the operands, run the torch op
+locally, wrap the result.
 
 Invariants:
+- Operands reach the layouts the decision requires only through the operand cache
+  (:mod:`shardwise.tensors.cache`: ``blocks``, ``whole``), which also names the
+  layouts each already reached (priced free by ``decide``); nothing here reads a
+  Tensor's instance dict or keeps state of its own.
 - The torch op runs once per distinct tuple of input shard objects, and that
   one result serves every device holding that tuple: replicas keep sharing one
   buffer, so simulated gradients are exact (no N-fold overcount).
@@ -25,14 +31,11 @@ from typing import Any
 
 import torch
 
-from shardwise.planner import diverge_step
 from shardwise.propagation.binding import Factors, bind
 from shardwise.propagation.decide import Decision, decide
-from shardwise.runtime import backend_for
-from shardwise.runtime import observe as comm
 from shardwise.sharding.errors import ShardingError, ShardingTypeError
 from shardwise.sharding.layout import Layout
-from shardwise.tensors.relayout import shard_versions
+from shardwise.tensors import cache
 from shardwise.tensors.tensor import Tensor, place
 
 __all__ = ["apply", "apply_elementwise"]
@@ -90,6 +93,7 @@ def apply(op: str, operands: Sequence[Any], fn: Callable[..., torch.Tensor], *pa
     index -> the identity view of its whole value that the computation already used
     (communication accounting hangs its backward hook there)."""
     args = _operands(op, operands)
+    tensors: list[Tensor | None] = []
     shapes: list[tuple[int, ...]] = []
     layouts: list[Layout | None] = []
     opens: list[tuple[bool, ...] | None] = []
@@ -97,82 +101,32 @@ def apply(op: str, operands: Sequence[Any], fn: Callable[..., torch.Tensor], *pa
     wholes = True
     for x in args:  # the wrapper's own fields (no property calls: the per-op hot path)
         if isinstance(x, Tensor):
+            tensors.append(x)
             shapes.append(x._shape)
             layouts.append(x._layout)
             opens.append(x._open)
             itemsizes.append(x._dtype.itemsize)
             wholes = wholes and x._whole is not None
         else:
+            tensors.append(None)
             shapes.append(())
             layouts.append(None)
             opens.append(())
             itemsizes.append(0)
     factors = bind(op, tuple(shapes), *params)
-    dec = decide(factors, tuple(layouts), tuple(opens), tuple(itemsizes), _kept(args))
+    # the layouts each operand already reached for earlier ops: free for this one
+    dec = decide(factors, tuple(layouts), tuple(opens), tuple(itemsizes),
+                 cache.kept_layouts(tensors, wholes))
     if wholes:
         return _run_whole(op, fn, args, layouts, dec, factors, shaped, views)
     cols: list[Sequence[torch.Tensor | None] | None] = []
-    for i, x in enumerate(args):
-        if layouts[i] is None:
+    for x, have, req, div in zip(args, layouts, dec.required, dec.diverge):
+        if have is None:
             cols.append(None)
             continue
-        req = dec.required[i]
         assert req is not None
-        t = x if req is layouts[i] else x._reused(req)
-        cols.append(_diverged(t, dec.diverge[i]) if dec.diverge[i] else t.shards)
+        cols.append(cache.blocks(x, req, div))
     return _run_local(op, fn, args, cols, dec, factors, shaped)
-
-
-def _kept(args: list[Any]) -> tuple[tuple[Layout, ...], ...]:
-    """The layouts each operand already reached for earlier ops (free for this one)."""
-    kept: list[tuple[Layout, ...]] = []
-    for x in args:
-        d = x.__dict__ if isinstance(x, Tensor) else {}
-        kept.append(x._kept_layouts() if "_reuse" in d
-                    else x._whole_kept() if "_wreuse" in d else ())
-    return tuple(kept) if any(kept) else ()
-
-
-def _diverged(t: Tensor, axes: tuple[int, ...]) -> Sequence[torch.Tensor | None]:
-    """``t``'s shards through the backend's ``diverge`` over ``axes``, once per value
-    (kept on ``t`` like :meth:`Tensor._reused`): every op reading ``t`` shares one
-    diverge, so the gradient's all_reduce runs once on the summed gradient."""
-    shards = t._shards
-    uniq = t._unique()
-    first = shards[uniq[0]] if uniq else None
-    grad = torch.is_grad_enabled() and first is not None and first.requires_grad
-    # a leaf's (parameter's) diverge belongs to one step's graph: keep nothing
-    keep = not (grad and first is not None and first.grad_fn is None)
-    key = (axes, torch.is_grad_enabled())
-    if keep:
-        memo: dict[Any, Any] = t.__dict__.setdefault("_diverged", {})
-        version = shard_versions(shards, uniq)
-        hit = memo.get(key)
-        if hit is not None and hit[0] is shards and hit[1] == version:
-            return hit[2]
-    out: Sequence[torch.Tensor | None] = backend_for(t.mesh).diverge(shards, t.dist_layout, axes)
-    if grad and comm.active():
-        out = _counted(t, out, axes)
-    if keep:
-        memo[key] = (shards, version, out)
-    return out
-
-
-def _counted(t: Tensor, out: Sequence[torch.Tensor | None], axes: tuple[int, ...]
-             ) -> Sequence[torch.Tensor | None]:
-    """``out`` with the gradient's all_reduce announced to the CommCounter, hung on
-    identity views of its own (the simulated diverge is the identity: the replicas
-    share one buffer, which other uses of ``t`` also read)."""
-    owned = t.__dict__.get("_grad_reduced_over")  # (fully_shard: its unit reduces these)
-    if owned:
-        axes = tuple(a for a in axes if a not in owned)
-        if not axes:
-            return out
-    views: dict[int, torch.Tensor] = {}
-    out = [None if s is None else views.setdefault(id(s), s.view_as(s)) for s in out]
-    comm.on_backward(out, (diverge_step(t.dist_layout, t._shape, t.dtype.itemsize, axes),),
-                     comm.source_line())
-    return out
 
 
 def _run_local(op: str, fn: Callable[..., torch.Tensor], args: list[Any],
@@ -226,8 +180,7 @@ def _run_whole(op: str, fn: Callable[..., torch.Tensor], args: list[Any],
             call.append(x)
             continue
         assert req is not None
-        call.append(x._whole if req is have and not div else
-                    x._whole_as(req, div, views.get(i) if views else None))
+        call.append(cache.whole(x, req, div, views.get(i) if views else None))
     if shaped:
         call.append(factors.out_shape)
     try:

@@ -48,7 +48,8 @@ def blockwise(fn: Callable[..., torch.Tensor], operands: Sequence[Tensor], layou
         axes = tuple(a for a in sorted(spread) if a not in used)
         shards: Sequence[torch.Tensor | None] = x.shards
         if axes and x.requires_grad:
-            shards = backend_for(mesh).diverge(shards, lay, axes)  # type: ignore[arg-type]
+            shards = backend_for(mesh).diverge(shards, lay, axes,  # type: ignore[arg-type]
+                                               owner=x._grad_owner)
         cols.append(shards)
     memo: dict[tuple[Any, ...], torch.Tensor] = {}
     out: list[torch.Tensor | None] = []

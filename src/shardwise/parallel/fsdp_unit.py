@@ -20,12 +20,14 @@ Invariants:
   gathered block share one buffer, so autograd already sums the devices' shares and
   the backward cuts the sum (counted as the reduce_scatter it stands for). On the
   multi-process runtime a gathered block feeding an op directly hands its share to
-  the unit (``_sw_diverge`` route, instead of an all_reduce) and the backward
-  reduce_scatters the shares; any other use arrives fully reduced and is cut.
+  the unit (the gathered Tensor's :class:`~shardwise.runtime.owner.GradOwner`, read by
+  the backend's ``diverge`` instead of an all_reduce, and by CommCounter) and the
+  backward reduce_scatters the shares; any other use arrives fully reduced and is cut.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -36,6 +38,7 @@ from shardwise.parallel.fsdp_flat import Blocks, Flat, one_all_gather
 from shardwise.parallel.precision import MixedPrecisionPolicy
 from shardwise.planner import Plan, make_plan
 from shardwise.runtime import backend_for, observe
+from shardwise.runtime.owner import GradOwner
 from shardwise.sharding.errors import ShardingError
 from shardwise.sharding.layout import Layout
 from shardwise.sharding.mesh import DeviceMesh
@@ -245,31 +248,30 @@ class Unit:
         for i, fp in enumerate(self.params):
             shards = [None if j is None else outs[j] for j in call.index[i]]
             full = Tensor(shards, fp.gathered, fp.sharded.shape, self.dtype(i))
-            # the unit reduce_scatters this gradient over its axis (counted there), so
-            # CommCounter must not also count the diverge's all_reduce over it
-            full.__dict__["_grad_reduced_over"] = (self.axis,)
+            # the unit sums this gradient over its axis (a reduce_scatter, counted
+            # there): the runtime's diverge neither all_reduces nor counts it
+            full._grad_owner = GradOwner((self.axis,),
+                                         None if self.local else self._hand_off(call, i))
             for owner, name in fp.owners:
                 owner._parameters[name] = full  # type: ignore[assignment]
             if self.reshard:
                 for ordinal, ptr in enumerate(_storages(shards)[0]):
                     _LIVE[ptr] = (call, i, ordinal)
-            if not self.local:
-                for j in {j for j in call.index[i] if j is not None}:
-                    outs[j]._sw_diverge = self._route(call, j)
         if self.reshard:
             call.hooks = torch.autograd.graph.saved_tensors_hooks(_pack, _unpack)
             call.hooks.__enter__()
 
-    def _route(self, call: _Call, j: int) -> Any:
-        axis = self.axis
+    @staticmethod
+    def _hand_off(call: _Call, i: int) -> Callable[[int, torch.Tensor], torch.Tensor]:
+        """Device ``k``'s gathered block of parameter ``i`` as an identity whose
+        gradient share goes to ``call`` (reduce_scattered by the unit's backward)."""
+        index = call.index[i]
 
-        def route(x: torch.Tensor, axes: tuple[int, ...]) -> tuple[torch.Tensor,
-                                                                   tuple[int, ...]]:
-            if axis not in axes:
-                return x, axes
-            return (_Share.apply(x, lambda g: call.share(j, g)),
-                    tuple(a for a in axes if a != axis))
-        return route
+        def hand_off(k: int, block: torch.Tensor) -> torch.Tensor:
+            j = index[k]
+            assert j is not None, "a process hands off only the blocks it holds"
+            return _Share.apply(block, lambda g: call.share(j, g))
+        return hand_off
 
     def reshard_params(self) -> None:
         """Put the sharded parameters back into their modules (after forward)."""

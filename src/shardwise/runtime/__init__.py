@@ -27,12 +27,13 @@ import torch
 import torch.distributed as dist
 
 from shardwise.planner import Plan, Step
+from shardwise.runtime.owner import GradOwner
 from shardwise.sharding.errors import ShardingError, ShardingTypeError
 from shardwise.sharding.layout import Layout
 from shardwise.sharding.mesh import DeviceMesh
 from shardwise.sharding.placements import ReduceOp
 
-__all__ = ["Backend", "SpmdOutputs", "backend_for", "check_reduce"]
+__all__ = ["Backend", "GradOwner", "SpmdOutputs", "backend_for", "check_reduce"]
 
 _dist_available = dist.is_available()
 
@@ -56,7 +57,10 @@ class Backend(Protocol):
                 axes: tuple[int, ...], op: ReduceOp) -> list[torch.Tensor]: ...
 
     def diverge(self, shards: Sequence[torch.Tensor], layout: Layout,
-                axes: tuple[int, ...]) -> list[torch.Tensor]: ...
+                axes: tuple[int, ...], owner: GradOwner | None = None) -> list[torch.Tensor]:
+        """Identity forward; backward sums the devices' gradient shares over ``axes``,
+        less the axes ``owner`` (the value's :class:`GradOwner`) sums itself."""
+        ...
 
     def permute(self, shards: Sequence[torch.Tensor], layout: Layout,
                 source: Sequence[int | None], shape: tuple[int, ...]) -> list[torch.Tensor]: ...

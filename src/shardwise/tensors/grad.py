@@ -13,8 +13,8 @@ Invariants:
   as per-device derivatives under Partial(SUM) (:meth:`~GradMixin._grad_layout`). A
   leaf holding a whole (``nn.Parameter`` over ``shardwise.tensor(...)``) accumulates
   into the whole's ``.grad``, shown in the leaf's layout.
-- The same local gradients give the same ``.grad`` Tensor (kept in ``__dict__``):
-  optimizers read ``.grad`` often.
+- The same local gradients give the same ``.grad`` Tensor (kept in the ``_grad_view``
+  slot, keyed by the gradients' identity): optimizers read ``.grad`` often.
 - ``backward()`` lives on ``Tensor`` itself, beside ``as_layout_of`` which lays out
   its seed gradient; nothing here imports :mod:`shardwise.tensors.tensor`: new Tensors are
   built through ``type(self)``.
@@ -29,6 +29,7 @@ import torch
 from shardwise.sharding.errors import ShardingError, ShardingTypeError
 from shardwise.sharding.layout import Layout
 from shardwise.sharding.placements import ReduceOp
+from shardwise.tensors import cache
 from shardwise.tensors.relayout import RelayoutMixin
 
 __all__ = ["GradMixin"]
@@ -162,23 +163,23 @@ class GradMixin(RelayoutMixin):
             g = whole.grad
             if g is None:
                 return None
-            cached = self.__dict__.get("_whole_grad")
-            if cached is not None and cached[0] is g:
-                return cached[1]
+            seen = self._grad_view
+            if seen is not None and len(seen[0]) == 1 and seen[0][0] is g:
+                return seen[1]
             out = type(self).from_whole(g, self._layout)
-            self.__dict__["_whole_grad"] = (g, out)
+            self._grad_view = ((g,), out)
             return out
         shards = self._shards
-        grads = [shards[k].grad for k in self._unique()]
+        grads = tuple(shards[k].grad for k in self._unique())
         if all(g is None for g in grads):
             return None
         # the same shard gradients give the same Tensor (optimizers read .grad often)
-        cached = self.__dict__.get("_grad_cache")
-        if cached is not None and len(cached[0]) == len(grads) and all(
-                a is b for a, b in zip(cached[0], grads)):
-            return cached[1]
+        seen = self._grad_view
+        if seen is not None and len(seen[0]) == len(grads) and all(
+                a is b for a, b in zip(seen[0], grads)):
+            return seen[1]
         out = self._wrap_grads({id(s): s.grad for s in shards if s is not None})
-        self.__dict__["_grad_cache"] = (grads, out)
+        self._grad_view = (grads, out)
         return out
 
     @grad.setter
@@ -222,5 +223,5 @@ class GradMixin(RelayoutMixin):
             return self
         target = self._layout.with_partial((None,) * self.mesh.ndim)
         if self._whole is not None:  # the whole is the reduced value already
-            return type(self).from_whole(self._whole_as(target), target, self._open)
-        return self._reused(target)
+            return type(self).from_whole(cache.whole(self, target), target, self._open)
+        return cache.relayout(self, target)

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any, Self
 
 import torch
 
+from shardwise.runtime.owner import GradOwner
 from shardwise.sharding.devices import Device
 from shardwise.sharding.errors import ConversionError, ShardingError
 from shardwise.sharding.layout import Layout
@@ -32,6 +33,7 @@ from shardwise.sharding.mesh import DeviceMesh
 from shardwise.sharding.placements import Placement
 from shardwise.sharding.shapes import local_shape
 from shardwise.sharding.types import DistributedTensorType
+from shardwise.tensors.cache import OperandCache
 
 __all__ = ["MetaMixin"]
 
@@ -52,6 +54,14 @@ class MetaMixin:
     # The global value the shards are cut from (views; canonical addends on Partial
     # axes), or None. Autograd then runs on it, and flows into the cut shards.
     _whole: torch.Tensor | None
+    # What the value keeps (slots, never the instance dict): the operands ops moved it
+    # to, the first device of each distinct block (for the blocks tuple it names),
+    # the ``.grad`` Tensor last shown (for the gradients it names), and the record of
+    # who sums its gradient over which mesh axes (set once by its producer).
+    _cache: OperandCache | None
+    _uniq: tuple[tuple[torch.Tensor, ...], tuple[int, ...]] | None
+    _grad_view: tuple[tuple[torch.Tensor | None, ...], Any] | None
+    _grad_owner: GradOwner | None
 
     if TYPE_CHECKING:  # defined by Tensor; the mixins build Tensors through type(self)
         def __new__(cls, shards: Sequence[torch.Tensor | None], layout: Layout,

@@ -21,8 +21,9 @@ Invariants:
   (``Tensor(...)``) has none.
 - The class is built from three bases, each in its own module and each below this
   one: :class:`~shardwise.tensors.meta.MetaMixin` (the fields, torch metadata, mesh
-  views) < :class:`~shardwise.tensors.relayout.RelayoutMixin` (layout changes, kept
-  results) < :class:`~shardwise.tensors.grad.GradMixin` (autograd, gradients). None
+  views) < :class:`~shardwise.tensors.relayout.RelayoutMixin` (layout changes) <
+  :class:`~shardwise.tensors.grad.GradMixin` (autograd, gradients). What a value keeps
+  for ops lives in slots (:mod:`~shardwise.tensors.cache`), never in ``__dict__``. None
   subclasses ``torch.Tensor``; they precede it in the bases, so their properties
   (``shape``, ``grad``, ``requires_grad``, ``data``...) override torch's.
 - Here: construction, torch's routing, Python protocols, DCP hooks, values out,
@@ -42,7 +43,7 @@ from shardwise.sharding.errors import ShardingError
 from shardwise.sharding.layout import Layout
 from shardwise.sharding.mappings import ShardingSpec
 from shardwise.sharding.types import dtype_name
-from shardwise.tensors import chunks, dtensor
+from shardwise.tensors import cache, chunks, dtensor
 from shardwise.tensors.grad import GradMixin
 from shardwise.tensors.meta import MetaMixin
 from shardwise.tensors.relayout import RelayoutMixin, _cut, _local_mesh
@@ -102,10 +103,10 @@ class Tensor(GradMixin, RelayoutMixin, MetaMixin,  # type: ignore[misc,override]
         CPU(3)   (1,1)     x[2:4]
     """
 
-    # slots for the fields every op sets (cheaper than the instance dict, which
-    # torch.Tensor still provides for nn.Parameter's flag and our caches)
-    __slots__ = ("_blocks", "_cut_at", "_device", "_dtype", "_layout", "_open", "_shape",
-                 "_size", "_whole")
+    # slots for the fields every op sets and what a value keeps (cheaper than the
+    # instance dict, which torch.Tensor still provides for nn.Parameter's flag)
+    __slots__ = ("_blocks", "_cache", "_cut_at", "_device", "_dtype", "_grad_owner",
+                 "_grad_view", "_layout", "_open", "_shape", "_size", "_uniq", "_whole")
 
     @staticmethod
     def __new__(cls, shards: Sequence[torch.Tensor | None], layout: Layout,
@@ -140,6 +141,7 @@ class Tensor(GradMixin, RelayoutMixin, MetaMixin,  # type: ignore[misc,override]
         self._open = open_dims
         self._device = device
         self._whole = whole
+        self._cache = self._uniq = self._grad_view = self._grad_owner = None
         return self
 
     @classmethod
@@ -285,8 +287,8 @@ class Tensor(GradMixin, RelayoutMixin, MetaMixin,  # type: ignore[misc,override]
     def item(self) -> Any:
         # through the kept relayout: ``loss.item()`` then ``loss.backward()`` reduce once
         if self._whole is not None:
-            return self._whole_as(Layout.replicated(self.mesh, self.ndim)).item()
-        full = self._reused(Layout.replicated(self.mesh, self.ndim))
+            return cache.whole(self, Layout.replicated(self.mesh, self.ndim)).item()
+        full = cache.relayout(self, Layout.replicated(self.mesh, self.ndim))
         return backend_for(self.mesh).global_value(full._shards, full._layout, full._shape,
                                                     full._dtype).item()
 

@@ -25,6 +25,7 @@ import torch
 
 from shardwise.planner import Plan, Step, StepKind, check_handlers, permute_sources
 from shardwise.runtime import blocks
+from shardwise.runtime.owner import GradOwner
 from shardwise.runtime.process import collectives as D
 from shardwise.runtime.process import functions as F
 from shardwise.runtime.process.spmd import run_spmd, spmd_outputs
@@ -170,10 +171,12 @@ def relabel(shards: Sequence[torch.Tensor | None], layout: Layout, axes: tuple[i
     return out
 
 
-def diverge(shards: Sequence[torch.Tensor | None], layout: Layout, axes: tuple[int, ...]
-            ) -> Shards:
+def diverge(shards: Sequence[torch.Tensor | None], layout: Layout, axes: tuple[int, ...],
+            owner: GradOwner | None = None) -> Shards:
     """A value replicated over ``axes`` feeds a local op whose output is not (sharded or
-    Partial there), so each process's gradient is only its share: sum the shares."""
+    Partial there), so each process's gradient is only its share: sum the shares. Axes
+    that ``owner`` sums itself (a fully_shard-gathered parameter: reduce_scatter, not
+    all_reduce) hand the share to it instead."""
     mesh = layout.mesh
     grp = D.group(mesh, axes)  # group creation is collective: every process takes part
     k = D.my_index(mesh)
@@ -181,15 +184,13 @@ def diverge(shards: Sequence[torch.Tensor | None], layout: Layout, axes: tuple[i
     if k is not None:
         x = shards[k]
         assert x is not None
-        # A block whose producer sums its gradient over some of these axes itself (a
-        # fully_shard-gathered parameter: reduce_scatter, not all_reduce) routes them.
-        route = getattr(x, "_sw_diverge", None)
-        if route is not None:
-            x, rest = route(x, axes)
-            if not rest:
-                out[k] = x
-                return out
+        if owner is not None and owner.hand_off is not None:
+            rest = owner.others(axes)
             if rest != axes:
+                x = owner.hand_off(k, x)
+                if not rest:
+                    out[k] = x
+                    return out
                 grp = D.group(mesh, rest)
         out[k] = F.run(F.Diverge(grp), x)
     return out

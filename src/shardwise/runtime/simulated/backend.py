@@ -45,6 +45,7 @@ from shardwise.planner import Plan, Step, StepKind, check_handlers, permute_sour
 from shardwise.runtime import blocks
 from shardwise.runtime.blocks import rep_indices
 from shardwise.runtime.buffers import buffer_reuse, set_buffer_reuse
+from shardwise.runtime.owner import GradOwner
 from shardwise.runtime.simulated import collectives as C
 from shardwise.runtime.simulated import host_paths as hp
 from shardwise.runtime.simulated.spmd import run_spmd, spmd_outputs
@@ -318,10 +319,11 @@ def relabel(shards: Sequence[torch.Tensor], layout: Layout, axes: tuple[int, ...
     return list(shards)
 
 
-def diverge(shards: Sequence[torch.Tensor], layout: Layout, axes: tuple[int, ...]) -> Shards:
+def diverge(shards: Sequence[torch.Tensor], layout: Layout, axes: tuple[int, ...],
+            owner: GradOwner | None = None) -> Shards:
     """A value replicated over ``axes`` feeds an op whose output is not (sharded or
     Partial there). Nothing to do here: the replicas share one buffer, so torch
-    already sums the devices' shares of its gradient."""
+    already sums the devices' shares of its gradient (``owner``'s axes included)."""
     return list(shards)
 
 
