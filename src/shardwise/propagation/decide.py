@@ -120,7 +120,8 @@ def decide(factors: Factors, layouts: tuple[Layout | None, ...],
     never Partial). ``opens[i][d]``: may operand ``i``'s dim ``d`` be resharded
     freely (else it is closed and changing it costs :data:`CLOSED_PENALTY`);
     ``opens[i]`` None: every dim open. ``kept[i]`` (optional): layouts operand
-    ``i`` already has at hand (:meth:`Tensor._reused`): free, and a source to plan from.
+    ``i`` already has at hand (:func:`shardwise.tensors.cache.kept_layouts`): free, and a
+    source to plan from.
     """
     mesh = next(lay for lay in layouts if lay is not None).mesh
     shapes = factors.shapes
