@@ -191,22 +191,25 @@ def kept_layouts(operands: Sequence[Operand | None], held_whole: bool
         if cache is None:
             continue
         assert x is not None
-        plain = _plain(cache.wholes if held_whole else cache.blocks, grad)
-        if not plain:  # (e.g. only diverged blocks kept: no version to read)
-            continue
-        if held_whole:
-            w = x._whole
-            assert w is not None
-            source: object = w
-            version = 0 if w.is_inference() else w._version
-        else:
-            source, version, _ = _block_source(x)
-        layout = x._layout
-        lays = tuple(lay for lay, e in plain if e.fresh(source, layout, version))
+        lays: list[Layout] = []
+        source: object = None
+        version = 0
+        for (lay, div, g), entry in (cache.wholes if held_whole else cache.blocks).items():
+            if div or g != grad:
+                continue
+            if source is None:  # read the source's version once, only when needed
+                if held_whole:
+                    w = x._whole
+                    assert w is not None
+                    source, version = w, 0 if w.is_inference() else w._version
+                else:
+                    source, version, _ = _block_source(x)
+            if entry.fresh(source, x._layout, version):
+                lays.append(lay)
         if lays:
             if out is None:
                 out = [()] * len(operands)
-            out[i] = lays
+            out[i] = tuple(lays)
     return () if out is None else tuple(out)
 
 
@@ -258,8 +261,9 @@ def blocks(x: Operand, target: Layout, diverge: tuple[int, ...] = ()
     layout = x._layout
     grad = torch.is_grad_enabled()
     key = (target, diverge, grad)
-    if not leaf:
-        hit = _table(x, False).get(key)
+    cache = x._cache
+    if not leaf and cache is not None:
+        hit = cache.blocks.get(key)
         if hit is not None and hit.fresh(shards, layout, version):
             return hit.kept
     t = relayout(x, target)
