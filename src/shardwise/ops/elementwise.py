@@ -9,8 +9,9 @@ Invariants:
   whole values.
 - Tensors and numbers (not bools) among the positional arguments, and tensors among
   the keywords, are the operands; every other argument passes through unchanged.
-- An operator given an argument that is no operand returns ``NotImplemented``, so
-  Python tries the other side, as torch's own operators do.
+- An operator given an argument that is no tensor or number returns ``NotImplemented``,
+  so Python tries the other side, as torch's own operators do; a bool is a number there
+  (``x & True``). ``&``, ``|``, ``^`` are bitwise, as torch's (int & bool is an int).
 - ``div`` with a ``rounding_mode`` is nonlinear: a Partial numerator is reduced first.
 """
 
@@ -30,8 +31,15 @@ __all__ = ["LINEAR", "NONLINEAR"]
 
 
 def _is_operand(a: Any) -> bool:
+    """An operand of a ``torch.nn.functional`` op: a tensor or a number, not a bool."""
     return isinstance(a, torch.Tensor) or (
         isinstance(a, numbers.Number) and not isinstance(a, bool))
+
+
+def _is_value(a: Any) -> bool:
+    """An operator's other side: a tensor or any Python number, bools included (``x &
+    True``, ``x + True`` are torch's arithmetic; only in argument lists is a bool a flag)."""
+    return isinstance(a, (torch.Tensor, numbers.Number))
 
 
 def _aliases(name: str) -> list[Any]:
@@ -39,15 +47,19 @@ def _aliases(name: str) -> list[Any]:
     return [getattr(mod, name, None) for mod in (torch, TensorMethod, F, torch.special)]
 
 
-def _elementwise(rule: str, func: Any) -> Callable[..., Any]:
+def _elementwise(rule: str, func: Any, flags: bool = False) -> Callable[..., Any]:
     """A handler running ``func`` per local block; tensors and numbers among the
-    positional arguments are its operands, everything else passes through."""
+    positional arguments are its operands, everything else passes through. ``flags``:
+    ``func`` is a ``torch.nn.functional`` op, whose positional bools are options
+    (``F.relu(x, True)`` is ``inplace``); elsewhere a bool is a number (``torch.add(x,
+    True)``)."""
+    is_operand = _is_operand if flags else _is_value
 
     def handler(*args: Any, **kwargs: Any) -> Any:
-        if not kwargs and all(isinstance(a, (torch.Tensor, int, float)) and not isinstance(
-                a, bool) for a in args):
+        if not kwargs and all(isinstance(a, (torch.Tensor, int, float)) and not (
+                flags and isinstance(a, bool)) for a in args):
             return apply_elementwise(rule, args, func)  # every argument is an operand
-        pos = [i for i, a in enumerate(args) if _is_operand(a)]
+        pos = [i for i, a in enumerate(args) if is_operand(a)]
         kws = [k for k, v in kwargs.items() if isinstance(v, torch.Tensor)]
         operands = [args[i] for i in pos] + [kwargs[k] for k in kws]
         npos = len(pos)
@@ -79,7 +91,8 @@ NONLINEAR = [
     "isnan", "isinf", "isfinite", "bitwise_not", "nan_to_num", "clamp", "clip", "clamp_min",
     "clamp_max", "leaky_relu", "elu", "softplus", "hardtanh", "mish", "hardswish",
     "hardsigmoid", "relu6", "logit", "float_power", "fmax", "fmin", "logical_and",
-    "logical_or", "logical_xor", "bitwise_and", "bitwise_or", "bitwise_xor", "masked_fill",
+    "logical_or", "logical_xor", "bitwise_and", "bitwise_or", "bitwise_xor",
+    "bitwise_left_shift", "bitwise_right_shift", "masked_fill",
     "lerp", "addcmul", "addcdiv", "atan2", "remainder", "fmod", "floor_divide", "copysign",
     "hypot", "xlogy", "threshold", "logsigmoid", "softsign", "tanhshrink", "greater",
     "greater_equal", "less", "less_equal", "not_equal", "absolute", "arctan2",
@@ -91,7 +104,8 @@ _RULE_OF = {"clip": "clamp", "absolute": "abs", "arctan2": "atan2", "greater": "
 for _name, _rule in [*LINEAR.items(), *((n, _RULE_OF.get(n, n)) for n in NONLINEAR)]:
     for _f in _aliases(_name):
         if _f is not None:
-            register(_f)(_elementwise(_rule, _f))
+            _functional = _f is getattr(F, _name, None) and _f is not getattr(torch, _name, None)
+            register(_f)(_elementwise(_rule, _f, flags=_functional))
 
 
 # --- operators: x + y, 2 * x, -x, x == y ... -------------------------------------------
@@ -100,42 +114,44 @@ _DUNDERS = {"__add__": "add", "__radd__": "add", "__sub__": "sub", "__rsub__": "
             "__div__": "div", "__rdiv__": "div", "__pow__": "pow", "__rpow__": "pow",
             "__neg__": "neg", "__abs__": "abs", "__eq__": "eq", "__ne__": "ne",
             "__lt__": "lt", "__le__": "le", "__gt__": "gt", "__ge__": "ge",
-            "__and__": "logical_and", "__or__": "logical_or", "__xor__": "logical_xor",
+            # bitwise, as torch's operators: logical_* would turn int & bool into bools
+            "__and__": "bitwise_and", "__rand__": "bitwise_and", "__or__": "bitwise_or",
+            "__ror__": "bitwise_or", "__xor__": "bitwise_xor", "__rxor__": "bitwise_xor",
+            "__lshift__": "bitwise_left_shift", "__rlshift__": "bitwise_left_shift",
+            "__rshift__": "bitwise_right_shift", "__rrshift__": "bitwise_right_shift",
             "__invert__": "bitwise_not", "__floordiv__": "floor_divide",
-            "__rfloordiv__": "floor_divide", "__mod__": "remainder"}
+            "__rfloordiv__": "floor_divide", "__mod__": "remainder", "__rmod__": "remainder"}
 _REFLECTED = {"__radd__", "__rsub__", "__rmul__", "__rtruediv__", "__rdiv__", "__rpow__",
-              "__rfloordiv__"}
+              "__rfloordiv__", "__rand__", "__ror__", "__rxor__", "__rlshift__", "__rrshift__",
+              "__rmod__"}
 
 
-def _operator(plain: Callable[..., Any]) -> Callable[..., Any]:
-    """``x op y``: ``plain(x, y)``, or NotImplemented when ``y`` is no operand."""
+
+def _operator(rule: str, func: Callable[..., Any], reflected: bool) -> Callable[..., Any]:
+    """``x op y`` (``y op x`` when ``reflected``: ``x.__radd__(y)``) on the blocks. Both
+    sides are operands, a bool too; NotImplemented when the other side is no tensor or
+    number, so that Python asks it."""
+    plain = _elementwise(rule, func)
 
     def forward(*args: Any, **kwargs: Any) -> Any:
-        if len(args) > 1 and not _is_operand(args[1]):
-            return NotImplemented
-        return plain(*args, **kwargs)
+        if len(args) > 1:
+            if not _is_value(args[1]):
+                return NotImplemented
+            if reflected:
+                args = (args[1], args[0])
+        if kwargs:
+            return plain(*args, **kwargs)
+        return apply_elementwise(rule, args, func)
 
     return forward
-
-
-def _reflected(plain: Callable[..., Any]) -> Callable[..., Any]:
-    """``y op x`` with x the Tensor (``x.__radd__(y)``): ``plain(y, x)``."""
-
-    def reflected(a: Any, b: Any) -> Any:
-        if not _is_operand(b):
-            return NotImplemented
-        return plain(b, a)
-
-    return reflected
 
 
 # After the aliases: torch's Tensor.__neg__ and __abs__ are Tensor.neg and Tensor.abs
 # themselves, so those two methods end on the operator's handler (as they always did).
 for _dunder, _name in _DUNDERS.items():
-    _plain = _elementwise(LINEAR.get(_name) or _RULE_OF.get(_name, _name),
-                          getattr(torch, _name, None) or getattr(TensorMethod, _name))
-    register(getattr(TensorMethod, _dunder))(
-        (_reflected if _dunder in _REFLECTED else _operator)(_plain))
+    register(getattr(TensorMethod, _dunder))(_operator(
+        LINEAR.get(_name) or _RULE_OF.get(_name, _name),
+        getattr(torch, _name, None) or getattr(TensorMethod, _name), _dunder in _REFLECTED))
 
 _div_plain = _elementwise("div", torch.div)
 _div_round = _elementwise("div_rounding", torch.div)

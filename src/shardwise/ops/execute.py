@@ -99,8 +99,10 @@ def apply(op: str, operands: Sequence[Any], fn: Callable[..., torch.Tensor], *pa
     opens: list[tuple[bool, ...] | None] = []
     itemsizes: list[int] = []
     wholes = True
+    wrapping = False  # an integer or bool Partial operand (see _reduce_wrapping_partials)
     for x in args:  # the wrapper's own fields (no property calls: the per-op hot path)
         if isinstance(x, Tensor):
+            wrapping = wrapping or (x._layout.is_partial and not x._dtype.is_floating_point)
             tensors.append(x)
             shapes.append(x._shape)
             layouts.append(x._layout)
@@ -114,6 +116,8 @@ def apply(op: str, operands: Sequence[Any], fn: Callable[..., torch.Tensor], *pa
             opens.append(())
             itemsizes.append(0)
     factors = bind(op, tuple(shapes), *params)
+    if wrapping and not wholes:
+        _reduce_wrapping_partials(args, tensors, layouts, fn, factors, shaped)
     # the layouts each operand already reached for earlier ops: free for this one
     dec = decide(factors, tuple(layouts), tuple(opens), tuple(itemsizes),
                  cache.kept_layouts(tensors, wholes))
@@ -127,6 +131,36 @@ def apply(op: str, operands: Sequence[Any], fn: Callable[..., torch.Tensor], *pa
         assert req is not None
         cols.append(cache.blocks(x, req, div))
     return _run_local(op, fn, args, cols, dec, factors, shaped)
+
+
+def _reduce_wrapping_partials(args: list[Any], tensors: list[Tensor | None],
+                              layouts: list[Layout | None], fn: Callable[..., torch.Tensor],
+                              factors: Factors, shaped: bool) -> None:
+    """Reduce, in place in the lists, each integer or bool Partial operand of an op whose
+    result has another dtype. Its blocks add up in their own dtype (wrapping), so the
+    rule's Partial pass-through (``x * 1.5``, ``x.sum()``) would add them up in the
+    result's dtype instead: another value. A whole-value run is exact (the whole holds
+    the reduced value), so only block runs come here; the check costs a meta call,
+    paid only where such an operand exists."""
+    wrapping = [i for i, t in enumerate(tensors) if t is not None and t._layout.is_partial
+                and not (t._dtype.is_floating_point or t._dtype.is_complex)]
+    if not wrapping:
+        return
+    call = [torch.empty(x._shape, dtype=x._dtype, device="meta") if isinstance(x, Tensor)
+            else x for x in args]
+    if shaped:
+        call.append(factors.out_shape)
+    try:
+        dtype = fn(*call).dtype
+    except Exception:  # no meta kernel: reduce, which is always exact
+        dtype = None
+    for i in wrapping:
+        t = tensors[i]
+        assert t is not None
+        if dtype != t._dtype:
+            lay = t._layout
+            args[i] = tensors[i] = cache.relayout(t, lay.with_partial((None,) * lay.mesh.ndim))
+            layouts[i] = args[i]._layout
 
 
 def _run_local(op: str, fn: Callable[..., torch.Tensor], args: list[Any],

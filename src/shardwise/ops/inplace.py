@@ -147,9 +147,19 @@ def _inplace(name: str, method: Any, out_of_place: Callable[..., Any] | None
                 "Lay the operands out like the tensor written in place, or use the "
                 "out-of-place op."
             )
-        return _write(t, out_of_place(t, *args, **kwargs), name)
+        value = out_of_place(t, *args, **kwargs)
+        if not torch.can_cast(value.dtype, t.dtype):  # torch's rule, and its words
+            raise RuntimeError(
+                f"result type {_type_name(value.dtype)} can't be cast to the desired output "
+                f"type {_type_name(t.dtype)} ({name} on {t!r}).")
+        return _write(t, value, name)
 
     return handler
+
+
+def _type_name(dtype: torch.dtype) -> str:
+    """torch's name of a dtype in its casting errors (``Float``, ``Long``, ``Bool``)."""
+    return torch.empty((), dtype=dtype).type().rpartition(".")[2].removesuffix("Tensor")
 
 
 # x.add_(y), x.relu_()...: the out-of-place handler is the elementwise one, when it has
@@ -161,7 +171,11 @@ for _name in sorted(set(LINEAR) | set(NONLINEAR) | {"copy", "zero", "fill"}):
                                    HANDLERS.get(getattr(TensorMethod, _name, None))))
 
 for _dunder, _name in (("__iadd__", "add"), ("__isub__", "sub"), ("__imul__", "mul"),
-                       ("__itruediv__", "div"), ("__ipow__", "pow")):
+                       ("__itruediv__", "div"), ("__ipow__", "pow"), ("__iand__", "bitwise_and"),
+                       ("__ior__", "bitwise_or"), ("__ixor__", "bitwise_xor"),
+                       ("__ilshift__", "bitwise_left_shift"),
+                       ("__irshift__", "bitwise_right_shift"), ("__imod__", "remainder"),
+                       ("__ifloordiv__", "floor_divide")):
     register(getattr(TensorMethod, _dunder))(
         _inplace(_dunder, getattr(TensorMethod, _name + "_"),
                  HANDLERS[getattr(TensorMethod, _name)]))
