@@ -1,30 +1,10 @@
 """Collectives by mesh-axis name inside ``shard_map`` (``jax.lax``'s names).
 
-The public face of :mod:`shardwise.spmd.lax`, where they are defined.
+The public face of :mod:`shardwise.spmd.lax`, where they are defined (and listed, in
+its ``__all__``).
 """
 
-from shardwise.spmd.lax import (
-    all_gather,
-    all_to_all,
-    axis_index,
-    axis_size,
-    pmax,
-    pmean,
-    pmin,
-    ppermute,
-    psum,
-    psum_scatter,
-)
+from shardwise.spmd import lax as _defined
+from shardwise.spmd.lax import *  # noqa: F403  (the names of _defined.__all__)
 
-__all__ = [
-    "all_gather",
-    "all_to_all",
-    "axis_index",
-    "axis_size",
-    "pmax",
-    "pmean",
-    "pmin",
-    "ppermute",
-    "psum",
-    "psum_scatter",
-]
+__all__ = list(_defined.__all__)
