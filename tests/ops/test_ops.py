@@ -151,6 +151,10 @@ REDUCTIONS = {
     "norm_dim": lambda x: x.norm(dim=1),
     "sort": lambda x: x.sort(1), "sort_desc": lambda x: torch.sort(x, 0, descending=True),
     "argsort": lambda x: x.argsort(dim=1, stable=True),
+    # values and indices as torch's named tuple (median(dim) raised AttributeError)
+    "median_all": lambda x: x.median(), "median_dim": lambda x: x.median(1),
+    "median_keep": lambda x: torch.median(x, 0, keepdim=True),
+    "nanmedian_dim": lambda x: x.nanmedian(dim=-1),
 }
 
 

@@ -95,7 +95,7 @@ def _full_reduce(fn: Any) -> Callable[..., Any]:
     return handler
 
 
-for _name in ("prod", "any", "all", "argmax", "argmin", "logsumexp", "median", "nansum",
+for _name in ("prod", "any", "all", "argmax", "argmin", "logsumexp", "nansum",
               "count_nonzero"):
     _fn = getattr(torch, _name)
     register(_fn, getattr(TensorMethod, _name, None))(_full_reduce(_fn))
@@ -165,6 +165,27 @@ def _extreme(name: str, fn: Any, values: Any) -> Callable[..., Any]:
                                         (d,), keepdim))
 
     return handler
+
+
+def _median(name: str) -> Callable[..., Any]:
+    """``torch.median(x)`` (one value, every dim gathered) and ``torch.median(x, dim)``
+    (values and indices, as torch's named tuple; the dim gathered, the others kept)."""
+    fn = getattr(torch, name)
+    whole = _full_reduce(fn)
+    kind = getattr(torch.return_types, name)
+
+    def handler(x: Any, dim: Any = None, keepdim: bool = False) -> Any:
+        if dim is None:
+            return whole(x)
+        d = normalize_dim(dim, max(x.ndim, 1), f"{name} dim")
+        return kind(_values_and_indices("reduce_full", x, lambda s: fn(s, d, keepdim),
+                                        (d,), keepdim))
+
+    return handler
+
+
+for _name in ("median", "nanmedian"):
+    register(getattr(torch, _name), getattr(TensorMethod, _name))(_median(_name))
 
 
 register(torch.max, TensorMethod.max)(_extreme("max", torch.max, C.amax))
