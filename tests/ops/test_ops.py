@@ -409,3 +409,18 @@ def test_rope_and_gqa_keep_the_heads_sharded() -> None:
     torch.testing.assert_close(rotated.to_torch(), rope(q))
     assert torch.equal(repeated.to_torch(), torch.repeat_interleave(q, 2, dim=2))
     assert repeated.dist_layout.dims[2] == (1,)  # heads still split over tp
+
+
+def test_an_explicit_out_none_is_no_in_place_write() -> None:
+    """F.normalize and torch.tensordot pass ``out=None`` down to torch: no write in place,
+    so they run (through the fallback, exact) instead of being refused as in-place."""
+    x = put(X, (S0, R))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", sw.ShardwiseFallbackWarning)
+        got = [F.normalize(x, dim=1), torch.tensordot(x, x, dims=([1], [1]))]
+    want = [F.normalize(X, dim=1), torch.tensordot(X, X, dims=([1], [1]))]
+    for g, w in zip(got, want):
+        assert isinstance(g, sw.Tensor)
+        torch.testing.assert_close(g.to_torch(), w, rtol=0, atol=0)
+    with pytest.raises(sw.ShardingError, match="writes in place"):
+        torch.nn.functional.relu_(x)

@@ -186,7 +186,7 @@ def fallback(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     name = _name(func)
     short = getattr(func, "__name__", "")
     if (short.endswith("_") and not short.endswith("__")) or short in _INPLACE_DUNDERS or (
-            "out" in kwargs) or short == "__setitem__":
+            kwargs.get("out") is not None) or short == "__setitem__":
         raise ShardingError(
             f"{name} writes in place and has no sharding rule for a shardwise.Tensor "
             f"({describe(args)}). Use the out-of-place op (x = op(x, ...)), or gather "
