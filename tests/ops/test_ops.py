@@ -424,3 +424,19 @@ def test_an_explicit_out_none_is_no_in_place_write() -> None:
         torch.testing.assert_close(g.to_torch(), w, rtol=0, atol=0)
     with pytest.raises(sw.ShardingError, match="writes in place"):
         torch.nn.functional.relu_(x)
+
+
+def test_cat_follows_torch_with_empty_tensors_axis_and_out() -> None:
+    """torch.cat skips 1-D empty tensors beside tensors of another rank (it raised a rank
+    error); torch.concatenate's ``axis=`` is its dim; ``out=`` is refused, never ignored."""
+    x = put(X, (S0, R))
+    empty = torch.tensor([])
+    cases = [(lambda t: torch.cat([t, empty]), X), (lambda t: torch.cat([empty, t], 1), X),
+             (lambda t: torch.concatenate([t, t], axis=1), X)]
+    for f, plain in cases:
+        got, want = f(x), f(plain)
+        assert isinstance(got, sw.Tensor) and torch.equal(got.to_torch(), want)
+    out = torch.zeros(8, 6)
+    with pytest.raises(sw.ShardingError, match="out="):
+        torch.cat([x, x], out=out)
+    assert not out.any()

@@ -25,6 +25,7 @@ from shardwise.ops import compute as C
 from shardwise.ops.execute import apply
 from shardwise.ops.registry import (
     TensorMethod,
+    describe,
     fallback,
     on_mesh,
     reduce_dims,
@@ -169,8 +170,22 @@ def expand_as(x: Any, other: Any) -> Any:
 
 
 @register(torch.cat, torch.concat, torch.concatenate)
-def cat(tensors: Sequence[Any], dim: int = 0, **kwargs: Any) -> Any:
-    return C.cat(on_mesh(tensors), dim)
+def cat(tensors: Sequence[Any], dim: int = 0, *, out: Any = None, **kwargs: Any) -> Any:
+    """``torch.cat``, with torch's legacy rule: 1-D empty tensors (shape ``(0,)``) beside
+    tensors of another rank are skipped."""
+    if out is not None:
+        raise ShardingError(
+            f"cat(..., out=) writes in place and has no sharding rule for a shardwise.Tensor "
+            f"({describe(list(tensors))}). Use the result: y = torch.cat(...).")
+    if "axis" in kwargs:  # torch.concatenate's spelling
+        dim = kwargs.pop("axis")
+    if kwargs:
+        raise TypeError(f"cat() got an unexpected keyword argument {next(iter(kwargs))!r}")
+    ts = list(tensors)
+    kept = [t for t in ts if not (t.ndim == 1 and t.shape[0] == 0)]
+    if kept and len(kept) < len(ts) and any(t.ndim != 1 for t in kept):
+        ts = kept
+    return C.cat(on_mesh(ts), dim)
 
 
 @register(torch.stack)
