@@ -340,5 +340,10 @@ def test_python_scalar_conversions_and_invert_match_torch() -> None:
     assert "abcdefghi"[partial] == "i"
     x = sw.tensor(torch.arange(4), sharding=PlacementMapping(mesh, (Sharded(0),)))
     assert torch.equal((~x).to_torch(), ~torch.arange(4))
-    with pytest.raises(ShardingError, match="in place"):
-        x.__ilshift__(1)  # an in-place dunder without a rule is refused by name
+    y = x.clone()
+    y <<= 1  # a rule since the operators follow torch (tests/ops/test_operators.py)
+    assert torch.equal(y.to_torch(), torch.arange(4) << 1)
+    from shardwise.ops.registry import fallback
+
+    with pytest.raises(ShardingError, match="in place"):  # one without a rule: by name
+        fallback(torch.Tensor.__ilshift__, (x, 1), {})
