@@ -149,6 +149,14 @@ def _values_and_indices(op: str, x: Any, fn: Callable[[torch.Tensor], Any], *par
     return vals, idx
 
 
+def _with_indices(name: str, fn: Any, x: Any, dim: Any, keepdim: bool) -> Any:
+    """``torch.<name>(x, dim)``'s values and indices as torch's named tuple
+    (``torch.return_types.<name>``): the dim gathered, the others kept."""
+    d = normalize_dim(dim, max(x.ndim, 1), f"{name} dim")
+    return getattr(torch.return_types, name)(_values_and_indices(
+        "reduce_full", x, lambda s: fn(s, d, keepdim), (d,), keepdim))
+
+
 def _extreme(name: str, fn: Any, values: Any) -> Callable[..., Any]:
     """``torch.max(x)`` (a Partial-friendly amax), ``torch.max(x, dim)`` (values and
     indices, the dim gathered) and ``torch.max(a, b)`` (elementwise maximum)."""
@@ -159,10 +167,7 @@ def _extreme(name: str, fn: Any, values: Any) -> Callable[..., Any]:
                 x, dim)
         if dim is None:
             return values(x, None, False)
-        d = normalize_dim(dim, max(x.ndim, 1), f"{name} dim")
-        kind = torch.return_types.max if name == "max" else torch.return_types.min
-        return kind(_values_and_indices("reduce_full", x, lambda s: fn(s, d, keepdim),
-                                        (d,), keepdim))
+        return _with_indices(name, fn, x, dim, keepdim)
 
     return handler
 
@@ -172,14 +177,11 @@ def _median(name: str) -> Callable[..., Any]:
     (values and indices, as torch's named tuple; the dim gathered, the others kept)."""
     fn = getattr(torch, name)
     whole = _full_reduce(fn)
-    kind = getattr(torch.return_types, name)
 
     def handler(x: Any, dim: Any = None, keepdim: bool = False) -> Any:
         if dim is None:
             return whole(x)
-        d = normalize_dim(dim, max(x.ndim, 1), f"{name} dim")
-        return kind(_values_and_indices("reduce_full", x, lambda s: fn(s, d, keepdim),
-                                        (d,), keepdim))
+        return _with_indices(name, fn, x, dim, keepdim)
 
     return handler
 
