@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from shardwise.ops.execute import apply_elementwise
 from shardwise.ops.registry import TensorMethod, register
 
-__all__ = ["LINEAR", "NONLINEAR"]
+__all__ = ["LINEAR", "NONLINEAR", "OPERATORS"]
 
 
 def _is_operand(a: Any) -> bool:
@@ -109,7 +109,8 @@ for _name, _rule in [*LINEAR.items(), *((n, _RULE_OF.get(n, n)) for n in NONLINE
 
 
 # --- operators: x + y, 2 * x, -x, x == y ... -------------------------------------------
-_DUNDERS = {"__add__": "add", "__radd__": "add", "__sub__": "sub", "__rsub__": "sub",
+#: Python's operators: dunder -> the torch op it runs (inplace.py derives x += y ...)
+OPERATORS = {"__add__": "add", "__radd__": "add", "__sub__": "sub", "__rsub__": "sub",
             "__mul__": "mul", "__rmul__": "mul", "__truediv__": "div", "__rtruediv__": "div",
             "__div__": "div", "__rdiv__": "div", "__pow__": "pow", "__rpow__": "pow",
             "__neg__": "neg", "__abs__": "abs", "__eq__": "eq", "__ne__": "ne",
@@ -148,7 +149,7 @@ def _operator(rule: str, func: Callable[..., Any], reflected: bool) -> Callable[
 
 # After the aliases: torch's Tensor.__neg__ and __abs__ are Tensor.neg and Tensor.abs
 # themselves, so those two methods end on the operator's handler (as they always did).
-for _dunder, _name in _DUNDERS.items():
+for _dunder, _name in OPERATORS.items():
     register(getattr(TensorMethod, _dunder))(_operator(
         LINEAR.get(_name) or _RULE_OF.get(_name, _name),
         getattr(torch, _name, None) or getattr(TensorMethod, _name), _dunder in _REFLECTED))

@@ -22,7 +22,7 @@ import torch
 
 from shardwise.ops import compute as C
 from shardwise.ops.conversions import to
-from shardwise.ops.elementwise import LINEAR, NONLINEAR
+from shardwise.ops.elementwise import LINEAR, NONLINEAR, OPERATORS
 from shardwise.ops.factories import zeros_like
 from shardwise.ops.registry import TensorMethod, describe, register
 from shardwise.sharding.errors import ShardingError, ShardingTypeError
@@ -170,15 +170,16 @@ for _name in sorted(set(LINEAR) | set(NONLINEAR) | {"copy", "zero", "fill"}):
         register(_method)(_inplace(_name + "_", _method,
                                    HANDLERS.get(getattr(TensorMethod, _name, None))))
 
-for _dunder, _name in (("__iadd__", "add"), ("__isub__", "sub"), ("__imul__", "mul"),
-                       ("__itruediv__", "div"), ("__ipow__", "pow"), ("__iand__", "bitwise_and"),
-                       ("__ior__", "bitwise_or"), ("__ixor__", "bitwise_xor"),
-                       ("__ilshift__", "bitwise_left_shift"),
-                       ("__irshift__", "bitwise_right_shift"), ("__imod__", "remainder"),
-                       ("__ifloordiv__", "floor_divide")):
-    register(getattr(TensorMethod, _dunder))(
-        _inplace(_dunder, getattr(TensorMethod, _name + "_"),
-                 HANDLERS[getattr(TensorMethod, _name)]))
+# x += y and friends: the in-place twin of each operator that torch has (x.__iadd__
+# runs x.add_ on x's buffers); torch's __idiv__ is __itruediv__ itself, registered once
+_twins: set[Any] = set()
+for _dunder, _name in OPERATORS.items():
+    _inplace_name = "__i" + _dunder[2:]
+    _twin = getattr(TensorMethod, _inplace_name, None)
+    if _twin is not None and _twin not in _twins:
+        _twins.add(_twin)
+        register(_twin)(_inplace(_inplace_name, getattr(TensorMethod, _name + "_"),
+                                 HANDLERS[getattr(TensorMethod, _name)]))
 
 
 @register(TensorMethod.copy_)
