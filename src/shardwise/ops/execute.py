@@ -99,10 +99,11 @@ def apply(op: str, operands: Sequence[Any], fn: Callable[..., torch.Tensor], *pa
     opens: list[tuple[bool, ...] | None] = []
     itemsizes: list[int] = []
     wholes = True
-    wrapping = False  # an integer or bool Partial operand (see _reduce_wrapping_partials)
-    for x in args:  # the wrapper's own fields (no property calls: the per-op hot path)
+    wrapping: list[int] = []  # integer or bool Partial operands (_reduce_wrapping_partials)
+    for i, x in enumerate(args):  # the wrapper's own fields: the per-op hot path
         if isinstance(x, Tensor):
-            wrapping = wrapping or (x._layout.is_partial and not x._dtype.is_floating_point)
+            if x._layout.is_partial and not _sums_exactly(x._dtype):
+                wrapping.append(i)
             tensors.append(x)
             shapes.append(x._shape)
             layouts.append(x._layout)
@@ -117,7 +118,7 @@ def apply(op: str, operands: Sequence[Any], fn: Callable[..., torch.Tensor], *pa
             itemsizes.append(0)
     factors = bind(op, tuple(shapes), *params)
     if wrapping and not wholes:
-        _reduce_wrapping_partials(args, tensors, layouts, fn, factors, shaped)
+        _reduce_wrapping_partials(wrapping, args, tensors, layouts, fn, factors, shaped)
     # the layouts each operand already reached for earlier ops: free for this one
     dec = decide(factors, tuple(layouts), tuple(opens), tuple(itemsizes),
                  cache.kept_layouts(tensors, wholes))
@@ -133,19 +134,22 @@ def apply(op: str, operands: Sequence[Any], fn: Callable[..., torch.Tensor], *pa
     return _run_local(op, fn, args, cols, dec, factors, shaped)
 
 
-def _reduce_wrapping_partials(args: list[Any], tensors: list[Tensor | None],
-                              layouts: list[Layout | None], fn: Callable[..., torch.Tensor],
-                              factors: Factors, shaped: bool) -> None:
-    """Reduce, in place in the lists, each integer or bool Partial operand of an op whose
-    result has another dtype. Its blocks add up in their own dtype (wrapping), so the
-    rule's Partial pass-through (``x * 1.5``, ``x.sum()``) would add them up in the
-    result's dtype instead: another value. A whole-value run is exact (the whole holds
-    the reduced value), so only block runs come here; the check costs a meta call,
-    paid only where such an operand exists."""
-    wrapping = [i for i, t in enumerate(tensors) if t is not None and t._layout.is_partial
-                and not (t._dtype.is_floating_point or t._dtype.is_complex)]
-    if not wrapping:
-        return
+def _sums_exactly(dtype: torch.dtype) -> bool:
+    """Whether Partial blocks of ``dtype`` add up the same in a wider dtype: floats and
+    complex numbers do (up to rounding order); integers and bools wrap in their own."""
+    return dtype.is_floating_point or dtype.is_complex
+
+
+def _reduce_wrapping_partials(wrapping: list[int], args: list[Any],
+                              tensors: list[Tensor | None], layouts: list[Layout | None],
+                              fn: Callable[..., torch.Tensor], factors: Factors,
+                              shaped: bool) -> None:
+    """Reduce, in place in the lists, each operand of ``wrapping`` (integer or bool
+    Partial operands) of an op whose result has another dtype. Its blocks add up in
+    their own dtype (wrapping), so the rule's Partial pass-through (``x * 1.5``,
+    ``x.sum()``) would add them up in the result's dtype instead: another value. A
+    whole-value run is exact (the whole holds the reduced value), so only block runs
+    come here; the check costs a meta call, paid only where such an operand exists."""
     call = [torch.empty(x._shape, dtype=x._dtype, device="meta") if isinstance(x, Tensor)
             else x for x in args]
     if shaped:
