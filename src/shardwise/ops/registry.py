@@ -26,7 +26,7 @@ from shardwise.sharding.layout import Layout, normalize_dim
 from shardwise.tensors.tensor import HANDLERS, Tensor, place
 
 __all__ = ["ShardwiseFallbackWarning", "TensorMethod", "describe", "fallback", "on_mesh",
-           "reduce_dims", "register", "shape_args"]
+           "reduce_dims", "refuse_write", "register", "shape_args"]
 
 TensorMethod = torch.Tensor
 
@@ -166,6 +166,22 @@ def _mesh_of(args: Any) -> Tensor | None:
     return None
 
 
+def refuse_write(name: str, args: Sequence[Any]) -> ShardingError:
+    """The error for an in-place write or ``out=`` without a sharding rule (writing into
+    a gathered copy would be lost silently).
+
+    >>> mesh = DeviceMesh.cpu(2, "x")
+    >>> x = shardwise.tensor([1.0, 2.0], sharding=PlacementMapping(mesh, [Sharded(0)]))
+    >>> print(refuse_write("cat(..., out=)", [x]))  # doctest: +ELLIPSIS
+    cat(..., out=) writes in place and has no sharding rule ... (shape [2] DeviceMesh(x=2)[S(x)])...
+    """
+    return ShardingError(
+        f"{name} writes in place and has no sharding rule for a shardwise.Tensor "
+        f"({describe(args)}). Use the out-of-place op (x = op(x, ...)), or gather "
+        "with x.to_torch() and re-shard the result."
+    )
+
+
 def fallback(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """No rule: metadata from the wrapper, readers on gathered values, otherwise run on
     gathered operands and return Replicated results (warning once per op). An in-place
@@ -187,11 +203,7 @@ def fallback(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     short = getattr(func, "__name__", "")
     if (short.endswith("_") and not short.endswith("__")) or short in _INPLACE_DUNDERS or (
             kwargs.get("out") is not None) or short == "__setitem__":
-        raise ShardingError(
-            f"{name} writes in place and has no sharding rule for a shardwise.Tensor "
-            f"({describe(args)}). Use the out-of-place op (x = op(x, ...)), or gather "
-            "with x.to_torch() and re-shard the result."
-        )
+        raise refuse_write(name, args)
     like = _mesh_of(list(args) + list(kwargs.values()))
     plain_args, plain_kwargs = _gather(args), _gather(kwargs)
     if func not in _READ and name not in _WARNED:

@@ -25,10 +25,10 @@ from shardwise.ops import compute as C
 from shardwise.ops.execute import apply
 from shardwise.ops.registry import (
     TensorMethod,
-    describe,
     fallback,
     on_mesh,
     reduce_dims,
+    refuse_write,
     register,
     shape_args,
 )
@@ -174,9 +174,7 @@ def cat(tensors: Sequence[Any], dim: int = 0, *, out: Any = None, **kwargs: Any)
     """``torch.cat``, with torch's legacy rule: 1-D empty tensors (shape ``(0,)``) beside
     tensors of another rank are skipped."""
     if out is not None:
-        raise ShardingError(
-            f"cat(..., out=) writes in place and has no sharding rule for a shardwise.Tensor "
-            f"({describe(list(tensors))}). Use the result: y = torch.cat(...).")
+        raise refuse_write("cat(..., out=)", list(tensors))
     if "axis" in kwargs:  # torch.concatenate's spelling
         dim = kwargs.pop("axis")
     if kwargs:
