@@ -182,7 +182,7 @@ def _filled(shape: Sequence[int] | int, make: Callable[[tuple[int, ...], Any, tu
     shape = check_shape(shape)
     layout = _target(device, sharding, len(shape))
     mesh = layout.mesh
-    plain = layout.with_partial((None,) * mesh.ndim)
+    plain = layout.without_partial()
     reps = plain.representatives()
     backend = backend_for(mesh)
     mine = set(backend.owned(mesh))

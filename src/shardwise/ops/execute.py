@@ -162,8 +162,7 @@ def _reduce_wrapping_partials(wrapping: list[int], args: list[Any],
         t = tensors[i]
         assert t is not None
         if dtype != t._dtype:
-            lay = t._layout
-            args[i] = tensors[i] = cache.relayout(t, lay.with_partial((None,) * lay.mesh.ndim))
+            args[i] = tensors[i] = cache.relayout(t, t._layout.without_partial())
             layouts[i] = args[i]._layout
 
 

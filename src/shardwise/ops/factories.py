@@ -34,7 +34,7 @@ def _like(fn: Any, x: Any, *args: Any, **kwargs: Any) -> Tensor:
     layout = x.dist_layout
     if layout.is_partial:
         return x._map_unique(lambda s: fn(s, *args, **kwargs),
-                             layout.with_partial((None,) * x.mesh.ndim))
+                             layout.without_partial())
     if x._whole is not None:
         return Tensor.from_whole(fn(x._whole, *args, **kwargs), layout, x._open)
     return x._map_unique(lambda s: fn(s, *args, **kwargs))
@@ -101,7 +101,7 @@ def _random_like(draw: Callable[..., torch.Tensor]) -> Callable[..., Any]:
         kwargs.pop("device", None)
         g = draw(torch.empty(x.shape, dtype=dtype or x.dtype, device=x.device), *args,
                  **kwargs)
-        return place(g, x.dist_layout.with_partial((None,) * x.mesh.ndim))
+        return place(g, x.dist_layout.without_partial())
 
     return handler
 

@@ -106,7 +106,7 @@ def dropout(x: Any, p: float = 0.5, training: bool = True, inplace: bool = False
     # Drawn over the global shape, so values equal single-device torch's for a seed.
     noise = torch.empty(x.shape, dtype=x.dtype, device=x.device).bernoulli_(1 - p)
     noise.div_(1 - p)
-    mask = place(noise, x.dist_layout.with_partial((None,) * x.mesh.ndim))
+    mask = place(noise, x.dist_layout.without_partial())
     return C.mul(x, mask)
 
 

@@ -172,6 +172,15 @@ class Layout:
     def with_partial(self, partial: tuple[ReduceOp | None, ...]) -> Layout:
         return _layout(self.mesh, self.dims, partial, id(self.mesh))
 
+    def without_partial(self) -> Layout:
+        """This layout with every Partial axis reduced (replicated), dims unchanged.
+
+        >>> mesh = DeviceMesh.cpu((2, 2), ("dp", "tp"))
+        >>> str(Layout(mesh, ((0,),), (None, ReduceOp.SUM)).without_partial())
+        'DeviceMesh(dp=2, tp=2)[S(dp)]'
+        """
+        return self.with_partial((None,) * self.mesh.ndim)
+
     # --- conversions --------------------------------------------------------------
     def to_placements(self) -> tuple[Placement, ...]:
         """One placement per mesh axis; raises ConversionError when a dim is split

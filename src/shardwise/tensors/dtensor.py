@@ -96,7 +96,7 @@ def differing_dims(layout: Layout, shape: tuple[int, ...]) -> tuple[int, ...]:
     from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
 
     mesh = layout.mesh
-    placements = torch_placements(layout.with_partial((None,) * mesh.ndim))
+    placements = torch_placements(layout.without_partial())
     bad: set[int] = set()
     for k in range(mesh.num_devices):
         coord = mesh.coord_of(k)

@@ -221,7 +221,7 @@ class GradMixin(RelayoutMixin):
         """This value with Partial axes reduced (the differentiable global)."""
         if not self._layout.is_partial:
             return self
-        target = self._layout.with_partial((None,) * self.mesh.ndim)
+        target = self._layout.without_partial()
         if self._whole is not None:  # the whole is the reduced value already
             return type(self).from_whole(cache.whole(self, target), target, self._open)
         return cache.relayout(self, target)

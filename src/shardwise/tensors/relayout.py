@@ -77,7 +77,7 @@ def _cut(whole: torch.Tensor, layout: Layout) -> tuple[torch.Tensor, ...]:
     shape = tuple(whole.shape)
     backend = backend_for(mesh)
     if layout.is_partial:
-        plain = layout.with_partial((None,) * mesh.ndim)
+        plain = layout.without_partial()
         plan = make_plan(plain, layout, shape, whole.dtype.itemsize)
         return tuple(backend.execute_plan(plan, _cut(whole, plain)))
     return tuple(backend.assemble([whole] * mesh.num_devices, _replicated(mesh, len(shape)),

@@ -353,7 +353,7 @@ def place(value: torch.Tensor, layout: Layout) -> Tensor:
     first = backend.device_of(mesh, mine[0]) if len(mine) else value.device
     if value.device != first and not value.is_meta:  # meta: shapes only (deferred init)
         value = value.to(first)
-    plain = layout.with_partial((None,) * mesh.ndim)
+    plain = layout.without_partial()
     t = Tensor.from_whole(value, plain)
     # the planner's make_partial steps lay identities down outer axis first, which
     # keeps the value for mixed reduce ops
