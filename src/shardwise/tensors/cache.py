@@ -151,6 +151,12 @@ def _distinct(blocks: Sequence[torch.Tensor | None], own: Sequence[torch.Tensor 
     return tuple(seen.values())
 
 
+def _whole_version(w: torch.Tensor) -> int:
+    """A whole value's version counter (0 for an inference tensor, which has none and
+    is never written under autograd)."""
+    return 0 if w.is_inference() else int(w._version)
+
+
 def _block_source(x: Operand) -> tuple[tuple[torch.Tensor, ...], int, bool]:
     """``x``'s blocks, their version and whether they are a leaf requiring grad."""
     shards = x._shards
@@ -201,7 +207,7 @@ def kept_layouts(operands: Sequence[Operand | None], held_whole: bool
                 if held_whole:
                     w = x._whole
                     assert w is not None
-                    source, version = w, 0 if w.is_inference() else w._version
+                    source, version = w, _whole_version(w)
                 else:
                     source, version, _ = _block_source(x)
             if entry.fresh(source, x._layout, version):
@@ -308,7 +314,7 @@ def whole(x: Operand, target: Layout, diverge: tuple[int, ...] = (),
     grad = torch.is_grad_enabled()
     key = (target, diverge, grad)
     leaf = w.requires_grad and w.grad_fn is None
-    version = 0 if w.is_inference() else w._version  # (an inference tensor has none)
+    version = _whole_version(w)
     table = None if leaf else _table(x, True)
     if table:
         hit = table.get(key)
