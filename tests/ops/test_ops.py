@@ -17,6 +17,7 @@ import torch.nn.functional as F
 
 import shardwise as sw
 from shardwise import Partial, PlacementMapping, Replicated, Sharded
+from shardwise.ops import registry
 from tests.helpers.meshes import M22 as MESH
 
 R, S0, S1, S2 = Replicated(), Sharded(0), Sharded(1), Sharded(2)
@@ -440,3 +441,61 @@ def test_cat_follows_torch_with_empty_tensors_axis_and_out() -> None:
     with pytest.raises(sw.ShardingError, match="out="):
         torch.cat([x, x], out=out)
     assert not out.any()
+
+
+def test_sdpa_grouped_query_heads_shard_with_their_kv_heads() -> None:
+    """enable_gqa: q has groups x the kv heads; sharding the heads keeps each query
+    head's group with its kv head (no gather), for masks and scale, exactly torch's."""
+    q, k, v = rnd(2, 4, 6, 8), rnd(2, 2, 6, 8, seed=1), rnd(2, 2, 6, 8, seed=2)
+    lays = [(R, R), (S0, S1), (R, S1), (S1, R), (R, S2)]
+    for mask in (None, torch.tril(torch.ones(6, 6, dtype=torch.bool)), rnd(2, 1, 6, 6),
+                 rnd(2, 4, 6, 6), rnd(1, 1, 1, 6) > 0):
+        check(lambda q, k, v, m=mask: F.scaled_dot_product_attention(
+            q, k, v, m, scale=0.3, enable_gqa=True), q, k, v, layouts=lays, exact=True)
+    check(lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True,
+                                                         enable_gqa=True), q, k, v, layouts=lays)
+    x = put(q, (R, S1))
+    assert F.scaled_dot_product_attention(x, put(k, (R, S1)), put(v, (R, S1)),
+                                          enable_gqa=True).placements == (R, S1)
+    with pytest.raises(TypeError):  # scale is keyword-only in torch too
+        F.scaled_dot_product_attention(x, x, x, None, 0.0, False, 0.3)  # type: ignore[misc]
+
+
+def test_sdpa_dropout_draws_torchs_noise() -> None:
+    q, k, v = rnd(2, 4, 6, 8), rnd(2, 2, 6, 8, seed=1), rnd(2, 2, 6, 8, seed=2)
+    for causal in (False, True):
+        torch.manual_seed(3)
+        ref = F.scaled_dot_product_attention(q, k, v, None, 0.2, causal, enable_gqa=True)
+        for lay in [(R, R), (S0, S1), (S1, R)]:
+            with warnings.catch_warnings():
+                warnings.simplefilter("error", sw.ShardwiseFallbackWarning)
+                torch.manual_seed(3)
+                out = F.scaled_dot_product_attention(put(q, lay), put(k, lay), put(v, lay),
+                                                     None, 0.2, causal, enable_gqa=True)
+            assert torch.equal(out.to_torch(), ref), (causal, lay)
+
+
+def test_pad_isin_addmm_follow_torch() -> None:
+    x = rnd(4, 6, 8)
+    for args in [((0, 1), "constant", -100.0), ((1, -1, 2, 0), "constant", 0.0),
+                 ((2, 2), "reflect", None), ((1, 1, 1, 1), "replicate", None)]:
+        check(lambda t, a=args: F.pad(t, *a), x, exact=True)
+    ids = torch.randint(0, 10, (4, 6), generator=torch.Generator().manual_seed(0))
+    check(lambda t: torch.isin(t, torch.tensor([3, 5])), ids, exact=True)
+    check(lambda b, a, w: torch.addmm(b, a, w), rnd(6), rnd(4, 8, seed=1), rnd(8, 6, seed=2))
+
+
+def test_a_write_into_a_replicated_target_runs_on_every_copy(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """``x[idx] = v`` without a rule (transformers' MoE ``inv_perm[perm] = arange``):
+    a fully Replicated target holds the whole value everywhere, so it is written."""
+    perm = torch.randperm(8, generator=torch.Generator().manual_seed(0))
+    want = torch.empty_like(perm)
+    want[perm] = torch.arange(8)
+    got = put(torch.zeros(8, dtype=torch.long), (R, R))
+    monkeypatch.setattr(registry, "_WARNED", set())  # warned once per op and process
+    with pytest.warns(sw.ShardwiseFallbackWarning):
+        got[put(perm, (R, R))] = torch.arange(8)
+    assert torch.equal(got.to_torch(), want)
+    with pytest.raises(sw.ShardingError, match="writes in place"):
+        put(torch.zeros(8), (S0, R))[perm] = torch.arange(8.0)

@@ -1,4 +1,4 @@
-"""Indexing shardwise Tensors: ``x[...]`` and ``torch.index_select``.
+"""Indexing shardwise Tensors: ``x[...]``, ``torch.index_select`` and ``torch.isin``.
 
 Invariants:
 - Basic indexing (ints, slices, None, Ellipsis) goes through the getitem rule: full
@@ -9,6 +9,7 @@ Invariants:
   out of range raises torch's IndexError without gathering x.
 - Any other advanced index falls back (exact values, a Replicated result, a warning).
 - The index of ``index_select`` is an operand: a plain torch tensor is Replicated.
+- ``torch.isin`` keeps the elements' layout; the test elements are gathered whole.
 """
 
 from __future__ import annotations
@@ -62,3 +63,10 @@ def index_select(x: Any, dim: int, index: Any) -> Any:
     d = normalize_dim(dim, max(x.ndim, 1), "index_select dim")
     ops = on_mesh([x, index])
     return apply("index_select", ops, lambda s, i: torch.index_select(s, d, i), d)
+
+
+@register(torch.isin)
+def isin(elements: Any, test_elements: Any, *, assume_unique: bool = False,
+         invert: bool = False) -> Any:
+    return apply("isin", on_mesh([elements, test_elements]), lambda e, t: torch.isin(
+        e, t, assume_unique=assume_unique, invert=invert))

@@ -9,12 +9,16 @@ Invariants:
   the add rule still lays the bias out and decides the output layout.
 - Dropout draws its mask over the global shape from torch's generator, as
   single-device torch does, then lays it out like the input.
-- Arguments without a rule (class weights, dropout inside attention, the deprecated
-  ``size_average``/``reduce``) fall back: exact values, a Replicated result, a warning.
+- Dropout inside attention draws its noise over the attention weights' global shape as
+  torch's math kernel (its CPU path) does, then runs that kernel op for op per block
+  (float32/float64; other dtypes fall back).
+- Arguments without a rule (class weights, the deprecated ``size_average``/``reduce``)
+  fall back: exact values, a Replicated result, a warning.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -51,6 +55,21 @@ def linear(x: Any, weight: Any, bias: Any = None) -> Any:
           TensorMethod.mm, torch.bmm, TensorMethod.bmm)
 def matmul(a: Any, b: Any) -> Any:
     return C.matmul(a, b)
+
+
+@register(torch.addmm, TensorMethod.addmm)
+def addmm(bias: Any, a: Any, b: Any, *, beta: Any = 1, alpha: Any = 1, out: Any = None) -> Any:
+    """``bias + a @ b`` (transformers' ``Conv1D``): the matmul rule, then the add rule."""
+    if out is not None or beta != 1 or alpha != 1:
+        return fallback(torch.addmm, (bias, a, b), dict(beta=beta, alpha=alpha, out=out))
+    if all(isinstance(t, Tensor) and t._whole is not None for t in (bias, a, b)):
+        # whole values: torch's own addmm once (torch's bits), as F.linear does
+        w = bias._whole
+        if comm.active() and w.requires_grad and torch.is_grad_enabled():
+            w = w.view_as(w)  # the bias's gradient passes here: counted by the add
+        y = apply("matmul", (a, b), lambda xs, ys: torch.addmm(w, xs, ys))
+        return apply("add", (y, bias), lambda ys, _: ys, views={1: w})
+    return C.add(C.matmul(a, b), bias)
 
 
 @register(TensorMethod.__rmatmul__)
@@ -112,18 +131,67 @@ def dropout(x: Any, p: float = 0.5, training: bool = True, inplace: bool = False
 
 @register(F.scaled_dot_product_attention)
 def sdpa(q: Any, k: Any, v: Any, attn_mask: Any = None, dropout_p: float = 0.0,
-         is_causal: bool = False, scale: Any = None, enable_gqa: bool = False) -> Any:
-    if dropout_p:
+         is_causal: bool = False, *, scale: Any = None, enable_gqa: bool = False) -> Any:
+    # torch's signature: scale and enable_gqa are keyword-only (a 7th positional
+    # argument is torch's TypeError here too)
+    if dropout_p and q.dtype not in (torch.float32, torch.float64):
         return fallback(F.scaled_dot_product_attention, (q, k, v, attn_mask, dropout_p,
-                                                         is_causal, scale), {})
+                                                         is_causal),
+                        dict(scale=scale, enable_gqa=enable_gqa))
     ops = [q, k, v] + ([attn_mask] if attn_mask is not None else [])
+    groups = 1
+    if enable_gqa and q.ndim >= 3 and k.ndim >= 3 and q.shape[-3] != k.shape[-3]:
+        if k.shape[-3] == 0 or q.shape[-3] % k.shape[-3]:
+            raise ShardingError(
+                f"scaled_dot_product_attention(enable_gqa=True): the query heads "
+                f"({q.shape[-3]}) must be a multiple of the key/value heads "
+                f"({k.shape[-3]}), as torch requires. Got q {list(q.shape)}, "
+                f"k {list(k.shape)}.")
+        groups = q.shape[-3] // k.shape[-3]
+    if dropout_p:
+        # torch's CPU kernel for dropout is its math path, which draws the noise over the
+        # attention weights' global shape: drawn here the same way, then cut like them
+        shape = (*torch.broadcast_shapes(q.shape[:-2], (*k.shape[:-3], q.shape[-3])),
+                 q.shape[-2], k.shape[-2])
+        noise = torch.zeros(shape, dtype=q.dtype) if dropout_p == 1 else torch.empty(
+            shape, dtype=q.dtype).bernoulli_(1 - dropout_p).div_(1 - dropout_p)
+        ops.append(noise)
+
+        def dropped(qs: torch.Tensor, ks: torch.Tensor, vs: torch.Tensor,
+                    *rest: torch.Tensor) -> torch.Tensor:
+            return _math_sdpa(qs, ks, vs, rest[0] if len(rest) == 2 else None, rest[-1],
+                              is_causal, scale, groups)
+
+        return apply("sdpa", on_mesh(ops), dropped, bool(is_causal), groups, True)
 
     def local(qs: torch.Tensor, ks: torch.Tensor, vs: torch.Tensor,
               *m: torch.Tensor) -> torch.Tensor:
+        # each device holds whole groups: its query heads are `groups` x its kv heads
         return F.scaled_dot_product_attention(qs, ks, vs, m[0] if m else None, 0.0,
-                                              is_causal, scale=scale)
+                                              is_causal, scale=scale,
+                                              enable_gqa=bool(enable_gqa))
 
-    return apply("sdpa", on_mesh(ops), local, bool(is_causal))
+    return apply("sdpa", on_mesh(ops), local, bool(is_causal), groups)
+
+
+def _math_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+               noise: torch.Tensor, causal: bool, scale: Any, groups: int) -> torch.Tensor:
+    """torch's math attention (``_scaled_dot_product_attention_math``, its CPU path with
+    dropout) op for op, with the dropout noise given: bit for bit torch's value."""
+    s = 1 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+    f = math.sqrt(abs(s))  # q and k each scaled by sqrt(scale), for stability
+    q = q * (-f if s < 0 else f)
+    if groups > 1:
+        k, v = k.repeat_interleave(groups, -3), v.repeat_interleave(groups, -3)
+    attn = q @ (k.transpose(-2, -1) * f)
+    if causal:
+        mask = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool).tril()
+    if mask is not None:
+        if mask.dtype == torch.bool:
+            mask = torch.zeros(mask.shape, dtype=q.dtype).masked_fill(
+                mask.logical_not(), float("-inf"))
+        attn = attn + mask
+    return (torch._safe_softmax(attn, -1) * noise) @ v
 
 
 @register(F.cross_entropy)

@@ -203,6 +203,10 @@ def fallback(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     short = getattr(func, "__name__", "")
     if (short.endswith("_") and not short.endswith("__")) or short in _INPLACE_DUNDERS or (
             kwargs.get("out") is not None) or short == "__setitem__":
+        target = args[0] if args else None
+        if (isinstance(target, Tensor) and target._layout.is_fully_replicated
+                and kwargs.get("out") is None):
+            return _write_replicated(func, name, target, args, kwargs)
         raise refuse_write(name, args)
     like = _mesh_of(list(args) + list(kwargs.values()))
     plain_args, plain_kwargs = _gather(args), _gather(kwargs)
@@ -216,6 +220,27 @@ def fallback(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     if func in _READ or like is None:
         return result
     return _replicate(result, like)
+
+
+def _write_replicated(func: Any, name: str, target: Tensor, args: tuple[Any, ...],
+                      kwargs: dict[str, Any]) -> Any:
+    """An in-place write without a rule into a fully Replicated target (``x[idx] = v``,
+    ``index_add_``...): every device holds the whole value, so the write runs on it (the
+    whole, else each distinct block once) with the other operands gathered; the target
+    stays the same Tensor, as torch's in-place ops return it."""
+    rest_args, plain_kwargs = _gather(args[1:]), _gather(kwargs)
+    if name not in _WARNED:
+        _WARNED.add(name)
+        warnings.warn(ShardwiseFallbackWarning(
+            f"{name} has no sharding rule: it wrote into the Replicated target on every "
+            f"device with gathered operands ({describe(args)}). Values are exact; the "
+            "communication and memory are not sharded."), stacklevel=4)
+    if target._whole is not None:
+        func(target._whole, *rest_args, **plain_kwargs)
+    else:
+        for block in target.unique_shards()[1]:
+            func(block, *rest_args, **plain_kwargs)
+    return target if func is not TensorMethod.__setitem__ else None
 
 
 def _replicate(result: Any, like: Tensor) -> Any:

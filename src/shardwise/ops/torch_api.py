@@ -14,7 +14,7 @@ above each handler) and then sets the fallback:
 ``shapes``          view, reshape, permute, expand, cat, stack, split, flip...
 ``indexing``        ``x[...]``, ``torch.index_select``
 ``reductions``      sum, mean, amax, norms, var, max, topk, sort, cumsum, softmax
-``nn``              linear, matmul, layer/rms norm, embedding, dropout, sdpa, losses
+``nn``              linear, matmul, addmm, layer/rms norm, embedding, dropout, sdpa, losses
 ==================  ================================================================
 
 Invariants:

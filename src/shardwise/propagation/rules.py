@@ -334,12 +334,50 @@ def _topk(shapes: tuple[tuple[int, ...], ...], dim: int, k: int) -> str:
     return " ".join(ins) + " -> " + " ".join(out)
 
 
-def _sdpa(shapes: tuple[tuple[int, ...], ...], causal: bool) -> str:
-    # a causal mask is aligned to global positions: with it the queries stay whole too
-    terms = ["... l! e!" if causal else "... l e!", "... s! e!", "... s! f!"]
-    if len(shapes) == 4:  # an attention mask broadcastable to (..., L, S)
-        terms.append("... l s!" if len(shapes[3]) >= 2 else "... s!")
-    return ", ".join(terms) + (" -> ... l! f!" if causal else " -> ... l f!")
+def _sdpa(shapes: tuple[tuple[int, ...], ...], causal: bool, groups: int = 1,
+          dropout: bool = False) -> str:
+    """Attention ``q (..., Hq, L, E), k (..., Hk, S, E), v (..., Hk, S, F)``, an optional
+    mask broadcastable to ``(..., Hq, L, S)`` and (``dropout``) last the dropout noise
+    ``(..., Hq, L, S)``. With grouped-query attention (``groups`` = Hq // Hk > 1) the
+    query heads are one compound dim ``(h g)``: query head ``i`` reads key/value head
+    ``i // groups``, so sharding ``h`` (the key/value heads) carries each query head's
+    group along, block for block."""
+    q = "l! e!" if causal else "l e!"  # a causal mask is aligned to global positions
+    if groups == 1:
+        terms = ["... " + q, "... s! e!", "... s! f!"]
+        heads = None
+    else:
+        hk = shapes[1][-3]
+        heads = f"(h={hk} g={groups})"
+        terms = [f"... {heads} {q}", "... h s! e!", "... h s! f!"]
+    if len(shapes) - dropout == 4:  # the mask; a size-1 dim that broadcasts: its own factor
+        m = shapes[3]
+        ln, sn = shapes[0][-2], shapes[1][-2]
+        dims = ["m!" if m[-1] != sn else "s!"]
+        if len(m) >= 2:
+            dims.insert(0, "ml!" if m[-2] != ln else "l")
+        if len(m) >= 3 and heads is not None:
+            dims.insert(0, "mh!" if m[-3] == 1 else "(h g)")
+        terms.append("... " + " ".join(dims))
+    if dropout:
+        terms.append("... l s!" if heads is None else "... (h g) l s!")
+    out = "l! f!" if causal else "l f!"
+    return ", ".join(terms) + (f" -> ... {out}" if heads is None else f" -> ... (h g) {out}")
+
+
+def _pad(shapes: tuple[tuple[int, ...], ...], out: tuple[int, ...]) -> str:
+    # a padded (or cropped) dim is whole in and gets its new size out; the rest shard
+    names = _letters(len(shapes[0]))
+    ins = [n + ("!" if s != o else "") for n, s, o in zip(names, shapes[0], out)]
+    outs = [n if s == o else f"p{d}!={o}"
+            for d, (n, s, o) in enumerate(zip(names, shapes[0], out))]
+    return " ".join(ins) + " -> " + " ".join(outs)
+
+
+def _isin(shapes: tuple[tuple[int, ...], ...]) -> str:
+    # each element looks itself up in the whole set of test elements
+    names = " ".join(_letters(len(shapes[0])))
+    return f"{names}, " + " ".join(f"t{d}!" for d in range(len(shapes[1]))) + f" -> {names}"
 
 
 def _index_select(shapes: tuple[tuple[int, ...], ...], dim: int) -> str:
@@ -435,6 +473,10 @@ RULES.update({
     "sdpa": Rule("... l e!, ... s! e!, ... s! f! -> ... l f!", NONLINEAR, build=_sdpa),
     # per-sample loss of (N, C) logits: the classes whole (loss parallel keeps them sharded)
     "cross_entropy": Rule("b c!, b -> b", NONLINEAR),
+    # F.pad: the padded dims whole (every mode reads along them only), new sizes out
+    "pad": Rule("a d! -> a p!=P", NONLINEAR, build=_pad),
+    # torch.isin(elements, test_elements): the test elements whole
+    "isin": Rule("a, t! -> a", NONLINEAR, build=_isin),
     # index_select along one whole dim of the source
     "index_select": Rule("a d! b, i -> a i b", NONLINEAR, build=_index_select),
 })
