@@ -241,6 +241,15 @@ class Tensor(GradMixin, RelayoutMixin, MetaMixin,  # type: ignore[misc,override]
             "x.to_torch() (the global value)."
         )
 
+    def untyped_storage(self) -> torch.UntypedStorage:
+        """The storage of what this process holds of the value: its whole value, else
+        its first local block (DTensor answers with its local tensor's). Two Tensors
+        share one exactly when they share data (tied weights), which is what checkpoint
+        writers (safetensors, transformers' ``save_pretrained``) ask it to tell."""
+        if self._whole is not None:
+            return self._whole.untyped_storage()
+        return next(s for s in self._shards if s is not None).untyped_storage()
+
     # --- torch.distributed.checkpoint: the blocks as chunks with global offsets --------
     def __create_write_items__(self, fqn: str, object: Any) -> list[Any]:
         return chunks.write_items(fqn, self._shards, self._layout, self._shape, self._dtype)
