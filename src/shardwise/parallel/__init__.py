@@ -3,7 +3,8 @@
 ``parallelize_module(model, mesh, plan)`` lays submodules out over one mesh axis with
 parallel styles (tensor and sequence parallelism); ``loss_parallel()`` keeps the
 class-sharded logits of a column-parallel head sharded through ``F.cross_entropy``;
-``fully_shard(module, mesh)`` adds fully sharded data parallelism (FSDP2's semantics).
+``fully_shard(module, mesh)`` adds fully sharded data parallelism (FSDP2's semantics);
+``hf_plan(model)`` reads a transformers model's own tensor-parallel plan.
 Values stay global: the model's code needs no change.
 
 Invariants:
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 from shardwise.parallel.api import parallelize_module
 from shardwise.parallel.fsdp import MixedPrecisionPolicy, fully_shard, memory_per_device
+from shardwise.parallel.hf import hf_plan
 from shardwise.parallel.loss import loss_parallel
 from shardwise.parallel.style import (
     ColwiseParallel,
@@ -33,6 +35,7 @@ __all__ = [
     "RowwiseParallel",
     "SequenceParallel",
     "fully_shard",
+    "hf_plan",
     "loss_parallel",
     "memory_per_device",
     "parallelize_module",

@@ -17,6 +17,9 @@ Invariants:
   input Replicated. The result is Partial on the axis and is reduced at the
   module's boundary to ``output_layouts`` (default Replicated: one all_reduce;
   ``Sharded(1)``: one reduce_scatter, as with sequence parallelism).
+- transformers' ``Conv1D`` (weight ``[in, out]``, a transposed Linear) is a Linear
+  with its weight's dims swapped: Colwise ``Sharded(1)``, Rowwise ``Sharded(0)``.
+  It is recognised by class name and weight shape (transformers is never imported).
 - ``SequenceParallel``: parameters Replicated, activations ``Sharded(sequence_dim)``.
 - Plain ``torch.Tensor`` inputs are global values: placed (no communication),
   never read as local shards; ``input_layouts`` say how to place them where no
@@ -38,6 +41,7 @@ import types
 from collections.abc import Mapping
 from typing import Any
 
+import torch
 import torch.nn as nn
 
 from shardwise.parallel.blocks import vocab_embedding
@@ -141,10 +145,22 @@ def _kind(module: nn.Module, style: str, name: str) -> str:
         return "linear"
     if isinstance(module, nn.Embedding):
         return "embedding"
+    if _is_conv1d(module):
+        return "conv1d"
     raise ShardingError(
-        f"{style} shards nn.Linear and nn.Embedding modules; {name or 'the module'!r} is "
-        f"a {type(module).__name__}. Use SequenceParallel() for norms and dropout, or "
-        "PrepareModuleInput/PrepareModuleOutput to lay out another module's inputs.")
+        f"{style} shards nn.Linear, nn.Embedding and transformers' Conv1D modules; "
+        f"{name or 'the module'!r} is a {type(module).__name__}. Use SequenceParallel() for "
+        "norms and dropout, or PrepareModuleInput/PrepareModuleOutput to lay out another "
+        "module's inputs.")
+
+
+def _is_conv1d(module: nn.Module) -> bool:
+    """transformers' ``Conv1D`` (GPT-2): a Linear whose weight is stored transposed,
+    ``[in (nx), out (nf)]``. Found by duck typing: shardwise never imports transformers."""
+    weight = getattr(module, "weight", None)
+    return (type(module).__name__ == "Conv1D" and isinstance(weight, torch.Tensor)
+            and tuple(weight.shape) == (getattr(module, "nx", None),
+                                        getattr(module, "nf", None)))
 
 
 class ColwiseParallel(ParallelStyle):
@@ -170,8 +186,8 @@ class ColwiseParallel(ParallelStyle):
 
     def apply(self, module: nn.Module, mesh: DeviceMesh, axis: int, name: str) -> None:
         kind = _kind(module, "ColwiseParallel", name)
-        if kind == "linear":
-            shard_parameter(module, "weight", mesh, axis, Sharded(0))
+        if kind != "embedding":  # the output features: Linear's rows, Conv1D's columns
+            shard_parameter(module, "weight", mesh, axis, Sharded(0 if kind == "linear" else 1))
             shard_parameter(module, "bias", mesh, axis, Sharded(0))
         else:
             shard_parameter(module, "weight", mesh, axis, Sharded(1))
@@ -204,8 +220,8 @@ class RowwiseParallel(ParallelStyle):
 
     def apply(self, module: nn.Module, mesh: DeviceMesh, axis: int, name: str) -> None:
         kind = _kind(module, "RowwiseParallel", name)
-        if kind == "linear":
-            shard_parameter(module, "weight", mesh, axis, Sharded(1))
+        if kind != "embedding":  # the input features: Linear's columns, Conv1D's rows
+            shard_parameter(module, "weight", mesh, axis, Sharded(1 if kind == "linear" else 0))
             shard_parameter(module, "bias", mesh, axis, Replicated())
             want: Placement = Sharded(-1)
         else:
