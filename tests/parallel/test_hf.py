@@ -212,3 +212,17 @@ def test_tied_and_distinct_parameters_tell_their_storage() -> None:
         seen.setdefault(id_tensor_storage(t), []).append(name)
     assert [names for names in seen.values() if len(names) > 1] == [
         ["transformer.wte.weight", "lm_head.weight"]]
+
+
+@pytest.mark.parametrize("which", ["llama", "gpt2"])
+def test_save_pretrained_loads_into_a_plain_model(which: str, tmp_path: Any) -> None:
+    """A parallelized model (TP x FSDP) saved with its gathered state dict loads with
+    ``from_pretrained`` into a plain model with equal weights (GPT-2's tied head too)."""
+    model, ref = _planned(which, fsdp=True)
+    model.save_pretrained(tmp_path, state_dict=sw.checkpoint.full_state_dict(model))
+    loaded = type(ref).from_pretrained(tmp_path)
+    want = ref.state_dict()
+    got = loaded.state_dict()
+    assert set(got) == set(want)
+    for name, value in want.items():
+        assert torch.equal(got[name], value), name

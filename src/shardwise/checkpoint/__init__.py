@@ -6,6 +6,8 @@
 - :func:`save`/:func:`load`: the same on disk, atomic and checked (no half-written
   checkpoint replaces a good one; mismatches raise :class:`CheckpointError` naming
   the key; nothing of ours is pickled).
+- :func:`full_state_dict`: plain torch tensors of the global values, for writers of raw
+  bytes (transformers' ``save_pretrained(d, state_dict=full_state_dict(model))``).
 - :func:`get_state_dict`/:func:`set_state_dict` (torch's own) and
   :func:`save_train_state`/:func:`load_train_state` for model + optimizer.
 - :func:`save_safetensors`/:func:`load_safetensors`: one consolidated file of global
@@ -19,6 +21,7 @@ from shardwise.checkpoint.dtensor import from_dtensor, to_dtensor
 from shardwise.checkpoint.safetensors_io import load_safetensors, save_safetensors
 from shardwise.checkpoint.state import (
     StateDictOptions,
+    full_state_dict,
     get_state_dict,
     load_train_state,
     save_train_state,
@@ -30,6 +33,7 @@ __all__ = [
     "CheckpointError",
     "StateDictOptions",
     "from_dtensor",
+    "full_state_dict",
     "get_state_dict",
     "load",
     "load_safetensors",

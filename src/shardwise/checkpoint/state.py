@@ -23,9 +23,40 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from shardwise.checkpoint.store import load, save
+from shardwise.tensors.tensor import Tensor
 
-__all__ = ["StateDictOptions", "get_state_dict", "load_train_state", "save_train_state",
-           "set_state_dict"]
+__all__ = ["StateDictOptions", "full_state_dict", "get_state_dict", "load_train_state",
+           "save_train_state", "set_state_dict"]
+
+
+def full_state_dict(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """``module.state_dict()`` with every shardwise Tensor gathered to a plain torch tensor
+    of its global value (every rank calls it: under torchrun it is a collective), for
+    writers that read raw bytes, such as transformers' ``save_pretrained`` (safetensors
+    reads ``data_ptr()``, which a distributed value does not have)::
+
+        model.save_pretrained(d, state_dict=full_state_dict(model),
+                              is_main_process=dist.get_rank() == 0)
+
+    Tied parameters stay one tensor (transformers drops the tied copy by identity).
+
+    >>> mesh = DeviceMesh.cpu(2, "x")
+    >>> model = torch.nn.Linear(4, 6)
+    >>> model.weight = torch.nn.Parameter(shardwise.tensor(
+    ...     model.weight.detach(), sharding=PlacementMapping(mesh, [Sharded(0)])))
+    >>> sd = shardwise.checkpoint.full_state_dict(model)
+    >>> type(sd["weight"]) is torch.Tensor, tuple(sd["weight"].shape)
+    (True, (6, 4))
+    """
+    done: dict[int, torch.Tensor] = {}
+    out: dict[str, torch.Tensor] = {}
+    for name, value in module.state_dict().items():
+        if isinstance(value, Tensor):
+            if id(value) not in done:
+                done[id(value)] = value.detach().to_torch()
+            value = done[id(value)]
+        out[name] = value
+    return out
 
 
 def _optimizers(optimizers: Any) -> tuple[torch.optim.Optimizer, ...]:
