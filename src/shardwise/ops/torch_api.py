@@ -17,6 +17,7 @@ above each handler) and then sets the fallback:
 ``nn``              linear, matmul, layer/rms norm, embedding, dropout, sdpa, losses
 ``layers``          conv, pools, interpolate, pad, batch/group/instance norm, grid_sample
 ``spectral``        ``torch.fft.*`` (the transformed dims whole)
+``sampling``        bernoulli, normal, multinomial, feature/alpha dropouts, rrelu
 ==================  ================================================================
 
 Invariants:
@@ -50,6 +51,7 @@ from shardwise.ops import (
     layers,  # helper nn
     nn,
     reductions,
+    sampling,  # helper nn
     shapes,
     spectral,  # helper nn
 )
@@ -61,7 +63,7 @@ __all__ = ["ShardwiseFallbackWarning", "install", "register"]
 #: the handler families (the table in the module docstring)
 FAMILIES = (elementwise, conversions, factories, inplace, foreach, shapes, indexing,
             reductions, nn,
-            layers, spectral)  # helper nn
+            layers, spectral, sampling)  # helper nn
 
 
 def install() -> None:
