@@ -53,8 +53,15 @@ def _conv(fn: Any, spatial: int, transposed: bool) -> Callable[..., Any]:
         bf = None if bias is None else (out_ch,)
         out = lead(x.ndim, b)
         out = (*out[:b], out_ch, *out[b + 1:])
-        return apply_kept(fn.__name__, lambda xs, ws, bs: fn(xs, ws, bs, *args, **kwargs),
-                          [x, weight, bias], [lead(x.ndim, b), w, bf], [out])
+
+        def call(xs: torch.Tensor, ws: torch.Tensor, bs: Any) -> torch.Tensor:
+            if ws.shape[wdim] == 0:  # a size-0 block of output channels: torch refuses it
+                one = ws.new_zeros((*ws.shape[:wdim], 1, *ws.shape[wdim + 1:]))
+                return fn(xs, one, None, *args, **kwargs).narrow(b, 0, 0)
+            return fn(xs, ws, bs, *args, **kwargs)
+
+        return apply_kept(fn.__name__, call, [x, weight, bias], [lead(x.ndim, b), w, bf],
+                          [out])
 
     return handler
 

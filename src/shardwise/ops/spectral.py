@@ -38,6 +38,15 @@ def _dims(x: Any, dim: Any, size: Any, default: int | None) -> set[int]:
     return {normalize_dim(d, n, "fft dim") for d in ds}
 
 
+def _empty_safe(fn: Any, xs: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+    """``fn`` on a block; a size-0 block of a free dim (MKL refuses it) gets the empty
+    result of its shape and dtype, as torch gives for such an input on other backends."""
+    if xs.numel() == 0:
+        r = fn(torch.empty(tuple(xs.shape), dtype=xs.dtype, device="meta"), *args, **kwargs)
+        return torch.zeros(tuple(r.shape), dtype=r.dtype, device=xs.device)
+    return fn(xs, *args, **kwargs)
+
+
 def _transform(fn: Any, default: int | None) -> Callable[..., Any]:
     """``fn(x, s_or_n, dim, norm)``; ``default`` transformed dims (1, 2, or None: all)."""
     def handler(x: Any, *args: Any, **kwargs: Any) -> Any:
@@ -45,8 +54,8 @@ def _transform(fn: Any, default: int | None) -> Callable[..., Any]:
         dim = args[1] if len(args) > 1 else kwargs.get("dim")
         whole = _dims(x, dim, s, default) if x.ndim else set()
         free = tuple(-1 if d in whole else d for d in range(x.ndim))
-        return apply_kept(f"fft.{fn.__name__}", lambda xs: fn(xs, *args, **kwargs), [x],
-                          [free], [free])
+        return apply_kept(f"fft.{fn.__name__}", lambda xs: _empty_safe(fn, xs, *args, **kwargs),
+                          [x], [free], [free])
 
     return handler
 
