@@ -17,7 +17,6 @@ import torch.nn.functional as F
 
 import shardwise as sw
 from shardwise import Partial, PlacementMapping, Replicated, Sharded
-from shardwise.ops import registry
 from tests.helpers.meshes import M22 as MESH
 
 R, S0, S1, S2 = Replicated(), Sharded(0), Sharded(1), Sharded(2)
@@ -485,17 +484,15 @@ def test_pad_isin_addmm_follow_torch() -> None:
     check(lambda b, a, w: torch.addmm(b, a, w), rnd(6), rnd(4, 8, seed=1), rnd(8, 6, seed=2))
 
 
-def test_a_write_into_a_replicated_target_runs_on_every_copy(
-        monkeypatch: pytest.MonkeyPatch) -> None:
-    """``x[idx] = v`` without a rule (transformers' MoE ``inv_perm[perm] = arange``):
-    a fully Replicated target holds the whole value everywhere, so it is written."""
+def test_an_advanced_index_write_follows_torch_on_any_target() -> None:
+    """``x[idx] = v`` with a tensor index (transformers' MoE ``inv_perm[perm] = arange``)
+    writes torch's values into a Replicated or a Sharded target, on a rule."""
     perm = torch.randperm(8, generator=torch.Generator().manual_seed(0))
     want = torch.empty_like(perm)
     want[perm] = torch.arange(8)
-    got = put(torch.zeros(8, dtype=torch.long), (R, R))
-    monkeypatch.setattr(registry, "_WARNED", set())  # warned once per op and process
-    with pytest.warns(sw.ShardwiseFallbackWarning):
-        got[put(perm, (R, R))] = torch.arange(8)
-    assert torch.equal(got.to_torch(), want)
-    with pytest.raises(sw.ShardingError, match="writes in place"):
-        put(torch.zeros(8), (S0, R))[perm] = torch.arange(8.0)
+    for layout in ((R, R), (S0, R)):
+        got = put(torch.zeros(8, dtype=torch.long), layout)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", sw.ShardwiseFallbackWarning)
+            got[put(perm, (R, R))] = torch.arange(8)
+        assert torch.equal(got.to_torch(), want)

@@ -30,7 +30,7 @@ from shardwise.sharding.layout import Layout
 from shardwise.tensors.relayout import record_plan
 from shardwise.tensors.tensor import HANDLERS, Tensor, place
 
-__all__: list[str] = []
+__all__ = ["write_into"]
 
 
 def _target(x: Any, name: str) -> Tensor:
@@ -50,6 +50,12 @@ def _refuse_partial(t: Tensor, name: str) -> None:
             "hold addends, not the value). Reduce it first (x = x.redistribute(...) or "
             "shardwise.all_reduce(x))."
         )
+
+
+def write_into(self: Tensor, value: Tensor, name: str) -> Tensor:
+    """Copy ``value`` (``self``'s global shape, a Tensor) into ``self``'s own buffers,
+    relaid out as ``self`` (``x[i] = v`` ends here); a Partial ``self`` refuses."""
+    return _write(self, value, name)
 
 
 def _write(self: Tensor, value: Tensor, name: str) -> Tensor:

@@ -1,6 +1,5 @@
 """Views and shape ops on shardwise Tensors: reshape and its kin, permute and transpose,
-expand, cat and stack, narrow, select, split, chunk, unbind, flip, roll, tril and triu,
-F.pad.
+expand, cat and stack, narrow, select, split, chunk, unbind, flip, roll, tril and triu.
 
 Invariants:
 - A dim that survives an op keeps its sharding: permute and transpose carry it along;
@@ -9,8 +8,7 @@ Invariants:
   rule (:func:`shardwise.ops.compute.reshape`), which gathers only the dims it must.
 - Slicing ops (narrow, select, split, chunk, unbind) are basic indexing (the getitem
   rule): a sliced dim is gathered first unless taken whole, the others keep theirs.
-- A dim along which elements move (flip, roll, tril's and triu's last two, the dims
-  ``F.pad`` pads) is whole.
+- A dim along which elements move (flip, roll, tril's and triu's last two) is whole.
 - ``expand`` adds Replicated zeros (the add rule lays the result out); plain torch
   tensors among cat/stack operands are Replicated on the first Tensor's mesh.
 """
@@ -22,7 +20,6 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
 from shardwise.ops import compute as C
 from shardwise.ops.execute import apply
@@ -255,15 +252,6 @@ def roll(x: Any, shifts: Any, dims: Any = None) -> Any:
     # dims=None rolls the flattened order: every dim whole
     ds = reduce_dims(x, dims, "roll dims")
     return apply("roll", (x,), lambda s: torch.roll(s, shifts, dims), ds)
-
-
-@register(F.pad)
-def pad(x: Any, pad: Sequence[int], mode: str = "constant", value: Any = None) -> Any:
-    # torch's own F.pad on each block: the padded dims are whole there, so every mode
-    # (constant, reflect, replicate, circular) reads what it reads on one device; the
-    # output shape (and torch's checks of the arguments) from a meta tensor
-    out = F.pad(torch.empty(x.shape, dtype=x.dtype, device="meta"), pad, mode, value).shape
-    return apply("pad", (x,), lambda s: F.pad(s, pad, mode, value), tuple(out))
 
 
 def _triangle(fn: Any) -> Any:

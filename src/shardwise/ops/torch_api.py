@@ -15,6 +15,9 @@ above each handler) and then sets the fallback:
 ``indexing``        ``x[...]``, ``torch.index_select``
 ``reductions``      sum, mean, amax, norms, var, max, topk, sort, cumsum, softmax
 ``nn``              linear, matmul, addmm, layer/rms norm, embedding, dropout, sdpa, losses
+``layers``          conv, pools, interpolate, pad, batch/group/instance norm, grid_sample
+``spectral``        ``torch.fft.*`` (the transformed dims whole)
+``sampling``        bernoulli, normal, multinomial, feature/alpha dropouts, rrelu
 ==================  ================================================================
 
 Invariants:
@@ -45,9 +48,12 @@ from shardwise.ops import (
     foreach,
     indexing,
     inplace,
+    layers,  # helper nn
     nn,
     reductions,
+    sampling,  # helper nn
     shapes,
+    spectral,  # helper nn
 )
 from shardwise.ops.registry import ShardwiseFallbackWarning, fallback, register
 from shardwise.tensors.tensor import FALLBACK
@@ -56,7 +62,8 @@ __all__ = ["ShardwiseFallbackWarning", "install", "register"]
 
 #: the handler families (the table in the module docstring)
 FAMILIES = (elementwise, conversions, factories, inplace, foreach, shapes, indexing,
-            reductions, nn)
+            reductions, nn,
+            layers, spectral, sampling)  # helper nn
 
 
 def install() -> None:

@@ -365,15 +365,6 @@ def _sdpa(shapes: tuple[tuple[int, ...], ...], causal: bool, groups: int = 1,
     return ", ".join(terms) + (f" -> ... {out}" if heads is None else f" -> ... (h g) {out}")
 
 
-def _pad(shapes: tuple[tuple[int, ...], ...], out: tuple[int, ...]) -> str:
-    # a padded (or cropped) dim is whole in and gets its new size out; the rest shard
-    names = _letters(len(shapes[0]))
-    ins = [n + ("!" if s != o else "") for n, s, o in zip(names, shapes[0], out)]
-    outs = [n if s == o else f"p{d}!={o}"
-            for d, (n, s, o) in enumerate(zip(names, shapes[0], out))]
-    return " ".join(ins) + " -> " + " ".join(outs)
-
-
 def _isin(shapes: tuple[tuple[int, ...], ...]) -> str:
     # each element looks itself up in the whole set of test elements
     names = " ".join(_letters(len(shapes[0])))
@@ -385,6 +376,24 @@ def _index_select(shapes: tuple[tuple[int, ...], ...], dim: int) -> str:
     ins = [n + ("!" if d == dim else "") for d, n in enumerate(names)]
     out = ["i" if d == dim else n for d, n in enumerate(names)]
     return " ".join(ins) + ", i -> " + " ".join(out)
+
+
+# --- "kept" (the nn-layer, fft, indexing and random families): dims that shard freely -----
+def _kept(shapes: tuple[tuple[int, ...], ...], free: tuple[tuple[int, ...], ...],
+          out: tuple[tuple[int, int], ...]) -> str:
+    """Operand ``i``'s dim ``d`` is the shared factor ``f{k}`` when ``free[i][d] == k >= 0``
+    (it shards freely: the op treats each of its indices alone, a batch or channel dim)
+    and whole (``!``) when it is ``-1``; output dim ``e`` is ``f{k}`` for ``out[e] ==
+    (k, size)``, ``k >= 0``, else a whole dim of ``size``. Every ``f{k}`` of the operands
+    appears in the output (no reduction, so never a Partial).
+
+    >>> _kept(((8, 3, 5), (4, 3, 2)), ((0, -1, -1), (-1, -1, -1)), ((0, 8), (-1, 4), (-1, 4)))
+    'f0 w0_1! w0_2!, w1_0! w1_1! w1_2! -> f0 o1!=4 o2!=4'
+    """
+    terms = [" ".join(f"f{k}" if k >= 0 else f"w{i}_{d}!" for d, k in enumerate(fs[:len(s)]))
+             for i, (s, fs) in enumerate(zip(shapes, free))]
+    outs = " ".join(f"f{k}" if k >= 0 else f"o{e}!={n}" for e, (k, n) in enumerate(out))
+    return ", ".join(terms) + " -> " + outs
 
 
 RULES: dict[str, Rule] = {
@@ -473,10 +482,10 @@ RULES.update({
     "sdpa": Rule("... l e!, ... s! e!, ... s! f! -> ... l f!", NONLINEAR, build=_sdpa),
     # per-sample loss of (N, C) logits: the classes whole (loss parallel keeps them sharded)
     "cross_entropy": Rule("b c!, b -> b", NONLINEAR),
-    # F.pad: the padded dims whole (every mode reads along them only), new sizes out
-    "pad": Rule("a d! -> a p!=P", NONLINEAR, build=_pad),
     # torch.isin(elements, test_elements): the test elements whole
     "isin": Rule("a, t! -> a", NONLINEAR, build=_isin),
     # index_select along one whole dim of the source
     "index_select": Rule("a d! b, i -> a i b", NONLINEAR, build=_index_select),
+    # --- nn layers, fft, indexing, random (ops/kept.py): free dims shard, the rest whole
+    "kept": Rule("f0 w!, f0 -> f0 o!=N", NONLINEAR, build=_kept),
 })
