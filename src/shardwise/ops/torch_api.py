@@ -15,6 +15,7 @@ above each handler) and then sets the fallback:
 ``indexing``        ``x[...]``, ``torch.index_select``
 ``reductions``      sum, mean, amax, norms, var, max, topk, sort, cumsum, softmax
 ``nn``              linear, matmul, layer/rms norm, embedding, dropout, sdpa, losses
+``autograd``        ``torch.autograd.grad``, ``torch.autograd.backward``
 ==================  ================================================================
 
 Invariants:
@@ -39,6 +40,7 @@ Invariants:
 from __future__ import annotations
 
 from shardwise.ops import (
+    autograd,
     conversions,
     elementwise,
     factories,
@@ -56,7 +58,7 @@ __all__ = ["ShardwiseFallbackWarning", "install", "register"]
 
 #: the handler families (the table in the module docstring)
 FAMILIES = (elementwise, conversions, factories, inplace, foreach, shapes, indexing,
-            reductions, nn)
+            reductions, nn, autograd)
 
 
 def install() -> None:

@@ -27,7 +27,8 @@ Invariants:
   subclasses ``torch.Tensor``; they precede it in the bases, so their properties
   (``shape``, ``grad``, ``requires_grad``, ``data``...) override torch's.
 - Here: construction, torch's routing, Python protocols, DCP hooks, values out,
-  ``backward``, and the placing functions (``place``, ``to_layout``, ...).
+  ``backward`` (through ``torch.autograd.backward``, whose handler is the registry's
+  ``autograd`` family), and the placing functions (``place``, ``to_layout``, ...).
 """
 
 from __future__ import annotations
@@ -292,39 +293,24 @@ class Tensor(GradMixin, RelayoutMixin, MetaMixin,  # type: ignore[misc,override]
         return backend_for(self.mesh).global_value(full._shards, full._layout, full._shape,
                                                     full._dtype).item()
 
-    # --- autograd's entry (the rest is GradMixin's): here, as it lays out the seed
-    # gradient with as_layout_of, which builds Tensors of this class
+    # --- autograd's entry (the rest is GradMixin's): torch.autograd.backward, as
+    # torch's own Tensor.backward calls it (routed to the registry's autograd family)
     def backward(self, gradient: Any = None, retain_graph: bool | None = None,
                  create_graph: bool = False, inputs: Any = None) -> None:
-        """Accumulate d(self)/d(leaf) into the ``.grad`` of every leaf it depends on."""
-        if inputs is not None:
-            raise ShardingError(
-                "backward(inputs=...) is not supported on a shardwise.Tensor; call "
-                "backward() and read the .grad of the tensors you need."
-            )
+        """Accumulate d(self)/d(leaf) into the ``.grad`` of every leaf it depends on
+        (of ``inputs`` only, when given); ``gradient``: a Tensor in any layout or data
+        of this global shape (None for a scalar)."""
         if not self.requires_grad:
             raise ShardingError(
                 f"backward() on {self!r}, which does not require grad: no leaf it depends on "
                 "has requires_grad. Call x.requires_grad_() on the inputs first."
             )
-        roots = self._roots()
-        if gradient is None:
-            if self._shape:
-                raise ShardingError(
-                    f"backward() without a gradient needs a scalar; {self!r} has shape "
-                    f"{self._shape}. Pass gradient= (same global shape) or reduce first."
-                )
-            first = next(s for s in roots._shards if s is not None)
-            gradient = torch.ones((), dtype=self._dtype, device=first.device)
-        g = as_layout_of(gradient, roots)
-        if roots._whole is not None:  # one root: the whole value autograd ran on
-            gw = g._whole if g._whole is not None else g._global()
-            torch.autograd.backward([roots._whole], [gw], retain_graph=retain_graph,
-                                    create_graph=create_graph)
-            return
-        reps, outs = roots.unique_shards()
-        torch.autograd.backward(outs, [g._shards[k] for k in reps], retain_graph=retain_graph,
-                                create_graph=create_graph)
+        if gradient is None and self._shape:
+            raise ShardingError(
+                f"backward() without a gradient needs a scalar; {self!r} has shape "
+                f"{self._shape}. Pass gradient= (same global shape) or reduce first."
+            )
+        torch.autograd.backward(self, gradient, retain_graph, create_graph, inputs=inputs)
 
 
 def with_open_dims(t: Tensor, sharding: object) -> Tensor:
