@@ -10,6 +10,7 @@ blocks (``shardwise.tensor(..., requires_grad=True)``, and every Partial leaf).
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -213,3 +214,26 @@ def test_is_grads_batched_is_refused_by_name() -> None:
     with pytest.raises(sw.ShardingError, match="is_grads_batched"):
         torch.autograd.grad(x * 2, x, torch.eye(4, dtype=torch.float64),
                             is_grads_batched=True)
+
+
+@pytest.mark.parametrize("transform", ["grad", "vmap", "vjp"])
+def test_torch_func_transforms_are_refused_naming_the_alternative(transform: str) -> None:
+    # torch.func runs below __torch_function__, where a shardwise Tensor has no data
+    # (DTensor, a __torch_dispatch__ subclass, supports grad/vmap/vjp/jacrev there)
+    x = leaf(rand(4, 3), PlacementMapping(M4, [Sharded(0)]), "whole").detach()
+    call = {"grad": lambda: torch.func.grad(lambda t: (t * t).sum())(x),
+            "vmap": lambda: torch.func.vmap(lambda t: t * 2)(x),
+            "vjp": lambda: torch.func.vjp(lambda t: t * 2, x)}[transform]
+    with pytest.raises(sw.ShardingError, match=rf"torch.func \({transform}\).*shardwise.grad"):
+        call()
+
+
+def test_torch_func_jvp_values_equal_torch() -> None:
+    # jvp reaches shardwise through forward AD's make_dual (gathered, exact)
+    xv = rand(4, 3)
+    x = sw.tensor(xv, sharding=PlacementMapping(M4, [Sharded(0)]))
+    with warnings.catch_warnings():  # (the fallback warns once per process)
+        warnings.simplefilter("ignore", sw.ShardwiseFallbackWarning)
+        out, tangent = torch.func.jvp(lambda t: t * t, (x,), (x,))
+    assert torch.equal(out.to_torch(), xv * xv)
+    assert torch.equal(tangent.to_torch(), 2 * xv * xv)

@@ -34,6 +34,7 @@ Invariants:
 from __future__ import annotations
 
 import importlib
+import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -187,8 +188,19 @@ class Tensor(GradMixin, RelayoutMixin, MetaMixin,  # type: ignore[misc,override]
     @classmethod
     def __torch_dispatch__(cls, func: Any, types: Any, args: Any = (),  # type: ignore[override]
                            kwargs: Any = None) -> Any:
-        # Reached only if a torch function bypassed __torch_function__ (e.g. a C++ path
-        # with torch functions disabled): the wrapper has no data, so refuse by name.
+        # Reached only if a torch function bypassed __torch_function__: torch.func's
+        # transforms (they wrap the Tensor in C++ and run aten ops on the wrapper), or a
+        # C++ path with torch functions disabled. The wrapper has no data: refuse by name.
+        transform = _functorch_caller()
+        if transform is not None:
+            raise ShardingError(
+                f"torch.func ({transform}) cannot see into a shardwise.Tensor ({func} reached "
+                "torch's dispatcher): torch.func transforms work below "
+                "__torch_function__, where a shardwise.Tensor holds no data of its own. "
+                "For derivatives use shardwise.grad / value_and_grad / vjp / jvp or "
+                "torch.autograd.grad (gradients in each input's layout); for vmap, loop "
+                "over the batch or give the function a batch dim."
+            )
         raise ShardingError(
             f"{func} reached torch's dispatcher with a shardwise.Tensor, which holds no data "
             "of its own (its shards do). This torch path bypasses __torch_function__; gather "
@@ -311,6 +323,23 @@ class Tensor(GradMixin, RelayoutMixin, MetaMixin,  # type: ignore[misc,override]
                 f"{self._shape}. Pass gradient= (same global shape) or reduce first."
             )
         torch.autograd.backward(self, gradient, retain_graph, create_graph, inputs=inputs)
+
+
+#: torch.func's transforms, by the frame that runs the user's function under them
+_TRANSFORMS = {"grad_and_value_impl": "grad", "vmap_impl": "vmap", "_vjp_with_argnums": "vjp",
+               "_jvp_with_argnums": "jvp", "_jacfwd": "jacfwd"}
+
+
+def _functorch_caller() -> str | None:
+    """The outermost torch.func transform on the call stack, if any (read on the error
+    path only: jacrev shows as the vjp it runs)."""
+    found = None
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_globals.get("__name__", "").startswith("torch._functorch"):
+            found = _TRANSFORMS.get(frame.f_code.co_name, found or "transform")
+        frame = frame.f_back  # type: ignore[assignment]
+    return found
 
 
 def with_open_dims(t: Tensor, sharding: object) -> Tensor:
