@@ -10,6 +10,9 @@ Invariants:
 - It is a ``torch.Tensor`` (a wrapper with no storage): its torch metadata is the
   global value's, and every torch function goes through ``__torch_function__`` to
   the op registry (``HANDLERS``, filled by :data:`REGISTRY` on first use).
+- ``torch.compile`` never traces or compiles shardwise's own frames (the package is on
+  Dynamo's skip list, :func:`_skip_in_dynamo`): each shardwise call in compiled code
+  is a graph break that runs eagerly, so no guard ever reads shardwise's Python state.
 - Only torch's in-place ops (``add_``, ``copy_``, the optimizers' updates) mutate a
   Tensor, writing each distinct local buffer once; every other op leaves its inputs
   alone, so replicas share one buffer and shards may be views of a larger buffer.
@@ -76,6 +79,23 @@ def _route_eager(func: Any, args: Any, kwargs: Any) -> Any:
 #: the layout logic is Python. Eager calls skip the disabling wrapper (~3 us a call).
 _route = torch.compiler.disable(_route_eager)
 _compiling = torch.compiler.is_compiling
+
+
+def _skip_in_dynamo() -> None:
+    """Dynamo neither traces nor compiles a frame of shardwise's own code: it branches
+    on Python state (caches, plan counters, the ids of shared blocks) that Dynamo would
+    guard on and recompile for whenever it changes (a parallelized model hit
+    recompile_limit in the simulated backend's run_step, its hooks and the planner,
+    ~2x slower than eager once warm). The user's code around a shardwise call still
+    compiles; each call is a graph break that runs eagerly. Dynamo's skip list is
+    torch-internal: without it, only ``_route`` above is disabled."""
+    rules = getattr(torch._dynamo, "trace_rules", None)  # imported by compiler.disable
+    add = getattr(rules, "add", None)
+    if add is not None:
+        add(__name__.partition(".")[0])
+
+
+_skip_in_dynamo()
 
 # The mixins come first, so their properties (grad, data, shape...) override torch's;
 # mypy flags each read-only property that replaces a writable torch attribute.
