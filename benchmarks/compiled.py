@@ -10,8 +10,9 @@
 - The compiled values are compared with eager (``max_abs_diff``: inductor fuses the plain
   torch parts, e.g. the rotary tables, so rounding may differ) and with plain torch
   (``close_to_torch``, atol 1e-5) before timing, and the
-  first compiled call's seconds are reported (``compile_s``); ``recompiles`` counts
-  Dynamo's recompilations over the timed calls (0: no storm).
+  first compiled call's seconds are reported (``compile_s``); ``frames_compiled`` counts
+  the frames Dynamo compiled while warming up, ``recompiles`` those it compiled during
+  the timed calls (0: no storm).
 Cases are interleaved (:mod:`benchmarks.timing`), one torch thread, process CPU time.
 """
 
@@ -89,12 +90,11 @@ def run(repeat: int = 15) -> dict[str, Any]:
             compile_s = time.perf_counter() - t0
             for _ in range(2):
                 _forward(compiled, ids)
-            before = sum(counters["recompiles"].values()) if "recompiles" in counters else 0
+            before = counters["frames"]["total"]
             t = interleave({"eager": lambda: _forward(model, ids),
                             "compiled": lambda: _forward(compiled, ids)}, repeat,
                            clock=time.process_time)
-            recompiles = (sum(counters["recompiles"].values())
-                          if "recompiles" in counters else 0) - before
+            recompiles = counters["frames"]["total"] - before
             diff = (_plain(got) - _plain(eager_out)).abs().max().item()
             close = torch.allclose(_plain(got), _forward(ref, ids), atol=1e-5)
         e, c = t["eager"], t["compiled"]
@@ -105,7 +105,7 @@ def run(repeat: int = 15) -> dict[str, Any]:
                 "compiled_ms": c["median_s"] * 1e3,
                 "ratio": c["median_s"] / e["median_s"], "ratio_min": c["min_s"] / e["min_s"],
                 "compile_s": compile_s, "max_abs_diff": diff, "close_to_torch": close,
-                "recompiles": recompiles}
+                "frames_compiled": before, "recompiles": recompiles}
     finally:
         torch.set_num_threads(threads)
         torch._dynamo.reset()
@@ -119,6 +119,7 @@ def tables(res: dict[str, Any]) -> list[str]:
     lines.append(f"  {res['case']}: eager {res['eager_ms']:.2f} ms, compiled "
                  f"{res['compiled_ms']:.2f} ms, {res['ratio']:.2f}x (min "
                  f"{res['ratio_min']:.2f}x); first compiled call {res['compile_s']:.1f} s, "
+                 f"{res.get('frames_compiled', '?')} frames compiled, "
                  f"max |compiled - eager| {res['max_abs_diff']:.1e}, recompiles while timed: "
                  f"{res['recompiles']}")
     return lines
