@@ -29,6 +29,8 @@ TARGETS = {
     "checkpoint": "DCP save/load of a sharded state: >= 80% of the throughput of DCP with "
                   "plain tensors of the same bytes",
     "checkpoint_memory": "sharded load_safetensors: peak memory <= one block above the model",
+    "compile": "torch.compile of a parallelized tiny HF Llama forward: <= 1.5x the eager "
+               "shardwise forward once warm",
     "gpt_dtensor": "Gloo: GPT training step, TP x FSDP on 4 ranks, at least as fast as "
                    "DTensor TP + FSDP2 (agreement check on, as shipped)",
 }
@@ -100,6 +102,9 @@ def check_targets(res: dict[str, Any]) -> list[dict[str, Any]]:
         out.append(_t("checkpoint_memory", f"{mem['model_mib']:.0f} MiB model",
                       mem["anon_peak_above_model_mib"], mem["largest_block_mib"],
                       "MiB anonymous above the model"))
+    comp = res.get("compile") or {}
+    if "ratio" in comp:
+        out.append(_t("compile", comp["case"], comp["ratio"], 1.5, "x eager"))
     return out
 
 
@@ -173,6 +178,10 @@ def tables(res: dict[str, Any]) -> str:
         from benchmarks.torchnative import tables as torch_tables
 
         lines += torch_tables(res["torch"])
+    if res.get("compile"):
+        from benchmarks.compiled import tables as compile_tables
+
+        lines += compile_tables(res["compile"])
     if res.get("memory"):
         lines += _memory(res["memory"])
     if res.get("profile"):

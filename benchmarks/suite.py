@@ -8,6 +8,8 @@ Sections (each documented in its module):
 - ``profile``: cProfile of the 8x8 hot path;
 - ``torch``: torch ops and a Megatron MLP training step on shardwise Tensors beside
   plain torch (:mod:`benchmarks.torchnative`);
+- ``compile``: ``torch.compile`` of a parallelized tiny HF Llama forward beside the
+  eager one (:mod:`benchmarks.compiled`; says so when transformers is missing);
 - ``gloo``: 4 Gloo ranks, shardwise beside raw torch.distributed and DTensor;
 - ``gpt_gloo``: a GPT training step, TP x FSDP on 4 Gloo ranks, shardwise beside
   DTensor TP + FSDP2 (:mod:`benchmarks.gpt_gloo`);
@@ -56,7 +58,8 @@ def _loadavg() -> list[float] | None:
 def run_suite(preset: str = "full", *, devices: tuple[int, ...] = (4, 8), gloo: bool = True,
               dtensor: bool = True, memory: bool = True, profile: bool = True,
               modes: tuple[str, ...] = ("default", "reuse"), world: int = 4,
-              checkpoint: bool = True, log: Any = None, **overrides: Any) -> dict[str, Any]:
+              checkpoint: bool = True, compile: bool = True, log: Any = None,
+              **overrides: Any) -> dict[str, Any]:
     """Run the sections and return the JSON-ready result (with ``targets``).
 
     ``overrides`` replace preset entries (``size``, ``repeat``, ``small_repeat``,
@@ -88,6 +91,11 @@ def run_suite(preset: str = "full", *, devices: tuple[int, ...] = (4, 8), gloo: 
 
     say("torch-native ops and training step ...")
     res["torch"] = torchnative.run(repeat=cfg["small_repeat"], inner=cfg["small_inner"])
+    if compile:
+        from benchmarks import compiled
+
+        say("torch.compile of a parallelized Llama forward beside eager ...")
+        res["compile"] = compiled.run(repeat=cfg["small_repeat"])
     if memory:
         say("peak memory (fresh process) ...")
         res["memory"] = memory_mod.run(size=cfg["size"], n=max(devices), dtensor=dtensor)
@@ -150,6 +158,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-gloo", action="store_true", help="skip the multi-process Gloo suite")
     p.add_argument("--no-checkpoint", action="store_true",
                    help="skip the checkpoint throughput and memory section")
+    p.add_argument("--no-compile", action="store_true",
+                   help="skip the torch.compile section (its first call compiles, ~20 s)")
     p.add_argument("--no-dtensor", action="store_true",
                    help="skip DTensor LocalTensorMode on the simulated mesh")
     p.add_argument("--devices", type=int, nargs="+", default=[4, 8], metavar="N",
@@ -161,7 +171,7 @@ def run_from_args(args: argparse.Namespace) -> int:
 
     res = run_suite("quick" if args.quick else "full", devices=tuple(args.devices),
                     gloo=not args.no_gloo, dtensor=not args.no_dtensor,
-                    checkpoint=not args.no_checkpoint,
+                    checkpoint=not args.no_checkpoint, compile=not args.no_compile,
                     log=lambda msg: print(msg, file=sys.stderr, flush=True))
     path, text = write(res, args.out)
     print(tables(res))

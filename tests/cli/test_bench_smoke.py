@@ -25,7 +25,7 @@ ROW_KEYS = {"case", "op", "time", "min", "faults_per_call", "must_move_bytes", "
 
 @pytest.fixture(scope="module")
 def result(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, Path, Path]:
-    res = run_suite("quick", devices=(2, 4), gloo=False, **TINY)
+    res = run_suite("quick", devices=(2, 4), gloo=False, compile=False, **TINY)
     path, text = write(res, tmp_path_factory.mktemp("bench"))
     return json.loads(path.read_text()), path, text
 
@@ -147,3 +147,18 @@ def test_gpt_gloo_section_tiny() -> None:
     assert "DTensor" in "\n".join(gpt_gloo.tables(res))
     rows = [t for t in check_targets({"gpt_gloo": [res]}) if t["target"] == "gpt_dtensor"]
     assert len(rows) == 1 and rows[0]["value"] == res["x_dtensor"]
+
+
+def test_compile_section_tables() -> None:
+    # the section compiles a model (~20 s): its row's form is checked here, its run
+    # by `shardwise bench`
+    from benchmarks.compiled import tables as compile_tables
+    from benchmarks.report import check_targets
+
+    assert "skipped: transformers is not installed" in "\n".join(
+        compile_tables({"skipped": "transformers is not installed"}))
+    row = {"case": "tiny HF Llama", "eager_ms": 5.0, "compiled_ms": 6.0, "ratio": 1.2,
+           "ratio_min": 1.1, "compile_s": 15.0, "max_abs_diff": 0.0, "recompiles": 0}
+    assert "1.20x" in "\n".join(compile_tables(row))
+    (target,) = [t for t in check_targets({"compile": row}) if t["target"] == "compile"]
+    assert target["met"] is True and "compile" in TARGETS

@@ -18,6 +18,7 @@ above each handler) and then sets the fallback:
 ``layers``          conv, pools, interpolate, pad, batch/group/instance norm, grid_sample
 ``spectral``        ``torch.fft.*`` (the transformed dims whole)
 ``sampling``        bernoulli, normal, multinomial, feature/alpha dropouts, rrelu
+``autograd``        ``torch.autograd.grad``, ``torch.autograd.backward``
 ==================  ================================================================
 
 Invariants:
@@ -42,18 +43,19 @@ Invariants:
 from __future__ import annotations
 
 from shardwise.ops import (
+    autograd,
     conversions,
     elementwise,
     factories,
     foreach,
     indexing,
     inplace,
-    layers,  # helper nn
+    layers,
     nn,
     reductions,
-    sampling,  # helper nn
+    sampling,
     shapes,
-    spectral,  # helper nn
+    spectral,
 )
 from shardwise.ops.registry import ShardwiseFallbackWarning, fallback, register
 from shardwise.tensors.tensor import FALLBACK
@@ -62,8 +64,7 @@ __all__ = ["ShardwiseFallbackWarning", "install", "register"]
 
 #: the handler families (the table in the module docstring)
 FAMILIES = (elementwise, conversions, factories, inplace, foreach, shapes, indexing,
-            reductions, nn,
-            layers, spectral, sampling)  # helper nn
+            reductions, nn, layers, spectral, sampling, autograd)
 
 
 def install() -> None:

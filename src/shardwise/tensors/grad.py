@@ -15,9 +15,9 @@ Invariants:
   into the whole's ``.grad``, shown in the leaf's layout.
 - The same local gradients give the same ``.grad`` Tensor (kept in the ``_grad_view``
   slot, keyed by the gradients' identity): optimizers read ``.grad`` often.
-- ``backward()`` lives on ``Tensor`` itself, beside ``as_layout_of`` which lays out
-  its seed gradient; nothing here imports :mod:`shardwise.tensors.tensor`: new Tensors are
-  built through ``type(self)``.
+- ``backward()`` lives on ``Tensor`` itself and calls ``torch.autograd.backward``, whose
+  handler (:mod:`shardwise.ops.autograd`) lays out its seed gradient; nothing here
+  imports :mod:`shardwise.tensors.tensor`: new Tensors are built through ``type(self)``.
 """
 
 from __future__ import annotations

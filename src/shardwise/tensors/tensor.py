@@ -10,6 +10,9 @@ Invariants:
 - It is a ``torch.Tensor`` (a wrapper with no storage): its torch metadata is the
   global value's, and every torch function goes through ``__torch_function__`` to
   the op registry (``HANDLERS``, filled by :data:`REGISTRY` on first use).
+- ``torch.compile`` never traces or compiles shardwise's own frames (the package is on
+  Dynamo's skip list, :func:`_skip_in_dynamo`): each shardwise call in compiled code
+  is a graph break that runs eagerly, so no guard ever reads shardwise's Python state.
 - Only torch's in-place ops (``add_``, ``copy_``, the optimizers' updates) mutate a
   Tensor, writing each distinct local buffer once; every other op leaves its inputs
   alone, so replicas share one buffer and shards may be views of a larger buffer.
@@ -27,12 +30,14 @@ Invariants:
   subclasses ``torch.Tensor``; they precede it in the bases, so their properties
   (``shape``, ``grad``, ``requires_grad``, ``data``...) override torch's.
 - Here: construction, torch's routing, Python protocols, DCP hooks, values out,
-  ``backward``, and the placing functions (``place``, ``to_layout``, ...).
+  ``backward`` (through ``torch.autograd.backward``, whose handler is the registry's
+  ``autograd`` family), and the placing functions (``place``, ``to_layout``, ...).
 """
 
 from __future__ import annotations
 
 import importlib
+import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -74,6 +79,23 @@ def _route_eager(func: Any, args: Any, kwargs: Any) -> Any:
 #: the layout logic is Python. Eager calls skip the disabling wrapper (~3 us a call).
 _route = torch.compiler.disable(_route_eager)
 _compiling = torch.compiler.is_compiling
+
+
+def _skip_in_dynamo() -> None:
+    """Dynamo neither traces nor compiles a frame of shardwise's own code: it branches
+    on Python state (caches, plan counters, the ids of shared blocks) that Dynamo would
+    guard on and recompile for whenever it changes (a parallelized model hit
+    recompile_limit in the simulated backend's run_step, its hooks and the planner,
+    ~2x slower than eager once warm). The user's code around a shardwise call still
+    compiles; each call is a graph break that runs eagerly. Dynamo's skip list is
+    torch-internal: without it, only ``_route`` above is disabled."""
+    rules = getattr(torch._dynamo, "trace_rules", None)  # imported by compiler.disable
+    add = getattr(rules, "add", None)
+    if add is not None:
+        add(__name__.partition(".")[0])
+
+
+_skip_in_dynamo()
 
 # The mixins come first, so their properties (grad, data, shape...) override torch's;
 # mypy flags each read-only property that replaces a writable torch attribute.
@@ -186,8 +208,19 @@ class Tensor(GradMixin, RelayoutMixin, MetaMixin,  # type: ignore[misc,override]
     @classmethod
     def __torch_dispatch__(cls, func: Any, types: Any, args: Any = (),  # type: ignore[override]
                            kwargs: Any = None) -> Any:
-        # Reached only if a torch function bypassed __torch_function__ (e.g. a C++ path
-        # with torch functions disabled): the wrapper has no data, so refuse by name.
+        # Reached only if a torch function bypassed __torch_function__: torch.func's
+        # transforms (they wrap the Tensor in C++ and run aten ops on the wrapper), or a
+        # C++ path with torch functions disabled. The wrapper has no data: refuse by name.
+        transform = _functorch_caller()
+        if transform is not None:
+            raise ShardingError(
+                f"torch.func ({transform}) cannot see into a shardwise.Tensor ({func} reached "
+                "torch's dispatcher): torch.func transforms work below "
+                "__torch_function__, where a shardwise.Tensor holds no data of its own. "
+                "For derivatives use shardwise.grad / value_and_grad / vjp / jvp or "
+                "torch.autograd.grad (gradients in each input's layout); for vmap, loop "
+                "over the batch or give the function a batch dim."
+            )
         raise ShardingError(
             f"{func} reached torch's dispatcher with a shardwise.Tensor, which holds no data "
             "of its own (its shards do). This torch path bypasses __torch_function__; gather "
@@ -301,39 +334,41 @@ class Tensor(GradMixin, RelayoutMixin, MetaMixin,  # type: ignore[misc,override]
         return backend_for(self.mesh).global_value(full._shards, full._layout, full._shape,
                                                     full._dtype).item()
 
-    # --- autograd's entry (the rest is GradMixin's): here, as it lays out the seed
-    # gradient with as_layout_of, which builds Tensors of this class
+    # --- autograd's entry (the rest is GradMixin's): torch.autograd.backward, as
+    # torch's own Tensor.backward calls it (routed to the registry's autograd family)
     def backward(self, gradient: Any = None, retain_graph: bool | None = None,
                  create_graph: bool = False, inputs: Any = None) -> None:
-        """Accumulate d(self)/d(leaf) into the ``.grad`` of every leaf it depends on."""
-        if inputs is not None:
-            raise ShardingError(
-                "backward(inputs=...) is not supported on a shardwise.Tensor; call "
-                "backward() and read the .grad of the tensors you need."
-            )
+        """Accumulate d(self)/d(leaf) into the ``.grad`` of every leaf it depends on
+        (of ``inputs`` only, when given); ``gradient``: a Tensor in any layout or data
+        of this global shape (None for a scalar)."""
         if not self.requires_grad:
             raise ShardingError(
                 f"backward() on {self!r}, which does not require grad: no leaf it depends on "
                 "has requires_grad. Call x.requires_grad_() on the inputs first."
             )
-        roots = self._roots()
-        if gradient is None:
-            if self._shape:
-                raise ShardingError(
-                    f"backward() without a gradient needs a scalar; {self!r} has shape "
-                    f"{self._shape}. Pass gradient= (same global shape) or reduce first."
-                )
-            first = next(s for s in roots._shards if s is not None)
-            gradient = torch.ones((), dtype=self._dtype, device=first.device)
-        g = as_layout_of(gradient, roots)
-        if roots._whole is not None:  # one root: the whole value autograd ran on
-            gw = g._whole if g._whole is not None else g._global()
-            torch.autograd.backward([roots._whole], [gw], retain_graph=retain_graph,
-                                    create_graph=create_graph)
-            return
-        reps, outs = roots.unique_shards()
-        torch.autograd.backward(outs, [g._shards[k] for k in reps], retain_graph=retain_graph,
-                                create_graph=create_graph)
+        if gradient is None and self._shape:
+            raise ShardingError(
+                f"backward() without a gradient needs a scalar; {self!r} has shape "
+                f"{self._shape}. Pass gradient= (same global shape) or reduce first."
+            )
+        torch.autograd.backward(self, gradient, retain_graph, create_graph, inputs=inputs)
+
+
+#: torch.func's transforms, by the frame that runs the user's function under them
+_TRANSFORMS = {"grad_and_value_impl": "grad", "vmap_impl": "vmap", "_vjp_with_argnums": "vjp",
+               "_jvp_with_argnums": "jvp", "_jacfwd": "jacfwd"}
+
+
+def _functorch_caller() -> str | None:
+    """The outermost torch.func transform on the call stack, if any (read on the error
+    path only: jacrev shows as the vjp it runs)."""
+    found = None
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_globals.get("__name__", "").startswith("torch._functorch"):
+            found = _TRANSFORMS.get(frame.f_code.co_name, found or "transform")
+        frame = frame.f_back  # type: ignore[assignment]
+    return found
 
 
 def with_open_dims(t: Tensor, sharding: object) -> Tensor:
