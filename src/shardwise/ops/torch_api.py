@@ -14,7 +14,9 @@ above each handler) and then sets the fallback:
 ``shapes``          view, reshape, permute, expand, cat, stack, split, flip...
 ``indexing``        ``x[...]``, ``torch.index_select``
 ``reductions``      sum, mean, amax, norms, var, max, topk, sort, cumsum, softmax
-``nn``              linear, matmul, layer/rms norm, embedding, dropout, sdpa, losses
+``nn``              linear, matmul, layer/rms norm, embedding, dropout, sdpa
+``linalg``          batched ``torch.linalg``, addmm and kin, dot, kron, cdist, cross...
+``losses``          cross_entropy, nll_loss, the pointwise and per-sample losses
 ==================  ================================================================
 
 Invariants:
@@ -45,6 +47,8 @@ from shardwise.ops import (
     foreach,
     indexing,
     inplace,
+    linalg,
+    losses,
     nn,
     reductions,
     shapes,
@@ -56,7 +60,7 @@ __all__ = ["ShardwiseFallbackWarning", "install", "register"]
 
 #: the handler families (the table in the module docstring)
 FAMILIES = (elementwise, conversions, factories, inplace, foreach, shapes, indexing,
-            reductions, nn)
+            reductions, nn, linalg, losses)
 
 
 def install() -> None:
