@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 import shardwise as sw
-from shardwise import PlacementMapping, Replicated, Sharded
+from shardwise import PlacementMapping, Replicated
 from shardwise.ops.registry import ShardwiseFallbackWarning
 from shardwise.sharding import DeviceMesh
 
@@ -31,18 +31,20 @@ def _outputs(r: Any) -> list[Any]:
     return list(r) if isinstance(r, (tuple, list)) else [r]
 
 
-def check(fn: Callable[..., Any], inputs: Sequence[Any], *, grad: bool = True,
+def check(fn: Callable[..., Any], inputs: Sequence[Any], *, grad: bool | int = True,
           rtol: float = 1e-5, atol: float = 1e-6, exact_whole: bool = True) -> None:
     """``fn`` on ``inputs`` (``(value, PlacementMapping)`` pairs become shardwise Tensors;
-    other items pass as they are) equals ``fn`` on the plain values."""
+    other items pass as they are) equals ``fn`` on the plain values. ``grad``: whether
+    floating inputs require grad (an int ``k``: only the first ``k`` inputs)."""
     for whole in (True, False):
         ts: list[Any] = []
         refs: list[Any] = []
-        for item in inputs:
+        for i, item in enumerate(inputs):
             if isinstance(item, tuple) and len(item) == 2 and isinstance(
                     item[1], PlacementMapping):
                 value, mapping = item
-                g = grad and (value.is_floating_point() or value.is_complex())
+                g = (grad is True or (grad is not False and i < grad)) and (
+                    value.is_floating_point() or value.is_complex())
                 if whole:
                     t = sw.tensor(value, sharding=mapping)
                     t = t.requires_grad_() if g else t

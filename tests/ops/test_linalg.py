@@ -8,9 +8,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from shardwise import Sharded
 from tests.helpers.meshes import M4, M24
 from tests.helpers.opcheck import R, check, pm
-from shardwise import Sharded
 
 S0, S1, S2 = Sharded(0), Sharded(1), Sharded(2)
 BATCHES = [5, 8, 2, 0]  # uneven, even, size-0 shards, an empty batch over 4 devices
@@ -34,7 +34,8 @@ ONE = [  # (name, fn) of a batch of square matrices
     ("eigh", torch.linalg.eigh), ("eigvalsh", torch.linalg.eigvalsh),
     ("qr", torch.linalg.qr), ("svdvals", torch.linalg.svdvals),
     ("lu_factor", torch.linalg.lu_factor), ("lu", torch.linalg.lu),
-    ("matrix_exp", torch.linalg.matrix_exp), ("matrix_power", lambda a: torch.linalg.matrix_power(a, 3)),
+    ("matrix_exp", torch.linalg.matrix_exp),
+    ("matrix_power", lambda a: torch.linalg.matrix_power(a, 3)),
     ("pinv", torch.linalg.pinv), ("cond", torch.linalg.cond),
     ("matrix_rank", torch.linalg.matrix_rank), ("matrix_norm", torch.linalg.matrix_norm),
     ("matrix_norm nuc dims", lambda a: torch.linalg.matrix_norm(a, "nuc", dim=(0, 2))),

@@ -397,11 +397,17 @@ def _quantile_of(name: str) -> Callable[..., Any]:
         d = None if dim is None else normalize_dim(dim, max(x.ndim, 1), f"{name} dim")
         d = None if x.ndim == 0 else d
         nq = q.shape[0] if isinstance(q, torch.Tensor) and q.ndim == 1 else None
-        if isinstance(q, torch.Tensor):
-            return apply("quantile", on_mesh([x, q]), lambda s, qs: fn(
-                s, qs, dim, keepdim, interpolation=interpolation), d, keepdim, nq)
-        return apply("quantile", (x,), lambda s: fn(
-            s, q, dim, keepdim, interpolation=interpolation), d, keepdim, nq)
+        empty = x.numel() == 0  # then torch's own error; an empty block is no error
+
+        def local(s: torch.Tensor, *rest: Any) -> torch.Tensor:
+            *qs, shape = rest
+            if s.numel() == 0 and not empty:  # torch refuses any empty input: a block
+                # of no rows has no quantiles (kept on the graph, for autograd)
+                return s.sum().mul(0).expand(shape).clone()
+            return fn(s, qs[0] if qs else q, dim, keepdim, interpolation=interpolation)
+
+        ops = on_mesh([x, q]) if isinstance(q, torch.Tensor) else [x]
+        return apply("quantile", ops, local, d, keepdim, nq, shaped=True)
 
     return handler
 

@@ -547,7 +547,7 @@ def _samples(shapes: tuple[tuple[int, ...], ...], roles: str) -> str:
     is ``(N, d...)``.
 
     >>> _samples(((8, 5), (8,), (5,)), "xtw")
-    'b c!, b, c! -> b'
+    'b c! ..., b ..., c! -> b ...'
     """
     batched = len(shapes[0]) > 1
     x = "b c! ..." if batched else "c!"
@@ -601,7 +601,7 @@ RULES.update({
     # pointwise losses before their reduction (numpy broadcasting)
     "pointwise_loss": Rule(BINARY, NONLINEAR, build=_elementwise),
     # per-sample losses: classes whole, samples shard
-    "per_sample": Rule("b c!, b, c! -> b", NONLINEAR, build=_samples),
+    "per_sample": Rule("b c! ..., b ..., c! -> b ...", NONLINEAR, build=_samples),
     # each sample's class weight (weight[target]): the weights whole
     "class_pick": Rule("..., c! -> ...", NONLINEAR),
     "quantile": Rule("a d! -> a", NONLINEAR, build=_quantile),
