@@ -305,3 +305,60 @@ def apply_elementwise(op: str, operands: Sequence[Any], fn: Callable[..., torch.
     if tuple(out[0].shape) != tuple(first._shards[0].shape):
         return apply(op, operands, fn)
     return Tensor(out, layout, first._shape, out[0].dtype, open_dims=first._open)
+
+
+def apply_outputs(op: str, operands: Sequence[Any],
+                  fn: Callable[..., Sequence[torch.Tensor]], *params: Any,
+                  lead: int | None = None) -> tuple[Tensor, ...]:
+    """:func:`apply` for an op whose local call returns several tensors (``eigh``,
+    ``var_mean``, ``cummax``, ``lu_factor``...): output 0 follows the rule; each other
+    output shares output 0's layout on its first ``lead`` dims (the batch; default:
+    all of output 0's dims) and holds the rest whole. One layout decision and one
+    local call per block give every output, so they always agree.
+
+    An output whose leading dims are not output 0's (an empty placeholder, such as
+    ``lstsq``'s residuals) is Replicated: every block must then give the same shape."""
+    rest: dict[int, tuple[torch.Tensor, ...]] = {}
+
+    def first(*blocks: Any) -> torch.Tensor:
+        r = tuple(fn(*blocks))
+        rest[id(r[0])] = r[1:]
+        return r[0]
+
+    out = apply(op, operands, first, *params)
+    layout = out._layout
+    assert not layout.is_partial, f"{op}: a multi-output rule leaves no Partial"
+    n = len(out._shape) if lead is None else lead
+
+    def placed(value_shape: tuple[int, ...]) -> tuple[Layout, tuple[bool, ...] | None]:
+        if value_shape[:n] != out._shape[:n]:
+            return Layout.replicated(layout.mesh, len(value_shape)), None
+        dims = layout.dims[:n] + ((),) * (len(value_shape) - n)
+        opened = None if out._open is None else out._open[:n] + (True,) * (
+            len(value_shape) - n)
+        return Layout(layout.mesh, dims, layout.partial), opened
+
+    if out._whole is not None:
+        extra = rest[id(out._whole)]
+        return (out, *(Tensor.from_whole(e, *placed(tuple(e.shape))) for e in extra))
+    rows = [None if s is None else rest[id(s)] for s in out._shards]
+    have = next((r for r in rows if r is not None), None)
+    if have is None:  # no device of this mesh here: shapes and dtypes from meta
+        meta = [torch.empty(x.shape, dtype=x.dtype, device="meta")
+                if isinstance(x, Tensor) else x for x in operands]
+        have = tuple(fn(*meta))[1:]
+        shapes = [tuple(out._shape[:n]) + tuple(e.shape[n:]) for e in have]
+    else:
+        shapes = []
+        local = next(s for s in out._shards if s is not None)
+        for e in have:
+            if tuple(e.shape[:n]) == tuple(local.shape[:n]):
+                shapes.append(tuple(out._shape[:n]) + tuple(e.shape[n:]))
+            else:
+                shapes.append(tuple(e.shape))
+    outs: list[Tensor] = [out]
+    for j, shape in enumerate(shapes):
+        lay, opened = placed(shape)
+        blocks = [None if r is None else r[j] for r in rows]
+        outs.append(Tensor(blocks, lay, shape, have[j].dtype, open_dims=opened))
+    return tuple(outs)

@@ -1,6 +1,6 @@
 """torch.nn.functional ops a transformer uses, on shardwise Tensors: linear, matmul and
-einsum, layer/rms norm, embedding, dropout, scaled_dot_product_attention, cross_entropy
-and pointwise losses.
+einsum, layer/rms norm, embedding, dropout, scaled_dot_product_attention, the mse and l1
+losses (cross_entropy, nll_loss and the other losses: :mod:`shardwise.ops.losses`).
 
 Invariants:
 - Each op names the dims that must stay whole (normalized dims, the vocabulary,
@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from shardwise.ops import compute as C
-from shardwise.ops.conversions import to
+from shardwise.ops import linalg
 from shardwise.ops.execute import apply
 from shardwise.ops.registry import TensorMethod, fallback, on_mesh, register
 from shardwise.runtime import observe as comm
@@ -61,7 +61,7 @@ def matmul(a: Any, b: Any) -> Any:
 def addmm(bias: Any, a: Any, b: Any, *, beta: Any = 1, alpha: Any = 1, out: Any = None) -> Any:
     """``bias + a @ b`` (transformers' ``Conv1D``): the matmul rule, then the add rule."""
     if out is not None or beta != 1 or alpha != 1:
-        return fallback(torch.addmm, (bias, a, b), dict(beta=beta, alpha=alpha, out=out))
+        return linalg.scaled_addmm(bias, a, b, beta=beta, alpha=alpha, out=out)
     if all(isinstance(t, Tensor) and t._whole is not None for t in (bias, a, b)):
         # whole values: torch's own addmm once (torch's bits), as F.linear does
         w = bias._whole
@@ -194,28 +194,6 @@ def _math_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Te
     return (torch._safe_softmax(attn, -1) * noise) @ v
 
 
-@register(F.cross_entropy)
-def cross_entropy(logits: Any, target: Any, weight: Any = None, size_average: Any = None,
-                  ignore_index: int = -100, reduce: Any = None, reduction: str = "mean",
-                  label_smoothing: float = 0.0) -> Any:
-    if weight is not None or size_average is not None or reduce is not None or (
-            logits.ndim != 2 or target.ndim != 1 or target.dtype.is_floating_point):
-        return fallback(F.cross_entropy, (logits, target), dict(
-            weight=weight, ignore_index=ignore_index, reduction=reduction,
-            label_smoothing=label_smoothing))
-    ops = on_mesh([logits, target])
-    per = apply("cross_entropy", ops, lambda lg, tg: F.cross_entropy(
-        lg, tg, ignore_index=ignore_index, reduction="none",
-        label_smoothing=label_smoothing))
-    if reduction == "none":
-        return per
-    total = C.sum(per)
-    if reduction == "sum":
-        return total
-    count = C.sum(to(C.ne(ops[1], ignore_index), per.dtype))
-    return C.div(total, count)
-
-
 def _pointwise_loss(fn: Any, term: Callable[[Any], Any]) -> Callable[..., Any]:
     """``F.mse_loss``/``F.l1_loss``: ``term(a - b)`` summed or averaged by the rule table;
     the deprecated ``size_average``/``reduce`` and a ``weight`` fall back."""
@@ -238,8 +216,3 @@ def _square(d: Any) -> Any:
 
 register(F.mse_loss)(_pointwise_loss(F.mse_loss, _square))
 register(F.l1_loss)(_pointwise_loss(F.l1_loss, C.abs_))
-
-
-@register(F.nll_loss)
-def nll_loss(*args: Any, **kwargs: Any) -> Any:
-    return fallback(F.nll_loss, args, kwargs)

@@ -24,8 +24,8 @@ import torch.nn.functional as F
 
 from shardwise.ops import compute as C
 from shardwise.ops.conversions import to
-from shardwise.ops.execute import apply
-from shardwise.ops.registry import TensorMethod, fallback, reduce_dims, register
+from shardwise.ops.execute import apply, apply_outputs
+from shardwise.ops.registry import TensorMethod, fallback, on_mesh, reduce_dims, register
 from shardwise.sharding.errors import ShardingError
 from shardwise.sharding.layout import normalize_dim
 from shardwise.tensors.tensor import HANDLERS, Tensor
@@ -61,8 +61,10 @@ def vector_norm(x: Any, ord: Any = 2, dim: Any = None, keepdim: bool = False, *,
     if p is not None:
         ord = p
     if isinstance(ord, str):
-        if ord != "fro":
-            return fallback(torch.linalg.vector_norm, (x, ord, dim, keepdim), {})
+        if ord != "fro":  # torch.norm(x, "nuc", dim): a matrix norm, its dims whole
+            dims = reduce_dims(x, dim)
+            return apply("reduce_full", (x,), lambda s: torch.norm(
+                s, ord, dim, keepdim, dtype=dtype), dims, keepdim)
         ord = 2
     t = x if dtype is None else to(x, dtype)
     a = C.abs_(t)
@@ -231,3 +233,192 @@ def _along(name: str, fn: Any) -> Callable[..., Any]:
 for _name in ("cumsum", "cumprod", "log_softmax", "softmax"):
     _fn = getattr(torch, _name)
     register(_fn, getattr(TensorMethod, _name), getattr(F, _name, None))(_along(_name, _fn))
+
+
+# --- statistics with several outputs, quantiles, histograms (issue 20) ---------------------
+def _all_if_empty(x: Any, dim: Any) -> tuple[int, ...]:
+    """The reduced dims; ``dim=[]`` reduces every dim, as torch's var/nanmean do."""
+    dims = reduce_dims(x, dim)
+    return dims if dims or dim is None or x.ndim == 0 else tuple(range(x.ndim))
+
+
+def _stat_mean(fn: Any, name: str) -> Callable[..., Any]:
+    """``torch.var_mean``/``std_mean`` in torch's spellings: both results from one local
+    call per block, the reduced dims whole (as ``var``/``std``)."""
+
+    def handler(x: Any, dim: Any = None, *args: Any, **kwargs: Any) -> Any:
+        unbiased = kwargs.pop("unbiased", None)
+        if isinstance(dim, bool):  # var_mean(x, unbiased)
+            unbiased, dim = dim, None
+        elif args and isinstance(args[0], bool):
+            unbiased, args = args[0], args[1:]
+        keepdim = kwargs.pop("keepdim", args[0] if args else False)
+        correction = kwargs.pop("correction", None)
+        if unbiased is not None:
+            correction = 1 if unbiased else 0
+        if correction is None:
+            correction = 1
+        dims = _all_if_empty(x, dim)
+        return apply_outputs("reduce_full", (x,), lambda s: fn(
+            s, dims, correction=correction, keepdim=keepdim), dims, keepdim)
+
+    handler.__name__ = name
+    return handler
+
+
+for _fn in (torch.var_mean, torch.std_mean):
+    register(_fn)(_stat_mean(_fn, _fn.__name__))
+
+
+@register(torch.aminmax, TensorMethod.aminmax)
+def aminmax(x: Any, *, dim: Any = None, keepdim: bool = False) -> Any:
+    dims = reduce_dims(x, dim)
+    return torch.return_types.aminmax(apply_outputs(  # type: ignore[arg-type]
+        "reduce_full", (x,), lambda s: torch.aminmax(s, dim=dim, keepdim=keepdim), dims,
+        keepdim if dim is not None else False))
+
+
+@register(torch.nanmean, TensorMethod.nanmean)
+def nanmean(x: Any, dim: Any = None, keepdim: bool = False, *, dtype: Any = None) -> Any:
+    dims = _all_if_empty(x, dim)
+    return apply("reduce_full", (x,), lambda s: torch.nanmean(
+        s, dims, keepdim, dtype=dtype), dims, keepdim)
+
+
+def _kth(name: str) -> Callable[..., Any]:
+    """``torch.kthvalue(x, k, dim)``/``torch.mode(x, dim)``: values and indices as torch's
+    named tuple, the dim whole, the others kept."""
+    fn = getattr(torch, name)
+
+    def handler(x: Any, *args: Any, **kwargs: Any) -> Any:
+        k: tuple[Any, ...] = ()
+        if name == "kthvalue":
+            k = (kwargs.pop("k") if "k" in kwargs else args[0],)
+            args = args[1:]
+        dim = kwargs.pop("dim", args[0] if args else -1)
+        keepdim = kwargs.pop("keepdim", args[1] if len(args) > 1 else False)
+        d = normalize_dim(dim, max(x.ndim, 1), f"{name} dim")
+        return getattr(torch.return_types, name)(apply_outputs(
+            "reduce_full", (x,), lambda s: fn(s, *k, dim, keepdim), (d,) if x.ndim else (),
+            keepdim))
+
+    return handler
+
+
+for _name in ("kthvalue", "mode"):
+    register(getattr(torch, _name), getattr(TensorMethod, _name))(_kth(_name))
+
+
+def _cumulative(name: str) -> Callable[..., Any]:
+    """``torch.cummax``/``cummin``: values and indices along one whole dim."""
+    fn = getattr(torch, name)
+
+    def handler(x: Any, dim: int) -> Any:
+        d = normalize_dim(dim, max(x.ndim, 1), f"{name} dim")
+        return getattr(torch.return_types, name)(apply_outputs(
+            name, (x,), lambda s: fn(s, dim), (d,) if x.ndim else ()))
+
+    return handler
+
+
+for _name in ("cummax", "cummin"):
+    register(getattr(torch, _name), getattr(TensorMethod, _name))(_cumulative(_name))
+
+
+@register(torch.logcumsumexp, TensorMethod.logcumsumexp)
+def logcumsumexp(x: Any, dim: int) -> Any:
+    d = normalize_dim(dim, max(x.ndim, 1), "logcumsumexp dim")
+    return apply("logcumsumexp", (x,), lambda s: torch.logcumsumexp(s, dim),
+                 (d,) if x.ndim else ())
+
+
+@register(torch.msort, TensorMethod.msort)
+def msort(x: Any) -> Any:
+    return apply("msort", (x,), torch.msort, (0,) if x.ndim else ())
+
+
+@register(F.softmin)
+def softmin(x: Any, dim: Any = None, _stacklevel: int = 3, dtype: Any = None) -> Any:
+    if dim is None:
+        raise ShardingError("softmin needs dim= (torch's implicit dim is deprecated).")
+    d = normalize_dim(dim, max(x.ndim, 1), "softmin dim")
+    return apply("softmin", (x,), lambda s: F.softmin(s, dim, dtype=dtype),
+                 (d,) if x.ndim else ())
+
+
+@register(torch.ops.aten._safe_softmax.default)
+def safe_softmax(x: Any, dim: int, dtype: Any = None) -> Any:
+    d = normalize_dim(dim, max(x.ndim, 1), "_safe_softmax dim")
+    return apply("safe_softmax", (x,), lambda s: torch.ops.aten._safe_softmax.default(
+        s, dim, dtype), (d,) if x.ndim else ())
+
+
+@register(torch._softmax_backward_data, torch.ops.aten._softmax_backward_data,
+          torch.ops.aten._softmax_backward_data.default)
+def softmax_backward_data(grad: Any, out: Any, dim: int, input_dtype: Any) -> Any:
+    d = normalize_dim(dim, max(grad.ndim, 1), "_softmax_backward_data dim")
+    shape = tuple(grad.shape)
+    return apply("aligned", on_mesh([grad, out]), lambda g, o: torch._softmax_backward_data(
+        g, o, dim, input_dtype), (d,) if shape else (), tuple(
+        ("n", s) if q == d else ("b", q) for q, s in enumerate(shape)))
+
+
+@register(torch.masked.softmin)
+def masked_softmin(x: Any, dim: int, *, dtype: Any = None, mask: Any = None) -> Any:
+    d = normalize_dim(dim, max(x.ndim, 1), "masked.softmin dim")
+    if mask is None:
+        return apply("softmin", (x,), lambda s: torch.masked.softmin(s, dim, dtype=dtype),
+                     (d,) if x.ndim else ())
+    if tuple(mask.shape) != tuple(x.shape):  # a broadcast mask: fall back (exact)
+        return fallback(torch.masked.softmin, (x, dim), {"dtype": dtype, "mask": mask})
+    return apply("aligned", on_mesh([x, mask]), lambda s, m: torch.masked.softmin(
+        s, dim, dtype=dtype, mask=m), (d,), tuple(
+        ("n", s) if q == d else ("b", q) for q, s in enumerate(x.shape)))
+
+
+@register(F.glu)
+def glu(x: Any, dim: int = -1) -> Any:
+    if x.ndim == 0 or x.shape[dim] % 2:
+        return fallback(F.glu, (x, dim), {})  # torch's error
+    d = normalize_dim(dim, x.ndim, "glu dim")
+    return apply("glu", (x,), lambda s: F.glu(s, dim), d, x.shape[d] // 2)
+
+
+def _quantile_of(name: str) -> Callable[..., Any]:
+    """``torch.quantile(x, q, dim)``: ``dim`` whole (every dim when None), a 1-D ``q``
+    whole, the other dims kept."""
+    fn = getattr(torch, name)
+
+    def handler(x: Any, q: Any, dim: Any = None, keepdim: bool = False, *,
+                interpolation: str = "linear", out: Any = None) -> Any:
+        if out is not None or (isinstance(q, torch.Tensor) and q.ndim > 1):
+            return fallback(fn, (x, q, dim, keepdim), {"interpolation": interpolation,
+                                                       "out": out})
+        d = None if dim is None else normalize_dim(dim, max(x.ndim, 1), f"{name} dim")
+        d = None if x.ndim == 0 else d
+        nq = q.shape[0] if isinstance(q, torch.Tensor) and q.ndim == 1 else None
+        empty = x.numel() == 0  # then torch's own error; an empty block is no error
+
+        def local(s: torch.Tensor, *rest: Any) -> torch.Tensor:
+            *qs, shape = rest
+            if s.numel() == 0 and not empty:  # torch refuses any empty input: a block
+                # of no rows has no quantiles (kept on the graph, for autograd)
+                return s.sum().mul(0).expand(shape).clone()
+            return fn(s, qs[0] if qs else q, dim, keepdim, interpolation=interpolation)
+
+        ops = on_mesh([x, q]) if isinstance(q, torch.Tensor) else [x]
+        return apply("quantile", ops, local, d, keepdim, nq, shaped=True)
+
+    return handler
+
+
+for _name in ("quantile", "nanquantile"):
+    register(getattr(torch, _name), getattr(TensorMethod, _name))(_quantile_of(_name))
+
+
+@register(torch.histc, TensorMethod.histc)
+def histc(x: Any, bins: int = 100, min: Any = 0, max: Any = 0, *, out: Any = None) -> Any:
+    if out is not None:
+        return fallback(torch.histc, (x, bins, min, max), {"out": out})
+    # a range from the data (min == max) needs every element: the dims whole
+    return apply("histc", (x,), lambda s: torch.histc(s, bins, min, max), bins, min == max)

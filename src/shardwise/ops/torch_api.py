@@ -14,7 +14,9 @@ above each handler) and then sets the fallback:
 ``shapes``          view, reshape, permute, expand, cat, stack, split, flip...
 ``indexing``        ``x[...]``, ``torch.index_select``
 ``reductions``      sum, mean, amax, norms, var, max, topk, sort, cumsum, softmax
-``nn``              linear, matmul, addmm, layer/rms norm, embedding, dropout, sdpa, losses
+``nn``              linear, matmul, addmm, layer/rms norm, embedding, dropout, sdpa
+``linalg``          batched ``torch.linalg``, addmv and kin, dot, kron, cdist, cross...
+``losses``          cross_entropy, nll_loss, the pointwise and per-sample losses
 ``layers``          conv, pools, interpolate, pad, batch/group/instance norm, grid_sample
 ``spectral``        ``torch.fft.*`` (the transformed dims whole)
 ``sampling``        bernoulli, normal, multinomial, feature/alpha dropouts, rrelu
@@ -51,6 +53,8 @@ from shardwise.ops import (
     indexing,
     inplace,
     layers,
+    linalg,
+    losses,
     nn,
     reductions,
     sampling,
@@ -64,7 +68,7 @@ __all__ = ["ShardwiseFallbackWarning", "install", "register"]
 
 #: the handler families (the table in the module docstring)
 FAMILIES = (elementwise, conversions, factories, inplace, foreach, shapes, indexing,
-            reductions, nn, layers, spectral, sampling, autograd)
+            reductions, nn, linalg, losses, layers, spectral, sampling, autograd)
 
 
 def install() -> None:

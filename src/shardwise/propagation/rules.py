@@ -489,3 +489,224 @@ RULES.update({
     # --- nn layers, fft, indexing, random (ops/kept.py): free dims shard, the rest whole
     "kept": Rule("f0 w!, f0 -> f0 o!=N", NONLINEAR, build=_kept),
 })
+
+
+# --- linalg, the matmul family, statistics and losses (issue 20) -------------------------
+def _batched(shapes: tuple[tuple[int, ...], ...], cores: tuple[int, ...],
+             out_core: tuple[int, ...]) -> str:
+    """Batched linalg: operand ``i`` is ``(..., core dims)`` with its last ``cores[i]``
+    dims whole (a matrix, a vector, pivots); the batch dims ``...`` broadcast and shard
+    freely; the output is ``(..., out_core)``, its core whole. Every batch element is
+    its own problem (det, inv, solve, qr, eigh...), so sharding the batch is exact.
+
+    >>> _batched(((2, 3, 3), (3, 1)), (2, 2), (3, 1))
+    '... c0_0! c0_1!, ... c1_0! c1_1! -> ... o0!=3 o1!=1'
+    """
+    terms = []
+    for i, (shape, k) in enumerate(zip(shapes, cores)):
+        if k > len(shape):
+            raise ShardingError(f"batched linalg: operand {i} of shape {list(shape)} needs "
+                                f"at least {k} dims (its matrix or vector dims).")
+        terms.append(" ".join(["..."] + [f"c{i}_{j}!" for j in range(k)]))
+    return ", ".join(terms) + " -> " + " ".join(
+        ["..."] + [f"o{j}!={n}" for j, n in enumerate(out_core)])
+
+
+def _aligned(shapes: tuple[tuple[int, ...], ...], whole: tuple[int, ...],
+             out: tuple[tuple[str, int], ...]) -> str:
+    """Operands broadcast right-aligned (numpy) in a frame of ``n = max rank`` dims;
+    the frame positions in ``whole`` stay whole in every operand (each operand its own
+    factor there, so their sizes may differ: ``diff``'s prepend); every other position
+    is one factor that shards freely (a size-1 dim broadcast against a larger one is
+    its own, whole). The output names, per dim, ``("b", q)`` the factor of frame
+    position ``q`` or ``("n", size)`` a new whole dim (a kept or resized dim).
+
+    >>> _aligned(((4, 3), (3,)), (1,), (("b", 0),))
+    'd0 w1_0!, w1_1! -> d0'
+    """
+    n = max((len(s) for s in shapes), default=0)
+    sizes = [1] * n
+    for s in shapes:
+        for d, size in enumerate(s):
+            if size != 1:
+                sizes[n - len(s) + d] = size
+    terms = []
+    for i, s in enumerate(shapes):
+        names = []
+        for d, size in enumerate(s):
+            q = n - len(s) + d
+            if q in whole:
+                names.append(f"w{q}_{i}!")
+            elif size == sizes[q]:
+                names.append(f"d{q}")
+            else:  # a size-1 dim broadcast against a larger one
+                names.append(f"u{q}_{i}!")
+        terms.append(" ".join(names))
+    outs = []
+    for j, (kind, v) in enumerate(out):
+        if kind == "b":
+            if v in whole:
+                raise ShardingError(f"aligned rule: output dim {j} names frame position "
+                                    f"{v}, which is whole; give it a new size instead.")
+            outs.append(f"d{v}")
+        else:
+            outs.append(f"n{j}!={v}")
+    return ", ".join(terms) + " -> " + " ".join(outs)
+
+
+def _addend(shape: tuple[int, ...], out: list[tuple[str, int]]) -> str:
+    """An operand added to an output of dims ``out`` ((name, size) pairs), broadcast to
+    it right-aligned: equal sizes share the output's factor, size-1 dims stay whole."""
+    names = []
+    for d, size in enumerate(shape):
+        name, full = out[len(out) - len(shape) + d]
+        names.append(name if size == full else f"u{d}!")
+    return " ".join(names)
+
+
+def _addmm(shapes: tuple[tuple[int, ...], ...], kind: str) -> str:
+    """``input + alpha * (op of the others)`` (addmm, addmv, addr, baddbmm, addbmm): the
+    contracted dims whole (the input is added once per output element), the rest shard.
+
+    >>> _addmm(((3,), (2, 4), (4, 3)), "addmm")
+    'j, i k!, k! j -> i j'
+    """
+    a, b = shapes[1], shapes[2]
+    if kind == "addmm":
+        terms, out = ["i k!", "k! j"], [("i", a[0]), ("j", b[1])]
+    elif kind == "addmv":
+        terms, out = ["i k!", "k!"], [("i", a[0])]
+    elif kind == "addr":
+        terms, out = ["i", "j"], [("i", a[0]), ("j", b[0])]
+    elif kind == "baddbmm":
+        terms, out = ["b i k!", "b k! j"], [("b", a[0]), ("i", a[1]), ("j", b[2])]
+    else:  # addbmm: the batch is summed too
+        terms, out = ["b! i k!", "b! k! j"], [("i", a[1]), ("j", b[2])]
+    if len(shapes[0]) > len(out):
+        raise ShardingError(f"{kind}: input of shape {list(shapes[0])} does not broadcast "
+                            f"to the output's {len(out)} dims.")
+    return ", ".join([_addend(shapes[0], out), *terms]) + " -> " + " ".join(
+        n for n, _ in out)
+
+
+def _samples(shapes: tuple[tuple[int, ...], ...], roles: str) -> str:
+    """Per-sample losses over ``(N, C, d...)`` inputs (or ``(C,)`` unbatched): role ``x``
+    is such an input (its classes whole), ``s`` a tensor of the same shape (soft targets,
+    a second input), ``t`` a target ``(N, d...)`` (or ``()``), ``w`` a class weight
+    ``(C,)``; for ``linear_cross_entropy``, ``l`` the ``(V, C)`` projection (both whole)
+    and ``v`` a ``(V,)`` class weight. Samples and the extra dims shard freely; the output
+    is ``(N, d...)``.
+
+    >>> _samples(((8, 5), (8,), (5,)), "xtw")
+    'b c! ..., b ..., c! -> b ...'
+    """
+    batched = len(shapes[0]) > 1
+    x = "b c! ..." if batched else "c!"
+    t = "b ..." if batched else ""
+    terms = {"x": x, "s": x, "t": t, "w": "c!", "l": "v! c!", "v": "v!"}
+    return ", ".join(terms[r] for r in roles) + " -> " + t
+
+
+def _quantile(shapes: tuple[tuple[int, ...], ...], dim: int | None, keepdim: bool,
+              nq: int | None) -> str:
+    """quantile(x, q, dim): ``dim`` whole (every dim when None); a 1-D ``q`` of ``nq``
+    values prepends a dim of that size (its operand whole)."""
+    names = _letters(len(shapes[0]))
+    ins = [n + ("!" if dim is None or d == dim else "") for d, n in enumerate(names)]
+    out = [] if nq is None else [f"q!={nq}"]
+    for d, n in enumerate(names):
+        if dim is None or d == dim:
+            if keepdim:
+                out.append(f"k{d}=1")
+        else:
+            out.append(n)
+    terms = [" ".join(ins)] + (["q!"] if len(shapes) > 1 else [])
+    return ", ".join(terms) + " -> " + " ".join(out)
+
+
+def _histc(shapes: tuple[tuple[int, ...], ...], bins: int, whole: bool) -> str:
+    """histc: every element counted in one of ``bins`` bins with a fixed range, so a
+    sharded dim leaves Partial(SUM) counts; with a range from the data (min == max)
+    every dim stays whole."""
+    names = _letters(len(shapes[0]))
+    return " ".join(n + ("!" if whole else "") for n in names) + f" -> h!={bins}"
+
+
+_ALONG = "a d! -> a d!"
+RULES.update({
+    # batch dims shard, matrix/vector dims whole: linalg.inv, solve, qr, eigh, svd...
+    "batched": Rule("... a! b!, ... b! c! -> ... o!=N p!=M", NONLINEAR, build=_batched),
+    # broadcast operands with some dims whole: cross, cosine_similarity, diff, trapz...
+    "aligned": Rule("a w!, w! -> a", NONLINEAR, build=_aligned),
+    # input + product: the product's contracted dims whole
+    "addmm": Rule("j, i k!, k! j -> i j", NONLINEAR, build=_addmm),
+    # products without an addend: a sharded k leaves Partial(SUM)
+    "outer": Rule("i, j -> i j", MULTILINEAR, SUM),
+    "dot": Rule("k, k ->", MULTILINEAR, SUM),
+    "mv": Rule("i k, k -> i", MULTILINEAR, SUM),
+    # F.bilinear(x1, x2, W[, b]): the features whole, the out features and batch shard
+    "bilinear": Rule("... i!, ... j!, o i! j! -> ... o", NONLINEAR),
+    "bilinear_bias": Rule("... i!, ... j!, o i! j!, o -> ... o", NONLINEAR),
+    # cdist(x1, x2): points shard, coordinates whole
+    "cdist": Rule("... p m!, ... r m! -> ... p r", NONLINEAR),
+    # pointwise losses before their reduction (numpy broadcasting)
+    "pointwise_loss": Rule(BINARY, NONLINEAR, build=_elementwise),
+    # per-sample losses: classes whole, samples shard
+    "per_sample": Rule("b c! ..., b ..., c! -> b ...", NONLINEAR, build=_samples),
+    # each sample's class weight (weight[target]): the weights whole
+    "class_pick": Rule("..., c! -> ...", NONLINEAR),
+    "quantile": Rule("a d! -> a", NONLINEAR, build=_quantile),
+    # counts over every element: sharded dims leave Partial(SUM) counts
+    "histc": Rule("a b -> h!=N", NONLINEAR, SUM, build=_histc),
+    # glu halves one whole dim
+    "glu": Rule("a d! -> a k!=K", NONLINEAR, build=_topk),
+})
+# along one whole dim, same shape out (each its own row, for its name in errors)
+for _name in ("cummax", "cummin", "logcumsumexp", "softmin", "lp_normalize",
+              "safe_softmax", "msort"):
+    RULES[_name] = Rule(_ALONG, NONLINEAR, build=_whole_dims)
+
+
+def _kron(shapes: tuple[tuple[int, ...], ...]) -> str:
+    """kron(a, b): output dim ``q`` is the compound ``(a_q b_q)`` (a major, b minor and
+    whole), the ranks right-aligned; a's dims shard where their blocks divide evenly.
+
+    >>> _kron(((2, 3), (4, 5)))
+    'a0 a1, b0! b1! -> (a0 b0) (a1 b1)'
+    """
+    a, b = shapes
+    n = max(len(a), len(b))
+    ta = [f"a{n - len(a) + d}" for d in range(len(a))]
+    tb = [f"b{n - len(b) + d}!" for d in range(len(b))]
+    out = []
+    for q in range(n):
+        ha, hb = q >= n - len(a), q >= n - len(b)
+        out.append(f"(a{q} b{q})" if ha and hb else f"a{q}" if ha else f"b{q}")
+    return " ".join(ta) + ", " + " ".join(tb) + " -> " + " ".join(out)
+
+
+def _chain(shapes: tuple[tuple[int, ...], ...]) -> str:
+    """multi_dot: the chain's outer dims shard (the first's rows, the last's columns),
+    the inner dims stay whole (torch picks the product order itself).
+
+    >>> _chain(((4, 3), (3, 5), (5,)))
+    'i k0!, k0! k1!, k1! -> i'
+    """
+    n = len(shapes)
+    terms = []
+    for m, s in enumerate(shapes):
+        left = ("i" if len(s) == 2 else "") if m == 0 else f"k{m - 1}!"
+        right = f"k{m}!" if m < n - 1 else ("j" if len(s) == 2 else "")
+        if m == 0 and len(s) == 1:
+            left, right = "", f"k{m}!"
+        if m == n - 1 and len(s) == 1:
+            left, right = f"k{m - 1}!", ""
+        terms.append(" ".join(t for t in (left, right) if t))
+    out = ("i " if len(shapes[0]) == 2 else "") + ("j" if len(shapes[-1]) == 2 else "")
+    return ", ".join(terms) + " -> " + out.strip()
+
+
+RULES.update({
+    "kron": Rule("a0 a1, b0! b1! -> (a0 b0) (a1 b1)", NONLINEAR, build=_kron),
+    "multi_dot": Rule("i k0!, k0! j -> i j", NONLINEAR, build=_chain),
+})
