@@ -35,6 +35,7 @@ __version__ = "0.1.0"
 _LAZY: dict[str, str] = {
     "Tensor": "shardwise.api.creation",  # with the op registry filled
     "ShardwiseFallbackWarning": "shardwise.ops.registry",
+    "strict": "shardwise.ops.fallbacks",
     "tensor": "shardwise.api.creation",
     "from_local": "shardwise.api.creation",
     "zeros": "shardwise.api.creation",
@@ -101,6 +102,7 @@ _LAZY: dict[str, str] = {
     "eval_shape": "shardwise.api.abstract",
     "visualize": "shardwise.debug",
     "CommCounter": "shardwise.debug",
+    "FallbackCounter": "shardwise.debug",
     "shard_map": "shardwise.spmd.shard_map",
     "lax": "shardwise.lax",  # a module: ``from shardwise import lax``
     "distributed": "shardwise.distributed",  # a module: ``shardwise.distributed.initialize()``

@@ -135,6 +135,11 @@ def body_fsdp_gpt(n: int) -> None:
         assert fsdp(fwd, "all_gather") == units, fwd.log
         assert fsdp(bwd, "reduce_scatter") == units, bwd.log  # one flat buffer a unit
         assert fsdp(bwd, "all_gather") == units, bwd.log  # re-gathered for backward
+        # both run inside loss.backward(): counted in the backward phase on either
+        # runtime (on Gloo the reduce_scatters once counted as forward)
+        assert bwd.backward_counts["reduce_scatter"] == units, bwd
+        assert "reduce_scatter" not in bwd.counts and "all_gather" not in bwd.counts, bwd
+        assert "reduce_scatter" not in fwd.counts and fwd.backward_total == 0, fwd
 
 
 def body_fsdp_tp_gpt(n: int) -> None:
@@ -157,8 +162,9 @@ def body_fsdp_bf16_gpt(n: int) -> None:
     def check(step: int, model: nn.Module, phase: str, counter: Any) -> None:
         if phase == "backward":  # re-gathered in bf16, reduced in fp32: twice the bytes
             assert all(p.grad.dtype == torch.float32 for p in model.parameters())
-            scattered = counter.bytes["reduce_scatter"] + counter.backward_bytes["reduce_scatter"]
-            assert scattered == 2 * counter.bytes["all_gather"] > 0
+            scattered = counter.backward_bytes["reduce_scatter"]
+            assert "reduce_scatter" not in counter.counts, counter  # all in backward
+            assert scattered == 2 * counter.backward_bytes["all_gather"] > 0
 
     train(mesh, tp=False, steps=3, policy=policy, check=check)
 

@@ -292,6 +292,23 @@ def body_stall(n: int) -> None:
                      f"[{_absent(n)}] did not arrive")
 
 
+def body_stall_late_member(n: int) -> None:
+    """As body_stall, and rank 1 reaches the all_reduce a second after rank 0, the
+    store's host: rank 0 names the absent rank first, and rank 1, timing out later,
+    names it too (rank 0 waits for it before leaving with the store, bounded; it once
+    left and rank 1's error lost the name)."""
+    p = sw.tensor(torch.ones(4, 2), sharding=pm(line(n), Partial()))
+    sw.all_reduce(p)
+    if process_index() == _absent(n):
+        time.sleep(TIMEOUT_S + SLACK_S)
+        expect_error(lambda: sw.all_reduce(p), "all_reduce")
+        return
+    if process_index() == 1:
+        time.sleep(1.0)
+    expect_error(lambda: sw.all_reduce(p), "all_reduce", "timed out",
+                 f"[{_absent(n)}] did not arrive")
+
+
 def _die(how: str) -> None:
     if how == "kill":
         os.kill(os.getpid(), signal.SIGKILL)

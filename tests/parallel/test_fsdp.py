@@ -324,7 +324,8 @@ def test_bad_inputs_name_value_rule_and_fix() -> None:
         fully_shard(scalar, mesh)
 
 
-@pytest.mark.parametrize("name", ["body_fsdp_bf16_gpt", "body_fsdp_batch_over_both_axes"])
+@pytest.mark.parametrize("name", ["body_fsdp_gpt", "body_fsdp_bf16_gpt",
+                                  "body_fsdp_batch_over_both_axes"])
 def test_gloo_bodies_on_the_simulated_mesh(name: str) -> None:
     """The bodies that test_fsdp_gloo.py runs on 4 processes, on 4 simulated devices."""
     getattr(fb, name)(4)

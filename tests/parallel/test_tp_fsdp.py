@@ -57,3 +57,27 @@ def test_meta_device_init_matches_torch(fsdp: bool) -> None:
         blocks = p.shards if isinstance(p, sw.Tensor) else [p]
         assert all(b.device.type == "cpu" for b in blocks), name
     G.assert_parity(run)
+
+
+def test_clip_grad_norm_is_one_all_reduce_per_mesh_axis_group() -> None:
+    """clip_grad_norm_ on TP x FSDP: torch's foreach path, one all_reduce per distinct
+    group of mesh axes sharding the gradients (dp alone; dp and tp), not one per
+    parameter; the norm and the clipped gradients equal single-device torch's."""
+    run = G.train(G.mesh_of(2, 2), G.megatron_plan(), steps=1, fsdp=True)
+    model, ref = run["model"], run["ref"]
+    grads = [p.grad for p in model.parameters()]
+    groups = {frozenset(g.dist_layout.sharded_axes) for g in grads}
+    assert len(grads) > 20 and groups == {frozenset({0}), frozenset({0, 1})}, groups
+    per_tensor = torch.nn.utils.get_total_norm(grads, 2.0, foreach=False)
+    with sw.debug.CommCounter() as cc:
+        total = torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)
+    assert dict(cc.counts) == {"all_reduce": len(groups)}, cc
+    assert cc.backward_total == 0
+    want = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.05)
+    assert total.dist_layout.spec_entries() == ()  # a Replicated scalar
+    assert float(total) == float(per_tensor)  # the same sums, reduced together
+    assert float(total) == pytest.approx(float(want), rel=1e-6)
+    params = dict(model.named_parameters())
+    for name, q in ref.named_parameters():
+        torch.testing.assert_close(params[name].grad.to_torch(), q.grad, rtol=1e-5,
+                                   atol=1e-8)

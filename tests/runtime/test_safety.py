@@ -57,7 +57,8 @@ def test_other_axis_with_warm_groups_is_bounded() -> None:
 
 
 @pytest.mark.parametrize("name", ["body_skip_all_gather_stay_alive", "body_skip_then_next",
-                                  "body_stall", "body_skip_barrier", "body_skip_ppermute",
+                                  "body_stall", "body_stall_late_member",
+                                  "body_skip_barrier", "body_skip_ppermute",
                                   "body_skip_lax_psum"])
 def test_skips_and_stalls_are_bounded(name: str) -> None:
     _run([name], 3)

@@ -66,19 +66,33 @@ def vector_norm(x: Any, ord: Any = 2, dim: Any = None, keepdim: bool = False, *,
             return apply("reduce_full", (x,), lambda s: torch.norm(
                 s, ord, dim, keepdim, dtype=dtype), dims, keepdim)
         ord = 2
+    total, finish = norm_reduction(x, ord, dim, keepdim, dtype)
+    return finish(total)
+
+
+def norm_reduction(x: Any, ord: Any = 2, dim: Any = None, keepdim: bool = False,
+                   dtype: Any = None) -> tuple[Any, Callable[[Any], Any]]:
+    """``vector_norm(x, ord, dim)`` as a reduction (sum of ``|x|**ord``, or amax/amin of
+    ``|x|``), which stays Partial over the axes that shard the reduced dims, and the
+    elementwise finish (the root) that gives the norm: ``_foreach_norm`` stacks the
+    reductions of many tensors to reduce them in one collective."""
     t = x if dtype is None else to(x, dtype)
     a = C.abs_(t)
     if ord == math.inf:
-        return C.amax(a, dim, keepdim)
+        return C.amax(a, dim, keepdim), _same
     if ord == -math.inf:
-        return C.amin(a, dim, keepdim)
+        return C.amin(a, dim, keepdim), _same
     if ord == 0:
-        return C.sum(to(C.ne(t, 0), t.dtype), dim, keepdim)
+        return C.sum(to(C.ne(t, 0), t.dtype), dim, keepdim), _same
     if ord == 1:
-        return C.sum(a, dim, keepdim)
+        return C.sum(a, dim, keepdim), _same
     if ord == 2:
-        return C.sqrt(C.sum(C.mul(a, a), dim, keepdim))
-    return C.pow(C.sum(C.pow(a, ord), dim, keepdim), 1.0 / ord)
+        return C.sum(C.mul(a, a), dim, keepdim), C.sqrt
+    return C.sum(C.pow(a, ord), dim, keepdim), lambda total: C.pow(total, 1.0 / ord)
+
+
+def _same(total: Any) -> Any:
+    return total
 
 
 # --- reductions that need their dims whole ------------------------------------------------

@@ -7,20 +7,25 @@ Invariants:
 - The public names here are the helpers the families share; a helper one family uses
   lives in that family.
 - The fallback never gives a wrong value: an op without a rule runs on the gathered
-  global operands and returns a Replicated result, warning once per op by name
-  (:class:`ShardwiseFallbackWarning`); an in-place op or ``out=`` call without a rule
-  raises, naming the op. Readers gather silently; metadata comes from the wrapper.
+  global operands and returns a Replicated result; each run is reported to
+  :mod:`shardwise.ops.fallbacks` first (strict mode raises there; listeners; the
+  warning once per op by name, :class:`ShardwiseFallbackWarning`) and its gathers
+  count as ``"fallback_gather"`` in CommCounter. An in-place op or ``out=`` call
+  without a rule raises, naming the op. Readers gather silently; metadata comes from
+  the wrapper.
 - Plain torch tensors mixed with shardwise Tensors are Replicated on their mesh.
 """
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 
+from shardwise.ops import fallbacks
+from shardwise.ops.fallbacks import ShardwiseFallbackWarning
+from shardwise.runtime import observe
 from shardwise.sharding.errors import ShardingError, ShardingTypeError
 from shardwise.sharding.layout import Layout, normalize_dim
 from shardwise.tensors.tensor import HANDLERS, Tensor, place
@@ -29,10 +34,6 @@ __all__ = ["ShardwiseFallbackWarning", "TensorMethod", "describe", "fallback", "
            "reduce_dims", "refuse_write", "register", "shape_args"]
 
 TensorMethod = torch.Tensor
-
-
-class ShardwiseFallbackWarning(UserWarning):
-    """A torch op without a sharding rule ran on gathered (replicated) operands."""
 
 
 def register(*funcs: Any) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
@@ -115,7 +116,7 @@ _META = _meta_funcs()
 _READ = {TensorMethod.__format__, TensorMethod.__array__, torch.equal, TensorMethod.equal,
          torch.allclose, TensorMethod.allclose, TensorMethod.__float__, TensorMethod.__int__,
          TensorMethod.__index__, TensorMethod.__complex__}
-_WARNED: set[str] = set()
+_WARNED = fallbacks._WARNED  # the ops warned about (one set; fallbacks.forget_warnings)
 # x += y and friends (not __int__, __index__, __invert__: they only share the prefix)
 _INPLACE_DUNDERS = {f"__i{op}__" for op in (
     "add", "sub", "mul", "matmul", "truediv", "floordiv", "div", "mod", "pow", "and", "or",
@@ -139,9 +140,30 @@ def describe(args: Sequence[Any]) -> str:
     return "; ".join(parts)
 
 
+# torch's C namespaces, spelled as users call them (torch._C._special.special_i0e is
+# torch.special.i0e)
+_NAMESPACES = {"torch._C._special": "torch.special", "torch._C._linalg": "torch.linalg",
+               "torch._C._fft": "torch.fft", "torch._C._nn": "torch._C._nn"}
+
+
 def _name(func: Any) -> str:
+    """The op as users spell it, for messages: ``torch.cummax``, ``torch.Tensor.rot90``,
+    ``torch.special.i0e``, ``torch.nn.functional.cross_entropy``.
+
+    >>> _name(torch.cummax), _name(torch.Tensor.rot90), _name(torch.special.i0e)
+    ('torch.cummax', 'torch.Tensor.rot90', 'torch.special.i0e')
+    """
     name = getattr(func, "__qualname__", None) or getattr(func, "__name__", None) or repr(func)
     module = getattr(func, "__module__", None)
+    cls, _, short = str(name).rpartition(".")
+    if cls == "_VariableFunctionsClass":
+        return f"torch.{short}"
+    if cls == "TensorBase":
+        return f"torch.Tensor.{short}"
+    space = _NAMESPACES.get(module or "")
+    if space is not None:
+        prefix = space.rpartition(".")[2] + "_"
+        return f"{space}.{name[len(prefix):] if name.startswith(prefix) else name}"
     return f"{module}.{name}" if module and module not in ("torch._C", None) else str(name)
 
 
@@ -194,7 +216,7 @@ def fallback(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     >>> fallback(torch.Tensor.exp_, (x,), {})
     Traceback (most recent call last):
     ...
-    shardwise.sharding.errors.ShardingError: TensorBase.exp_ writes in place and has no ...
+    shardwise.sharding.errors.ShardingError: torch.Tensor.exp_ writes in place and has no ...
     """
     if func in _META and func not in _READ:
         with torch._C.DisableTorchFunctionSubclass():
@@ -209,13 +231,13 @@ def fallback(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
             return _write_replicated(func, name, target, args, kwargs)
         raise refuse_write(name, args)
     like = _mesh_of(list(args) + list(kwargs.values()))
-    plain_args, plain_kwargs = _gather(args), _gather(kwargs)
-    if func not in _READ and name not in _WARNED:
-        _WARNED.add(name)
-        warnings.warn(ShardwiseFallbackWarning(
-            f"{name} has no sharding rule: it ran on the gathered global operands "
-            f"({describe(args)}) and its result is Replicated. Values are exact; the "
-            "communication and memory are not sharded."), stacklevel=3)
+    if func in _READ:
+        plain_args, plain_kwargs = _gather(args), _gather(kwargs)
+    else:
+        fallbacks.report(name, (args, kwargs), lambda: describe(list(args) + list(
+            kwargs.values())))
+        with observe.counted_as("fallback_gather"):
+            plain_args, plain_kwargs = _gather(args), _gather(kwargs)
     result = func(*plain_args, **plain_kwargs)
     if func in _READ or like is None:
         return result

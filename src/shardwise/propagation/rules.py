@@ -26,9 +26,9 @@ Invariants:
   on ``a`` (neg, sum, mean, add, sub, layout ops); ``MULTILINEAR`` when
   exactly one operand among ``carriers`` is and the others are replicated on
   ``a`` (mul, matmul, einsum, div by a non-partial denominator);
-  ``NONLINEAR`` never: the Partial is resolved first. ``any_partial`` (reshape,
-  which only moves elements): under ``LINEAR`` a Partial of *any* reduce op
-  passes, not only SUM (the max of moved blocks is the moved max).
+  ``NONLINEAR`` never: the Partial is resolved first. ``any_partial`` (reshape
+  and cat, which only move elements): under ``LINEAR`` a Partial of *any* reduce
+  op passes, not only SUM (the max of moved blocks is the moved max).
 - A rule that depends on the op's arguments (dims, shapes, an index) holds its
   family's builder (``Rule.build``), defined in this module right above the
   table: ``build(shapes, *params)`` writes the concrete factor rule.
@@ -433,7 +433,7 @@ RULES: dict[str, Rule] = {
     # layout of dims
     "permute": Rule("a b c -> c a b", LINEAR, build=_permute),
     "softmax": Rule("a d! -> a d!", NONLINEAR, build=_softmax),
-    "cat": Rule("a0! b, a1! b -> a!=N b", LINEAR, build=_cat),
+    "cat": Rule("a0! b, a1! b -> a!=N b", LINEAR, build=_cat, any_partial=True),
     "reshape": Rule("a (h=4 e=8) -> a h e", LINEAR, build=_reshape, any_partial=True),
     "getitem": Rule("a b! c -> a e=N c", LINEAR, build=_index),
 }

@@ -4,9 +4,12 @@ Invariants:
 - The core and the runtimes call :func:`record` for every collective they run
   (kind, bytes per device, the plan step or None); observers never change what runs.
 - Every :class:`Event` names its phase (``"forward"``, or ``"backward"`` for the
-  gradient's collectives, recorded when autograd reaches them) and the user source
-  line that caused it: the first stack frame outside shardwise and torch (for a
-  backward event, the line of the forward op it is the gradient of).
+  gradient's collectives, recorded when autograd reaches them, and for any collective
+  that runs while autograd's engine runs a backward) and the user source line that
+  caused it: the first stack frame outside shardwise and torch (for a backward event
+  announced at forward time, the line of the forward op it is the gradient of).
+- Inside :func:`counted_as`, events count under that kind (the gathered fallback's
+  collectives are ``"fallback_gather"``); their step still names the collective.
 - Backward events are announced at forward time (:func:`on_backward`) only while
   an observer is registered: nothing is hooked, and recording costs nothing, when
   no one observes.
@@ -16,17 +19,18 @@ Invariants:
 
 from __future__ import annotations
 
+import contextlib
 import linecache
 import os
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-__all__ = ["Event", "Observer", "active", "add", "on_backward", "record", "remove",
-           "source_line"]
+__all__ = ["Event", "Observer", "active", "add", "counted_as", "in_library", "on_backward",
+           "record", "remove", "source_line"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,6 +55,7 @@ Observer = Callable[[Event], None]
 """Called as ``observer(event)`` for every collective."""
 
 _OBSERVERS: list[Observer] = []
+_KINDS: list[str] = []  # the innermost counted_as kind, if any
 
 
 def add(observer: Observer) -> None:
@@ -78,20 +83,50 @@ def active() -> bool:
     return bool(_OBSERVERS)
 
 
-def record(kind: Any, nbytes: int, step: Any = None, *, phase: str = "forward",
+def record(kind: Any, nbytes: int, step: Any = None, *, phase: str | None = None,
            where: str | None = None) -> None:
-    """Tell every observer about one collective (``kind`` counts under its plain name);
+    """Tell every observer about one collective (``kind`` counts under its plain name,
+    or under the innermost :func:`counted_as` kind); ``phase`` defaults to
+    ``"backward"`` while autograd's engine runs (a collective of a gradient computed
+    there, e.g. FSDP's reduce_scatter on the process runtime), else ``"forward"``;
     ``where`` defaults to the calling user line (:func:`source_line`)."""
     if not _OBSERVERS:
         return
-    event = Event(str(kind), nbytes, step, phase, source_line() if where is None else where)
+    if phase is None:
+        phase = "backward" if torch._C._current_graph_task_id() != -1 else "forward"
+    event = Event(_KINDS[-1] if _KINDS else str(kind), nbytes, step, phase,
+                  source_line() if where is None else where)
     for observer in list(_OBSERVERS):
         observer(event)
+
+
+@contextlib.contextmanager
+def counted_as(kind: str) -> Iterator[None]:
+    """Count every collective recorded inside under ``kind`` (its step keeps the
+    collective it is).
+
+    >>> seen = []
+    >>> add(seen.append)
+    >>> with counted_as("fallback_gather"):
+    ...     record("all_gather", 32)
+    >>> remove(seen.append); [(e.kind, e.nbytes) for e in seen]
+    [('fallback_gather', 32)]
+    """
+    _KINDS.append(kind)
+    try:
+        yield
+    finally:
+        _KINDS.pop()
 
 
 # Frames in these directories are library frames: the user line is the first other one.
 _SKIP = tuple(os.path.dirname(os.path.abspath(m.__file__ or "")) + os.sep
               for m in (torch, sys.modules[__name__.rpartition(".runtime")[0]]))
+
+
+def in_library(path: str) -> bool:
+    """Whether source file ``path`` is part of shardwise or torch (not the user's)."""
+    return path.startswith(_SKIP) or path.startswith("<frozen")
 
 
 def source_line() -> str:
@@ -104,8 +139,7 @@ def source_line() -> str:
     """
     frame = sys._getframe(1)
     while frame is not None:
-        path = frame.f_code.co_filename
-        if not (path.startswith(_SKIP) or path.startswith("<frozen")):
+        if not in_library(frame.f_code.co_filename):
             break
         frame = frame.f_back  # type: ignore[assignment]
     if frame is None:

@@ -4,8 +4,14 @@ rendezvous store (never through the process group, whose state is then unknown).
 
 Invariants:
 - Only the slow or failing path comes here: nothing on the fast path touches the store.
-- Every store read is bounded by a short slack (``SLACK_S``); a store that cannot be
-  read (its host died) leaves the names unknown, never blocks the error.
+- Every store read is bounded by a short slack (``SLACK_S``, also the store's own
+  timeout meanwhile); a store that cannot be read (its host died) never blocks the
+  error: the absent ranks are those of the last complete read, or unknown when no
+  read succeeded, and the error then says why they are unknown.
+- After naming the absent ranks a member marks that it has read; rank 0 (the store's
+  host under a plain MASTER_ADDR rendezvous) waits, bounded by the slack, until the
+  members it saw arrive have read too, so that its exit does not take the store from
+  a slower member still naming the absent ones.
 - A member leaves the mismatch exchange only when all members have read (or the slack
   ran out): the store lives in one of the processes.
 """
@@ -13,8 +19,10 @@ Invariants:
 from __future__ import annotations
 
 import contextlib
+import datetime
 import json
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import torch.distributed as dist
@@ -47,22 +55,53 @@ def note(ch: Any) -> None:
 
 def absent(ch: Any) -> list[int] | None:
     """Members with no note at this sequence number (read for up to the slack), or
-    None when the store cannot be read."""
+    None when the store cannot be read at all; a store lost midway (its host exited)
+    gives the members missing at the last complete read."""
     store = _store()
     if store is None:
         return None
     me = dist.get_rank()
     deadline = time.monotonic() + SLACK_S
     missing = [r for r in ch.ranks if r != me]
-    try:
-        while missing:
-            missing = [r for r in missing if not store.check([_note_key(ch, r)])]
-            if not missing or time.monotonic() > deadline:
-                break
-            time.sleep(0.05)
-    except Exception:
-        return None
+    known: list[int] | None = None
+    with _short_timeout(store):
+        try:
+            while True:
+                missing = [r for r in missing if not store.check([_note_key(ch, r)])]
+                known = missing
+                if not missing or time.monotonic() > deadline:
+                    break
+                time.sleep(0.05)
+        except Exception:
+            return known
+        arrived = [r for r in ch.ranks if r != me and r not in missing]
+        _linger(store, f"shardwise/read/{ch.key}/{ch.seq}/", me, arrived)
     return missing
+
+
+def _linger(store: Any, prefix: str, me: int, arrived: list[int]) -> None:
+    """Mark that this member has read; on rank 0 (the store's host under a plain
+    rendezvous: its exit ends the store) wait, bounded, until ``arrived`` have too."""
+    with contextlib.suppress(Exception):
+        store.set(prefix + str(me), "1")
+        if me == 0 and arrived:
+            _present(store, prefix, tuple(arrived), time.monotonic() + SLACK_S)
+
+
+@contextlib.contextmanager
+def _short_timeout(store: Any) -> Iterator[None]:
+    """The store's own timeout at most the slack meanwhile (a read from a host that
+    vanished without closing its connection then fails in time)."""
+    before = None
+    with contextlib.suppress(Exception):
+        before = store.timeout
+        store.set_timeout(datetime.timedelta(seconds=SLACK_S))
+    try:
+        yield
+    finally:
+        if before is not None:
+            with contextlib.suppress(Exception):
+                store.set_timeout(before)
 
 
 def failed_text(ch: Any, label: str, what: str, err: Exception, absent: list[int] | None,
@@ -71,9 +110,15 @@ def failed_text(ch: Any, label: str, what: str, err: Exception, absent: list[int
     timed_out = "timed out" in str(err).lower() or "timeout" in str(err).lower()
     how = (f"timed out after {timeout_s:g} s" if timed_out
            else "failed (a peer closed its connection or errored)")
-    who = ("" if not absent else
-           f"; rank{'s' if len(absent) > 1 else ''} {absent} did not arrive (dead, stalled, "
-           "or waiting in another collective)")
+    if absent is None:
+        who = ("; which ranks did not arrive is unknown: the rendezvous store could not be "
+               "read (its host, rank 0 under a plain MASTER_ADDR rendezvous, may have "
+               "exited or died)")
+    elif absent:
+        who = (f"; rank{'s' if len(absent) > 1 else ''} {absent} did not arrive (dead, "
+               "stalled, or waiting in another collective)")
+    else:
+        who = ""
     return (f"{what} over {label} (ranks {list(ch.ranks)}, collective #{ch.seq} of this "
             f"group) {how} on rank {dist.get_rank()}{who}. Every process must run the same "
             f"collectives in the same order; look for a rank-dependent branch, a crash or a "
