@@ -152,9 +152,15 @@ def _name(func: Any) -> str:
 
     >>> _name(torch.cummax), _name(torch.Tensor.rot90), _name(torch.special.i0e)
     ('torch.cummax', 'torch.Tensor.rot90', 'torch.special.i0e')
+    >>> _name(torch.unique)  # a wrapper made by torch's boolean_dispatch
+    'torch.unique'
     """
     name = getattr(func, "__qualname__", None) or getattr(func, "__name__", None) or repr(func)
+    if "<locals>" in str(name):  # a made function (boolean_dispatch): its given name
+        name = getattr(func, "__name__", name)
     module = getattr(func, "__module__", None)
+    if module == "torch.functional":  # torch.unique, torch.stft...: torch's own names
+        module = "torch"
     cls, _, short = str(name).rpartition(".")
     if cls == "_VariableFunctionsClass":
         return f"torch.{short}"
@@ -250,13 +256,9 @@ def _write_replicated(func: Any, name: str, target: Tensor, args: tuple[Any, ...
     ``index_add_``...): every device holds the whole value, so the write runs on it (the
     whole, else each distinct block once) with the other operands gathered; the target
     stays the same Tensor, as torch's in-place ops return it."""
-    rest_args, plain_kwargs = _gather(args[1:]), _gather(kwargs)
-    if name not in _WARNED:
-        _WARNED.add(name)
-        warnings.warn(ShardwiseFallbackWarning(
-            f"{name} has no sharding rule: it wrote into the Replicated target on every "
-            f"device with gathered operands ({describe(args)}). Values are exact; the "
-            "communication and memory are not sharded."), stacklevel=4)
+    fallbacks.report(name, (args[1:], kwargs), lambda: describe(args))
+    with observe.counted_as("fallback_gather"):
+        rest_args, plain_kwargs = _gather(args[1:]), _gather(kwargs)
     if target._whole is not None:
         func(target._whole, *rest_args, **plain_kwargs)
     else:
