@@ -1,6 +1,5 @@
-"""The README's Python examples run as shown (with the fallback warning as an error:
-the torch-native example must need no op without a sharding rule), and so do the
-user guide (docs/guide.md)."""
+"""The README's Python examples run as shown (in strict mode: no example may need an op
+without a sharding rule), and so do the user guide's (docs/guide.md)."""
 
 from __future__ import annotations
 
@@ -26,7 +25,7 @@ def test_readme_has_examples() -> None:
 
 @pytest.mark.parametrize("index", range(len(BLOCKS)))
 def test_readme_example_runs(index: int, capsys: pytest.CaptureFixture[str]) -> None:
-    with warnings.catch_warnings():
+    with warnings.catch_warnings(), sw.strict():
         warnings.simplefilter("error", sw.ShardwiseFallbackWarning)
         exec(compile(BLOCKS[index], f"README.md example {index}", "exec"), {})
     assert capsys.readouterr().out  # each example prints something
@@ -40,7 +39,7 @@ def test_doc_sections_have_examples() -> None:
                          ids=[f"{n}-{i}" for n, i, _ in DOC_BLOCKS])
 def test_doc_example_runs(name: str, index: int, block: str,
                           capsys: pytest.CaptureFixture[str]) -> None:
-    with warnings.catch_warnings():
+    with warnings.catch_warnings(), sw.strict():
         warnings.simplefilter("error", sw.ShardwiseFallbackWarning)
         exec(compile(block, f"{name} example {index}", "exec"), {})
     assert capsys.readouterr().out  # each example prints something
