@@ -8,7 +8,8 @@ Invariants:
   ``index_select``: only the indexed dim is gathered, never the whole of x; an index
   out of range raises torch's IndexError without gathering x.
 - Any other advanced index falls back (exact values, a Replicated result, a warning).
-- The index of ``index_select`` is an operand: a plain torch tensor is Replicated.
+- The index of ``index_select`` is an operand: a plain torch tensor is Replicated; a
+  0-d index is one id, as in torch.
 """
 
 from __future__ import annotations
@@ -60,5 +61,9 @@ def _one_integer_index(x: Any, index: Any) -> tuple[int, torch.Tensor] | None:
 @register(torch.index_select, TensorMethod.index_select)
 def index_select(x: Any, dim: int, index: Any) -> Any:
     d = normalize_dim(dim, max(x.ndim, 1), "index_select dim")
+    if x.ndim == 0:  # torch picks the value itself (index 0): no dim to lay out
+        return fallback(torch.index_select, (x, dim, index), {})
+    if isinstance(index, torch.Tensor) and index.ndim == 0:
+        index = index.reshape(1)  # torch reads a 0-d index as one id: the dim keeps size 1
     ops = on_mesh([x, index])
     return apply("index_select", ops, lambda s, i: torch.index_select(s, d, i), d)

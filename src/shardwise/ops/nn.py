@@ -113,9 +113,11 @@ def dropout(x: Any, p: float = 0.5, training: bool = True, inplace: bool = False
 @register(F.scaled_dot_product_attention)
 def sdpa(q: Any, k: Any, v: Any, attn_mask: Any = None, dropout_p: float = 0.0,
          is_causal: bool = False, scale: Any = None, enable_gqa: bool = False) -> Any:
-    if dropout_p:
+    if dropout_p or (enable_gqa and q.shape[-3:-2] != k.shape[-3:-2]):
+        # dropout inside attention, or grouped keys and values: no rule yet
         return fallback(F.scaled_dot_product_attention, (q, k, v, attn_mask, dropout_p,
-                                                         is_causal, scale), {})
+                                                         is_causal), {
+            "scale": scale, "enable_gqa": enable_gqa})
     ops = [q, k, v] + ([attn_mask] if attn_mask is not None else [])
 
     def local(qs: torch.Tensor, ks: torch.Tensor, vs: torch.Tensor,
