@@ -423,12 +423,12 @@ def test_an_explicit_out_none_is_no_in_place_write() -> None:
         assert isinstance(g, sw.Tensor)
         torch.testing.assert_close(g.to_torch(), w, rtol=0, atol=0)
     with pytest.raises(sw.ShardingError, match="writes in place"):
-        torch.nn.functional.relu_(x)
+        x.put_(torch.tensor([0]), torch.tensor([1.0]))
 
 
 def test_cat_follows_torch_with_empty_tensors_axis_and_out() -> None:
     """torch.cat skips 1-D empty tensors beside tensors of another rank (it raised a rank
-    error); torch.concatenate's ``axis=`` is its dim; ``out=`` is refused, never ignored."""
+    error); torch.concatenate's ``axis=`` is its dim; ``out=`` is written, never ignored."""
     x = put(X, (S0, R))
     empty = torch.tensor([])
     cases = [(lambda t: torch.cat([t, empty]), X), (lambda t: torch.cat([empty, t], 1), X),
@@ -437,9 +437,8 @@ def test_cat_follows_torch_with_empty_tensors_axis_and_out() -> None:
         got, want = f(x), f(plain)
         assert isinstance(got, sw.Tensor) and torch.equal(got.to_torch(), want)
     out = torch.zeros(8, 6)
-    with pytest.raises(sw.ShardingError, match="out="):
-        torch.cat([x, x], out=out)
-    assert not out.any()
+    assert torch.cat([x, x], out=out) is out
+    assert torch.equal(out, torch.cat([X, X]))
 
 
 def test_sdpa_grouped_query_heads_shard_with_their_kv_heads() -> None:
@@ -496,3 +495,61 @@ def test_an_advanced_index_write_follows_torch_on_any_target() -> None:
             warnings.simplefilter("error", sw.ShardwiseFallbackWarning)
             got[put(perm, (R, R))] = torch.arange(8)
         assert torch.equal(got.to_torch(), want)
+
+
+def test_out_is_written_as_torch_writes_it() -> None:
+    """``out=`` on any op: the op runs on its rule, then the result is copied into out
+    (relaid out to out's layout; a plain torch out gets the global value, resized as
+    torch does); a cast torch refuses and autograd are refused as torch refuses them."""
+    x, y = put(X, (S0, R)), put(X, (R, S0))
+    for out in (put(torch.zeros_like(X), (R, R)), put(torch.zeros_like(X), (R, S0)),
+                torch.zeros_like(X), torch.zeros(0)):
+        assert torch.add(x, y, out=out) is out
+        got = out.to_torch() if isinstance(out, sw.Tensor) else out
+        assert torch.equal(got, X + X)
+    total = put(torch.zeros(X.shape[1]), (R, R))
+    assert torch.equal(torch.sum(x, 0, out=total).to_torch(), X.sum(0))
+    values, indices = put(torch.zeros(X.shape[1]), (R, R)), torch.zeros(X.shape[1]).long()
+    torch.max(x, 0, out=(values, indices))
+    assert torch.equal(values.to_torch(), X.max(0).values)
+    assert torch.equal(indices, X.max(0).indices)
+    with pytest.raises(RuntimeError, match="can't be cast to the desired output type Long"):
+        torch.add(x, y, out=put(torch.zeros_like(X).long(), (R, R)))
+    with pytest.raises(sw.ShardingError, match="keeps its shape"):
+        torch.add(x, y, out=put(torch.zeros(X.shape[0]), (R, R)))
+    with pytest.raises(RuntimeError, match="automatic differentiation"):
+        torch.add(sw.tensor(x, requires_grad=True), y, out=torch.zeros_like(X))
+
+
+def test_reductions_follow_torch_on_empty_dims_and_0d() -> None:
+    """``dim=[]`` reduces every dim (sum, mean, amax, var, count_nonzero...; any/all:
+    none), and a 0-d bool sums to int64, as torch: the sum once returned x itself."""
+    x = put(X, (S0, R))
+    for f in (torch.sum, torch.mean, torch.amax, torch.nansum, torch.var, torch.std,
+              torch.count_nonzero):
+        got, want = f(x, []), f(X, [])
+        assert got.dtype == want.dtype and torch.allclose(got.to_torch(), want), f
+    assert torch.equal(torch.any(x.bool(), []).to_torch(), torch.any(X.bool(), []))
+    flag = sw.tensor(torch.tensor(True), sharding=PlacementMapping(MESH, [R, R]))
+    for f in (torch.sum, torch.count_nonzero):
+        assert f(flag).to_torch().dtype == torch.int64
+    assert torch.equal(torch.count_nonzero(x, 1).to_torch(), torch.count_nonzero(X, 1))
+
+
+def test_narrow_index_select_and_resize_follow_torch() -> None:
+    """narrow takes a 0-d tensor or negative start and checks its bounds as torch does;
+    index_select takes a 0-d index; zero_ and resize_ to the same shape work, a resize
+    to another shape is refused by name."""
+    x = put(X, (S0, R))
+    for start in (1, -3, torch.tensor(-2)):
+        got = torch.narrow(x, 0, start, 2).to_torch()
+        assert torch.equal(got, torch.narrow(X, 0, start, 2))
+    with pytest.raises(RuntimeError, match="exceeds dimension size"):
+        x.narrow(0, 2, X.shape[0])
+    assert torch.equal(torch.index_select(x, 1, torch.tensor(1)).to_torch(),
+                       torch.index_select(X, 1, torch.tensor(1)))
+    z = put(X.clone(), (S0, R))
+    assert torch.zero_(z) is z and not z.to_torch().any()
+    assert z.resize_(X.shape) is z
+    with pytest.raises(sw.ShardingError, match="resize_ to"):
+        z.resize_(X.numel())

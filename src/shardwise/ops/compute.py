@@ -123,9 +123,9 @@ def einsum(equation: str, *operands: Any) -> Tensor:
 
 # --- reductions ---------------------------------------------------------------------------
 def _dims(x: Tensor, dim: Any, op: str) -> tuple[int, ...]:
-    if dim is None:
+    dims = (dim,) if isinstance(dim, int) else tuple(dim or ())
+    if not dims:  # None or an empty list: torch's sum/mean/amax/amin reduce every dim
         return tuple(range(x.ndim))
-    dims = (dim,) if isinstance(dim, int) else tuple(dim)
     out = tuple(sorted({normalize_dim(d, max(x.ndim, 1), f"{op} dim") for d in dims}))
     return out if x.ndim else ()
 
@@ -135,8 +135,8 @@ def _reducer(op: str, fn: Callable[[torch.Tensor, tuple[int, ...], bool], torch.
     def run(x: Tensor, dim: Any = None, keepdim: bool = False) -> Tensor:
         t = _need(x, op)
         dims = _dims(t, dim, op)
-        return apply(op, (t,), lambda s: fn(s, dims, keepdim) if dims else s.clone(),
-                      dims, keepdim)
+        # a 0-d value reduces over no dim, still in torch's result dtype (bool sums to int64)
+        return apply(op, (t,), lambda s: fn(s, dims, keepdim), dims, keepdim)
 
     run.__name__ = run.__qualname__ = op
     run.__doc__ = doc

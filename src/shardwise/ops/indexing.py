@@ -9,7 +9,8 @@ Invariants:
   ``index_select``: only the indexed dim is gathered, never the whole of x; an index
   out of range raises torch's IndexError without gathering x.
 - Any other advanced index falls back (exact values, a Replicated result, a warning).
-- The index of ``index_select`` is an operand: a plain torch tensor is Replicated.
+- The index of ``index_select`` is an operand: a plain torch tensor is Replicated; a
+  0-d index is one id, as in torch.
 - gather, scatter, ``index_*``, take, put... run on the ``"kept"`` rule: a dim shards
   freely where every operand has it at one size and the op reads or writes each of its
   indices alone; the indexed dim, a dim whose sizes differ, and the flat-indexed or

@@ -24,7 +24,7 @@ from shardwise.ops import compute as C
 from shardwise.ops.conversions import to
 from shardwise.ops.elementwise import LINEAR, NONLINEAR, OPERATORS
 from shardwise.ops.factories import zeros_like
-from shardwise.ops.registry import TensorMethod, describe, register
+from shardwise.ops.registry import TensorMethod, describe, register, shape_args
 from shardwise.sharding.errors import ShardingError, ShardingTypeError
 from shardwise.sharding.layout import Layout
 from shardwise.tensors.relayout import record_plan
@@ -169,12 +169,13 @@ def _type_name(dtype: torch.dtype) -> str:
 
 
 # x.add_(y), x.relu_()...: the out-of-place handler is the elementwise one, when it has
-# one (copy_ and zero_ are replaced below, fill_ has none)
+# one (copy_ and zero_ are replaced below, fill_ has none); torch's function forms
+# (torch.relu_(x), torch.zero_(x)) share the method's handler
 for _name in sorted(set(LINEAR) | set(NONLINEAR) | {"copy", "zero", "fill"}):
     _method = getattr(TensorMethod, _name + "_", None)
     if _method is not None:
-        register(_method)(_inplace(_name + "_", _method,
-                                   HANDLERS.get(getattr(TensorMethod, _name, None))))
+        register(_method, getattr(torch, _name + "_", None))(_inplace(
+            _name + "_", _method, HANDLERS.get(getattr(TensorMethod, _name, None))))
 
 # x += y and friends: the in-place twin of each operator that torch has (x.__iadd__
 # runs x.add_ on x's buffers); torch's __idiv__ is __itruediv__ itself, registered once
@@ -201,7 +202,7 @@ def copy_(self: Any, src: Any, non_blocking: bool = False) -> Any:
     return _write(t, place(value, Layout.replicated(t.mesh, t.ndim)), "copy_")
 
 
-@register(TensorMethod.zero_)
+@register(TensorMethod.zero_, torch.zero_)
 def zero_(self: Any) -> Any:
     # zeros are a valid Partial value too (they reduce to zeros), unlike other writes
     t = _target(self, "zero_")
@@ -211,6 +212,21 @@ def zero_(self: Any) -> Any:
     for s in t.unique_shards()[1]:
         s.zero_()
     return t
+
+
+@register(TensorMethod.resize_, TensorMethod.resize_as_, torch.resize_as_)
+def resize_(self: Any, size: Any, *args: Any, **kwargs: Any) -> Any:
+    """``x.resize_(shape)``/``x.resize_as_(y)``: a no-op to x's own shape, else refused
+    (a Tensor's shape and layout are fixed: its shards would have to change in place)."""
+    shape = tuple(size.shape) if isinstance(size, torch.Tensor) else shape_args((size, *args))
+    t = _target(self, "resize_")
+    if shape == tuple(t.shape):
+        return t
+    raise ShardingError(
+        f"resize_ to {list(shape)}: a shardwise.Tensor keeps the shape and layout it was "
+        f"made with ({describe([t])}); resizing would change its shards in place. Make a "
+        "new Tensor instead (x.new_empty(shape), x.reshape(shape) for the same number of "
+        "elements), or resize the gathered x.to_torch().")
 
 
 # --- random fills: in place from torch's generator (nn.init ends in these) -----------------

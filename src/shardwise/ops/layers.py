@@ -257,7 +257,8 @@ def _norm_with_stats(name: str, x: Any, stats: tuple[Any, Any], params: tuple[An
     def call(xs: torch.Tensor, rm: Any, rv: Any, w: Any, b: Any) -> Any:
         rm = rm.clone() if update and rm is not None else rm
         rv = rv.clone() if update and rv is not None else rv
-        r = run(xs, rm, rv, w, b)
+        r = _empty_block(name, run, xs, rm, rv, w, b) if xs.numel() == 0 else run(
+            xs, rm, rv, w, b)
         rs = list(r) if isinstance(r, tuple) else [r]
         if update:
             rs += [t for t in (rm, rv) if t is not None]
@@ -271,6 +272,22 @@ def _norm_with_stats(name: str, x: Any, stats: tuple[Any, Any], params: tuple[An
     _write_stats(tuple(s for s in stats if s is not None), tuple(rs[len(rs) - n_upd:]))
     rs = rs[:len(rs) - n_upd]
     return tuple(rs) if len(rs) > 1 else rs[0]
+
+
+def _empty_block(name: str, run: Callable[..., Any], xs: torch.Tensor, rm: Any, rv: Any,
+                 w: Any, b: Any) -> Any:
+    """``run`` on a block with no elements (a device with no channels): torch's CPU
+    backward of the native norms divides by the block's size (SIGFPE, a crash) and its
+    training forward refuses it, so the block's output is its (empty) input linked to
+    the weights with zero gradients, and the native ops' statistics are empty too."""
+    link = xs.sum() * 0
+    for t in (w, b):
+        if isinstance(t, torch.Tensor) and t.requires_grad:
+            link = link + t.sum() * 0
+    out = xs * 1 + link
+    if "native" in name:  # (output, mean, invstd): one statistic per channel, none here
+        return out, xs.new_empty(0), xs.new_empty(0)
+    return out
 
 
 @register(F.batch_norm)
@@ -298,12 +315,15 @@ def instance_norm(x: Any, running_mean: Any = None, running_var: Any = None,
 
 
 def _native_bn(fn: Any, name: str) -> Callable[..., Any]:
-    def handler(x: Any, weight: Any, bias: Any, running_mean: Any, running_var: Any,
-                training: bool, momentum: float, eps: float) -> Any:
+    def handler(x: Any, weight: Any, bias: Any, *rest: Any) -> Any:
+        if len(rest) == 3:  # the overload without running stats: (training, momentum, eps)
+            rest = (None, None, *rest)
+        running_mean, running_var, training, momentum, eps = rest
         # eval mode returns empty statistics: laid out whole
         return _norm_with_stats(
             name, x, (running_mean, running_var), (weight, bias), training,
-            lambda xs, rm, rv, w, b: fn(xs, w, b, rm, rv, training, momentum, eps),
+            lambda xs, rm, rv, w, b: fn(xs, w, b, training, momentum, eps) if rm is None
+            and rv is None else fn(xs, w, b, rm, rv, training, momentum, eps),
             extra_outs=2 if training else 0)
 
     return handler

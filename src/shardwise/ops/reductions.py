@@ -96,12 +96,20 @@ def _same(total: Any) -> Any:
 
 
 # --- reductions that need their dims whole ------------------------------------------------
+def _reduced(x: Any, dim: Any, fn: Any) -> tuple[int, ...]:
+    """The dims ``fn(x, dim)`` reduces: an empty list reduces every dim, as in torch
+    (except ``any``/``all``, for which it reduces none)."""
+    if isinstance(dim, (list, tuple)) and not dim and fn not in (torch.any, torch.all):
+        return tuple(range(x.ndim))
+    return reduce_dims(x, dim)
+
+
 def _full_reduce(fn: Any) -> Callable[..., Any]:
     """``torch.prod(x, dim)`` and kin: the reduced dims gathered, the others kept."""
 
     def handler(x: Any, dim: Any = None, keepdim: bool = False, *args: Any,
                 **kwargs: Any) -> Any:
-        dims = reduce_dims(x, dim)
+        dims = _reduced(x, dim, fn)
         if dim is None:  # over everything: torch's no-dim overload
             return apply("reduce_full", (x,), lambda s: fn(s, *args, **kwargs), dims,
                          False)
@@ -111,10 +119,16 @@ def _full_reduce(fn: Any) -> Callable[..., Any]:
     return handler
 
 
-for _name in ("prod", "any", "all", "argmax", "argmin", "logsumexp", "nansum",
-              "count_nonzero"):
+for _name in ("prod", "any", "all", "argmax", "argmin", "logsumexp", "nansum"):
     _fn = getattr(torch, _name)
     register(_fn, getattr(TensorMethod, _name, None))(_full_reduce(_fn))
+
+
+@register(torch.count_nonzero, TensorMethod.count_nonzero)
+def count_nonzero(x: Any, dim: Any = None) -> Any:
+    """``torch.count_nonzero(x, dim)`` (no ``keepdim``): the counted dims gathered."""
+    dims = _reduced(x, dim, torch.count_nonzero)
+    return apply("reduce_full", (x,), lambda s: torch.count_nonzero(s, dim), dims, False)
 
 
 def _variance(fn: Any) -> Callable[..., Any]:
@@ -134,7 +148,7 @@ def _variance(fn: Any) -> Callable[..., Any]:
             correction = 1 if unbiased else 0
         if correction is None:
             correction = 1
-        dims = reduce_dims(x, dim)
+        dims = _reduced(x, dim, fn)
         return apply("reduce_full", (x,), lambda s: fn(
             s, dims, correction=correction, keepdim=keepdim), dims, keepdim)
 

@@ -10,9 +10,13 @@ Invariants:
   global operands and returns a Replicated result; each run is reported to
   :mod:`shardwise.ops.fallbacks` first (strict mode raises there; listeners; the
   warning once per op by name, :class:`ShardwiseFallbackWarning`) and its gathers
-  count as ``"fallback_gather"`` in CommCounter. An in-place op or ``out=`` call
-  without a rule raises, naming the op. Readers gather silently; metadata comes from
-  the wrapper.
+  count as ``"fallback_gather"`` in CommCounter. An in-place op without a rule
+  raises, naming the op, unless its target is fully Replicated (then it runs on the
+  whole value, reported alike). The running stats that batch and instance norm
+  update in place (with no ``_`` ending their name) are copied back into their
+  Tensors. Readers gather silently; metadata comes from the wrapper.
+- ``out=``: :func:`write_out` runs the op without it and copies each result into its
+  ``out`` tensor (the router sends every call with ``out=`` there).
 - Plain torch tensors mixed with shardwise Tensors are Replicated on their mesh.
 """
 
@@ -28,10 +32,10 @@ from shardwise.ops.fallbacks import ShardwiseFallbackWarning
 from shardwise.runtime import observe
 from shardwise.sharding.errors import ShardingError, ShardingTypeError
 from shardwise.sharding.layout import Layout, normalize_dim
-from shardwise.tensors.tensor import HANDLERS, Tensor, place
+from shardwise.tensors.tensor import HANDLERS, Tensor, _route_eager, place
 
 __all__ = ["ShardwiseFallbackWarning", "TensorMethod", "describe", "fallback", "on_mesh",
-           "reduce_dims", "refuse_write", "register", "shape_args"]
+           "reduce_dims", "refuse_write", "register", "shape_args", "write_out"]
 
 TensorMethod = torch.Tensor
 
@@ -117,6 +121,13 @@ _READ = {TensorMethod.__format__, TensorMethod.__array__, torch.equal, TensorMet
          torch.allclose, TensorMethod.allclose, TensorMethod.__float__, TensorMethod.__int__,
          TensorMethod.__index__, TensorMethod.__complex__}
 _WARNED = fallbacks._WARNED  # the ops warned about (one set; fallbacks.forget_warnings)
+#: ops that update operands in place (running stats) with no ``_`` ending their name
+_WRITES_STATS = {f for f in (
+    torch.nn.functional.batch_norm, torch.nn.functional.instance_norm, torch.batch_norm,
+    torch.instance_norm, torch.native_batch_norm,
+    getattr(torch, "_native_batch_norm_legit", None),
+    torch.ops.aten._batch_norm_with_update, torch.ops.aten._batch_norm_with_update.default)
+    if f is not None}
 # x += y and friends (not __int__, __index__, __invert__: they only share the prefix)
 _INPLACE_DUNDERS = {f"__i{op}__" for op in (
     "add", "sub", "mul", "matmul", "truediv", "floordiv", "div", "mod", "pow", "and", "or",
@@ -173,13 +184,18 @@ def _name(func: Any) -> str:
     return f"{module}.{name}" if module and module not in ("torch._C", None) else str(name)
 
 
-def _gather(a: Any) -> Any:
+def _gather(a: Any, seen: list[tuple[Tensor, torch.Tensor, torch.Tensor]] | None = None) -> Any:
+    """``a`` with every Tensor gathered; with ``seen``, each Tensor that needs no grad
+    is listed with its gathered value and a copy of it (to find what the op wrote)."""
     if isinstance(a, Tensor):
-        return a.to_torch()
+        g = a.to_torch()
+        if seen is not None and not a.requires_grad:
+            seen.append((a, g, g.clone()))
+        return g
     if isinstance(a, (list, tuple)):
-        return type(a)(_gather(v) for v in a)
+        return type(a)(_gather(v, seen) for v in a)
     if isinstance(a, dict):
-        return {k: _gather(v) for k, v in a.items()}
+        return {k: _gather(v, seen) for k, v in a.items()}
     return a
 
 
@@ -237,14 +253,21 @@ def fallback(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
             return _write_replicated(func, name, target, args, kwargs)
         raise refuse_write(name, args)
     like = _mesh_of(list(args) + list(kwargs.values()))
+    # batch norm writes its running stats in place with no _ ending its name, and bumps
+    # no version counter: the operands are compared with copies after the call
+    seen: list[tuple[Tensor, torch.Tensor, torch.Tensor]] | None = (
+        [] if func in _WRITES_STATS else None)
     if func in _READ:
-        plain_args, plain_kwargs = _gather(args), _gather(kwargs)
+        plain_args, plain_kwargs = _gather(args, seen), _gather(kwargs, seen)
     else:
         fallbacks.report(name, (args, kwargs), lambda: describe(list(args) + list(
             kwargs.values())))
         with observe.counted_as("fallback_gather"):
-            plain_args, plain_kwargs = _gather(args), _gather(kwargs)
+            plain_args, plain_kwargs = _gather(args, seen), _gather(kwargs, seen)
     result = func(*plain_args, **plain_kwargs)
+    for t, g, before in seen or ():  # the running stats it updated land in the Tensors
+        if not torch.equal(g, before):
+            t.copy_(g)
     if func in _READ or like is None:
         return result
     return _replicate(result, like)
@@ -275,3 +298,61 @@ def _replicate(result: Any, like: Tensor) -> Any:
     if isinstance(result, (list, tuple)):
         return type(result)(_replicate(r, like) for r in result)
     return result
+
+
+def write_out(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """``func(*args, **kwargs)`` given ``out=``: the op runs without it (on its rule, or
+    the fallback), then each result is cast and copied into its ``out`` tensor, relaid
+    out to that tensor's layout. A plain torch ``out`` receives the global value and is
+    resized as torch would; a shardwise ``out`` keeps its shape, so it must have the
+    result's. Autograd is refused, as torch refuses it.
+
+    >>> mesh = DeviceMesh.cpu(2, "x")
+    >>> x = shardwise.tensor([1.0, 2.0], sharding=PlacementMapping(mesh, [Sharded(0)]))
+    >>> out = shardwise.tensor([0.0, 0.0], sharding=PlacementMapping(mesh, [Replicated()]))
+    >>> torch.add(x, x, out=out) is out, out.to_torch().tolist()
+    (True, [2.0, 4.0])
+    """
+    rest = {k: v for k, v in kwargs.items() if k != "out"}
+    out = kwargs["out"]
+    name = _name(func)
+    if torch.is_grad_enabled() and any(
+            isinstance(t, torch.Tensor) and t.requires_grad
+            for t in (*args, *rest.values(), *(out if isinstance(out, (list, tuple)) else [out]))):
+        raise RuntimeError(f"{name}(): functions with out=... arguments don't support "
+                           "automatic differentiation, but one of the arguments requires grad.")
+    result = _route_eager(func, args, rest)
+    outs = tuple(out) if isinstance(out, (list, tuple)) else (out,)
+    results = tuple(result) if isinstance(result, (list, tuple)) else (result,)
+    if len(outs) != len(results):
+        raise ShardingError(f"{name}: out= gives {len(outs)} tensors for {len(results)} "
+                            "results; give one per result.")
+    for o, r in zip(outs, results):
+        _write_one(name, o, r)
+    if isinstance(result, tuple) and type(result) is not tuple:  # torch.return_types.max
+        return type(result)(outs)
+    return out
+
+
+def _write_one(name: str, out: Any, result: Any) -> None:
+    if not torch.can_cast(result.dtype, out.dtype):  # torch's check and message
+        raise RuntimeError(f"result type {_type_name(result.dtype)} can't be cast to the "
+                           f"desired output type {_type_name(out.dtype)}")
+    if isinstance(out, Tensor):
+        if out.shape != result.shape:
+            raise ShardingError(
+                f"{name}: out= has shape {list(out.shape)} but the result has shape "
+                f"{list(result.shape)}; torch would resize out, and a shardwise.Tensor keeps "
+                "its shape and layout. Give an out of the result's shape, or use the "
+                "returned value.")
+        out.copy_(result)
+        return
+    value = result.to_torch() if isinstance(result, Tensor) else result
+    if out.shape != value.shape:
+        out.resize_(value.shape)
+    out.copy_(value)
+
+
+def _type_name(dtype: torch.dtype) -> str:
+    """torch's name of a dtype in its casting errors (``Float``, ``Long``, ``Bool``)."""
+    return torch.empty((), dtype=dtype).type().rpartition(".")[2].removesuffix("Tensor")

@@ -195,8 +195,23 @@ def stack(tensors: Sequence[Any], dim: int = 0) -> Any:
 
 # --- pieces ------------------------------------------------------------------------------
 @register(TensorMethod.narrow, torch.narrow)
-def narrow(x: Any, dim: int, start: int, length: int) -> Any:
+def narrow(x: Any, dim: int, start: Any, length: int) -> Any:
     d = normalize_dim(dim, x.ndim, "narrow dim")
+    if isinstance(start, torch.Tensor):  # torch takes a 0-d integer tensor start too
+        if start.ndim or start.is_floating_point() or start.is_complex():
+            raise RuntimeError("start must be an 0-dim integral Tensor.")
+        start = int(start)
+        if not isinstance(x, Tensor):  # only the start was a shardwise Tensor
+            return torch.narrow(x, d, start, length)
+    n = x.shape[d]
+    if not -n <= start <= n:  # torch's checks and messages (a slice would clamp silently)
+        raise IndexError(f"start out of range (expected to be in range of [{-n}, {n}], but "
+                         f"got {start})")
+    start += n if start < 0 else 0
+    if length < 0:
+        raise RuntimeError("narrow(): length must be non-negative.")
+    if start + length > n:
+        raise RuntimeError(f"start ({start}) + length ({length}) exceeds dimension size ({n}).")
     return C.getitem(x, (slice(None),) * d + (slice(start, start + length),))
 
 

@@ -29,8 +29,10 @@ Invariants:
   tensor), a metadata query answered by the wrapper itself, or the fallback.
 - The fallback never gives a wrong value: an op without a rule runs on the gathered
   global operands and returns a Replicated result, warning once per op by name
-  (:class:`ShardwiseFallbackWarning`); an in-place op or ``out=`` call without a rule
-  raises, naming the op (writing into a gathered copy would be lost silently).
+  (:class:`ShardwiseFallbackWarning`); an in-place op without a rule raises, naming
+  the op (writing into a gathered copy would be lost silently).
+- ``out=`` (any op): the op runs without it, then its result is copied into ``out``
+  (:func:`~shardwise.ops.registry.write_out`), as torch fills it.
 - In-place ops write each distinct local buffer once (replicas share one buffer), so
   ``torch.optim`` updates a sharded parameter exactly as it would the global one.
 - Plain torch tensors mixed with shardwise Tensors are treated as Replicated on the
@@ -61,8 +63,8 @@ from shardwise.ops import (
     shapes,
     spectral,
 )
-from shardwise.ops.registry import ShardwiseFallbackWarning, fallback, register
-from shardwise.tensors.tensor import FALLBACK
+from shardwise.ops.registry import ShardwiseFallbackWarning, fallback, register, write_out
+from shardwise.tensors.tensor import FALLBACK, WRITE_OUT
 
 __all__ = ["ShardwiseFallbackWarning", "install", "register"]
 
@@ -76,6 +78,8 @@ def install() -> None:
     importing this module calls it)."""
     if not FALLBACK:
         FALLBACK.append(fallback)
+    if not WRITE_OUT:
+        WRITE_OUT.append(write_out)
 
 
 install()

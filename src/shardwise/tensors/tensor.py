@@ -62,10 +62,14 @@ HANDLERS: dict[Any, Callable[..., Any]] = {}
 REGISTRY = "shardwise.ops.torch_api"
 #: called for a torch function without a handler: ``(func, args, kwargs) -> result``.
 FALLBACK: list[Callable[[Any, tuple[Any, ...], dict[str, Any]], Any]] = []
+#: called for a torch function given ``out=``: runs it without, then writes ``out``.
+WRITE_OUT: list[Callable[[Any, tuple[Any, ...], dict[str, Any]], Any]] = []
 
 
 def _route_eager(func: Any, args: Any, kwargs: Any) -> Any:
     """One torch function on shardwise Tensors: its handler, else the fallback."""
+    if kwargs and WRITE_OUT and kwargs.get("out") is not None:
+        return WRITE_OUT[0](func, tuple(args), kwargs)
     handler = HANDLERS.get(func)
     if handler is not None:
         return handler(*args, **(kwargs or {}))
