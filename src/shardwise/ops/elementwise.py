@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from shardwise.ops.execute import apply_elementwise
-from shardwise.ops.registry import TensorMethod, register
+from shardwise.ops.registry import TensorMethod, fallback, register
 
 __all__ = ["LINEAR", "NONLINEAR", "OPERATORS"]
 
@@ -101,6 +101,33 @@ _RULE_OF = {"clip": "clamp", "absolute": "abs", "arctan2": "atan2", "greater": "
             "greater_equal": "ge", "less": "lt", "less_equal": "le", "not_equal": "ne",
             "logsigmoid": "log_sigmoid", "relu6": "relu6"}
 
+# --- issue 20 (helper ew): more elementwise ops, all on the one shared nonlinear rule ----
+#: torch's other elementwise ops (unary, binary, and (n, x) / (x, p) with a number):
+#: each value depends on the elements at its own position only, so they share the rule
+#: "elementwise" (``x.acos_()`` and kin follow from this list in inplace.py)
+SHARED = [
+    "acos", "acosh", "asin", "asinh", "atan", "atanh", "arccos", "arccosh", "arcsin",
+    "arcsinh", "arctan", "arctanh", "cosh", "sinh", "tan", "sinc", "deg2rad", "rad2deg",
+    "i0", "erfc", "erfinv", "digamma", "lgamma", "mvlgamma", "polygamma", "logaddexp",
+    "logaddexp2", "ldexp", "heaviside", "lcm", "gcd", "nextafter", "igamma", "igammac",
+    "signbit", "isposinf", "isneginf", "isreal", "isclose", "angle", "conj_physical",
+    "complex", "polar", "rsub", "fill", "celu", "selu", "softshrink", "hardshrink", "fix",
+    # torch.special's elementwise functions (its other aliases are covered above)
+    "i0e", "i1", "i1e", "ndtr", "ndtri", "log_ndtr", "erfcx", "xlog1py", "zeta", "entr",
+    "gammaln", "psi", "multigammaln", "gammainc", "gammaincc", "airy_ai", "bessel_j0",
+    "bessel_j1", "bessel_y0", "bessel_y1", "modified_bessel_i0", "modified_bessel_i1",
+    "modified_bessel_k0", "modified_bessel_k1", "scaled_modified_bessel_k0",
+    "scaled_modified_bessel_k1", "spherical_bessel_j0", "chebyshev_polynomial_t",
+    "chebyshev_polynomial_u", "chebyshev_polynomial_v", "chebyshev_polynomial_w",
+    "shifted_chebyshev_polynomial_t", "shifted_chebyshev_polynomial_u",
+    "shifted_chebyshev_polynomial_v", "shifted_chebyshev_polynomial_w",
+    "hermite_polynomial_h", "hermite_polynomial_he", "laguerre_polynomial_l",
+    "legendre_polynomial_p",
+]
+NONLINEAR += SHARED
+_RULE_OF.update((n, "elementwise") for n in SHARED)
+# --- end of issue 20 (helper ew) section -------------------------------------------------
+
 for _name, _rule in [*LINEAR.items(), *((n, _RULE_OF.get(n, n)) for n in NONLINEAR)]:
     for _f in _aliases(_name):
         if _f is not None:
@@ -164,3 +191,44 @@ def div(*args: Any, **kwargs: Any) -> Any:
     numerator must then be reduced first)."""
     return (_div_round if kwargs.get("rounding_mode") is not None else _div_plain)(
         *args, **kwargs)
+
+
+# --- issue 20 (helper ew): elementwise ops that need more than a name --------------------
+@register(torch.frexp, TensorMethod.frexp)
+def frexp(x: Any) -> Any:
+    """``torch.frexp``: its two outputs (mantissa, exponent), each on the shared rule."""
+    mantissa = apply_elementwise("elementwise", (x,), lambda s: torch.frexp(s).mantissa)
+    exponent = apply_elementwise("elementwise", (x,), lambda s: torch.frexp(s).exponent)
+    return torch.return_types.frexp((mantissa, exponent))
+
+
+def _part(func: Callable[[torch.Tensor], torch.Tensor]) -> Callable[..., Any]:
+    """``torch.real``/``torch.imag`` and the ``x.real``/``x.imag`` getters, per block."""
+
+    def handler(x: Any) -> Any:
+        return apply_elementwise("elementwise", (x,), func)
+
+    return handler
+
+
+_GETTER = "__get__"  # torch's property getters (not visible to mypy on the stubs)
+register(torch.real, getattr(TensorMethod.real, _GETTER))(_part(torch.real))
+register(torch.imag, getattr(TensorMethod.imag, _GETTER))(_part(torch.imag))
+
+
+def _rrelu(func: Any) -> Callable[..., Any]:
+    """``F.rrelu``/``torch.rrelu``: in eval mode a fixed slope, elementwise; training
+    draws one slope per non-positive element in global order, which blocks cannot
+    reproduce, so it takes the gathered fallback (exact under torch's seed)."""
+    plain = _elementwise("elementwise", func, flags=func is F.rrelu)
+
+    def handler(*args: Any, **kwargs: Any) -> Any:
+        if (args[3] if len(args) > 3 else kwargs.get("training", False)):
+            return fallback(func, args, kwargs)
+        return plain(*args, **kwargs)
+
+    return handler
+
+
+for _f in (torch.rrelu, F.rrelu):
+    register(_f)(_rrelu(_f))

@@ -710,3 +710,7 @@ RULES.update({
     "kron": Rule("a0 a1, b0! b1! -> (a0 b0) (a1 b1)", NONLINEAR, build=_kron),
     "multi_dot": Rule("i k0!, k0! j -> i j", NONLINEAR, build=_chain),
 })
+
+# --- issue 20 (helper ew): the shared elementwise rule -----------------------------------
+# torch's other elementwise ops (acos, lgamma, torch.special's functions ...) share it
+RULES["elementwise"] = Rule(UNARY, NONLINEAR, build=_elementwise)
