@@ -157,17 +157,6 @@ def test_inplace_variants(name: str) -> None:
         _same(x, want, f"{name}_ {where}")
 
 
-def test_rrelu_training_takes_the_fallback_exactly() -> None:
-    v = _value((5, 7), 4) - 0.5
-    torch.manual_seed(0)
-    want = F.rrelu(v, training=True)
-    x = sw.shard(v, M22, [("dp", "tp"), None])
-    torch.manual_seed(0)
-    with pytest.warns(ShardwiseFallbackWarning):
-        got = F.rrelu(x, training=True)
-    _same(got, want, "rrelu training")
-
-
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.sampled_from(sorted(UNARY)), st.lists(st.integers(0, 5), min_size=1, max_size=3),
        st.integers(0, 1), st.integers(0, 99))

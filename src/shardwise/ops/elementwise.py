@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from shardwise.ops.execute import apply_elementwise
-from shardwise.ops.registry import TensorMethod, fallback, register
+from shardwise.ops.registry import TensorMethod, register
 
 __all__ = ["LINEAR", "NONLINEAR", "OPERATORS"]
 
@@ -214,21 +214,3 @@ def _part(func: Callable[[torch.Tensor], torch.Tensor]) -> Callable[..., Any]:
 _GETTER = "__get__"  # torch's property getters (not visible to mypy on the stubs)
 register(torch.real, getattr(TensorMethod.real, _GETTER))(_part(torch.real))
 register(torch.imag, getattr(TensorMethod.imag, _GETTER))(_part(torch.imag))
-
-
-def _rrelu(func: Any) -> Callable[..., Any]:
-    """``F.rrelu``/``torch.rrelu``: in eval mode a fixed slope, elementwise; training
-    draws one slope per non-positive element in global order, which blocks cannot
-    reproduce, so it takes the gathered fallback (exact under torch's seed)."""
-    plain = _elementwise("elementwise", func, flags=func is F.rrelu)
-
-    def handler(*args: Any, **kwargs: Any) -> Any:
-        if (args[3] if len(args) > 3 else kwargs.get("training", False)):
-            return fallback(func, args, kwargs)
-        return plain(*args, **kwargs)
-
-    return handler
-
-
-for _f in (torch.rrelu, F.rrelu):
-    register(_f)(_rrelu(_f))
