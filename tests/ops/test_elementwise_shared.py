@@ -170,3 +170,19 @@ def test_shared_rule_on_random_shards(name: str, shape: list[int], mesh_kind: in
     spec[dim] = ("dp", "tp") if mesh_kind else "x"
     x = sw.shard(v, M22 if mesh_kind else M4, spec)
     _same(_no_fallback(UNARY[name], x), UNARY[name](v), f"{name} {shape} dim {dim}")
+
+
+@pytest.mark.parametrize("shape", [(5, 7), (3, 0), (6,)])
+def test_unravel_index_and_one_hot(shape: tuple[int, ...]) -> None:
+    ids = (_value(shape, 5) * 40).long()
+    for where, x in _layouts(ids.float()):
+        x = x.long()
+        got = _no_fallback(torch.unravel_index, x, (7, 6))
+        for g, w in zip(got, torch.unravel_index(ids, (7, 6))):
+            _same(g, w, f"unravel_index {where}")
+        _same(_no_fallback(F.one_hot, x, 40), F.one_hot(ids, 40), f"one_hot {where}")
+        if ids.numel():
+            _same(_no_fallback(F.one_hot, x), F.one_hot(ids), f"one_hot -1 {where}")
+        else:
+            with pytest.raises(RuntimeError):
+                F.one_hot(x)

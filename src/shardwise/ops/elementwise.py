@@ -24,7 +24,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from shardwise.ops.execute import apply_elementwise
+from shardwise.ops.execute import apply, apply_elementwise
 from shardwise.ops.registry import TensorMethod, register
 
 __all__ = ["LINEAR", "NONLINEAR", "OPERATORS"]
@@ -214,3 +214,26 @@ def _part(func: Callable[[torch.Tensor], torch.Tensor]) -> Callable[..., Any]:
 _GETTER = "__get__"  # torch's property getters (not visible to mypy on the stubs)
 register(torch.real, getattr(TensorMethod.real, _GETTER))(_part(torch.real))
 register(torch.imag, getattr(TensorMethod.imag, _GETTER))(_part(torch.imag))
+
+
+@register(torch.unravel_index)
+def unravel_index(indices: Any, shape: Any) -> Any:
+    """``torch.unravel_index``: one coordinate tensor per dim of ``shape``, each
+    elementwise in ``indices`` (torch's own op on each block, one output at a time)."""
+    coords = torch.unravel_index(torch.zeros((), dtype=indices.dtype), shape)  # checks
+    return tuple(
+        apply_elementwise("elementwise", (indices,),
+                          lambda s, k=k: torch.unravel_index(s, shape)[k])
+        for k in range(len(coords)))
+
+
+@register(F.one_hot)
+def one_hot(x: Any, num_classes: int = -1) -> Any:
+    """``F.one_hot``: each element becomes a row of ``num_classes``, a new last dim that
+    stays whole. ``-1`` reads the number of classes from the global maximum, as torch
+    does (an all-reduce of one number)."""
+    if num_classes == -1 and x.numel():
+        num_classes = int(torch.amax(x)) + 1
+    elif num_classes == -1:  # torch's error for an empty tensor
+        F.one_hot(torch.empty(tuple(x.shape), dtype=x.dtype), num_classes)
+    return apply("one_hot", (x,), lambda s: F.one_hot(s, num_classes), num_classes)

@@ -777,7 +777,14 @@ def _expand(shapes: tuple[tuple[int, ...], ...], target: tuple[int, ...]) -> str
     return " ".join(ins) + " -> " + " ".join(out)
 
 
+def _one_hot(shapes: tuple[tuple[int, ...], ...], classes: int) -> str:
+    """F.one_hot: every dim keeps its factor; the classes are a new last dim."""
+    names = " ".join(_letters(len(shapes[0])))
+    return f"{names} -> {names} c={classes}"
+
+
 RULES.update({
+    "one_hot": Rule("a -> a c=C", NONLINEAR, build=_one_hot),
     "expand": Rule("a k! -> n=N a b=B", LINEAR, build=_expand),
     # selections and embeddings: Partial(SUM) passes (each output element is one input
     # element, or a zero)
