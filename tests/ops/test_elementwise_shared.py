@@ -186,3 +186,18 @@ def test_unravel_index_and_one_hot(shape: tuple[int, ...]) -> None:
         else:
             with pytest.raises(RuntimeError):
                 F.one_hot(x)
+
+
+@pytest.mark.parametrize("wshape", [(6,), (1,), ()])
+def test_prelu_slopes_shard_with_the_channels(wshape: tuple[int, ...]) -> None:
+    v, w = _value((4, 6, 5), 6) - 0.5, _value(wshape, 7)
+    want = F.prelu(v, w)
+    for where, x in _layouts(v):
+        _same(_no_fallback(F.prelu, x, w), want, f"prelu {where} {wshape}")
+    # x and its per-channel slopes both sharded on the channels: no communication
+    x = sw.shard(v, M22, [None, ("dp", "tp"), None])
+    if wshape == (6,):
+        ws = sw.shard(w, M22, [("dp", "tp")])
+        out = _no_fallback(F.prelu, x, ws)
+        assert out.dist_layout == x.dist_layout
+        _same(out, want, "prelu channel-sharded")

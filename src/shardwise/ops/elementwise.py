@@ -237,3 +237,12 @@ def one_hot(x: Any, num_classes: int = -1) -> Any:
     elif num_classes == -1:  # torch's error for an empty tensor
         F.one_hot(torch.empty(tuple(x.shape), dtype=x.dtype), num_classes)
     return apply("one_hot", (x,), lambda s: F.one_hot(s, num_classes), num_classes)
+
+
+@register(torch.prelu, getattr(TensorMethod, "prelu", None))
+def prelu(x: Any, weight: Any) -> Any:
+    """``F.prelu``: elementwise with one slope per channel (dim 1), which shards with
+    x's channels, or one slope for all; torch's own op on each block."""
+    torch.prelu(torch.empty(tuple(x.shape), dtype=x.dtype, device="meta"),
+                torch.empty(tuple(weight.shape), dtype=weight.dtype, device="meta"))
+    return apply("prelu", (x, weight), torch.prelu)

@@ -783,7 +783,18 @@ def _one_hot(shapes: tuple[tuple[int, ...], ...], classes: int) -> str:
     return f"{names} -> {names} c={classes}"
 
 
+def _prelu(shapes: tuple[tuple[int, ...], ...]) -> str:
+    """F.prelu(x, weight): a weight of one slope per channel follows x's dim 1; a single
+    slope (0-d, or one element) broadcasts."""
+    x, w = shapes
+    names = _letters(len(x))
+    if len(w) == 1 and w[0] != 1 and len(x) >= 2:
+        return f"{' '.join(names)}, d1 -> {' '.join(names)}"
+    return f"{' '.join(names)}, {'k!' if w else ''} -> {' '.join(names)}"
+
+
 RULES.update({
+    "prelu": Rule("a c b, c -> a c b", NONLINEAR, build=_prelu),
     "one_hot": Rule("a -> a c=C", NONLINEAR, build=_one_hot),
     "expand": Rule("a k! -> n=N a b=B", LINEAR, build=_expand),
     # selections and embeddings: Partial(SUM) passes (each output element is one input
