@@ -127,5 +127,28 @@ def body_init_matches_single_device(n: int) -> None:
     torch.testing.assert_close(deferred(xs).to_torch(), plain(x))
 
 
+def body_views_and_elementwise_on_process_meshes(n: int) -> None:
+    """Views, splits, joins and the shared elementwise rule (issue 20) on blocks held by
+    separate processes: torch's bits on every rank (only the gathers move data)."""
+    mesh = _mesh(n)
+    x = torch.rand(5, 6, 7, generator=torch.Generator().manual_seed(2)) * 0.9 + 0.05
+    xs = sw.tensor(x, sharding=PlacementMapping(mesh, [Sharded(0), Sharded(2)]))
+    ids = (x * 9).long()
+    ids_s = sw.tensor(ids, sharding=PlacementMapping(mesh, [Sharded(1), Sharded(0)]))
+    cases = [
+        lambda t: torch.diagonal(t, 1, 0, 2), lambda t: torch.diag_embed(t[0]),
+        lambda t: t.unfold(2, 3, 2), lambda t: torch.select_scatter(t, t[:, 0], 1, 3),
+        lambda t: torch.tensor_split(t, [1, 4], 2)[1], lambda t: t[:, :1].expand(5, 4, 7),
+        lambda t: t.repeat(1, 2, 1), lambda t: torch.rot90(t, 1, (0, 2)),
+        lambda t: torch.meshgrid(t[0, 0], t[0, :, 0], indexing="xy")[0],
+        lambda t: torch.hstack([t, t]), lambda t: torch.acos(t), lambda t: torch.lgamma(t),
+        lambda t: torch.frexp(t).exponent, lambda t: torch.special.i0e(t),
+        lambda t: t.movedim(0, -1).cfloat(),
+    ]
+    for fn in cases:
+        assert torch.equal(fn(xs).to_torch(), fn(x))
+    assert torch.equal(F.one_hot(ids_s).to_torch(), F.one_hot(ids))
+
+
 BODIES = ["body_megatron_mlp_adamw_clip", "body_torch_ops_on_process_meshes",
-          "body_init_matches_single_device"]
+          "body_init_matches_single_device", "body_views_and_elementwise_on_process_meshes"]

@@ -201,8 +201,10 @@ def transpose(x: Tensor, dim0: int, dim1: int) -> Tensor:
     """Swap two dims; each keeps its sharding (no communication)."""
     t = _need(x, "transpose")
     n = len(t._shape)
-    a = normalize_dim(dim0, n, "transpose dim0")
-    b = normalize_dim(dim1, n, "transpose dim1")
+    a = normalize_dim(dim0, max(n, 1), "transpose dim0")  # a 0-d tensor has dim 0 (-1)
+    b = normalize_dim(dim1, max(n, 1), "transpose dim1")
+    if n == 0:
+        return t
     perm = list(range(max(n, 1)))
     perm[a], perm[b] = perm[b], perm[a]
     order = tuple(perm)  # normalized already: straight to the rule

@@ -63,7 +63,11 @@ def _cast(dtype: torch.dtype) -> Callable[..., Any]:
 
 for _name, _dtype in (("float", torch.float32), ("double", torch.float64),
                       ("half", torch.float16), ("bfloat16", torch.bfloat16),
-                      ("int", torch.int32), ("long", torch.int64), ("bool", torch.bool)):
+                      ("int", torch.int32), ("long", torch.int64), ("bool", torch.bool),
+                      # issue 20 (helper ew): the other casts of torch.Tensor
+                      ("byte", torch.uint8), ("char", torch.int8), ("short", torch.int16),
+                      ("cfloat", torch.complex64), ("cdouble", torch.complex128),
+                      ("chalf", torch.complex32)):
     register(getattr(TensorMethod, _name))(_cast(_dtype))
 
 

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from shardwise.ops.execute import apply_elementwise
+from shardwise.ops.execute import apply, apply_elementwise
 from shardwise.ops.registry import TensorMethod, register
 
 __all__ = ["LINEAR", "NONLINEAR", "OPERATORS"]
@@ -101,6 +101,33 @@ _RULE_OF = {"clip": "clamp", "absolute": "abs", "arctan2": "atan2", "greater": "
             "greater_equal": "ge", "less": "lt", "less_equal": "le", "not_equal": "ne",
             "logsigmoid": "log_sigmoid", "relu6": "relu6"}
 
+# --- issue 20 (helper ew): more elementwise ops, all on the one shared nonlinear rule ----
+#: torch's other elementwise ops (unary, binary, and (n, x) / (x, p) with a number):
+#: each value depends on the elements at its own position only, so they share the rule
+#: "elementwise" (``x.acos_()`` and kin follow from this list in inplace.py)
+SHARED = [
+    "acos", "acosh", "asin", "asinh", "atan", "atanh", "arccos", "arccosh", "arcsin",
+    "arcsinh", "arctan", "arctanh", "cosh", "sinh", "tan", "sinc", "deg2rad", "rad2deg",
+    "i0", "erfc", "erfinv", "digamma", "lgamma", "mvlgamma", "polygamma", "logaddexp",
+    "logaddexp2", "ldexp", "heaviside", "lcm", "gcd", "nextafter", "igamma", "igammac",
+    "signbit", "isposinf", "isneginf", "isreal", "isclose", "angle", "conj_physical",
+    "complex", "polar", "rsub", "fill", "celu", "selu", "softshrink", "hardshrink", "fix",
+    # torch.special's elementwise functions (its other aliases are covered above)
+    "i0e", "i1", "i1e", "ndtr", "ndtri", "log_ndtr", "erfcx", "xlog1py", "zeta", "entr",
+    "gammaln", "psi", "multigammaln", "gammainc", "gammaincc", "airy_ai", "bessel_j0",
+    "bessel_j1", "bessel_y0", "bessel_y1", "modified_bessel_i0", "modified_bessel_i1",
+    "modified_bessel_k0", "modified_bessel_k1", "scaled_modified_bessel_k0",
+    "scaled_modified_bessel_k1", "spherical_bessel_j0", "chebyshev_polynomial_t",
+    "chebyshev_polynomial_u", "chebyshev_polynomial_v", "chebyshev_polynomial_w",
+    "shifted_chebyshev_polynomial_t", "shifted_chebyshev_polynomial_u",
+    "shifted_chebyshev_polynomial_v", "shifted_chebyshev_polynomial_w",
+    "hermite_polynomial_h", "hermite_polynomial_he", "laguerre_polynomial_l",
+    "legendre_polynomial_p",
+]
+NONLINEAR += SHARED
+_RULE_OF.update((n, "elementwise") for n in SHARED)
+# --- end of issue 20 (helper ew) section -------------------------------------------------
+
 for _name, _rule in [*LINEAR.items(), *((n, _RULE_OF.get(n, n)) for n in NONLINEAR)]:
     for _f in _aliases(_name):
         if _f is not None:
@@ -164,3 +191,58 @@ def div(*args: Any, **kwargs: Any) -> Any:
     numerator must then be reduced first)."""
     return (_div_round if kwargs.get("rounding_mode") is not None else _div_plain)(
         *args, **kwargs)
+
+
+# --- issue 20 (helper ew): elementwise ops that need more than a name --------------------
+@register(torch.frexp, TensorMethod.frexp)
+def frexp(x: Any) -> Any:
+    """``torch.frexp``: its two outputs (mantissa, exponent), each on the shared rule."""
+    mantissa = apply_elementwise("elementwise", (x,), lambda s: torch.frexp(s).mantissa)
+    exponent = apply_elementwise("elementwise", (x,), lambda s: torch.frexp(s).exponent)
+    return torch.return_types.frexp((mantissa, exponent))
+
+
+def _part(func: Callable[[torch.Tensor], torch.Tensor]) -> Callable[..., Any]:
+    """``torch.real``/``torch.imag`` and the ``x.real``/``x.imag`` getters, per block."""
+
+    def handler(x: Any) -> Any:
+        return apply_elementwise("elementwise", (x,), func)
+
+    return handler
+
+
+_GETTER = "__get__"  # torch's property getters (not visible to mypy on the stubs)
+register(torch.real, getattr(TensorMethod.real, _GETTER))(_part(torch.real))
+register(torch.imag, getattr(TensorMethod.imag, _GETTER))(_part(torch.imag))
+
+
+@register(torch.unravel_index)
+def unravel_index(indices: Any, shape: Any) -> Any:
+    """``torch.unravel_index``: one coordinate tensor per dim of ``shape``, each
+    elementwise in ``indices`` (torch's own op on each block, one output at a time)."""
+    coords = torch.unravel_index(torch.zeros((), dtype=indices.dtype), shape)  # checks
+    return tuple(
+        apply_elementwise("elementwise", (indices,),
+                          lambda s, k=k: torch.unravel_index(s, shape)[k])
+        for k in range(len(coords)))
+
+
+@register(F.one_hot)
+def one_hot(x: Any, num_classes: int = -1) -> Any:
+    """``F.one_hot``: each element becomes a row of ``num_classes``, a new last dim that
+    stays whole. ``-1`` reads the number of classes from the global maximum, as torch
+    does (an all-reduce of one number)."""
+    if num_classes == -1 and x.numel():
+        num_classes = int(torch.amax(x)) + 1
+    elif num_classes == -1:  # torch's error for an empty tensor
+        F.one_hot(torch.empty(tuple(x.shape), dtype=x.dtype), num_classes)
+    return apply("one_hot", (x,), lambda s: F.one_hot(s, num_classes), num_classes)
+
+
+@register(torch.prelu, getattr(TensorMethod, "prelu", None))
+def prelu(x: Any, weight: Any) -> Any:
+    """``F.prelu``: elementwise with one slope per channel (dim 1), which shards with
+    x's channels, or one slope for all; torch's own op on each block."""
+    torch.prelu(torch.empty(tuple(x.shape), dtype=x.dtype, device="meta"),
+                torch.empty(tuple(weight.shape), dtype=weight.dtype, device="meta"))
+    return apply("prelu", (x, weight), torch.prelu)

@@ -69,10 +69,10 @@ class strict:
     >>> mesh = DeviceMesh.cpu(2, "x")
     >>> x = shardwise.tensor([1.0, 2.0], sharding=PlacementMapping(mesh, [Sharded(0)]))
     >>> with shardwise.strict():
-    ...     torch.special.i0e(x)
+    ...     torch.nonzero(x)
     Traceback (most recent call last):
     ...
-    shardwise.sharding.errors.ShardingError: torch.special.i0e has no sharding rule and strict ...
+    shardwise.sharding.errors.ShardingError: torch.nonzero has no sharding rule and strict ...
     >>> is_strict()
     False
     """

@@ -9,8 +9,8 @@ Invariants:
 - Slicing ops (narrow, select, split, chunk, unbind) are basic indexing (the getitem
   rule): a sliced dim is gathered first unless taken whole, the others keep theirs.
 - A dim along which elements move (flip, roll, tril's and triu's last two) is whole.
-- ``expand`` adds Replicated zeros (the add rule lays the result out); plain torch
-  tensors among cat/stack operands are Replicated on the first Tensor's mesh.
+- ``expand`` is a view per block (the expand rule: no arithmetic, torch's bits); plain
+  torch tensors among cat/stack operands are Replicated on the first Tensor's mesh.
 """
 
 from __future__ import annotations
@@ -33,8 +33,8 @@ from shardwise.ops.registry import (
     shape_args,
 )
 from shardwise.sharding.errors import ShardingError
-from shardwise.sharding.layout import Layout, normalize_dim
-from shardwise.tensors.tensor import Tensor, place
+from shardwise.sharding.layout import normalize_dim
+from shardwise.tensors.tensor import Tensor
 
 __all__: list[str] = []
 
@@ -93,10 +93,23 @@ def unsqueeze(x: Any, dim: int) -> Any:
 def repeat_interleave(x: Any, repeats: Any, dim: Any = None, *,
                       output_size: Any = None) -> Any:
     # GQA's key/value heads: an int repeat along one dim is unsqueeze, expand and
-    # merge (the layout follows reshape's rule); tensor repeats and dim=None fall back
-    if not isinstance(repeats, int) or dim is None or isinstance(dim, Tensor):
+    # merge (the layout follows reshape's rule); dim=None repeats the flattened tensor.
+    # Repeats in a tensor pick rows (index_select; the planner gathers the dim). They
+    # give the output's size, so torch reads them on the host (a CPU tensor); so do we,
+    # from a shardwise Tensor too (a few ints, as x.tolist() reads them)
+    if isinstance(dim, Tensor):
         return fallback(torch.repeat_interleave, (x, repeats),
                         {"dim": dim, "output_size": output_size})
+    if isinstance(repeats, Tensor):
+        repeats = repeats.to_torch()
+    if dim is None:
+        x, dim = C.reshape(x, (x.numel(),)), 0
+    if isinstance(repeats, torch.Tensor):
+        d = normalize_dim(dim, max(x.ndim, 1), "repeat_interleave dim")
+        rows = torch.repeat_interleave(torch.arange(max(x.shape[d] if x.ndim else 1, 1)),
+                                       repeats, output_size=output_size)
+        return torch.index_select(x, d, rows)
+    torch.repeat_interleave(torch.empty(tuple(x.shape), device="meta"), repeats, dim)
     d = normalize_dim(dim, max(x.ndim, 1), "repeat_interleave dim")
     shape = tuple(x.shape)
     wide = (*shape[:d + 1], repeats, *shape[d + 1:])
@@ -148,20 +161,14 @@ def matrix_transpose(x: Any) -> Any:
 
 
 # --- broadcast and join ------------------------------------------------------------------
-def _zeros(like: Tensor, shape: tuple[int, ...]) -> Tensor:
-    """Replicated zeros of ``shape`` (one expanded scalar): adding them broadcasts."""
-    z = torch.zeros((), dtype=like.dtype, device=like.device).expand(shape)
-    return place(z, Layout.replicated(like.mesh, len(shape)))
-
-
 @register(TensorMethod.expand)
 def expand(x: Any, *sizes: Any) -> Any:
-    shape = shape_args(sizes)
-    lead = len(shape) - x.ndim
-    full = tuple(x.shape[d - lead] if s == -1 else s for d, s in enumerate(shape))
+    """A broadcast view per block: kept dims keep their sharding, a broadcast dim (size
+    1 before) is whole, new dims are the rule's; torch's checks on a meta tensor."""
+    full = tuple(torch.empty(tuple(x.shape), device="meta").expand(shape_args(sizes)).shape)
     if full == tuple(x.shape):
         return x
-    return C.add(x, _zeros(x, full))
+    return apply("expand", (x,), lambda s, local: s.expand(local), full, shaped=True)
 
 
 @register(TensorMethod.expand_as)

@@ -12,6 +12,8 @@ above each handler) and then sets the fallback:
 ``inplace``         ``x.add_(y)``, ``x += y``, ``copy_``, ``zero_``, random fills
 ``foreach``         ``torch._foreach_*`` (the optimizers)
 ``shapes``          view, reshape, permute, expand, cat, stack, split, flip...
+``views``           diagonals, unfold, scatters into views, splits, movedim, *_copy
+``joins``           broadcast_to, atleast_*d, h/v/dstack, repeat, tile, meshgrid
 ``indexing``        ``x[...]``, ``torch.index_select``
 ``reductions``      sum, mean, amax, norms, var, max, topk, sort, cumsum, softmax
 ``nn``              linear, matmul, addmm, layer/rms norm, embedding, dropout, sdpa
@@ -54,6 +56,7 @@ from shardwise.ops import (
     foreach,
     indexing,
     inplace,
+    joins,
     layers,
     linalg,
     losses,
@@ -62,6 +65,7 @@ from shardwise.ops import (
     sampling,
     shapes,
     spectral,
+    views,
 )
 from shardwise.ops.registry import ShardwiseFallbackWarning, fallback, register, write_out
 from shardwise.tensors.tensor import FALLBACK, WRITE_OUT
@@ -70,7 +74,8 @@ __all__ = ["ShardwiseFallbackWarning", "install", "register"]
 
 #: the handler families (the table in the module docstring)
 FAMILIES = (elementwise, conversions, factories, inplace, foreach, shapes, indexing,
-            reductions, nn, linalg, losses, layers, spectral, sampling, autograd)
+            reductions, nn, linalg, losses, layers, spectral, sampling, autograd, views,
+            joins)
 
 
 def install() -> None:

@@ -710,3 +710,98 @@ RULES.update({
     "kron": Rule("a0 a1, b0! b1! -> (a0 b0) (a1 b1)", NONLINEAR, build=_kron),
     "multi_dot": Rule("i k0!, k0! j -> i j", NONLINEAR, build=_chain),
 })
+
+# --- issue 20 (helper ew): the shared elementwise rule -----------------------------------
+# torch's other elementwise ops (acos, lgamma, torch.special's functions ...) share it
+RULES["elementwise"] = Rule(UNARY, NONLINEAR, build=_elementwise)
+
+
+def _diagonal(shapes: tuple[tuple[int, ...], ...], dim1: int, dim2: int, length: int) -> str:
+    """torch.diagonal: ``dim1``/``dim2`` whole (a diagonal crosses every block of
+    them); the other dims keep their order, then the diagonal, of ``length``."""
+    names = _letters(len(shapes[0]))
+    ins = [n + "!" if d in (dim1, dim2) else n for d, n in enumerate(names)]
+    out = [n for d, n in enumerate(names) if d not in (dim1, dim2)] + [f"g!={length}"]
+    return " ".join(ins) + " -> " + " ".join(out)
+
+
+def _diag_embed(shapes: tuple[tuple[int, ...], ...], dim1: int, dim2: int, size: int) -> str:
+    """torch.diag_embed: the last dim whole becomes a (size, size) matrix whose dims
+    sit at ``dim1``/``dim2`` of the output (normalized, distinct)."""
+    names = _letters(len(shapes[0]))
+    out = names[:-1]
+    for d, n in sorted(((dim1, "e1"), (dim2, "e2"))):
+        out.insert(d, f"{n}!={size}")
+    return " ".join([*names[:-1], names[-1] + "!"]) + " -> " + " ".join(out)
+
+
+def _unfold(shapes: tuple[tuple[int, ...], ...], dim: int, windows: int, size: int) -> str:
+    """Tensor.unfold: ``dim`` whole becomes its ``windows``; the window's elements are a
+    new last dim of ``size`` (windows overlap block boundaries)."""
+    names = _letters(len(shapes[0]))
+    ins = [n + "!" if d == dim else n for d, n in enumerate(names)]
+    out = [f"w!={windows}" if d == dim else n for d, n in enumerate(names)]
+    return " ".join(ins) + " -> " + " ".join([*out, f"s!={size}"])
+
+
+def _scatter(shapes: tuple[tuple[int, ...], ...], kind: str, dim1: int, dim2: int) -> str:
+    """select_/slice_/diagonal_scatter(x, src): x's written dims whole (positions are
+    global), src's matching dims whole too; the others shard alike."""
+    names = _letters(len(shapes[0]))
+    whole = (dim1,) if kind != "diagonal" else (dim1, dim2)
+    x = [n + "!" if d in whole else n for d, n in enumerate(names)]
+    if kind == "select":
+        src = [n for d, n in enumerate(names) if d != dim1]
+    elif kind == "slice":
+        src = ["m!" if d == dim1 else n for d, n in enumerate(names)]
+    else:
+        src = [n for d, n in enumerate(names) if d not in whole] + ["g!"]
+    return f"{' '.join(x)}, {' '.join(src)} -> {' '.join(x)}"
+
+
+def _expand(shapes: tuple[tuple[int, ...], ...], target: tuple[int, ...]) -> str:
+    """Tensor.expand to ``target`` (resolved): a dim of equal size keeps its factor; a
+    broadcast size-1 dim is whole and its output dim a new factor, as the new leading
+    dims (each block of a broadcast is a broadcast of the one element)."""
+    src = shapes[0]
+    lead = len(target) - len(src)
+    names = _letters(len(src))
+    ins, out = [], [f"n{j}={target[j]}" for j in range(lead)]
+    for d, (a, b) in enumerate(zip(src, target[lead:])):
+        if a == b:
+            ins.append(names[d])
+            out.append(names[d])
+        else:
+            ins.append(names[d] + "!")
+            out.append(f"b{d}={b}")
+    return " ".join(ins) + " -> " + " ".join(out)
+
+
+def _one_hot(shapes: tuple[tuple[int, ...], ...], classes: int) -> str:
+    """F.one_hot: every dim keeps its factor; the classes are a new last dim."""
+    names = " ".join(_letters(len(shapes[0])))
+    return f"{names} -> {names} c={classes}"
+
+
+def _prelu(shapes: tuple[tuple[int, ...], ...]) -> str:
+    """F.prelu(x, weight): a weight of one slope per channel follows x's dim 1; a single
+    slope (0-d, or one element) broadcasts."""
+    x, w = shapes
+    names = _letters(len(x))
+    if len(w) == 1 and w[0] != 1 and len(x) >= 2:
+        return f"{' '.join(names)}, d1 -> {' '.join(names)}"
+    return f"{' '.join(names)}, {'k!' if w else ''} -> {' '.join(names)}"
+
+
+RULES.update({
+    "prelu": Rule("a c b, c -> a c b", NONLINEAR, build=_prelu),
+    "one_hot": Rule("a -> a c=C", NONLINEAR, build=_one_hot),
+    "expand": Rule("a k! -> n=N a b=B", LINEAR, build=_expand),
+    # selections and embeddings: Partial(SUM) passes (each output element is one input
+    # element, or a zero)
+    "diagonal": Rule("a d1! d2! -> a g!=L", LINEAR, build=_diagonal),
+    "diag_embed": Rule("a n! -> a e1!=N e2!=N", LINEAR, build=_diag_embed),
+    "unfold": Rule("a d! -> a w!=W s!=S", LINEAR, build=_unfold),
+    "scatter": Rule("a d! b, a b -> a d! b", LINEAR, build=_scatter),
+})
+# --- end of issue 20 (helper ew) section -------------------------------------------------
