@@ -28,7 +28,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from shardwise.ops.execute import apply
+from shardwise.ops.execute import apply, apply_elementwise
 from shardwise.propagation.binding import normalize_index
 from shardwise.sharding.errors import ShardingError, ShardingTypeError
 from shardwise.sharding.layout import normalize_dim
@@ -38,7 +38,7 @@ __all__ = [
     "add", "amax", "amin", "cat", "div", "einsum", "eq", "exp", "ge", "gelu", "gt", "le",
     "log", "lt", "matmul", "maximum", "mean", "minimum", "mul", "ne", "neg", "permute",
     "pow", "relu", "reshape", "sigmoid", "silu", "softmax", "sqrt", "sub", "sum", "tanh",
-    "transpose", "where", "getitem",
+    "transpose", "where", "getitem", "ZeroGrad", "with_zero_grad",
 ]
 
 
@@ -305,3 +305,30 @@ def getitem(x: Tensor, index: Any) -> Tensor:
     local = _torch_index(normalize_index(key, t.shape))
     return apply("getitem", (t,), lambda s: s[local], key)
 
+
+class ZeroGrad(torch.autograd.Function):
+    """``value``, in the graph of ``inputs`` (plain tensors: the blocks) with a zero
+    gradient, or none with ``undefined``: where torch defines an op's derivative as
+    zeros (normal's and bernoulli's with respect to their parameters) or as undefined
+    (a 0-norm's), its result still requires grad."""
+
+    @staticmethod
+    def forward(ctx: Any, value: torch.Tensor, undefined: bool, *inputs: Any
+                ) -> torch.Tensor:
+        ctx.likes = [(t.shape, t.dtype) if isinstance(t, torch.Tensor) and not undefined
+                     else None for t in inputs]
+        return value
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> Any:
+        return (None, None, *[None if like is None else grad.new_zeros(
+            like[0], dtype=like[1]) for like in ctx.likes])
+
+
+def with_zero_grad(value: Any, x: Any, undefined: bool = False) -> Any:
+    """``value`` (x's shape) in x's graph with a zero gradient (none: ``undefined``),
+    when x requires grad."""
+    if not (isinstance(x, Tensor) and x.requires_grad and torch.is_grad_enabled()):
+        return value
+    return apply_elementwise("elementwise", [value, x],
+                             lambda v, xs: ZeroGrad.apply(v, undefined, xs))

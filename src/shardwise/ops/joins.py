@@ -132,8 +132,8 @@ def sum_to_size(x: Any, *size: Any) -> Any:
     """The sum over the dims ``size`` broadcasts (leading ones, and size-1 ones)."""
     target = shape_args(size)
     out = meta(x).sum_to_size(target)
-    if tuple(out.shape) == tuple(x.shape):
-        return x
+    if tuple(out.shape) == tuple(x.shape) and out.dtype == x.dtype:
+        return x  # (torch sums a 0-d value anyway: a bool one becomes int64)
     lead = x.ndim - len(target)
     dims = [*range(lead), *(lead + i for i, s in enumerate(target)
                             if s == 1 and x.shape[lead + i] != 1)]

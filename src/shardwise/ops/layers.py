@@ -89,11 +89,36 @@ def _per_batch(fn: Any, spatial: int | None, name: str, tail: int = 0) -> Callab
         ins = lead(x.ndim, b)
 
         def call(xs: torch.Tensor) -> Any:
+            if xs.numel() == 0 and x.numel():
+                return _empty_result(fn, xs, args, kwargs)
             return fn(xs, *args, **kwargs)
 
         return apply_kept(label, call, [x], [ins], None if not b else _lead_outs(call, x, b))
 
     return handler
+
+
+def _empty_result(fn: Any, xs: torch.Tensor, args: tuple[Any, ...],
+                  kwargs: dict[str, Any]) -> Any:
+    """``fn`` on an empty block of a non-empty value: torch's CPU kernels of some ops
+    mis-shape an empty input's result or gradient (pixel_unshuffle returns its input's
+    shape; pixel_shuffle's backward raises), so the (empty) results take their shapes
+    from the meta kernel (or, where it has none, a call without autograd) and are
+    linked to ``xs`` with zero gradients."""
+    try:
+        r = fn(torch.empty(xs.shape, dtype=xs.dtype, device="meta"), *args, **kwargs)
+    except (RuntimeError, TypeError, NotImplementedError):
+        with torch.no_grad():
+            r = fn(xs.detach(), *args, **kwargs)
+    link = xs.sum() * 0
+
+    def made(v: Any) -> Any:
+        if not isinstance(v, torch.Tensor):
+            return v
+        out = torch.zeros(v.shape, dtype=v.dtype, device=xs.device)
+        return out + link if out.is_floating_point() or out.is_complex() else out
+
+    return tuple(made(v) for v in r) if isinstance(r, tuple) else made(r)
 
 
 def _lead_outs(call: Callable[..., Any], x: Any, b: int) -> list[tuple[int, ...]]:

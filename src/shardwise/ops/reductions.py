@@ -82,8 +82,9 @@ def norm_reduction(x: Any, ord: Any = 2, dim: Any = None, keepdim: bool = False,
         return C.amax(a, dim, keepdim), _same
     if ord == -math.inf:
         return C.amin(a, dim, keepdim), _same
-    if ord == 0:
-        return C.sum(to(C.ne(t, 0), t.dtype), dim, keepdim), _same
+    if ord == 0:  # a count: torch's result still requires grad (no gradient flows)
+        count = C.with_zero_grad(to(C.ne(t, 0), t.dtype), t, undefined=True)
+        return C.sum(count, dim, keepdim), _same
     if ord == 1:
         return C.sum(a, dim, keepdim), _same
     if ord == 2:

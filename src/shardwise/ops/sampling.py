@@ -23,6 +23,7 @@ import torch.nn.functional as F
 
 from shardwise.ops import compute as C
 from shardwise.ops.conversions import to
+from shardwise.ops.execute import apply_elementwise
 from shardwise.ops.kept import apply_kept
 from shardwise.ops.registry import TensorMethod, on_mesh, register
 from shardwise.tensors.tensor import Tensor, place
@@ -101,13 +102,21 @@ def native_dropout_backward(grad: Any, mask: Any, scale: float) -> Any:
 def bernoulli(x: Any, p: Any = None, *, generator: Any = None) -> Any:
     if p is not None:  # a scalar probability: x gives only the shape and dtype
         drawn = torch.empty(tuple(x.shape), dtype=x.dtype, device=x.device)
-        return _like(drawn.bernoulli_(p, generator=generator), x)
+        return _zero_grad_of(_like(drawn.bernoulli_(p, generator=generator), x), x)
     if bool(C.lt(x, 0).any()) or bool(C.gt(x, 1).any()):
         raise RuntimeError("Expected p_in >= 0 && p_in <= 1 to be true, but got false.  "
                            "(bernoulli on a shardwise.Tensor of probabilities)")
     draw = torch.float64 if x.dtype == torch.float64 else torch.float32
     u = torch.rand(tuple(x.shape), dtype=draw, device=x.device, generator=generator)
-    return to(C.lt(_like(u, x), x), x.dtype)
+    return _zero_grad_of(to(C.lt(_like(u, x), x), x.dtype), x)
+
+
+def _zero_grad_of(drawn: Any, x: Any) -> Any:
+    """``drawn``, in x's graph with a zero gradient (torch's bernoulli: its derivative
+    with respect to the probabilities is zero, and the sample requires grad)."""
+    if not (x.requires_grad and torch.is_grad_enabled()):
+        return drawn
+    return C.with_zero_grad(drawn, x)
 
 
 @register(torch.normal)
@@ -121,16 +130,27 @@ def normal(mean: Any, std: Any = 1.0, *args: Any, generator: Any = None, **kwarg
     like = mean if isinstance(mean, Tensor) else std
     if isinstance(std, Tensor) and bool(C.lt(std, 0).any()):
         raise RuntimeError("normal expects all elements of std >= 0.0")
-    if isinstance(std, torch.Tensor) and std.ndim:
+    if isinstance(std, torch.Tensor):
         shape = torch.broadcast_shapes(tuple(mean.shape) if isinstance(mean, torch.Tensor)
                                        else (), tuple(std.shape))
         z = torch.empty(shape, dtype=like.dtype, device=like.device).normal_(
             0, 1, generator=generator)
-        out = C.mul(_on(z, like), std)
-        return C.add(out, mean)
+        return apply_elementwise("elementwise", [_on(z, like), std, mean], _scaled)
     z = torch.empty(tuple(mean.shape), dtype=mean.dtype, device=mean.device).normal_(
         0, float(std), generator=generator)
-    return C.add(_on(z, mean), mean)
+    return apply_elementwise("elementwise", [_on(z, mean), mean], _shifted)
+
+
+def _scaled(z: torch.Tensor, std: Any, mean: Any) -> torch.Tensor:
+    with torch.no_grad():  # torch's normal_out_impl: mul_(std) then add_(mean)
+        value = z * std + mean
+    return C.ZeroGrad.apply(value, False, std, mean)
+
+
+def _shifted(z: torch.Tensor, mean: Any) -> torch.Tensor:
+    with torch.no_grad():
+        value = z + mean
+    return C.ZeroGrad.apply(value, False, mean)
 
 
 def _on(z: torch.Tensor, like: Tensor) -> Tensor:
