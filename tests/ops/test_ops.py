@@ -554,3 +554,19 @@ def test_narrow_index_select_and_resize_follow_torch() -> None:
     assert z.resize_(X.shape) is z
     with pytest.raises(sw.ShardingError, match="resize_ to"):
         z.resize_(X.numel())
+
+
+def test_a_shardwise_integer_index_picks_like_index_select() -> None:
+    """``x[ids]`` with a 1-D shardwise integer index (transformers' MoE
+    ``hidden[perm // k]``) is an index_select on a rule: torch's values, negatives
+    counted from the end, torch's IndexError out of range."""
+    ids = torch.tensor([3, -1, 0, 2, 2])  # X is 4 x 6
+    for lx in ((S0, R), (R, S0), (R, R)):
+        for li in ((S0, R), (R, R)):
+            x, i = put(X, lx), put(ids, li)
+            with warnings.catch_warnings():
+                warnings.simplefilter("error", sw.ShardwiseFallbackWarning)
+                assert torch.equal(x[i].to_torch(), X[ids])
+                assert torch.equal(x[:, i[:3] % 3].to_torch(), X[:, ids[:3] % 3])
+    with pytest.raises(IndexError, match="index 99 is out of bounds for dimension 0"):
+        put(X, (S0, R))[put(torch.tensor([1, 99]), (R, R))]

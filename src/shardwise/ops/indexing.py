@@ -47,9 +47,10 @@ def getitem(x: Any, index: Any) -> Any:
 
 
 def _one_integer_index(x: Any, index: Any) -> tuple[int, torch.Tensor] | None:
-    """(dim, ids) when ``index`` picks along one dim by a 1-D integer tensor or list of
-    ints (negatives counted from the end), every other entry a full slice; an index out
-    of range raises torch's IndexError."""
+    """(dim, ids) when ``index`` picks along one dim by a 1-D integer tensor (plain or
+    shardwise: transformers' MoE ``hidden[perm // k]``) or list of ints (negatives
+    counted from the end), every other entry a full slice; an index out of range raises
+    torch's IndexError."""
     parts = index if isinstance(index, tuple) else (index,)
     at = [d for d, p in enumerate(parts) if not (isinstance(p, slice) and p == slice(None))]
     if len(at) != 1 or len(parts) > x.ndim:
@@ -57,13 +58,15 @@ def _one_integer_index(x: Any, index: Any) -> tuple[int, torch.Tensor] | None:
     d, ids = at[0], parts[at[0]]
     if isinstance(ids, list) and ids and all(type(i) is int for i in ids):
         ids = torch.tensor(ids, device=x.device)
-    if (not isinstance(ids, torch.Tensor) or isinstance(ids, Tensor) or ids.ndim != 1
+    if (not isinstance(ids, torch.Tensor) or ids.ndim != 1
             or ids.dtype not in (torch.int64, torch.int32) or not len(ids)):
         return None
     n = x.shape[d]
-    bad = ids[(ids < -n) | (ids >= n)]
-    if len(bad):  # torch's error, without gathering x
-        raise IndexError(f"index {int(bad[0])} is out of bounds for dimension {d} with size {n}")
+    outside = (ids < -n) | (ids >= n)
+    if bool(outside.any()):  # torch's error, without gathering x (a shardwise index:
+        bad = ids.to_torch() if isinstance(ids, Tensor) else ids  # its values, once)
+        first = int(bad[(bad < -n) | (bad >= n)][0])
+        raise IndexError(f"index {first} is out of bounds for dimension {d} with size {n}")
     return d, torch.where(ids < 0, ids + n, ids)
 
 
