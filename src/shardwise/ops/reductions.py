@@ -132,23 +132,34 @@ def count_nonzero(x: Any, dim: Any = None) -> Any:
     return apply("reduce_full", (x,), lambda s: torch.count_nonzero(s, dim), dims, False)
 
 
+def _variance_args(dim: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
+                   ) -> tuple[Any, bool, Any]:
+    """(dim, keepdim, correction) from torch's spellings of var/std/var_mean/std_mean:
+    ``unbiased`` positional (``var(x, True)``, ``var(x, dim, True)``) or keyword, and
+    ``correction=`` (default 1).
+
+    >>> _variance_args(True, (), {}), _variance_args(1, (False, True), {})
+    ((None, False, 1), (1, True, 0))
+    """
+    kwargs = dict(kwargs)
+    unbiased = kwargs.pop("unbiased", None)
+    if isinstance(dim, bool):  # var(x, unbiased)
+        unbiased, dim = dim, None
+    elif args and isinstance(args[0], bool) and dim is not None:
+        unbiased, args = args[0], args[1:]
+    keepdim = kwargs.pop("keepdim", args[0] if args else False)
+    correction = kwargs.pop("correction", None)
+    if unbiased is not None:
+        correction = 1 if unbiased else 0
+    return dim, keepdim, 1 if correction is None else correction
+
+
 def _variance(fn: Any) -> Callable[..., Any]:
     """``torch.var``/``std`` in all of torch's spellings (``unbiased`` positional or
     keyword, ``correction=``), the reduced dims gathered."""
 
     def handler(x: Any, dim: Any = None, *args: Any, **kwargs: Any) -> Any:
-        unbiased = kwargs.pop("unbiased", None)
-        if args and isinstance(args[0], bool) and dim is not None and not isinstance(
-                dim, bool):
-            unbiased, args = args[0], args[1:]
-        if isinstance(dim, bool):  # var(x, unbiased)
-            unbiased, dim = dim, None
-        keepdim = kwargs.pop("keepdim", args[0] if args else False)
-        correction = kwargs.pop("correction", None)
-        if unbiased is not None:
-            correction = 1 if unbiased else 0
-        if correction is None:
-            correction = 1
+        dim, keepdim, correction = _variance_args(dim, args, kwargs)
         dims = _reduced(x, dim, fn)
         return apply("reduce_full", (x,), lambda s: fn(
             s, dims, correction=correction, keepdim=keepdim), dims, keepdim)
@@ -276,17 +287,7 @@ def _stat_mean(fn: Any, name: str) -> Callable[..., Any]:
     call per block, the reduced dims whole (as ``var``/``std``)."""
 
     def handler(x: Any, dim: Any = None, *args: Any, **kwargs: Any) -> Any:
-        unbiased = kwargs.pop("unbiased", None)
-        if isinstance(dim, bool):  # var_mean(x, unbiased)
-            unbiased, dim = dim, None
-        elif args and isinstance(args[0], bool):
-            unbiased, args = args[0], args[1:]
-        keepdim = kwargs.pop("keepdim", args[0] if args else False)
-        correction = kwargs.pop("correction", None)
-        if unbiased is not None:
-            correction = 1 if unbiased else 0
-        if correction is None:
-            correction = 1
+        dim, keepdim, correction = _variance_args(dim, args, kwargs)
         dims = _all_if_empty(x, dim)
         return apply_outputs("reduce_full", (x,), lambda s: fn(
             s, dims, correction=correction, keepdim=keepdim), dims, keepdim)
