@@ -1,8 +1,8 @@
 """Hugging Face transformers models, unchanged, on shardwise (tiny configs, random init, no
 hub): their own tensor-parallel plan (``hf_plan``) on tp x ``fully_shard`` on dp of a 2x2
 simulated mesh trains like single-device torch with HF's defaults (GQA, RoPE, sdpa,
-dropout) and no fallback, and ``generate()`` gives torch's tokens with and without the
-KV cache. transformers is a test extra (``pip install -e '.[hf]'``)."""
+dropout; Mixtral's grouped experts) and no fallback, and ``generate()`` gives torch's
+tokens with and without the KV cache. transformers is a test extra (``pip install -e '.[hf]'``)."""
 
 from __future__ import annotations
 
@@ -102,7 +102,7 @@ def _value(t: Any) -> torch.Tensor:
     return t.detach().to_torch() if isinstance(t, sw.Tensor) else t.detach()
 
 
-@pytest.mark.parametrize("which", ["llama", "gpt2"])
+@pytest.mark.parametrize("which", ["llama", "gpt2", "mixtral"])
 def test_tp_x_fsdp_training_matches_torch_without_fallback(which: str) -> None:
     model, ref = _planned(which, fsdp=True)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
@@ -123,7 +123,8 @@ def test_tp_x_fsdp_training_matches_torch_without_fallback(which: str) -> None:
             losses.append((float(_value(loss)), float(rloss.detach())))
         return losses
 
-    losses, fell = _fallbacks(steps)
+    with sw.strict():  # a fallback is an error
+        losses, fell = _fallbacks(steps)
     assert fell == []
     for got, want in losses:
         assert abs(got - want) <= 1e-5 * abs(want), losses
@@ -134,8 +135,8 @@ def test_tp_x_fsdp_training_matches_torch_without_fallback(which: str) -> None:
     # near-zero gradient rounded differently (TP sums in another order) moves it a
     # little differently: 2% of one step bounds that (losses above are to 1e-5)
     assert max(errs.values()) <= 0.02 * 1e-2, errs
-    up = ("transformer.h.0.mlp.c_fc.weight" if which == "gpt2"
-          else "model.layers.0.mlp.up_proj.weight")
+    up = {"gpt2": "transformer.h.0.mlp.c_fc.weight", "llama": "model.layers.0.mlp.up_proj.weight",
+          "mixtral": "model.layers.0.mlp.experts.gate_up_proj"}[which]
     assert set(model.get_parameter(up).dist_layout.sharded_axes) == {0, 1}  # tp and dp
 
 
@@ -150,23 +151,23 @@ def test_generate_gives_torchs_tokens(which: str) -> None:
         torch.manual_seed(7)
         want = ref.generate(ids, max_new_tokens=4, do_sample=False, use_cache=cache)
         assert torch.equal(_value(got), want), (cache, _value(got), want)
-        if which != "mixtral":  # the MoE experts' grouped_mm and histc gather (below)
-            assert fell == [], fell
+        assert fell == [], fell
 
 
 def test_moe_forward_matches_torch() -> None:
-    """Mixtral (experts as stacked parameters, sharded by the plan's parameter entries):
-    forward and gradients equal torch's. Its grouped-experts path still gathers on
-    `_grouped_mm`, `histc` and an advanced `__getitem__` (exact, with a warning)."""
+    """Mixtral (experts as stacked parameters, sharded by the plan's parameter entries:
+    gate_up column-parallel, down row-parallel on ``torch._grouped_mm``'s rule):
+    forward and gradients equal torch's, with no fallback."""
     model, ref = _planned("mixtral", fsdp=False)
     assert isinstance(hf_plan(ref)["model.layers.0.mlp.experts"], ShardParameters)
     assert model.get_parameter("model.layers.0.mlp.experts.down_proj").placements[1] == \
         Sharded(2)
     ids = torch.randint(0, 128, (2, 12), generator=torch.Generator().manual_seed(3))
-    out = model(sw.tensor(ids, sharding=DATA), labels=sw.tensor(ids, sharding=DATA))
+    with sw.strict():
+        out = model(sw.tensor(ids, sharding=DATA), labels=sw.tensor(ids, sharding=DATA))
+        out.loss.backward()
     want = ref(ids, labels=ids)
     torch.testing.assert_close(_value(out.logits), want.logits.detach(), rtol=1e-5, atol=1e-5)
-    out.loss.backward()
     want.loss.backward()
     params = dict(model.named_parameters())
     for name, q in ref.named_parameters():

@@ -354,6 +354,71 @@ def multi_dot(tensors: Sequence[Any], *, out: Any = None) -> Any:
     return apply("multi_dot", on_mesh(ts), lambda *xs: torch.linalg.multi_dot(xs))
 
 
+def _kernel_takes(m: torch.Tensor) -> bool:
+    """Whether torch's grouped_mm kernel takes ``m`` (its stride check, as in ATen's
+    GroupedMMUtils): row- or column-major last two dims, the other stride a multiple
+    of 16 bytes."""
+    align = max(16 // m.element_size(), 1)
+    (r, c), (sr, sc) = m.shape[-2:], m.stride()[-2:]
+    if sc == 1 and sr >= max(1, c):
+        return sr % align == 0
+    if sr == 1 and sc >= max(1, r):
+        return sc % align == 0
+    return False
+
+
+def _grouped_loop(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor | None) -> torch.Tensor:
+    """torch._grouped_mm as one mm per group (autograd through the loop): for blocks
+    the kernel refuses. Rows past ``offs[-1]``, which torch leaves unwritten, are 0."""
+    if offs is None:
+        return torch.bmm(a, b)
+    ends = [int(e) for e in offs.tolist()]
+    starts = [0, *ends[:-1]]
+    if a.ndim == 2 and b.ndim == 2:  # (K, M) x (M, N): one (K, N) per group
+        return torch.stack([a[:, s:e] @ b[s:e] for s, e in zip(starts, ends)])
+    if a.ndim == 2:  # (M, K) x (G, K, N): rows of a by group
+        parts = [a[s:e] @ b[g] for g, (s, e) in enumerate(zip(starts, ends))]
+        parts.append(a.new_zeros((a.shape[0] - ends[-1], b.shape[-1])))
+        return torch.cat(parts, 0)
+    # (G, M, K) x (K, N): columns of b by group
+    parts = [a[g] @ b[:, s:e] for g, (s, e) in enumerate(zip(starts, ends))]
+    parts.append(a.new_zeros((a.shape[1], b.shape[-1] - ends[-1])))
+    return torch.cat(parts, 1)
+
+
+@register(torch._grouped_mm)
+def grouped_mm(mat_a: Any, mat_b: Any, offs: Any = None, bias: Any = None,
+               out_dtype: Any = None) -> Any:
+    """torch._grouped_mm (transformers' MoE experts) on rule ``grouped_mm``: groups
+    whole, N shards with ``mat_b``'s last dim, a sharded K leaves Partial(SUM). A
+    block whose strides torch's CPU kernel refuses (a shard of an aligned dim need
+    not be aligned) runs one mm per group instead: the same products, allclose."""
+    args, kwargs = (mat_a, mat_b), {"offs": offs, "bias": bias, "out_dtype": out_dtype}
+    ts = [mat_a, mat_b] + ([offs] if offs is not None else [])
+    if bias is not None or out_dtype is not None or not all(_is_tensor(t) for t in ts) or (
+            (mat_a.ndim, mat_b.ndim) not in ((2, 3), (3, 3), (2, 2), (3, 2))) or (
+            (offs is None) != (mat_a.ndim == mat_b.ndim == 3)) or (
+            offs is not None and (offs.ndim != 1 or offs.dtype != torch.int32)) or (
+            mat_a.dtype != mat_b.dtype or not mat_a.dtype.is_floating_point):
+        return fallback(torch._grouped_mm, args, kwargs)  # torch's own checks and errors
+    align = max(16 // mat_a.dtype.itemsize, 1)
+    if mat_a.shape[-1] % align or mat_b.shape[-1] % align:
+        # torch's kernel refuses such rows globally (contiguous): torch decides
+        return fallback(torch._grouped_mm, args, kwargs)
+
+    def call(a: torch.Tensor, b: torch.Tensor, o: torch.Tensor | None = None
+             ) -> torch.Tensor:
+        # the kernel's backward also takes the output's gradient, (.., N) contiguous
+        if _kernel_takes(a) and _kernel_takes(b) and b.shape[-1] % align == 0:
+            try:
+                return torch._grouped_mm(a, b, offs=o)
+            except RuntimeError:  # a check of the kernel's the global value passed
+                pass
+        return _grouped_loop(a, b, o)
+
+    return apply("grouped_mm", on_mesh(ts), call)
+
+
 @register(F.bilinear)
 def bilinear(x1: Any, x2: Any, weight: Any, bias: Any = None) -> Any:
     ops = [x1, x2, weight] + ([bias] if bias is not None else [])

@@ -706,9 +706,39 @@ def _chain(shapes: tuple[tuple[int, ...], ...]) -> str:
     return ", ".join(terms) + " -> " + out.strip()
 
 
+def _grouped_mm(shapes: tuple[tuple[int, ...], ...]) -> str:
+    """torch._grouped_mm(mat_a, mat_b[, offs]) by the operands' ranks. ``offs`` (G,) ends
+    each group at a global index, so the grouped dim and the groups stay whole; the
+    other dims shard, and a sharded contracted ``k`` leaves Partial(SUM) like matmul.
+    2-D x 3-D: the rows of ``a`` grouped by ``offs``, group ``g`` times ``b[g]``
+    (HF's MoE experts: N sharded is column-parallel, K row-parallel); 3-D x 3-D: a
+    batched matmul (no ``offs``); 2-D x 2-D: ``a``'s columns and ``b``'s rows grouped,
+    one (K, N) product per group; 3-D x 2-D: ``b``'s columns grouped.
+
+    >>> _grouped_mm(((12, 8), (3, 8, 4), (3,)))
+    'm! k, g! k n, g! -> m! n'
+    >>> _grouped_mm(((3, 5, 8), (3, 8, 4)))
+    'g m k, g k n -> g m n'
+    """
+    ranks = tuple(len(s) for s in shapes)
+    rules = {(2, 3, 1): "m! k, g! k n, g! -> m! n",
+             (3, 3): "g m k, g k n -> g m n",
+             (2, 2, 1): "k m!, m! n, g! -> g! k n",
+             (3, 2, 1): "g! m k, k n!, g! -> m n!"}
+    if ranks not in rules:
+        raise ShardingError(f"grouped_mm: operands of shapes {[list(s) for s in shapes]} "
+                            "are none of torch's forms: (M, K) x (G, K, N) with offs (G,), "
+                            "(G, M, K) x (G, K, N) without offs, (K, M) x (M, N) or "
+                            "(G, M, K) x (K, N) with offs (G,).")
+    return rules[ranks]
+
+
 RULES.update({
     "kron": Rule("a0 a1, b0! b1! -> (a0 b0) (a1 b1)", NONLINEAR, build=_kron),
     "multi_dot": Rule("i k0!, k0! j -> i j", NONLINEAR, build=_chain),
+    # torch._grouped_mm (MoE experts): groups whole, a sharded k leaves Partial(SUM)
+    "grouped_mm": Rule("m! k, g! k n, g! -> m! n", MULTILINEAR, SUM, _grouped_mm,
+                       carriers=(0, 1)),
 })
 
 # --- issue 20 (helper ew): the shared elementwise rule -----------------------------------
