@@ -114,3 +114,11 @@ def test_blocks_the_kernel_refuses_run_one_mm_per_group(monkeypatch: pytest.Monk
     assert seen == []  # blocks of 4 columns: the kernel
     check(grouped, [(rand(10, 8), pm(M4, R)), (rand(3, 8, 12, seed=2), pm(M4, S2)), OFFS])
     assert set(seen) == {(3, 8, 3)}  # blocks of 3 columns (12 bytes): the loop
+
+
+def test_offs_out_of_range_is_an_error_on_the_loop() -> None:
+    from shardwise.ops import linalg
+
+    with pytest.raises(ValueError, match=r"offs \[3, 12\] must increase and end within "
+                                         r"the 10 grouped rows"):
+        linalg._grouped_loop(rand(10, 6), rand(2, 6, 4), torch.tensor([3, 12]))

@@ -374,6 +374,11 @@ def _grouped_loop(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor | None) -
         return torch.bmm(a, b)
     ends = [int(e) for e in offs.tolist()]
     starts = [0, *ends[:-1]]
+    grouped = b.shape[0] if a.ndim == 2 and b.ndim == 2 else (
+        a.shape[0] if a.ndim == 2 else b.shape[-1])
+    if any(e < s for s, e in zip(starts, ends)) or (ends and ends[-1] > grouped):
+        raise ValueError(f"offs {ends} must increase and end within the {grouped} "
+                         "grouped rows or columns; give the cumulative group sizes.")
     if a.ndim == 2 and b.ndim == 2:  # (K, M) x (M, N): one (K, N) per group
         return torch.stack([a[:, s:e] @ b[s:e] for s, e in zip(starts, ends)])
     if a.ndim == 2:  # (M, K) x (G, K, N): rows of a by group
@@ -412,7 +417,7 @@ def grouped_mm(mat_a: Any, mat_b: Any, offs: Any = None, bias: Any = None,
         if _kernel_takes(a) and _kernel_takes(b) and b.shape[-1] % align == 0:
             try:
                 return torch._grouped_mm(a, b, offs=o)
-            except RuntimeError:  # a check of the kernel's the global value passed
+            except RuntimeError:  # another check of the kernel's, on this block
                 pass
         return _grouped_loop(a, b, o)
 
