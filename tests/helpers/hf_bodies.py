@@ -1,6 +1,6 @@
 """Hugging Face transformers bodies on real Gloo processes (see ``harness.py``): a tiny
-Llama parallelized on a process mesh (``hf_plan`` on tp, or ``fully_shard`` on dp) is
-saved with ``save_pretrained(d, state_dict=full_state_dict(model),
+Llama parallelized on a process mesh (``hf_plan`` on tp, ``fully_shard`` on dp, or
+both) is saved with ``save_pretrained(d, state_dict=full_state_dict(model),
 is_main_process=rank == 0)`` (every rank gathers, rank 0 writes), and rank 0's
 ``from_pretrained`` loads a plain model with the single-device model's weights;
 ``generate()`` gives torch's tokens on every rank. A tiny Mixtral's experts run on
@@ -105,3 +105,19 @@ def body_tp_mixtral_on_grouped_mm_blocks(world: int) -> None:
 
 
 BODIES = [name for name in dir() if name.startswith("body_")]
+
+
+def four_tp_x_fsdp_llama_saves_and_generates(world: int) -> None:
+    """The README's setup on 4 processes: hf_plan on tp x fully_shard on dp (2x2)."""
+    ref = _llama()
+    mesh = sw.DeviceMesh.cpu((world // 2, 2), ("dp", "tp"))
+    model = parallelize_module(copy.deepcopy(ref), mesh, hf_plan(ref), axis="tp")
+    for layer in model.model.layers:
+        fully_shard(layer, mesh, axis="dp")
+    fully_shard(model, mesh, axis="dp")
+    up = model.get_parameter("model.layers.0.mlp.up_proj.weight")
+    assert set(up.dist_layout.sharded_axes) == {0, 1}  # tp and dp
+    _save_load_generate(model, ref, "tp_x_fsdp")
+
+
+BODIES_4 = [name for name in dir() if name.startswith("four_")]
