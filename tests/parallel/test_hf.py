@@ -215,10 +215,11 @@ def test_tied_and_distinct_parameters_tell_their_storage() -> None:
         ["transformer.wte.weight", "lm_head.weight"]]
 
 
-@pytest.mark.parametrize("which", ["llama", "gpt2"])
+@pytest.mark.parametrize("which", ["llama", "gpt2", "mixtral"])
 def test_save_pretrained_loads_into_a_plain_model(which: str, tmp_path: Any) -> None:
     """A parallelized model (TP x FSDP) saved with its gathered state dict loads with
-    ``from_pretrained`` into a plain model with equal weights (GPT-2's tied head too)."""
+    ``from_pretrained`` into a plain model with equal weights (GPT-2's tied head, Mixtral's
+    stacked experts, which transformers writes per expert and stacks back)."""
     model, ref = _planned(which, fsdp=True)
     model.save_pretrained(tmp_path, state_dict=sw.checkpoint.full_state_dict(model))
     loaded = type(ref).from_pretrained(tmp_path)
