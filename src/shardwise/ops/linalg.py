@@ -1,6 +1,6 @@
 """Linear algebra and the matmul family on shardwise Tensors: batched ``torch.linalg``
 (det, inv, solve, cholesky, qr, eigh, svd, lu...), addmm and kin, dot, outer, kron,
-tensordot, multi_dot, cdist, cross, trapezoid, diff, cov...
+tensordot, multi_dot, grouped_mm, cdist, cross, trapezoid, diff, cov...
 
 Invariants:
 - Batched linalg (rule ``batched``): the batch dims broadcast and shard freely, each
@@ -14,6 +14,11 @@ Invariants:
 - Arguments that move the core dims (``dim=`` of a norm, a 1-D ``x`` of trapezoid
   along another dim) either get a rule that names them or fall back: a rule never
   assumes the core is trailing when the op was told otherwise.
+- ``torch._grouped_mm`` (rule ``grouped_mm``): ``offs`` indexes the global grouped dim,
+  so it and the groups stay whole. It runs torch's kernel wherever the kernel takes the
+  block's strides, else one mm per group (same products); a call torch's kernel would
+  refuse on the global value (unaligned rows, a bias, another offs dtype) falls back to
+  torch, which decides.
 - Tensor arguments that are not operands of a rule (a tensor ``dims`` of tensordot,
   shardwise tensors in ``gradient``'s spacing) fall back: exact values, a warning.
 """
