@@ -43,3 +43,26 @@ def test_a_rank_that_dies_without_reporting_fails_the_body() -> None:
     """The harness must not count a silent exit as a pass (exit code 0 included)."""
     with pytest.raises(AssertionError, match=r"rank 1\n<exit>: exit code 0"):
         check_body(faults.__name__, ["body_rank_exits_silently"], 2, "body_rank_exits_silently")
+
+
+def test_a_frozen_store_host_is_named_within_the_timeout() -> None:
+    """Rank 0 hosts the store and freezes (SIGSTOP): ranks 1 and 2 raise in time naming
+    it (TCPStore's reads ignore their timeout then; the diagnosis has its own)."""
+    start = time.monotonic()
+    results = run_on_ranks(faults.__name__, ["body_store_host_frozen"], 3, limit_s=60,
+                           timeout_s=faults.FAST_TIMEOUT_S, frozen=frozenset({0}))
+    for r in (1, 2):
+        assert r in results, f"rank {r} did not report: {results}"
+        assert results[r].get("<setup>") is None, results[r]
+        assert results[r]["body_store_host_frozen"] is None, results[r]["body_store_host_frozen"]
+    assert time.monotonic() - start < 60
+
+
+def test_a_stalled_rank_is_the_culprit_not_the_rank_waiting_for_it() -> None:
+    results = run_on_ranks(faults.__name__, ["body_stalled_rank_culprit"], 4, limit_s=60,
+                           timeout_s=faults.FAST_TIMEOUT_S)
+    for r in range(4):
+        assert r in results, f"rank {r} did not report: {results}"
+        assert results[r].get("<setup>") is None, results[r]
+        assert results[r]["body_stalled_rank_culprit"] is None, \
+            results[r]["body_stalled_rank_culprit"]
