@@ -45,7 +45,7 @@ from typing import Any
 import torch.distributed as dist
 
 __all__ = ["Seen", "absent", "examine", "failed_text", "first_failure", "mismatch", "note",
-           "note_done"]
+           "note_done", "record"]
 
 SLACK_S = 2.0        # at most this long without an answer from the store after a failure
 BYSTANDER_S = 1.0    # a bystander records and raises this much after the culprit's witness
@@ -269,6 +269,20 @@ def first_failure() -> str:
     return _bounded(read, Seen(), SLACK_S).first
 
 
+def record(text: str) -> str:
+    """Record ``text`` (this rank's error, e.g. a checkpoint's) as the run's first failure
+    unless one is recorded already; returns the first failure ("" when unreadable)."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return ""
+    mine = f"rank {dist.get_rank()}: {text[:400]}"
+
+    def write(store: Any, seen: Seen) -> None:
+        first = store.compare_set(_FIRST, "", mine)
+        seen.first = first.decode() if isinstance(first, bytes) else str(first)
+
+    return _bounded(write, Seen(), SLACK_S).first
+
+
 def _linger(store: Any, seen: Seen, prefix: str, me: int, arrived: list[int]) -> None:
     """Mark that this member has read; on rank 0 when it hosts the store (a plain
     rendezvous: its exit ends the store) wait, bounded, until ``arrived`` have read too
@@ -316,8 +330,8 @@ def failed_text(ch: Any, label: str, what: str, err: Exception, seen: Seen | lis
                     f"{seen.silent_s:.1f} s)")
     else:
         who = ""
-    first = (f" The first failure of this run: {seen.first}." if seen.first
-             and not seen.first.endswith(f"(seen by rank {me})") else "")
+    own = seen.first.endswith(f"(seen by rank {me})") or seen.first.startswith(f"rank {me}: ")
+    first = f" The first failure of this run: {seen.first}." if seen.first and not own else ""
     return (f"{what} over {label} (ranks {list(ch.ranks)}, collective #{ch.seq} of this "
             f"group) {how} on rank {me}{who}.{first} Every process must run the same "
             f"collectives in the same order; look for a rank-dependent branch, a crash or a "
