@@ -72,8 +72,10 @@ def body_rank_exits_silently(n: int) -> None:
 # --- issue 24: bounded whatever the store's host does; the culprit, not a bystander ---------
 FAST_TIMEOUT_S = 3.0  # the timeout of the launches below (short: each test waits it out)
 # What may come on top of the timeout: naming the absent ranks (2 s without an answer
-# from the store, 4.5 s in all), a bystander's delay (1.5 s), a loaded machine.
-FAST_SLACK_S = 7.0
+# from the store), a bystander's wait for the witness (up to 3 s) and delay (1 s), a
+# loaded machine.
+FAST_SLACK_S = 9.0
+STAGGER_S = 1.5  # the witnesses start waiting this late: the bystander times out first
 
 
 def _timed_error(fn) -> tuple[str, float]:  # type: ignore[no-untyped-def]
@@ -110,7 +112,8 @@ def body_stalled_rank_culprit(n: int) -> None:
     """A 2x2 (dp, tp) mesh; rank 2 stalls before the dp all_reduce. Rank 0 waits for it
     in dp {0, 2}; rank 1, done with dp {1, 3}, waits for rank 0 in tp {0, 1}: rank 1's
     error names rank 2 as the culprit and says it raised because of it, every error
-    names rank 2, and rank 1 (a bystander) raises after rank 0 (the witness)."""
+    names rank 2, and rank 1 (a bystander) raises after rank 0 (the witness) although
+    it times out first (the witnesses start waiting ``STAGGER_S`` late)."""
     import torch.distributed as dist
     from torch.distributed.distributed_c10d import _get_default_store
 
@@ -125,7 +128,16 @@ def body_stalled_rank_culprit(n: int) -> None:
     if me == 2:
         time.sleep(FAST_TIMEOUT_S + FAST_SLACK_S)  # stalled past everyone's error
         return
-    text, took = _timed_error(lambda: (dp(), tp()))
+
+    def step() -> None:
+        if me == 0:
+            time.sleep(STAGGER_S)
+        dp()
+        if me == 3:
+            time.sleep(STAGGER_S)
+        tp()
+
+    text, took = _timed_error(step)
     assert took < FAST_TIMEOUT_S + FAST_SLACK_S, f"the error came after {took:.1f} s: {text}"
     assert "rank 2" in text or "[2]" in text, text
     if me == 1:

@@ -30,8 +30,10 @@ Invariants:
   reduced tail); the message names the collective, the field and the ranks, read
   from the members' fingerprints in the rendezvous store.
 - Waits: messages, p2p and collectives end within ``timeout_s`` (+ at most
-  ``2 * diagnose.SLACK_S + 0.5`` s for naming the ranks that did not arrive and the
-  culprit behind them, whatever the store's host does: frozen, dead or slow).
+  ``3 * diagnose.SLACK_S + 2 * diagnose.BYSTANDER_S + 0.5`` s for naming the ranks that
+  did not arrive and the culprit behind them, whatever the store's host does: frozen,
+  dead or slow; a rank that names no bystander chain takes at most
+  ``2 * diagnose.SLACK_S + 0.5``).
 """
 
 from __future__ import annotations
@@ -336,7 +338,8 @@ def _wait_control(work: Any, ch: Channel, label: str, fp: Fingerprint) -> None:
     except RuntimeError as err:
         if "timed out" not in str(err).lower():
             raise _arrival_error(ch, label, fp, err, start) from err
-    diagnose.note(ch, fp.what)  # slow: say where this rank waits, so others name the absent
+    # slow: say where this rank waits (and since when), so the others name the absent
+    diagnose.note(ch, fp.what, time.monotonic() - start)
     try:
         work.wait(timeout=datetime.timedelta(seconds=max(total - (time.monotonic() - start),
                                                          0.01)))
@@ -349,8 +352,8 @@ def _arrival_error(ch: Channel, label: str, fp: Fingerprint, err: Exception, sta
                    ) -> CollectiveError:
     """The error of a wait that failed: who did not arrive (and whom they wait for), read
     from the store under its own deadline; the time is the wait's real length."""
-    diagnose.note(ch, fp.what)
     elapsed = time.monotonic() - start
+    diagnose.note(ch, fp.what, elapsed)
     seen = diagnose.examine(ch, fp.what)
     return _broken(ch.pg, CollectiveError(
         diagnose.failed_text(ch, label, fp.what, err, seen, WORLD.timeout_s, elapsed)))

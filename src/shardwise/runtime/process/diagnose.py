@@ -10,7 +10,7 @@ Invariants:
   and ``get`` ignore their timeout while the store's host is frozen (SIGSTOP), so only
   the thread's join bounds them, and a call stuck there holds this connection's lock,
   never the process group's. The caller waits at most ``SLACK_S`` without an answer
-  and ``2 * SLACK_S + 0.5`` s in all; a store that stops answering is named ("the
+  and ``3 * SLACK_S + BYSTANDER_S + 0.5`` s in all; a store that stops answering is named ("the
   store's host (rank 0, HOST:PORT) did not answer within N s").
 - A store that cannot be read (its host died) never blocks the error: the absent ranks
   are those of the last complete read, or unknown when no read succeeded, and the error
@@ -21,8 +21,9 @@ Invariants:
   followed (at most ``_HOPS`` hops) to the ranks that wait nowhere, the culprits.
 - The first failure is recorded once (``compare_set`` on ``shardwise/first``) and every
   later error quotes it. A bystander (the absent rank it names waits elsewhere) records
-  after the culprit's witness has had ``BYSTANDER_S`` to do so, and raises that much
-  later, so the witness fails (and exits) first and a launcher names the root cause.
+  only once the culprit's witness has (or should have: its ``at`` note says when its
+  wait began; at most ``SLACK_S + BYSTANDER_S`` s), and raises ``BYSTANDER_S`` later,
+  so the witness fails (and exits) first and a launcher names the root cause.
 - After naming the absent ranks a member marks that it has read; rank 0 (the store's
   host under a plain MASTER_ADDR rendezvous) waits, bounded by the slack, until the
   members it saw arrive and every other rank but the culprits have read too, so that
@@ -64,6 +65,7 @@ class Seen:
     culprits: dict[int, str] = field(default_factory=dict)  # rank -> where it did not arrive
     first: str = ""                   # the first failure recorded in the store
     silent_s: float = 0.0             # the store did not answer for this long (0: it did)
+    witness_by: float = 0.0           # wall clock by which the culprit's witness fails
     host: str = ""                    # who hosts the store, and where
     answered: float = field(default_factory=time.monotonic)  # last answer (monotonic)
 
@@ -142,8 +144,10 @@ def _bounded(fn: Callable[[Any, Seen], None], seen: Seen, limit: float) -> Seen:
     while thread.is_alive():
         thread.join(0.02)
         now = time.monotonic()
-        if thread.is_alive() and (now - seen.answered > SLACK_S or now - start > limit):
+        if thread.is_alive() and now - seen.answered > SLACK_S:
             seen.silent_s = now - seen.answered
+            break
+        if now - start > limit:  # answering, but too long: keep what was read
             break
     return seen
 
@@ -152,14 +156,16 @@ def _note_key(key: str, seq: int | str, rank: int) -> str:
     return f"shardwise/waiting/{key}/{seq}/{rank}"
 
 
-def note(ch: Any, what: str = "collective") -> None:
-    """Say in the store that this rank waits at ``ch``'s current collective (``what``),
-    without waiting for the store."""
+def note(ch: Any, what: str = "collective", waited_s: float = 0.0) -> None:
+    """Say in the store that this rank waits at ``ch``'s current collective (``what``,
+    for ``waited_s`` so far: a bystander reads when this wait will time out), without
+    waiting for the store."""
     me, key, seq = dist.get_rank(), ch.key, ch.seq
+    since = time.time() - waited_s  # wall clock: the readers are other processes
 
     def write(store: Any) -> None:
         store.set(_note_key(key, seq, me), "1")
-        store.set(f"shardwise/at/{me}", f"{key}|{seq}|{what}")
+        store.set(f"shardwise/at/{me}", f"{key}|{seq}|{what}|{since:.3f}")
 
     _background(write)
 
@@ -175,9 +181,10 @@ def examine(ch: Any, what: str = "collective") -> Seen:
     slack), whom they wait for in turn (the culprits), and the first failure recorded
     in the store; a bystander returns ``BYSTANDER_S`` late (see the invariants)."""
     me = dist.get_rank()
-    seen = _bounded(lambda store, s: _read(store, s, ch, what, me), Seen(), 2 * SLACK_S + 0.5)
+    seen = _bounded(lambda store, s: _read(store, s, ch, what, me), Seen(),
+                    3 * SLACK_S + BYSTANDER_S + 0.5)
     if seen.bystander and not seen.silent_s:
-        time.sleep(BYSTANDER_S / 2)  # the witness raised first; let it exit first too
+        time.sleep(BYSTANDER_S)  # the witness raised first; let it exit first too
     return seen
 
 
@@ -204,8 +211,9 @@ def _read(store: Any, seen: Seen, ch: Any, what: str, me: int) -> None:
     _trace(store, seen, check, missing, here, me)
     mine = _summary(seen, here, me)
     if mine:
-        if seen.bystander:  # the culprit's witness records first (it may be slower)
-            wait_until = time.monotonic() + BYSTANDER_S
+        if seen.bystander:  # the culprit's witness records first (it may time out later)
+            wait_s = min(SLACK_S + BYSTANDER_S, max(seen.witness_by - time.time(), 0.0))
+            wait_until = time.monotonic() + wait_s
             while not check(_FIRST) and time.monotonic() < wait_until:
                 time.sleep(0.05)
         first = store.compare_set(_FIRST, "", mine)
@@ -236,16 +244,24 @@ def _trace(store: Any, seen: Seen, check: Callable[[str], bool], missing: list[i
             if not at:  # dead, stalled, or computing: it waits in no collective
                 seen.culprits[r] = where
                 continue
-            key, seq, op = at.split("|", 2)
+            key, seq, op, since = [*at.split("|", 3), "0"][:4]
             ranks = [int(m) for m in key.split("-")]
             there = f"{op} #{seq} over ranks {ranks}"
             gone = [m for m in ranks if m != r and not check(_note_key(key, seq, m))]
+            if gone:  # rank r witnesses them: it fails by then (its timeout + naming them)
+                seen.witness_by = max(seen.witness_by, float(since) + _timeout_s() + SLACK_S)
             seen.hops.append(f"rank {r} waits in {there}" + (
                 f", where {_ranks(gone)} did not arrive" if gone else ""))
             following += [(m, there) for m in gone]
         frontier = following
         if not frontier:
             break
+
+
+def _timeout_s() -> float:
+    from shardwise.runtime.process.world import WORLD
+
+    return WORLD.timeout_s
 
 
 def _ranks(ranks: list[int]) -> str:
