@@ -48,3 +48,13 @@ def test_on_4_ranks(results: dict[int, Any], name: str) -> None:
 @pytest.mark.parametrize("name", ckpt_bodies.BODIES_2)
 def test_on_2_ranks_loading_what_4_saved(results: dict[int, Any], name: str) -> None:
     _assert_passed(results[2], 2, name)
+
+
+def test_a_peer_of_a_failed_load_names_the_rank_and_the_key(tmp_path: Path) -> None:
+    os.environ["SHARDWISE_CKPT_TEST_DIR"] = str(tmp_path)  # inherited by the spawned ranks
+    try:
+        res = run_on_ranks(ckpt_bodies.__name__, ["body_peer_of_a_failed_load"], 2, limit_s=60,
+                           timeout_s=3.0)
+    finally:
+        del os.environ["SHARDWISE_CKPT_TEST_DIR"]
+    _assert_passed(res, 2, "body_peer_of_a_failed_load")

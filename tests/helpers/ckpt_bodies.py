@@ -249,3 +249,27 @@ def two_gpt_resumes(world: int) -> None:
 
 
 BODIES_2 = [name for name in list(globals()) if name.startswith("two_")]
+
+
+def body_peer_of_a_failed_load(n: int) -> None:
+    """Rank 1's load fails on a key (its target has another shape) before DCP's
+    exchange; rank 0's exchange then fails (Gloo's own text): its error names its rank
+    and quotes rank 1's, key included (issue 24)."""
+    from shardwise.checkpoint import CheckpointError
+
+    mesh = DeviceMesh.cpu((n,), ("x",))
+    path = _dir() / "peer_of_a_failed_load"
+    w = sw.tensor(torch.arange(8.0), sharding=PlacementMapping(mesh, [Sharded(0)]))
+    sw.checkpoint.save({"w": w}, path)
+    shape = (9,) if dist.get_rank() == 1 else (8,)
+    try:
+        sw.checkpoint.load({"w": sw.zeros(shape, sharding=PlacementMapping(mesh, [R]))}, path)
+    except CheckpointError as err:
+        text = str(err)
+    else:
+        raise AssertionError("the load succeeded although rank 1's target differs")
+    if dist.get_rank() == 1:
+        assert "Key 'w'" in text, text
+        return  # it leaves: rank 0 waits in DCP's exchange for it
+    assert "rank 0's exchange with the other processes failed" in text, text
+    assert "the first failure of this run: rank 1: Key 'w'" in text, text

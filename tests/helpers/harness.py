@@ -74,7 +74,8 @@ def _worker(rank: int, world: int, port: int, target: str, names: list[str], que
 
 
 def run_on_ranks(target: str, names: list[str], world: int, *, limit_s: float = 240.0,
-                 timeout_s: float = 30.0) -> dict[int, dict[str, str | None]]:
+                 timeout_s: float = 30.0, frozen: frozenset[int] = frozenset()
+                 ) -> dict[int, dict[str, str | None]]:
     """Run ``target.<name>(world)`` for each name on ``world`` Gloo ranks.
 
     ``target`` is a module name the ranks import (``bodies.__name__``, e.g.
@@ -82,6 +83,8 @@ def run_on_ranks(target: str, names: list[str], world: int, *, limit_s: float = 
 
     Returns ``{rank: {name: None | traceback}}``; a rank that died without
     reporting maps to ``{"<exit>": ...}``; ranks missing after ``limit_s`` are absent.
+    ``frozen``: ranks that stop themselves (SIGSTOP) and never report: the run ends when
+    the others have reported, and they are killed first.
     """
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
@@ -94,7 +97,7 @@ def run_on_ranks(target: str, names: list[str], world: int, *, limit_s: float = 
     deadline = time.monotonic() + limit_s
     exited: dict[int, float] = {}
     try:
-        while len(out) < world and time.monotonic() < deadline:
+        while len(out) < world - len(frozen) and time.monotonic() < deadline:
             try:
                 rank, res = queue.get(timeout=0.2)
                 out[rank] = res
@@ -110,6 +113,8 @@ def run_on_ranks(target: str, names: list[str], world: int, *, limit_s: float = 
                 if now - exited[r] > _REPORT_GRACE_S:
                     out[r] = {"<exit>": f"exit code {p.exitcode}"}
     finally:
+        for r in frozen:
+            procs[r].kill()
         for p in procs:
             p.join(timeout=10)
             if p.is_alive():

@@ -167,27 +167,28 @@ def save(state_dict: Mapping[str, Any], path: str | os.PathLike[str]) -> None:
     >>> state["w"].tolist(), state["step"]
     ([0.0, 1.0, 2.0, 3.0, 4.0, 5.0], 3)
     """
-    path = Path(path)
-    tmp, old = _siblings(path)
-    first = distributed.process_index() == 0
-    if first:
-        shutil.rmtree(tmp, ignore_errors=True)  # what a crashed save left behind
-        tmp.mkdir(parents=True)
-    distributed.barrier("shardwise.checkpoint.save: begin")
-    try:
-        with _single_process_quiet():
-            dcp.save(dict(state_dict), storage_writer=dcp.FileSystemWriter(tmp),
-                     no_dist=not distributed.is_initialized())
-    except (Exception, CheckpointException) as err:  # DCP's is a BaseException
-        cause = _cause(err).rstrip(".")
-        raise CheckpointError(
-            f"Saving the checkpoint {path} failed: {cause}. The last complete checkpoint "
-            f"at {path} is untouched; the unfinished one in {tmp.name} is never read."
-        ) from err
-    distributed.barrier("shardwise.checkpoint.save: written")
-    if first:
-        _publish(tmp, path, old)
-    distributed.barrier("shardwise.checkpoint.save: published")
+    with _told():
+        path = Path(path)
+        tmp, old = _siblings(path)
+        first = distributed.process_index() == 0
+        if first:
+            shutil.rmtree(tmp, ignore_errors=True)  # what a crashed save left behind
+            tmp.mkdir(parents=True)
+        distributed.barrier("shardwise.checkpoint.save: begin")
+        try:
+            with _single_process_quiet():
+                dcp.save(dict(state_dict), storage_writer=dcp.FileSystemWriter(tmp),
+                         no_dist=not distributed.is_initialized())
+        except (Exception, CheckpointException) as err:  # DCP's is a BaseException
+            cause = _cause(err).rstrip(".")
+            raise CheckpointError(
+                f"Saving the checkpoint {path} failed: {cause}. The last complete checkpoint "
+                f"at {path} is untouched; the unfinished one in {tmp.name} is never read."
+            ) from err
+        distributed.barrier("shardwise.checkpoint.save: written")
+        if first:
+            _publish(tmp, path, old)
+        distributed.barrier("shardwise.checkpoint.save: published")
 
 
 def _publish(tmp: Path, path: Path, old: Path) -> None:
@@ -234,19 +235,20 @@ def load(state_dict: dict[str, Any], path: str | os.PathLike[str], *,
     shardwise.checkpoint.store.CheckpointError: Key 'w': the checkpoint holds shape (2,)
     float32 but the target has shape (3,) float32. ...
     """
-    path = _resolve(Path(path))
-    reader = _SafeReader(path)
-    md = reader.read_metadata()
-    _check(state_dict, md, path, strict)
-    try:
-        with _single_process_quiet():
-            dcp.load(state_dict, storage_reader=reader,
-                     planner=_SafeLoadPlanner(allow_partial_load=not strict),
-                     no_dist=not distributed.is_initialized())
-    except CheckpointError:
-        raise
-    except (Exception, CheckpointException) as err:  # DCP's is a BaseException
-        raise CheckpointError(f"Loading the checkpoint {path} failed: {_cause(err)}") from err
+    with _told():
+        path = _resolve(Path(path))
+        reader = _SafeReader(path)
+        md = reader.read_metadata()
+        _check(state_dict, md, path, strict)
+        try:
+            with _single_process_quiet():
+                dcp.load(state_dict, storage_reader=reader,
+                         planner=_SafeLoadPlanner(allow_partial_load=not strict),
+                         no_dist=not distributed.is_initialized())
+        except CheckpointError:
+            raise
+        except (Exception, CheckpointException) as err:  # DCP's is a BaseException
+            raise CheckpointError(f"Loading the checkpoint {path} failed: {_cause(err)}") from err
 
 
 def _check(state_dict: dict[str, Any], md: Metadata, path: Path, strict: bool) -> None:
@@ -305,10 +307,44 @@ def _check(state_dict: dict[str, Any], md: Metadata, path: Path, strict: bool) -
             )
 
 
+@contextlib.contextmanager
+def _told() -> Iterator[None]:
+    """A :class:`CheckpointError` raised here is recorded as the run's first failure in
+    the rendezvous store (bounded), so a peer whose exchange with this process then
+    fails can name this rank and the key (see :func:`_cause`)."""
+    try:
+        yield
+    except CheckpointError as err:
+        if distributed.is_initialized():
+            from shardwise.runtime.process import diagnose
+
+            diagnose.record(str(err))
+        raise
+
+
+def _peer(err: BaseException) -> bool:
+    """A failure of the exchange between processes (Gloo's own text), not of this one."""
+    import torch.distributed as dist
+
+    text = str(err).lower()
+    return isinstance(err, dist.DistError) or any(
+        w in text for w in ("gloo", "connection closed", "connection reset", "timed out"))
+
+
 def _cause(err: BaseException) -> str:
-    """The root causes of a DCP failure (one per failing process), not its traceback."""
+    """The root causes of a DCP failure (one per failing process), not its traceback; a
+    failed exchange names this rank and the run's first failure (a peer's key)."""
     failures = getattr(err, "failures", None)
     if not isinstance(failures, dict):
+        if distributed.is_initialized() and _peer(err):
+            from shardwise.runtime.process import diagnose
+
+            first = diagnose.first_failure()
+            return (f"rank {distributed.process_index()}'s exchange with the other processes "
+                    "failed: a peer failed, died or stalled first ("
+                    + (f"the first failure of this run: {first}" if first else
+                       "no failure was recorded in the rendezvous store")
+                    + f"). Underlying error: {type(err).__name__}: {str(err)[:300]}")
         return f"{type(err).__name__}: {err}"
     return "; ".join(f"process {r}: {_cause(e[0] if isinstance(e, tuple) else e)}"
                      for r, e in sorted(failures.items()))  # (exception, traceback) pairs

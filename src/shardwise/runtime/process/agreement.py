@@ -29,8 +29,11 @@ Invariants:
 - A mismatch raises :class:`CollectiveError` on every member (all read the same
   reduced tail); the message names the collective, the field and the ranks, read
   from the members' fingerprints in the rendezvous store.
-- Waits: messages, p2p and collectives end within ``timeout_s`` (+ a small slack for
-  naming the ranks that did not arrive).
+- Waits: messages, p2p and collectives end within ``timeout_s`` (+ at most
+  ``3 * diagnose.SLACK_S + 2 * diagnose.BYSTANDER_S + 0.5`` s for naming the ranks that
+  did not arrive and the culprit behind them, whatever the store's host does: frozen,
+  dead or slow; a rank that names no bystander chain takes at most
+  ``2 * diagnose.SLACK_S + 0.5``).
 """
 
 from __future__ import annotations
@@ -334,21 +337,26 @@ def _wait_control(work: Any, ch: Channel, label: str, fp: Fingerprint) -> None:
         return
     except RuntimeError as err:
         if "timed out" not in str(err).lower():
-            raise _arrival_error(ch, label, fp, err) from err
-    diagnose.note(ch)  # slow: say where this rank waits, so the others can name the absent
+            raise _arrival_error(ch, label, fp, err, start) from err
+    # slow: say where this rank waits (and since when), so the others name the absent
+    diagnose.note(ch, fp.what, time.monotonic() - start)
     try:
         work.wait(timeout=datetime.timedelta(seconds=max(total - (time.monotonic() - start),
                                                          0.01)))
     except RuntimeError as err:
-        raise _arrival_error(ch, label, fp, err) from err
+        raise _arrival_error(ch, label, fp, err, start) from err
+    diagnose.note_done()  # it arrived late: no longer waiting (a stale note would mislead)
 
 
-def _arrival_error(ch: Channel, label: str, fp: Fingerprint, err: Exception
+def _arrival_error(ch: Channel, label: str, fp: Fingerprint, err: Exception, start: float
                    ) -> CollectiveError:
-    diagnose.note(ch)
-    absent = diagnose.absent(ch)
+    """The error of a wait that failed: who did not arrive (and whom they wait for), read
+    from the store under its own deadline; the time is the wait's real length."""
+    elapsed = time.monotonic() - start
+    diagnose.note(ch, fp.what, elapsed)
+    seen = diagnose.examine(ch, fp.what)
     return _broken(ch.pg, CollectiveError(
-        diagnose.failed_text(ch, label, fp.what, err, absent, WORLD.timeout_s)))
+        diagnose.failed_text(ch, label, fp.what, err, seen, WORLD.timeout_s, elapsed)))
 
 
 def debug_check(pg: Any, ranks: tuple[int, ...], slot: Any, label: str, fp: Fingerprint
@@ -381,11 +389,13 @@ def run(what: str, label: str, ranks: tuple[int, ...], fn: Any, pg: Any = None) 
     except (RuntimeError, ValueError) as err:  # DistBackendError is a RuntimeError
         if isinstance(err, CollectiveError):
             raise
+        first = diagnose.first_failure()  # a peer that failed first says why (bounded)
         raise _broken(pg, CollectiveError(
             f"{what} over {label} (ranks {list(ranks)}) failed on rank {dist.get_rank()} "
             "after every member agreed to it: a peer died, stalled past the timeout "
-            f"({WORLD.timeout_s:g} s) or closed its connection. Underlying error: "
-            f"{str(err)[:300]}"
+            f"({WORLD.timeout_s:g} s) or closed its connection."
+            + (f" The first failure of this run: {first}." if first else "")
+            + f" Underlying error: {str(err)[:300]}"
         )) from err
 
 
