@@ -1,0 +1,169 @@
+"""Checksums of DCP checkpoints: a CRC-32 per written chunk, recorded in the metadata.
+
+Invariants:
+- :class:`ChecksummedWriter` is DCP's ``FileSystemWriter``; every chunk it writes (a
+  tensor block's ``torch.save`` record or a non-tensor value's bytes, i.e. one
+  ``_StorageInfo`` byte range of a ``.distcp`` file) gets the CRC-32 of exactly those
+  bytes as the attribute ``shardwise_crc32`` of its ``_StorageInfo`` in ``.metadata``.
+  The CRC is taken from the bytes as they go to the file (no second read), except
+  where a range does not match one written stretch (a format DCP may add later):
+  then the range is read back from the file.
+- ``.metadata`` ends with a trailer, ``shardwise.crc32=`` and the 8 hex digits of the
+  CRC-32 of the pickle before it. ``pickle.load`` stops at the pickle's end, so DCP's
+  own reader (``dcp.load``, other tools) reads the file, and ignores the extra
+  attribute, unchanged: a checksummed checkpoint is an ordinary DCP checkpoint.
+- :func:`read_chunk` returns a chunk's bytes only if they are all there and match
+  their CRC-32 (chunks without one, written by plain ``dcp.save``, only if they are
+  all there and are not all zero bytes); otherwise it raises :class:`Corrupt`, which
+  the reader turns into a ``CheckpointError`` naming the key, file and byte range.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import os
+import zlib
+from collections.abc import Iterator
+from pathlib import Path
+from typing import IO, Any
+
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.filesystem import FileSystem
+from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
+from torch.distributed.checkpoint.storage import WriteResult
+from torch.futures import Future
+
+__all__ = ["ATTR", "ChecksummedWriter", "Corrupt", "read_chunk", "split_trailer"]
+
+ATTR = "shardwise_crc32"  # the _StorageInfo attribute (namespaced: DCP owns the class)
+_TRAILER = b"shardwise.crc32="
+_TRAILER_LEN = len(_TRAILER) + 8
+_METADATA_TMP = ".metadata.tmp"  # the name DCP's finish() writes before its rename
+
+
+class Corrupt(Exception):
+    """A chunk's bytes are not what was written (the reader names the key)."""
+
+    def __init__(self, file: Path, begin: int, end: int, why: str) -> None:
+        super().__init__(f"{file} bytes {begin}..{end}: {why}")
+        self.file, self.begin, self.end, self.why = file, begin, end, why
+
+
+class _Summing(io.RawIOBase):
+    """A file being written that keeps the CRC-32 of each stretch between two
+    ``tell()`` calls: DCP's ``_write_item`` calls ``tell()`` right before and right
+    after each chunk, so a stretch is one chunk (checked again when it is used)."""
+
+    def __init__(self, raw: IO[bytes], trailer: bool) -> None:
+        super().__init__()
+        self.raw, self.trailer = raw, trailer
+        self.pos = self.mark = self.crc = 0
+        self.whole = 0  # the CRC of everything written (the metadata trailer's)
+        self.stretches: dict[int, tuple[int, int]] = {}  # begin -> (end, crc)
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, b: Any) -> int:
+        view = memoryview(b).cast("B")
+        self.crc = zlib.crc32(view, self.crc)
+        if self.trailer:
+            self.whole = zlib.crc32(view, self.whole)
+        n = self.raw.write(view)
+        self.pos += len(view)
+        return len(view) if n is None else n
+
+    def tell(self) -> int:
+        if self.pos > self.mark:
+            self.stretches[self.mark] = (self.pos, self.crc)
+        self.mark, self.crc = self.pos, 0
+        return self.pos
+
+    def flush(self) -> None:
+        self.raw.flush()
+
+    def fileno(self) -> int:
+        return self.raw.fileno()
+
+
+class _SummingFileSystem(FileSystem):
+    """DCP's local file system, summing what it writes (see :class:`_Summing`)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stretches: dict[str, dict[int, tuple[int, int]]] = {}
+
+    @contextlib.contextmanager
+    def create_stream(self, path: str | os.PathLike[str], mode: str
+                      ) -> Iterator[io.IOBase]:
+        path = Path(path)
+        if "w" not in mode:
+            with super().create_stream(path, mode) as stream:
+                yield stream
+            return
+        trailer = path.name == _METADATA_TMP
+        with open(path, mode) as raw:
+            summing = _Summing(raw, trailer)
+            yield summing
+            if trailer:  # before DCP renames it to .metadata
+                raw.write(_TRAILER + b"%08x" % summing.whole)
+                raw.flush()
+                os.fsync(raw.fileno())
+        self.stretches[path.name] = summing.stretches
+
+
+class ChecksummedWriter(dcp.FileSystemWriter):
+    """``dcp.FileSystemWriter`` recording each chunk's CRC-32 in the metadata."""
+
+    def __init__(self, path: str | os.PathLike[str], **kwargs: Any) -> None:
+        super().__init__(path, **kwargs)
+        self.fs = _SummingFileSystem()
+
+    def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
+        results = super().write_data(plan, planner).wait()
+        assert isinstance(self.fs, _SummingFileSystem)
+        for result in results:
+            info = result.storage_data
+            end = info.offset + info.length
+            known = self.fs.stretches.get(info.relative_path, {}).get(info.offset)
+            if known is not None and known[0] == end:
+                crc = known[1]
+            else:  # not one written stretch: read the range back
+                with open(Path(self.path) / info.relative_path, "rb") as f:
+                    f.seek(info.offset)
+                    crc = zlib.crc32(f.read(info.length))
+            setattr(info, ATTR, crc)
+        done: Future[list[WriteResult]] = Future()
+        done.set_result(results)
+        return done
+
+
+def split_trailer(data: bytes) -> tuple[bytes, int | None]:
+    """``.metadata``'s pickle and the CRC-32 its trailer records (``None``: no trailer,
+    a checkpoint written by plain ``dcp.save``)."""
+    tail = data[-_TRAILER_LEN:]
+    if len(data) >= _TRAILER_LEN and tail.startswith(_TRAILER):
+        with contextlib.suppress(ValueError):
+            return data[:-_TRAILER_LEN], int(tail[len(_TRAILER):], 16)
+    return data, None
+
+
+def read_chunk(file: IO[bytes], path: Path, info: Any) -> bytes:
+    """The bytes of the chunk ``info`` (a ``_StorageInfo``) of the open ``file``,
+    checked against their CRC-32 (see the module doc)."""
+    begin, end = info.offset, info.offset + info.length
+    file.seek(begin)
+    data = file.read(info.length)
+    if len(data) != info.length:
+        raise Corrupt(path, begin, end, f"the file ends after {len(data)} of them "
+                      "(truncated)")
+    expected = getattr(info, ATTR, None)
+    if expected is not None:
+        got = zlib.crc32(data)
+        if got != expected:
+            raise Corrupt(path, begin, end, f"their CRC-32 is {got:08x}, the metadata "
+                          f"recorded {expected:08x}")
+    elif data and not any(data[:4096]) and not any(data):
+        raise Corrupt(path, begin, end, "they are all zero bytes")
+    return data
