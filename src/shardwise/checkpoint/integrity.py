@@ -12,6 +12,9 @@ Invariants:
   CRC-32 of the pickle before it. ``pickle.load`` stops at the pickle's end, so DCP's
   own reader (``dcp.load``, other tools) reads the file, and ignores the extra
   attribute, unchanged: a checksummed checkpoint is an ordinary DCP checkpoint.
+- The zip records ``torch.save`` writes inside a chunk carry no CRC-32 of their own
+  (``torch.serialization.set_crc32_options(False)`` while writing): nothing checked
+  them, and the chunk's CRC-32 takes their place at the same cost.
 - :func:`read_chunk` returns a chunk's bytes only if they are all there and match
   their CRC-32 (chunks without one, written by plain ``dcp.save``, only if they are
   all there and are not all zero bytes); otherwise it raises :class:`Corrupt`, which
@@ -28,6 +31,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import IO, Any
 
+import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.filesystem import FileSystem
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
@@ -113,6 +117,20 @@ class _SummingFileSystem(FileSystem):
         self.stretches[path.name] = summing.stretches
 
 
+@contextlib.contextmanager
+def _zip_crc_off() -> Iterator[None]:
+    """``torch.save`` without the CRC-32 of each zip record: no reader checks those
+    (``torch.load`` does not), and ours, which covers the whole chunk and is checked,
+    costs the same pass over the bytes; so the save costs what it did. The option is
+    torch's global (a ``torch.save`` in another thread meanwhile also skips it)."""
+    before = torch.serialization.get_crc32_options()
+    torch.serialization.set_crc32_options(False)
+    try:
+        yield
+    finally:
+        torch.serialization.set_crc32_options(before)
+
+
 class ChecksummedWriter(dcp.FileSystemWriter):
     """``dcp.FileSystemWriter`` recording each chunk's CRC-32 in the metadata."""
 
@@ -121,7 +139,8 @@ class ChecksummedWriter(dcp.FileSystemWriter):
         self.fs = _SummingFileSystem()
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
-        results = super().write_data(plan, planner).wait()
+        with _zip_crc_off():
+            results = super().write_data(plan, planner).wait()
         assert isinstance(self.fs, _SummingFileSystem)
         for result in results:
             info = result.storage_data
@@ -141,11 +160,13 @@ class ChecksummedWriter(dcp.FileSystemWriter):
 
 def split_trailer(data: bytes) -> tuple[bytes, int | None]:
     """``.metadata``'s pickle and the CRC-32 its trailer records (``None``: no trailer,
-    a checkpoint written by plain ``dcp.save``)."""
+    a checkpoint written by plain ``dcp.save``, or a damaged one, whose bytes then
+    trail the pickle and fail the reader)."""
     tail = data[-_TRAILER_LEN:]
-    if len(data) >= _TRAILER_LEN and tail.startswith(_TRAILER):
-        with contextlib.suppress(ValueError):
-            return data[:-_TRAILER_LEN], int(tail[len(_TRAILER):], 16)
+    digits = tail[len(_TRAILER):]
+    if (len(data) >= _TRAILER_LEN and tail.startswith(_TRAILER)
+            and all(c in b"0123456789abcdef" for c in digits)):  # exactly as written
+        return data[:-_TRAILER_LEN], int(digits, 16)
     return data, None
 
 

@@ -162,13 +162,13 @@ class _SafeReader(dcp.FileSystemReader):
             raise
         except Exception as err:  # a damaged pickle fails in many ways
             raise CheckpointError(
-                f"The checkpoint metadata {path} is truncated or corrupt "
-                f"({type(err).__name__}: {err}). Restore the checkpoint directory or load "
+                f"The checkpoint metadata {path} (bytes 0..{len(raw)}) is truncated or "
+                f"corrupt ({type(err).__name__}: {err}). Restore the checkpoint directory or load "
                 "an older one."
             ) from err
         if not isinstance(md, Metadata):
             raise CheckpointError(
-                f"The checkpoint metadata {path} is corrupt: it holds a "
+                f"The checkpoint metadata {path} (bytes 0..{len(raw)}) is corrupt: it holds a "
                 f"{type(md).__name__}, not DCP's Metadata. Restore the checkpoint directory."
             )
         meta = getattr(md, "storage_meta", None) or StorageMeta()
