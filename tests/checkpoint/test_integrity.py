@@ -204,3 +204,64 @@ def test_load_train_state_passes_fallback(tmp_path: Path) -> None:
         sw.checkpoint.load_train_state(tmp_path / "run", model, opt, fallback="error")
     with pytest.warns(CheckpointWarning, match=r"run.old \(step 4\)"):
         assert sw.checkpoint.load_train_state(tmp_path / "run", model, opt) == 4
+
+
+# --- safetensors ----------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def saved_st(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("integrity_st") / "model.safetensors"
+    s = state(3)
+    del s["step"]
+    sw.checkpoint.save_safetensors(s, path, metadata={"format": "pt"})
+    return path
+
+
+def _load_st(saved_st: Path, damage: Any) -> dict[str, Any]:
+    with tempfile.TemporaryDirectory() as d:
+        path = Path(d) / saved_st.name
+        shutil.copy(saved_st, path)
+        damage(path)
+        t = target()
+        sw.checkpoint.load_safetensors(path, t)
+        return t
+
+
+def test_a_checksummed_safetensors_file_loads(saved_st: Path) -> None:
+    t = _load_st(saved_st, lambda p: None)
+    t["step"] = 3
+    check(t, 3)
+
+
+@settings(max_examples=100, deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(where=st.floats(0, 1, exclude_max=True), mask=st.binary(min_size=8, max_size=8))
+def test_any_flip_in_a_safetensors_file_is_corrupt_never_a_wrong_value(
+        saved_st: Path, where: float, mask: bytes) -> None:
+    if not any(mask):
+        mask = b"\x01" + mask[1:]
+    offset = int(where * saved_st.stat().st_size)
+    with pytest.raises(CheckpointError, match="corrupt") as err:
+        _load_st(saved_st, lambda p: _flip(p, offset, mask))
+    message = str(err.value)
+    assert saved_st.name in message, message
+    assert "bytes" in message or "safetensors cannot read" in message, message
+
+
+@pytest.mark.parametrize("how", ["zero-filled", "truncated", "emptied"])
+@pytest.mark.parametrize("ours", [True, False])
+def test_zero_filled_and_truncated_safetensors_files_are_corrupt(
+        saved_st: Path, tmp_path: Path, how: str, ours: bool) -> None:
+    import safetensors.torch
+
+    src = saved_st
+    if not ours:  # written by safetensors itself: no checksums
+        src = tmp_path / "plain.safetensors"
+        safetensors.torch.save_file({"w": G, "plain": torch.ones(3)}, src)
+
+    def damage(p: Path) -> None:
+        size = p.stat().st_size
+        p.write_bytes({"zero-filled": bytes(size), "truncated": p.read_bytes()[:size - 8],
+                       "emptied": b""}[how])
+
+    with pytest.raises(CheckpointError, match="corrupt"):
+        _load_st(src, damage)
