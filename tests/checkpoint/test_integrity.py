@@ -10,6 +10,7 @@ import pickle
 import shutil
 import tempfile
 import warnings
+import zlib
 from pathlib import Path
 from typing import Any
 
@@ -265,3 +266,21 @@ def test_zero_filled_and_truncated_safetensors_files_are_corrupt(
 
     with pytest.raises(CheckpointError, match="corrupt"):
         _load_st(src, damage)
+
+
+@settings(max_examples=50, deadline=None, derandomize=True)
+@given(a=st.binary(max_size=300), b=st.binary(max_size=300))
+def test_crc32_combine_is_zlibs(a: bytes, b: bytes) -> None:
+    from shardwise.checkpoint import integrity
+
+    assert integrity._combine(zlib.crc32(a), zlib.crc32(b), len(b)) == zlib.crc32(a + b)
+
+
+def test_crc32_of_a_large_buffer_in_pieces_is_zlibs(monkeypatch: pytest.MonkeyPatch) -> None:
+    from shardwise.checkpoint import integrity
+
+    monkeypatch.setattr(integrity, "_PIECE", 1000)
+    monkeypatch.setattr(os, "cpu_count", lambda: 4)
+    data = bytes(range(256)) * 41 + b"tail"
+    assert integrity.crc32(data) == zlib.crc32(data)
+    assert integrity.crc32(memoryview(data)[5:]) == zlib.crc32(data[5:])

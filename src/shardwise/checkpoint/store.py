@@ -99,6 +99,10 @@ class _SafeReader(dcp.FileSystemReader):
     """DCP's file reader with a safe metadata unpickler, every chunk checked against
     its CRC-32 (``integrity``), and errors that name the key."""
 
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        super().__init__(path)
+        self._verified: set[tuple[str, int]] = set()  # (file, offset) checked in this load
+
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         # one item at a time, so that damaged data names the key it belongs to
         for item in plan.items:
@@ -133,9 +137,13 @@ class _SafeReader(dcp.FileSystemReader):
         return done
 
     def _slice_file(self, file: Any, sinfo: Any) -> IO[bytes]:
-        # the chunk's bytes, checked, in place of DCP's lazy view of the file
-        return io.BytesIO(integrity.read_chunk(file, Path(self.path) / sinfo.relative_path,
-                                               sinfo))
+        # the chunk's bytes, checked, in place of DCP's lazy view of the file; DCP reads
+        # a chunk once per target block it overlaps: its CRC is computed once per load
+        key = (sinfo.relative_path, sinfo.offset)
+        data = integrity.read_chunk(file, Path(self.path) / sinfo.relative_path, sinfo,
+                                    verified=key in self._verified)
+        self._verified.add(key)
+        return io.BytesIO(data)
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         path = Path(self.path) / ".metadata"
