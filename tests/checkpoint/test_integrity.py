@@ -284,3 +284,19 @@ def test_crc32_of_a_large_buffer_in_pieces_is_zlibs(monkeypatch: pytest.MonkeyPa
     data = bytes(range(256)) * 41 + b"tail"
     assert integrity.crc32(data) == zlib.crc32(data)
     assert integrity.crc32(memoryview(data)[5:]) == zlib.crc32(data[5:])
+
+
+def test_check_chunk_in_pieces_from_a_memory_map(tmp_path: Path,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    from shardwise.checkpoint import integrity
+
+    monkeypatch.setattr(integrity, "_PIECE", 1000)
+    monkeypatch.setattr(os, "cpu_count", lambda: 4)
+    f = tmp_path / "data"
+    data = bytes(range(256)) * 41
+    f.write_bytes(data)
+    integrity.check_chunk(f, 7, 9000, zlib.crc32(data[7:9000]))
+    with pytest.raises(integrity.Corrupt, match="CRC-32"):
+        integrity.check_chunk(f, 7, 9000, zlib.crc32(data[7:9000]) ^ 1)
+    with pytest.raises(integrity.Corrupt, match="truncated"):
+        integrity.check_chunk(f, 7, 90000, 0)

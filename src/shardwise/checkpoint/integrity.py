@@ -15,16 +15,19 @@ Invariants:
 - The zip records ``torch.save`` writes inside a chunk carry no CRC-32 of their own
   (``torch.serialization.set_crc32_options(False)`` while writing): nothing checked
   them, and the chunk's CRC-32 takes their place at the same cost.
-- :func:`read_chunk` returns a chunk's bytes only if they are all there and match
-  their CRC-32 (chunks without one, written by plain ``dcp.save``, only if they are
-  all there and are not all zero bytes); otherwise it raises :class:`Corrupt`, which
-  the reader turns into a ``CheckpointError`` naming the key, file and byte range.
+- :func:`check_chunk` passes a chunk only if its bytes are all there and match their
+  CRC-32 (chunks without one, written by plain ``dcp.save``, only if they are all
+  there and are not all zero bytes); otherwise it raises :class:`Corrupt`, which the
+  reader turns into a ``CheckpointError`` naming the key, file and byte range. The
+  reader checks a chunk right before it deserialises it (a file changed between the
+  two is outside what this guards: damage at rest).
 """
 
 from __future__ import annotations
 
 import contextlib
 import io
+import mmap
 import os
 import zlib
 from collections.abc import Iterator
@@ -39,7 +42,8 @@ from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
-__all__ = ["ATTR", "ChecksummedWriter", "Corrupt", "crc32", "read_chunk", "split_trailer"]
+__all__ = ["ATTR", "ChecksummedWriter", "Corrupt", "check_chunk", "check_info", "crc32",
+           "split_trailer"]
 
 ATTR = "shardwise_crc32"  # the _StorageInfo attribute (namespaced: DCP owns the class)
 _TRAILER = b"shardwise.crc32="
@@ -228,24 +232,29 @@ def split_trailer(data: bytes) -> tuple[bytes, int | None]:
     return data, None
 
 
-def read_chunk(file: IO[bytes], path: Path, info: Any, *, verified: bool = False) -> bytes:
-    """The bytes of the chunk ``info`` (a ``_StorageInfo``) of the open ``file``,
-    checked against their CRC-32 (see the module doc) unless ``verified`` (the same
-    bytes were checked earlier in this load)."""
-    begin, end = info.offset, info.offset + info.length
-    file.seek(begin)
-    data = file.read(info.length)
-    if len(data) != info.length:
-        raise Corrupt(path, begin, end, f"the file ends after {len(data)} of them "
-                      "(truncated)")
-    expected = getattr(info, ATTR, None)
-    if verified:
-        pass
-    elif expected is not None:
-        got = crc32(data)
-        if got != expected:
-            raise Corrupt(path, begin, end, f"their CRC-32 is {got:08x}, the metadata "
-                          f"recorded {expected:08x}")
-    elif data and not any(data[:4096]) and not any(data):
-        raise Corrupt(path, begin, end, "they are all zero bytes")
-    return data
+def check_chunk(path: Path, begin: int, end: int, expected: int | None) -> None:
+    """Raise :class:`Corrupt` unless bytes ``begin..end`` of ``path`` are all there and
+    match their CRC-32 ``expected`` (``None``: a chunk written without one, which must
+    then not be all zero bytes). Read through a memory map: the bytes are summed
+    where the page cache holds them, never copied."""
+    with open(path, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        if size < end:
+            raise Corrupt(path, begin, end, f"the file ends after {max(size - begin, 0)} of "
+                          "them (truncated)")
+        if end == begin:
+            return
+        with (mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm,
+              memoryview(mm) as whole, whole[begin:end] as view):
+            if expected is not None:
+                got = crc32(view)
+                if got != expected:
+                    raise Corrupt(path, begin, end, f"their CRC-32 is {got:08x}, the "
+                                  f"metadata recorded {expected:08x}")
+            elif not any(view[:4096]) and not any(view):
+                raise Corrupt(path, begin, end, "they are all zero bytes")
+
+
+def check_info(path: Path, info: Any) -> None:
+    """:func:`check_chunk` of the chunk ``info`` (a ``_StorageInfo``) of ``path``."""
+    check_chunk(path, info.offset, info.offset + info.length, getattr(info, ATTR, None))

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import json
 import math
+import mmap
 import os
 import struct
 import zlib
@@ -40,6 +41,7 @@ import numpy as np
 import torch
 
 from shardwise.api import distributed
+from shardwise.checkpoint import integrity
 from shardwise.checkpoint.store import CheckpointError
 from shardwise.tensors.chunks import owned_chunks
 from shardwise.tensors.tensor import Tensor
@@ -219,12 +221,14 @@ def _write_checksums(tmp: Path, head: bytes, begins: dict[str, int], digits: dic
     me, count = distributed.process_index(), distributed.process_count()
     fd = os.open(tmp, os.O_RDWR)
     try:
-        for n, (name, t) in enumerate(flat.items()):
-            if n % count != me:
-                continue
-            size = t.numel() * t.dtype.itemsize
-            crc = zlib.crc32(os.pread(fd, size, len(head) + begins[name])) if size else 0
-            os.pwrite(fd, b"%08x" % crc, digits[name])
+        # summed where the page cache holds the bytes
+        with mmap.mmap(fd, 0, access=mmap.ACCESS_READ) as mm, memoryview(mm) as view:
+            for n, (name, t) in enumerate(flat.items()):
+                if n % count != me:
+                    continue
+                begin = len(head) + begins[name]
+                crc = integrity.crc32(view[begin:begin + t.numel() * t.dtype.itemsize])
+                os.pwrite(fd, b"%08x" % crc, digits[name])
         if me == 0:
             os.pwrite(fd, b"%08x" % _header_crc(head, digits.values()), digits[""])
         os.fsync(fd)
@@ -312,18 +316,13 @@ def _checks(path: Path) -> dict[str, tuple[int, int, int]]:
 
 
 def _verify(path: Path, name: str, begin: int, end: int, expected: int) -> None:
-    with open(path, "rb") as f:
-        f.seek(begin)
-        data = f.read(end - begin)
-    why = (f"the file ends after {len(data)} of them (truncated)" if len(data) != end - begin
-           else None)
-    if why is None and zlib.crc32(data) != expected:
-        why = f"their CRC-32 is {zlib.crc32(data):08x}, the header recorded {expected:08x}"
-    if why is not None:
+    try:
+        integrity.check_chunk(path, begin, end, expected)
+    except integrity.Corrupt as err:
         raise CheckpointError(
-            f"Key {name!r}: its data in {path} bytes {begin}..{end} is corrupt ({why}). "
-            "Restore the file."
-        )
+            f"Key {name!r}: its data in {path} bytes {begin}..{end} is corrupt "
+            f"({err.why.replace('metadata', 'header')}). Restore the file."
+        ) from None
 
 
 def _load_one(f: Any, name: str, target: torch.Tensor, cast: bool) -> None:

@@ -137,13 +137,13 @@ class _SafeReader(dcp.FileSystemReader):
         return done
 
     def _slice_file(self, file: Any, sinfo: Any) -> IO[bytes]:
-        # the chunk's bytes, checked, in place of DCP's lazy view of the file; DCP reads
-        # a chunk once per target block it overlaps: its CRC is computed once per load
+        # check the chunk, then DCP's own lazy view of it; DCP reads a chunk once per
+        # target block it overlaps: its CRC is computed once per load
         key = (sinfo.relative_path, sinfo.offset)
-        data = integrity.read_chunk(file, Path(self.path) / sinfo.relative_path, sinfo,
-                                    verified=key in self._verified)
-        self._verified.add(key)
-        return io.BytesIO(data)
+        if key not in self._verified:
+            integrity.check_info(Path(self.path) / sinfo.relative_path, sinfo)
+            self._verified.add(key)
+        return super()._slice_file(file, sinfo)
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         path = Path(self.path) / ".metadata"
@@ -279,9 +279,10 @@ def _step(path: Path) -> int | None:
         md = reader.read_metadata()
         index = next(i for i in md.storage_data if i.fqn == "step")
         info = md.storage_data[index]
+        integrity.check_info(path / info.relative_path, info)
         with open(path / info.relative_path, "rb") as f:
-            value = torch.load(io.BytesIO(integrity.read_chunk(f, path, info)),
-                               weights_only=True)
+            f.seek(info.offset)
+            value = torch.load(io.BytesIO(f.read(info.length)), weights_only=True)
         return value if isinstance(value, int) else None
     return None
 
