@@ -300,3 +300,23 @@ def test_check_chunk_in_pieces_from_a_memory_map(tmp_path: Path,
         integrity.check_chunk(f, 7, 9000, zlib.crc32(data[7:9000]) ^ 1)
     with pytest.raises(integrity.Corrupt, match="truncated"):
         integrity.check_chunk(f, 7, 90000, 0)
+
+
+def test_verify_false_skips_the_data_checksums(saved: Path, saved_st: Path) -> None:
+    def damage(p: Path) -> None:  # 8 bytes of w's values (row 1, [5., 6.] + 3)
+        f = p / "__0_0.distcp" if p.is_dir() else p
+        _flip(f, f.read_bytes().index((G[1, :2] + 3).numpy().tobytes()), b"\x01" * 8)
+
+    with tempfile.TemporaryDirectory() as d:
+        path, st_path = Path(d) / "ckpt", Path(d) / saved_st.name
+        shutil.copytree(saved, path)
+        shutil.copy(saved_st, st_path)
+        damage(path)
+        damage(st_path)
+        sw.checkpoint.load(target(), path, verify=False)  # unchecked: no error
+        t = target()
+        assert sw.checkpoint.load_safetensors(st_path, t, strict=False, verify=False) == []
+        with pytest.raises(CheckpointError, match="corrupt"):
+            sw.checkpoint.load(target(), path)
+        with pytest.raises(CheckpointError, match="corrupt"):
+            sw.checkpoint.load_safetensors(st_path, target(), strict=False)
