@@ -87,7 +87,7 @@ def _combine(crc1: int, crc2: int, len2: int) -> int:
     return _multmodp(p, crc1) ^ crc2
 
 
-_pool: ThreadPoolExecutor | None = None
+_pool: tuple[int, ThreadPoolExecutor] | None = None  # (the process that made it, pool)
 
 
 def crc32(data: bytes | memoryview) -> int:
@@ -97,13 +97,13 @@ def crc32(data: bytes | memoryview) -> int:
     n = min(os.cpu_count() or 1, 8, len(view) // _PIECE)
     if n < 2:
         return zlib.crc32(view)
-    if _pool is None:
-        _pool = ThreadPoolExecutor(min(os.cpu_count() or 1, 8),
-                                   thread_name_prefix="shardwise-crc32")
+    if _pool is None or _pool[0] != os.getpid():  # a forked child has none of its threads
+        _pool = (os.getpid(), ThreadPoolExecutor(min(os.cpu_count() or 1, 8),
+                                                 thread_name_prefix="shardwise-crc32"))
     step = -(-len(view) // n)
     pieces = [view[i:i + step] for i in range(0, len(view), step)]
     crc = 0
-    for piece, part in zip(pieces, _pool.map(zlib.crc32, pieces)):
+    for piece, part in zip(pieces, _pool[1].map(zlib.crc32, pieces)):
         crc = _combine(crc, part, len(piece))
     return crc
 
