@@ -30,6 +30,7 @@ Invariants:
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import dataclasses
 import io
@@ -39,6 +40,7 @@ import shutil
 import warnings
 import zlib
 from collections.abc import Iterator, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import IO, Any, Literal
 
@@ -103,46 +105,70 @@ class _SafeReader(dcp.FileSystemReader):
         super().__init__(path)
         self._verify = verify
         self._verified: set[tuple[str, int]] = set()  # (file, offset) checked in this load
+        self._pending: dict[tuple[str, int], concurrent.futures.Future[None]] = {}
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
-        # one item at a time, so that damaged data names the key it belongs to
-        for item in plan.items:
-            info = self.storage_data[item.storage_index]
-            span = (f"{Path(self.path) / info.relative_path} bytes "
-                    f"{info.offset}..{info.offset + info.length}")
-            try:
-                super().read_data(dataclasses.replace(plan, items=[item]), planner).wait()
-            except CheckpointError:
-                raise
-            except integrity.Corrupt as err:
-                raise CheckpointError(
-                    f"Key {item.storage_index.fqn!r}: its data in {span} is corrupt "
-                    f"({err.why}). Restore the checkpoint or load an older one."
-                ) from None
-            except Exception as err:
-                first = (str(err).strip().splitlines() or [""])[0]
-                checked = ((info.relative_path, info.offset) in self._verified
-                           and getattr(info, integrity.ATTR, None) is not None)
-                if not checked and "weights_only" in first:  # torch's advice: not ours
-                    first = "not a torch.save record that weights_only=True accepts"
-                raise CheckpointError(
-                    f"Key {item.storage_index.fqn!r}: reading its data in {span} failed "
-                    f"({type(err).__name__}: {first}). "
-                    + ("Its bytes match their checksum: the value is one that cannot "
-                       "be loaded safely." if checked else
-                       "The checkpoint is corrupt (or holds a value that cannot be "
-                       "loaded safely; no checksum was checked to tell): restore it or "
-                       "load an older one.")
-                ) from err
+        # the next chunk's CRC is computed (zlib releases the GIL) while DCP
+        # deserialises this one
+        ahead = ThreadPoolExecutor(1, thread_name_prefix="shardwise-check")
+        try:
+            for n, item in enumerate(plan.items):
+                for nxt in plan.items[n:n + 2]:
+                    self._check_soon(ahead, nxt)
+                self._read_one(plan, planner, item)
+        finally:
+            ahead.shutdown(wait=True, cancel_futures=True)
+            self._pending.clear()
         done: Future[None] = Future()
         done.set_result(None)
         return done
+
+    def _check_soon(self, ahead: ThreadPoolExecutor, item: ReadItem) -> None:
+        info = self.storage_data[item.storage_index]
+        key = (info.relative_path, info.offset)
+        if self._verify and key not in self._verified and key not in self._pending:
+            self._pending[key] = ahead.submit(
+                integrity.check_info, Path(self.path) / info.relative_path, info)
+
+    def _read_one(self, plan: LoadPlan, planner: LoadPlanner, item: ReadItem) -> None:
+        # one item at a time, so that damaged data names the key it belongs to
+        info = self.storage_data[item.storage_index]
+        span = (f"{Path(self.path) / info.relative_path} bytes "
+                f"{info.offset}..{info.offset + info.length}")
+        try:
+            super().read_data(dataclasses.replace(plan, items=[item]), planner).wait()
+        except CheckpointError:
+            raise
+        except integrity.Corrupt as err:
+            raise CheckpointError(
+                f"Key {item.storage_index.fqn!r}: its data in {span} is corrupt "
+                f"({err.why}). Restore the checkpoint or load an older one."
+            ) from None
+        except Exception as err:
+            first = (str(err).strip().splitlines() or [""])[0]
+            checked = ((info.relative_path, info.offset) in self._verified
+                       and getattr(info, integrity.ATTR, None) is not None)
+            if not checked and "weights_only" in first:  # torch's advice: not ours
+                first = "not a torch.save record that weights_only=True accepts"
+            raise CheckpointError(
+                f"Key {item.storage_index.fqn!r}: reading its data in {span} failed "
+                f"({type(err).__name__}: {first}). "
+                + ("Its bytes match their checksum: the value is one that cannot "
+                   "be loaded safely." if checked else
+                   "The checkpoint is corrupt (or holds a value that cannot be "
+                   "loaded safely; no checksum was checked to tell): restore it or "
+                   "load an older one.")
+            ) from err
 
     def _slice_file(self, file: Any, sinfo: Any) -> IO[bytes]:
         # check the chunk, then DCP's own lazy view of it; DCP reads a chunk once per
         # target block it overlaps: its CRC is computed once per load
         key = (sinfo.relative_path, sinfo.offset)
-        if self._verify and key not in self._verified:
+        pending = self._pending.pop(key, None)
+        if pending is not None:
+            pending.result()  # raises integrity.Corrupt
+            self._verified.add(key)
+        elif self._verify and key not in self._verified:
             integrity.check_info(Path(self.path) / sinfo.relative_path, sinfo)
             self._verified.add(key)
         return super()._slice_file(file, sinfo)
