@@ -27,6 +27,7 @@ Invariants:
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import mmap
@@ -34,6 +35,7 @@ import os
 import struct
 import zlib
 from collections.abc import Iterable, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -270,7 +272,15 @@ def load_safetensors(path: str | os.PathLike[str], state_dict: Mapping[str, Any]
             f"{path} is corrupt: safetensors cannot read its header ({err}). Restore the "
             "file."
         ) from err
-    with opened as f, torch.no_grad():
+    # the next tensor's CRC-32 is computed on a thread (zlib releases the GIL) while
+    # this one is read; a tensor is filled only once its own has matched
+    ahead = ThreadPoolExecutor(1, thread_name_prefix="shardwise-check")
+    order = [n for n, t in flat.items() if isinstance(t, torch.Tensor) and verify
+             and n in checks]
+    position = {n: i for i, n in enumerate(order)}
+    pending = {n: ahead.submit(_verify, Path(path), n, *checks[n]) for n in order[:1]}
+    with opened as f, torch.no_grad(), contextlib.ExitStack() as stack:
+        stack.callback(ahead.shutdown, wait=True, cancel_futures=True)
         names = set(f.keys())
         for name, target in flat.items():
             if not isinstance(target, torch.Tensor):
@@ -283,8 +293,12 @@ def load_safetensors(path: str | os.PathLike[str], state_dict: Mapping[str, Any]
                     )
                 missing.append(name)
                 continue
-            if verify and name in checks:
-                _verify(Path(path), name, *checks[name])
+            if name in pending:
+                nxt = position[name] + 1
+                if nxt < len(order):
+                    pending[order[nxt]] = ahead.submit(_verify, Path(path), order[nxt],
+                                                       *checks[order[nxt]])
+                pending.pop(name).result()  # raises CheckpointError
             _load_one(f, name, target, cast)
     return missing
 
