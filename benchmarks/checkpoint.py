@@ -13,7 +13,9 @@ the peak memory of a sharded safetensors load.
   Loads fill existing targets; "resharded" loads into a 4-device mesh with other
   layouts, shown beside the plain same-layout load for scale only (DCP's reader
   deserialises a saved chunk once per target block it overlaps, here twice). Target:
-  shardwise save and same-layout load >= 80% of plain.
+  shardwise save and same-layout load >= 80% of plain. ``shardwise.checkpoint.save``
+  and ``load`` (atomic; a CRC-32 per chunk written, checked on load) are shown beside
+  the plain ``dcp.save``/``dcp.load`` too.
 - Peak memory of ``load_safetensors`` into the sharded model, in a fresh process,
   after ``malloc_trim(0)`` (freed heap pages would otherwise be reused unseen):
   anonymous memory (``RssAnon`` of ``/proc/self/status``, sampled every 0.1 ms by a
@@ -144,14 +146,25 @@ def measure_throughput(n: int, repeat: int, shape: tuple[int, int] = SHAPE
 
     try:
         for i in range(repeat):
-            for who, state in (("sw", sharded), ("plain", plain)):
+            # shardwise.checkpoint (atomic, a CRC-32 per chunk written and checked) beside
+            # plain DCP, in alternating order: each save's fsync waits for the writeback
+            # of the saves before it
+            savers = [("sw", sharded, dcp.save), ("plain", plain, dcp.save),
+                      ("store", sharded, sw.checkpoint.save)]
+            for who, state, save in (savers if i % 2 else savers[::-1]):
                 path = root / f"{who}{i}"
-                add(f"save {who}", _timed(dcp.save, state, checkpoint_id=path))
+                if who == "store":
+                    add("store save", _timed(save, state, path))
+                else:
+                    add(f"save {who}", _timed(save, state, checkpoint_id=path))
             same, moved = _targets(n, False, shape), _targets(n, True, shape)
             plain_t = {k: torch.empty_like(v) for k, v in plain.items()}
             add("load sw", _timed(dcp.load, same, checkpoint_id=root / f"sw{i}"))
             add("load plain", _timed(dcp.load, plain_t, checkpoint_id=root / f"plain{i}"))
+            add("store load", _timed(sw.checkpoint.load, _targets(n, False, shape),
+                                     root / f"store{i}"))
             add("reshard sw", _timed(dcp.load, moved, checkpoint_id=root / f"sw{i}"))
+            shutil.rmtree(root / f"store{i}")
             for k in plain:
                 assert torch.equal(moved[k].to_torch(), plain[k]), k
             for who in ("sw", "plain"):
@@ -171,6 +184,10 @@ def measure_throughput(n: int, repeat: int, shape: tuple[int, int] = SHAPE
                  "dcp.load, plain"),
         _summary("dcp.load, resharded 2x2 -> 4", mib, times["reshard sw"], times["load plain"],
                  "dcp.load, plain"),
+        _summary("checkpoint.save (atomic, CRC-32s)", mib, times["store save"],
+                 times["save plain"], "dcp.save, plain"),
+        _summary("checkpoint.load (CRC-32s checked), same layout", mib, times["store load"],
+                 times["load plain"], "dcp.load, plain"),
         _summary("save_safetensors (by offsets)", mib, times["st save sw"],
                  times["st save plain"], "safetensors.torch.save_file"),
         _summary("load_safetensors (slices, resharded)", mib, times["st load sw"],

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import struct
+import zlib
 from pathlib import Path
 from typing import Any
 
@@ -53,7 +54,13 @@ def test_the_file_holds_global_tensors_any_reader_takes(tmp_path: Path) -> None:
         assert got.dtype == g.dtype and torch.equal(got, g), name
     head = f.read_bytes()
     n = struct.unpack("<Q", head[:8])[0]
-    assert n % 8 == 0 and json.loads(head[8:8 + n])["__metadata__"] == {"format": "pt"}
+    meta = json.loads(head[8:8 + n])["__metadata__"]
+    assert n % 8 == 0 and meta.pop("format") == "pt"
+    crcs = {k.removeprefix("shardwise.crc32."): int(v, 16) for k, v in meta.items()
+            if k.startswith("shardwise.crc32.")}  # a CRC-32 per tensor, and the header's
+    assert sorted(meta) == ["shardwise.crc32", *(f"shardwise.crc32.{k}" for k in sorted(crcs))]
+    assert crcs == {k: zlib.crc32(v.reshape(-1).view(torch.uint8).numpy().tobytes())
+                    for k, v in loaded.items()}
     assert not list(tmp_path.glob("*.partial"))
 
 

@@ -65,12 +65,14 @@ def test_a_failure_mid_save_keeps_the_last_good_checkpoint(
     assert sorted(os.listdir(tmp_path)) == ["ckpt"]
 
 
-def test_a_crash_between_the_renames_loads_the_previous_checkpoint(tmp_path: Path) -> None:
+def test_a_crash_between_the_renames_loads_the_previous_checkpoint_with_a_warning(
+        tmp_path: Path) -> None:
     path = tmp_path / "ckpt"
     sw.checkpoint.save(state(1.0), path)
     os.replace(path, tmp_path / "ckpt.old")  # the new one not yet in place
     t = target()
-    sw.checkpoint.load(t, path)
+    with pytest.warns(sw.checkpoint.CheckpointWarning, match=r"No checkpoint is published"):
+        sw.checkpoint.load(t, path)
     assert t["opt"]["step"] == 1
 
 
@@ -103,7 +105,8 @@ def test_truncated_and_missing_files_name_the_key(tmp_path: Path) -> None:
     sw.checkpoint.save(state(1.0), path)
     data = path / "__0_0.distcp"
     data.write_bytes(data.read_bytes()[:100])
-    with pytest.raises(CheckpointError, match=r"Key '(w|opt\.\w+)'.*truncated \(100 bytes\)"):
+    with pytest.raises(CheckpointError,
+                       match=r"Key '(w|opt\.\w+)'.*truncated \(100 bytes\).*corrupt"):
         sw.checkpoint.load(target(), path)
     data.unlink()
     with pytest.raises(CheckpointError, match=r"Key '(w|opt\.\w+)'.*is missing"):
@@ -122,7 +125,8 @@ def test_damaged_data_names_the_key(tmp_path: Path) -> None:
     raw = bytearray(data.read_bytes())
     raw[:64] = bytes(64)  # the first record's header: same size, unreadable
     data.write_bytes(bytes(raw))
-    with pytest.raises(CheckpointError, match=r"Key 'w': reading its data .* is damaged"):
+    with pytest.raises(CheckpointError, match=r"Key 'w': its data in .*__0_0.distcp bytes "
+                       r"0\.\.\d+ is corrupt \(their CRC-32 is"):
         sw.checkpoint.load({"w": sw.zeros((64, 64))}, path)
 
 
@@ -144,7 +148,7 @@ def test_non_tensor_values_load_with_weights_only(tmp_path: Path) -> None:
     dcp.save({"obj": {"fine": [1, 2.5, "x"]}, "evil": _Evil()}, checkpoint_id=path,
              no_dist=True)
     t: dict[str, Any] = {"obj": {"fine": None}, "evil": None}
-    with pytest.raises(CheckpointError, match="Weights only load failed"):
+    with pytest.raises(CheckpointError, match=r"weights_only=True accepts.*corrupt"):
         sw.checkpoint.load(t, path)
     t = {"obj": {"fine": None}}
     sw.checkpoint.load(t, path)

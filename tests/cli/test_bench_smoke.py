@@ -85,7 +85,8 @@ def test_checkpoint_section(result: tuple[dict, Path, Path]) -> None:
     assert "error" not in ckpt, ckpt.get("error")
     assert ckpt["tensors"] == 2 and ckpt["tensor"] == [16, 32]
     assert [r["case"].split(",")[0] for r in ckpt["rows"]] == [
-        "dcp.save", "dcp.load", "dcp.load", "save_safetensors (by offsets)",
+        "dcp.save", "dcp.load", "dcp.load", "checkpoint.save (atomic",
+        "checkpoint.load (CRC-32s checked)", "save_safetensors (by offsets)",
         "load_safetensors (slices"]
     assert all(r["shardwise_mib_s"] > 0 and r["reference_mib_s"] > 0 for r in ckpt["rows"])
     mem = ckpt["memory"]

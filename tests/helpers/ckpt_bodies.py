@@ -248,6 +248,36 @@ def two_gpt_resumes(world: int) -> None:
     assert losses == json.loads((_dir() / "gpt_losses.json").read_text())
 
 
+def two_a_corrupt_shard_is_reported_on_every_rank(world: int) -> None:
+    """8 bytes flipped in the file rank 1 wrote: every rank's load raises, naming the
+    key, the file, the byte range and "corrupt" (DCP gathers the reading rank's error);
+    the same for a safetensors file. No rank keeps a wrong value."""
+    m = DeviceMesh.cpu(2, "x")
+    state = {k: _on(k, m, Sharded(0)) for k in ("a", "b", "i")}
+    path, st_path = _dir() / "corrupt", _dir() / "corrupt.safetensors"
+    sw.checkpoint.save(state, path)
+    sw.checkpoint.save_safetensors(state, st_path)
+    if dist.get_rank() == 0:
+        for f in (path / "__1_0.distcp", st_path):
+            raw = bytearray(f.read_bytes())
+            at = len(raw) - 40  # in the last record's data (the safetensors tensor "i")
+            raw[at:at + 8] = bytes(b ^ 0x5A for b in raw[at:at + 8])
+            f.write_bytes(bytes(raw))
+    dist.barrier()
+    for load, where in ((lambda t: sw.checkpoint.load(t, path), "__1_0.distcp"),
+                        (lambda t: sw.checkpoint.load_safetensors(st_path, t),
+                         "corrupt.safetensors")):
+        target = {k: _zeros(k, m, R) for k in ("a", "b", "i")}
+        try:
+            load(target)
+        except sw.checkpoint.CheckpointError as err:
+            message = str(err)
+            assert "corrupt" in message and where in message and "bytes" in message, message
+            assert "Key '" in message, message
+        else:
+            raise AssertionError(f"rank {dist.get_rank()} loaded a corrupt {where}")
+
+
 BODIES_2 = [name for name in list(globals()) if name.startswith("two_")]
 
 

@@ -4,8 +4,9 @@
   takes shardwise Tensors directly: each is written as its blocks with global
   offsets and loaded in place, resharded to the target's mesh and layout.
 - :func:`save`/:func:`load`: the same on disk, atomic and checked (no half-written
-  checkpoint replaces a good one; mismatches raise :class:`CheckpointError` naming
-  the key; nothing of ours is pickled).
+  checkpoint replaces a good one; every chunk carries a CRC-32, so damage and
+  mismatches raise :class:`CheckpointError` naming the key; loading another checkpoint
+  than the published one warns, :class:`CheckpointWarning`; nothing of ours is pickled).
 - :func:`full_state_dict`: plain torch tensors of the global values, for writers of raw
   bytes (transformers' ``save_pretrained(d, state_dict=full_state_dict(model))``).
 - :func:`get_state_dict`/:func:`set_state_dict` (torch's own) and
@@ -27,10 +28,11 @@ from shardwise.checkpoint.state import (
     save_train_state,
     set_state_dict,
 )
-from shardwise.checkpoint.store import CheckpointError, load, save
+from shardwise.checkpoint.store import CheckpointError, CheckpointWarning, load, save
 
 __all__ = [
     "CheckpointError",
+    "CheckpointWarning",
     "StateDictOptions",
     "from_dtensor",
     "full_state_dict",

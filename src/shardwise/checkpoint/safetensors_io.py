@@ -9,18 +9,33 @@ Invariants:
   plain torch tensors by process 0. No process holds more than its own blocks.
   The file appears under its name only when every process is done (temporary name,
   barrier, rename).
+- Checksums where the format has room, its ``__metadata__`` (strings): the key
+  ``shardwise.crc32.<name>`` holds the CRC-32 of tensor ``<name>``'s bytes (8 hex
+  digits) and ``shardwise.crc32`` that of the header itself, read with that value
+  as ``00000000``. The header is written with zeros there, and after every process
+  has written its blocks each process reads back its share of the tensors (every
+  ``process_count()``-th) and writes their digits in place: the header's length,
+  hence every offset, never changes. Other readers see ordinary metadata strings.
 - Reading fills the targets in place: each process reads, with ``get_slice``, only the
   slices its own blocks cover (one slice in memory at a time); shapes and dtypes
   must agree (``cast=True`` converts dtypes), a missing name raises naming it.
+  Before that, the header and every tensor it loads are checked against their CRC-32
+  (files without ours are read unchecked); damage, and a header that safetensors
+  cannot parse, are a ``CheckpointError`` saying "corrupt", naming the file, the
+  byte range and the key.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
+import mmap
 import os
 import struct
-from collections.abc import Mapping
+import zlib
+from collections.abc import Iterable, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +43,7 @@ import numpy as np
 import torch
 
 from shardwise.api import distributed
+from shardwise.checkpoint import integrity
 from shardwise.checkpoint.store import CheckpointError
 from shardwise.tensors.chunks import owned_chunks
 from shardwise.tensors.tensor import Tensor
@@ -57,12 +73,26 @@ def _flatten(state: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
     return out
 
 
+_CRC = "shardwise.crc32"
+_ZERO = "00000000"
+
+
 def _header(flat: dict[str, torch.Tensor], metadata: Mapping[str, str] | None
-            ) -> tuple[bytes, dict[str, int]]:
-    """The length-prefixed JSON header and each tensor's byte offset in the data."""
+            ) -> tuple[bytes, dict[str, int], dict[str, int]]:
+    """The length-prefixed JSON header, each tensor's byte offset in the data, and
+    the byte position in the header of each CRC's 8 digits (name, or "" for the
+    header's own): see the module doc."""
     head: dict[str, Any] = {}
-    if metadata:
-        head["__metadata__"] = {str(k): str(v) for k, v in metadata.items()}
+    meta = {str(k): str(v) for k, v in (metadata or {}).items()}
+    for key in meta:
+        if key.startswith(_CRC):
+            raise CheckpointError(
+                f"metadata key {key!r}: keys that begin with {_CRC!r} hold shardwise's "
+                "checksums. Rename the key."
+            )
+    meta[_CRC] = _ZERO
+    meta.update({f"{_CRC}.{name}": _ZERO for name in flat})
+    head["__metadata__"] = meta
     begins: dict[str, int] = {}
     pos = 0
     for name, t in flat.items():
@@ -73,7 +103,24 @@ def _header(flat: dict[str, torch.Tensor], metadata: Mapping[str, str] | None
         pos += size
     text = json.dumps(head, separators=(",", ":")).encode()
     text += b" " * (-len(text) % 8)  # the data starts 8-byte aligned, as safetensors pads
-    return struct.pack("<Q", len(text)) + text, begins
+    digits = {name: _digits_at(text, f"{_CRC}.{name}") for name in flat}
+    digits[""] = _digits_at(text, _CRC)
+    return struct.pack("<Q", len(text)) + text, begins, digits
+
+
+def _digits_at(text: bytes, key: str) -> int:
+    """Where the value of metadata ``key`` (8 digits) begins in the length-prefixed header."""
+    probe = (json.dumps(key) + ':"').encode()
+    return 8 + text.index(probe) + len(probe)
+
+
+def _header_crc(head: bytes, digits: Iterable[int]) -> int:
+    """The CRC-32 of the length-prefixed header ``head`` with every CRC's digits (at
+    ``digits``) read as zeros: the tensors' digits are checked against their data."""
+    raw = bytearray(head)
+    for at in digits:
+        raw[at:at + 8] = _ZERO.encode()
+    return zlib.crc32(raw)
 
 
 def _check_saveable(flat: dict[str, Any]) -> None:
@@ -132,7 +179,7 @@ def save_safetensors(state_dict: Mapping[str, Any], path: str | os.PathLike[str]
     _check_saveable(flat)
     path = Path(path)
     tmp = path.with_name(path.name + ".partial")
-    head, begins = _header(flat, metadata)
+    head, begins, digits = _header(flat, metadata)
     total = len(head) + sum(t.numel() * t.dtype.itemsize for t in flat.values())
     first = distributed.process_index() == 0
     if first:
@@ -157,6 +204,8 @@ def save_safetensors(state_dict: Mapping[str, Any], path: str | os.PathLike[str]
     finally:
         os.close(fd)
     distributed.barrier("shardwise.checkpoint.save_safetensors: written")
+    _write_checksums(tmp, head, begins, digits, flat)
+    distributed.barrier("shardwise.checkpoint.save_safetensors: checksummed")
     if first:
         os.replace(tmp, path)
         fd = os.open(path.parent, os.O_RDONLY)
@@ -167,12 +216,38 @@ def save_safetensors(state_dict: Mapping[str, Any], path: str | os.PathLike[str]
     distributed.barrier("shardwise.checkpoint.save_safetensors: published")
 
 
+def _write_checksums(tmp: Path, head: bytes, begins: dict[str, int], digits: dict[str, int],
+                     flat: dict[str, torch.Tensor]) -> None:
+    """This process's share of the CRC-32s, read back from the file and written into
+    the header's reserved digits (see the module doc)."""
+    me, count = distributed.process_index(), distributed.process_count()
+    fd = os.open(tmp, os.O_RDWR)
+    try:
+        # summed where the page cache holds the bytes
+        with mmap.mmap(fd, 0, access=mmap.ACCESS_READ) as mm, memoryview(mm) as view:
+            for n, (name, t) in enumerate(flat.items()):
+                if n % count != me:
+                    continue
+                begin = len(head) + begins[name]
+                crc = integrity.crc32(view[begin:begin + t.numel() * t.dtype.itemsize])
+                os.pwrite(fd, b"%08x" % crc, digits[name])
+        if me == 0:
+            os.pwrite(fd, b"%08x" % _header_crc(head, digits.values()), digits[""])
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def load_safetensors(path: str | os.PathLike[str], state_dict: Mapping[str, Any], *,
-                     strict: bool = True, cast: bool = False) -> list[str]:
+                     strict: bool = True, cast: bool = False, verify: bool = True
+                     ) -> list[str]:
     """Fill the tensors of ``state_dict`` in place from the safetensors file at
     ``path``: each process reads only the slices its blocks hold (``get_slice``), so
     pretrained weights load straight into a sharded model. Returns the names the file
     lacked (an error unless ``strict=False``); ``cast=True`` converts dtypes.
+    Each tensor loaded is first checked against the CRC-32 ``save_safetensors``
+    recorded (a damaged file raises :class:`CheckpointError`); ``verify=False`` skips
+    that (the header's own checksum is still checked).
 
     >>> import tempfile, safetensors.torch
     >>> f = tempfile.mkdtemp() + "/w.safetensors"
@@ -189,7 +264,23 @@ def load_safetensors(path: str | os.PathLike[str], state_dict: Mapping[str, Any]
     missing: list[str] = []
     if not Path(path).exists():
         raise CheckpointError(f"No safetensors file at {path}. Check the path.")
-    with safe_open(str(path), framework="pt") as f, torch.no_grad():
+    checks = _checks(Path(path))
+    try:
+        opened = safe_open(str(path), framework="pt")
+    except Exception as err:  # safetensors' own error type varies across versions
+        raise CheckpointError(
+            f"{path} is corrupt: safetensors cannot read its header ({err}). Restore the "
+            "file."
+        ) from err
+    # the next tensor's CRC-32 is computed on a thread (zlib releases the GIL) while
+    # this one is read; a tensor is filled only once its own has matched
+    ahead = ThreadPoolExecutor(1, thread_name_prefix="shardwise-check")
+    order = [n for n, t in flat.items() if isinstance(t, torch.Tensor) and verify
+             and n in checks]
+    position = {n: i for i, n in enumerate(order)}
+    pending = {n: ahead.submit(_verify, Path(path), n, *checks[n]) for n in order[:1]}
+    with opened as f, torch.no_grad(), contextlib.ExitStack() as stack:
+        stack.callback(ahead.shutdown, wait=True, cancel_futures=True)
         names = set(f.keys())
         for name, target in flat.items():
             if not isinstance(target, torch.Tensor):
@@ -202,8 +293,54 @@ def load_safetensors(path: str | os.PathLike[str], state_dict: Mapping[str, Any]
                     )
                 missing.append(name)
                 continue
+            if name in pending:
+                nxt = position[name] + 1
+                if nxt < len(order):
+                    pending[order[nxt]] = ahead.submit(_verify, Path(path), order[nxt],
+                                                       *checks[order[nxt]])
+                pending.pop(name).result()  # raises CheckpointError
             _load_one(f, name, target, cast)
     return missing
+
+
+def _checks(path: Path) -> dict[str, tuple[int, int, int]]:
+    """``{name: (first byte, end, CRC-32)}`` of the file's checksummed tensors, once its
+    header matches its own CRC-32 (``{}`` for a file written without them)."""
+    with open(path, "rb") as f:
+        prefix = f.read(8)
+        n = struct.unpack("<Q", prefix)[0] if len(prefix) == 8 else -1
+        text = f.read(n) if 0 < n <= 100_000_000 else b""
+    try:
+        if len(text) != n:
+            raise ValueError(f"the header should be {n} bytes; the file has {len(text)}")
+        head = json.loads(text)
+        meta = head.get("__metadata__") or {}
+        if _CRC not in meta:
+            return {}
+        digits = [_digits_at(text, key) for key in meta if key.startswith(_CRC)]
+        expected = int(meta[_CRC], 16)
+        got = _header_crc(prefix + text, digits)
+        if got != expected:
+            raise ValueError(f"its CRC-32 is {got:08x}, the header recorded {expected:08x}")
+        start = 8 + n
+        return {name: (start + entry["data_offsets"][0], start + entry["data_offsets"][1],
+                       int(meta[f"{_CRC}.{name}"], 16))
+                for name, entry in head.items() if f"{_CRC}.{name}" in meta}
+    except (ValueError, KeyError, TypeError, AttributeError, IndexError) as err:
+        raise CheckpointError(
+            f"The header of {path} (bytes 0..{8 + max(n, 0)}) is corrupt ({err}). Restore "
+            "the file."
+        ) from None
+
+
+def _verify(path: Path, name: str, begin: int, end: int, expected: int) -> None:
+    try:
+        integrity.check_chunk(path, begin, end, expected)
+    except integrity.Corrupt as err:
+        raise CheckpointError(
+            f"Key {name!r}: its data in {path} bytes {begin}..{end} is corrupt "
+            f"({err.why.replace('metadata', 'header')}). Restore the file."
+        ) from None
 
 
 def _load_one(f: Any, name: str, target: torch.Tensor, cast: bool) -> None:

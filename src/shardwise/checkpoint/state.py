@@ -13,7 +13,7 @@ Invariants:
 from __future__ import annotations
 
 import os
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from torch.distributed.checkpoint.state_dict import (
@@ -85,13 +85,15 @@ def save_train_state(path: str | os.PathLike[str], model: torch.nn.Module,
 
 
 def load_train_state(path: str | os.PathLike[str], model: torch.nn.Module, optimizers: Any,
-                     *, extra: dict[str, Any] | None = None) -> int:
+                     *, extra: dict[str, Any] | None = None,
+                     fallback: Literal["warn", "error"] = "warn") -> int:
     """Fill ``model`` and ``optimizers`` (built on any mesh and layout) from ``path``
-    and return the saved step; ``extra`` (if given) receives the saved extras in place."""
+    and return the saved step; ``extra`` (if given) receives the saved extras in place.
+    ``fallback`` is :func:`shardwise.checkpoint.load`'s (an interrupted save)."""
     optims = _optimizers(optimizers)
     msd, osd = get_state_dict(model, optims)
     state: dict[str, Any] = {"model": msd, "optim": osd, "step": 0,
                              "extra": extra if extra is not None else {}}
-    load(state, path)
+    load(state, path, fallback=fallback)
     set_state_dict(model, optims, model_state_dict=msd, optim_state_dict=osd)
     return int(state["step"])

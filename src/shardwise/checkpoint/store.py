@@ -5,13 +5,23 @@ Invariants:
   every process has written its part (DCP writes the metadata last, then a barrier)
   does process 0 publish it: the previous checkpoint moves to ``<dir>.old``, the new
   one to ``dir``, the old one is removed. A crash at any moment leaves a complete
-  checkpoint at ``dir``, or, between the two renames, at ``<dir>.old``, which
-  ``load`` falls back to. A ``.partial`` directory is never read.
-- ``load(state, dir)`` checks before reading any data: every key of ``state`` is in
+  checkpoint at ``dir``, or, between the two renames, a complete one at
+  ``<dir>.partial`` beside the previous one at ``<dir>.old``.
+- Every chunk ``save`` writes carries its CRC-32 in the metadata, and the metadata
+  its own (``integrity``); the directory stays an ordinary DCP checkpoint.
+- ``load(state, dir)`` loads the checkpoint published at ``dir``. Only when there is
+  none does it load the newest complete one beside it (``.partial`` with its
+  ``.metadata``, else ``.old``), never silently: a :class:`CheckpointWarning` names
+  both and their steps (``fallback="error"`` raises instead). An incomplete
+  ``.partial`` is never read.
+- ``load`` checks before reading any data: every key of ``state`` is in
   the checkpoint (unless ``strict=False``), shapes and dtypes agree, no target is
   Partial, and every file holds the bytes its metadata promises (a truncated or
-  missing file names the key it holds). Errors are :class:`CheckpointError`, naming
-  the key. Then DCP fills ``state`` in place, resharding by global offsets.
+  missing file names the key it holds). While reading, each chunk's bytes are checked
+  against their CRC-32 before they are deserialised, so a damaged file is an error,
+  never a wrong value. Errors are :class:`CheckpointError`, naming the key (and, for
+  damage, the file, the byte range and the word "corrupt"). Then DCP fills ``state``
+  in place, resharding by global offsets.
 - Unpickling: the metadata file through an allowlist (DCP's own metadata classes,
   ``torch.Size``, dtypes, paths); non-tensor values with ``weights_only=True``.
   shardwise Tensors are written as their blocks (``shardwise.tensors.chunks``), never
@@ -20,6 +30,7 @@ Invariants:
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import dataclasses
 import io
@@ -27,28 +38,35 @@ import os
 import pickle
 import shutil
 import warnings
+import zlib
 from collections.abc import Iterator, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import IO, Any, Literal
 
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
-from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
+from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, ReadItem
 from torch.futures import Future
 
 from shardwise.api import distributed
+from shardwise.checkpoint import integrity
 from shardwise.sharding.errors import ShardingError
 from shardwise.tensors.tensor import Tensor
 
-__all__ = ["CheckpointError", "load", "save"]
+__all__ = ["CheckpointError", "CheckpointWarning", "load", "save"]
 
 
 class CheckpointError(ShardingError):
-    """A checkpoint could not be written or read: missing, truncated, or not matching
-    the state it is loaded into. The message names the key and the fix."""
+    """A checkpoint could not be written or read: missing, truncated, corrupt, or not
+    matching the state it is loaded into. The message names the key and the fix."""
+
+
+class CheckpointWarning(UserWarning):
+    """:func:`load` loaded another checkpoint than the one published at its path."""
 
 
 # --- reading without arbitrary pickles ------------------------------------------------------
@@ -80,46 +98,118 @@ class _MetadataUnpickler(pickle.Unpickler):
 
 
 class _SafeReader(dcp.FileSystemReader):
-    """DCP's file reader with a safe metadata unpickler and errors that name the key."""
+    """DCP's file reader with a safe metadata unpickler, every chunk checked against
+    its CRC-32 (``integrity``), and errors that name the key."""
+
+    def __init__(self, path: str | os.PathLike[str], *, verify: bool = True) -> None:
+        super().__init__(path)
+        self._verify = verify
+        self._verified: set[tuple[str, int]] = set()  # (file, offset) checked in this load
+        self._pending: dict[tuple[str, int], concurrent.futures.Future[None]] = {}
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
-        # one item at a time, so that damaged data names the key it belongs to
-        for item in plan.items:
-            try:
-                super().read_data(dataclasses.replace(plan, items=[item]), planner).wait()
-            except CheckpointError:
-                raise
-            except Exception as err:
-                first = (str(err).strip().splitlines() or [""])[0]
-                raise CheckpointError(
-                    f"Key {item.storage_index.fqn!r}: reading its data from {self.path} "
-                    f"failed ({type(err).__name__}: {first}). The checkpoint is damaged: "
-                    "restore it or load an older one."
-                ) from err
+        # the next chunk's CRC is computed (zlib releases the GIL) while DCP
+        # deserialises this one
+        ahead = ThreadPoolExecutor(1, thread_name_prefix="shardwise-check")
+        try:
+            for n, item in enumerate(plan.items):
+                for nxt in plan.items[n:n + 2]:
+                    self._check_soon(ahead, nxt)
+                self._read_one(plan, planner, item)
+        finally:
+            ahead.shutdown(wait=True, cancel_futures=True)
+            self._pending.clear()
         done: Future[None] = Future()
         done.set_result(None)
         return done
 
+    def _check_soon(self, ahead: ThreadPoolExecutor, item: ReadItem) -> None:
+        info = self.storage_data[item.storage_index]
+        key = (info.relative_path, info.offset)
+        if self._verify and key not in self._verified and key not in self._pending:
+            self._pending[key] = ahead.submit(
+                integrity.check_info, Path(self.path) / info.relative_path, info)
+
+    def _read_one(self, plan: LoadPlan, planner: LoadPlanner, item: ReadItem) -> None:
+        # one item at a time, so that damaged data names the key it belongs to
+        info = self.storage_data[item.storage_index]
+        span = (f"{Path(self.path) / info.relative_path} bytes "
+                f"{info.offset}..{info.offset + info.length}")
+        try:
+            super().read_data(dataclasses.replace(plan, items=[item]), planner).wait()
+        except CheckpointError:
+            raise
+        except integrity.Corrupt as err:
+            raise CheckpointError(
+                f"Key {item.storage_index.fqn!r}: its data in {span} is corrupt "
+                f"({err.why}). Restore the checkpoint or load an older one."
+            ) from None
+        except Exception as err:
+            first = (str(err).strip().splitlines() or [""])[0]
+            checked = ((info.relative_path, info.offset) in self._verified
+                       and getattr(info, integrity.ATTR, None) is not None)
+            if not checked and "weights_only" in first:  # torch's advice: not ours
+                first = "not a torch.save record that weights_only=True accepts"
+            raise CheckpointError(
+                f"Key {item.storage_index.fqn!r}: reading its data in {span} failed "
+                f"({type(err).__name__}: {first}). "
+                + ("Its bytes match their checksum: the value is one that cannot "
+                   "be loaded safely." if checked else
+                   "The checkpoint is corrupt (or holds a value that cannot be "
+                   "loaded safely; no checksum was checked to tell): restore it or "
+                   "load an older one.")
+            ) from err
+
+    def _slice_file(self, file: Any, sinfo: Any) -> IO[bytes]:
+        # check the chunk, then DCP's own lazy view of it; DCP reads a chunk once per
+        # target block it overlaps: its CRC is computed once per load
+        key = (sinfo.relative_path, sinfo.offset)
+        pending = self._pending.pop(key, None)
+        if pending is not None:
+            pending.result()  # raises integrity.Corrupt
+            self._verified.add(key)
+        elif self._verify and key not in self._verified:
+            integrity.check_info(Path(self.path) / sinfo.relative_path, sinfo)
+            self._verified.add(key)
+        return super()._slice_file(file, sinfo)
+
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         path = Path(self.path) / ".metadata"
         try:
-            with open(path, "rb") as f:
-                md = _MetadataUnpickler(f).load()
+            raw = path.read_bytes()
         except FileNotFoundError:
             raise CheckpointError(
                 f"No checkpoint at {self.path}: {path.name} is missing (an unfinished save "
                 "never publishes one). Check the path, or save first."
             ) from None
-        except (EOFError, pickle.UnpicklingError) as err:
+        data, expected = integrity.split_trailer(raw)
+        if expected is not None and zlib.crc32(data) != expected:
             raise CheckpointError(
-                f"The checkpoint metadata {path} is truncated or corrupt ({err}). Restore "
-                "the checkpoint directory or load an older one."
+                f"The checkpoint metadata {path} is corrupt: the CRC-32 of bytes "
+                f"0..{len(data)} is {zlib.crc32(data):08x}, its trailer recorded "
+                f"{expected:08x}. Restore the checkpoint directory or load an older one."
+            )
+        f = io.BytesIO(data)
+        try:
+            md = _MetadataUnpickler(f).load()
+            if f.tell() != len(data):
+                raise pickle.UnpicklingError(f"{len(data) - f.tell()} bytes after the pickle")
+        except CheckpointError:
+            raise
+        except Exception as err:  # a damaged pickle fails in many ways
+            raise CheckpointError(
+                f"The checkpoint metadata {path} (bytes 0..{len(raw)}) is truncated or "
+                f"corrupt ({type(err).__name__}: {err}). Restore the checkpoint directory or load "
+                "an older one."
             ) from err
-        if getattr(md, "storage_meta", None) is None:
-            from torch.distributed.checkpoint.metadata import StorageMeta
-
-            md.storage_meta = StorageMeta()
-        md.storage_meta.load_id = self.load_id
+        if not isinstance(md, Metadata):
+            raise CheckpointError(
+                f"The checkpoint metadata {path} (bytes 0..{len(raw)}) is corrupt: it holds a "
+                f"{type(md).__name__}, not DCP's Metadata. Restore the checkpoint directory."
+            )
+        meta = getattr(md, "storage_meta", None) or StorageMeta()
+        meta.load_id = self.load_id
+        md.storage_meta = meta
         return md
 
 
@@ -177,7 +267,7 @@ def save(state_dict: Mapping[str, Any], path: str | os.PathLike[str]) -> None:
         distributed.barrier("shardwise.checkpoint.save: begin")
         try:
             with _single_process_quiet():
-                dcp.save(dict(state_dict), storage_writer=dcp.FileSystemWriter(tmp),
+                dcp.save(dict(state_dict), storage_writer=integrity.ChecksummedWriter(tmp),
                          no_dist=not distributed.is_initialized())
         except (Exception, CheckpointException) as err:  # DCP's is a BaseException
             cause = _cause(err).rstrip(".")
@@ -210,21 +300,84 @@ def _sync_dir(path: Path) -> None:
 
 
 # --- load ---------------------------------------------------------------------------------
-def _resolve(path: Path) -> Path:
-    """``path``, or the previous checkpoint a save in progress had moved aside."""
-    old = _siblings(path)[1]
-    if not (path / ".metadata").exists() and (old / ".metadata").exists():
-        return old
-    return path
+def _step(path: Path) -> int | None:
+    """The value saved under the key ``"step"`` in the checkpoint at ``path``, if any
+    (``save_train_state`` saves one): it tells two checkpoints apart in messages."""
+    with contextlib.suppress(Exception):
+        reader = _SafeReader(path)
+        md = reader.read_metadata()
+        index = next(i for i in md.storage_data if i.fqn == "step")
+        info = md.storage_data[index]
+        integrity.check_info(path / info.relative_path, info)
+        with open(path / info.relative_path, "rb") as f:
+            f.seek(info.offset)
+            value = torch.load(io.BytesIO(f.read(info.length)), weights_only=True)
+        return value if isinstance(value, int) else None
+    return None
+
+
+def _described(path: Path) -> str:
+    step = _step(path)
+    return f"{path}" + ("" if step is None else f" (step {step})")
+
+
+def _resolve(path: Path, fallback: str) -> Path:
+    """``path``, or, when no checkpoint is published there, the newest complete one a
+    save left beside it: ``<path>.partial`` when it is complete (its ``.metadata``
+    exists: DCP writes it last, once every process has written its data; the save
+    stopped before publishing it), else ``<path>.old`` (a save had moved it aside).
+    Either is said by a :class:`CheckpointWarning` naming both, or raised with
+    ``fallback="error"``."""
+    if fallback not in ("warn", "error"):
+        raise CheckpointError(
+            f"fallback={fallback!r} is not one of 'warn', 'error': with no checkpoint "
+            f"published at {path}, 'warn' loads the newest complete one beside it with a "
+            "warning, 'error' raises."
+        )
+    tmp, old = _siblings(path)
+    if (path / ".metadata").exists():
+        return path
+    if (tmp / ".metadata").exists():
+        chosen = tmp
+        what = (f"No checkpoint is published at {path}, but {_described(tmp)} holds a "
+                "complete save that was never published (it stopped after every process "
+                "had written, before its rename)")
+        if (old / ".metadata").exists():
+            what += f"; the checkpoint it replaces is {_described(old)}"
+        fix = (f"Move {tmp.name} to {path.name} to publish it"
+               + (f" (or {old.name} to go back)" if (old / ".metadata").exists() else ""))
+    elif (old / ".metadata").exists():
+        chosen = old
+        what = (f"No checkpoint is published at {path}: a save moved the previous one, "
+                f"{_described(old)}, aside and did not finish"
+                + (f" ({tmp} is incomplete)" if tmp.exists() else ""))
+        fix = f"Move {old.name} to {path.name} to make it the published checkpoint"
+    else:
+        return path  # read_metadata says that there is none
+    if fallback == "error":
+        raise CheckpointError(f"{what}. {fix}, or load with fallback='warn' to load it.")
+    warnings.warn(f"{what}: loading {chosen}. {fix}, or pass fallback='error' to raise "
+                  "instead.", CheckpointWarning, stacklevel=3)
+    return chosen
 
 
 def load(state_dict: dict[str, Any], path: str | os.PathLike[str], *,
-         strict: bool = True) -> None:
+         strict: bool = True, fallback: Literal["warn", "error"] = "warn",
+         verify: bool = True) -> None:
     """Fill ``state_dict`` in place from the checkpoint at ``path`` (written by
     :func:`save` or ``torch.distributed.checkpoint.save``), resharding each value to
     the target's mesh and layout; non-tensor values are replaced. ``strict=False``
     skips keys the checkpoint lacks. Raises :class:`CheckpointError` naming the key
-    for a missing key, a shape or dtype that differs, or a truncated file.
+    for a missing key, a shape or dtype that differs, or a truncated or corrupt file
+    (every chunk :func:`save` wrote is checked against its CRC-32).
+
+    When a save was interrupted before publishing, no checkpoint is at ``path``: the
+    newest complete one beside it (``<path>.partial``, written but not renamed, else
+    ``<path>.old``) is loaded with a :class:`CheckpointWarning` naming both and their
+    steps; ``fallback="error"`` raises instead.
+
+    ``verify=False`` skips the CRC-32s (about half the time of a load from the page
+    cache; sizes and the metadata's own checksum are still checked).
 
     >>> import tempfile
     >>> d = tempfile.mkdtemp() + "/ckpt"
@@ -236,8 +389,8 @@ def load(state_dict: dict[str, Any], path: str | os.PathLike[str], *,
     float32 but the target has shape (3,) float32. ...
     """
     with _told():
-        path = _resolve(Path(path))
-        reader = _SafeReader(path)
+        path = _resolve(Path(path), fallback)
+        reader = _SafeReader(path, verify=verify)
         md = reader.read_metadata()
         _check(state_dict, md, path, strict)
         try:
@@ -303,7 +456,7 @@ def _check(state_dict: dict[str, Any], md: Metadata, path: Path, strict: bool) -
             raise CheckpointError(
                 f"Key {index.fqn!r}: its data file {file} is {what}; the metadata says "
                 f"bytes {info.offset}..{info.offset + info.length}. The checkpoint is "
-                "incomplete: restore it or load an older one."
+                "corrupt (incomplete): restore it or load an older one."
             )
 
 

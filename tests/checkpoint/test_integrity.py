@@ -1,0 +1,322 @@
+"""Checkpoint integrity and honest loading (issue 24): any damage to any file of a
+checkpoint is a CheckpointError that says "corrupt" and names the file and bytes (and
+the key for data), never a wrong value; an interrupted save's leftovers are loaded
+only with a warning that names both checkpoints and their steps."""
+
+from __future__ import annotations
+
+import os
+import pickle
+import shutil
+import tempfile
+import warnings
+import zlib
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import shardwise as sw
+from shardwise import PlacementMapping, Replicated, Sharded
+from shardwise.checkpoint import CheckpointError, CheckpointWarning
+from tests.helpers.meshes import M3, M22
+
+R = Replicated()
+G = torch.arange(35.).reshape(7, 5)
+
+
+def state(step: int) -> dict[str, Any]:
+    return {"w": sw.tensor(G + step, sharding=PlacementMapping(M22, [Sharded(0), Sharded(1)])),
+            "b": sw.tensor(torch.arange(6, dtype=torch.int64) + step,
+                           sharding=PlacementMapping(M22, [R, Sharded(0)])),
+            "plain": torch.full((3,), float(step)), "step": step}
+
+
+def target() -> dict[str, Any]:
+    return {"w": sw.zeros((7, 5), sharding=PlacementMapping(M3, [Sharded(1)])),
+            "b": sw.zeros(6, dtype=torch.int64, sharding=PlacementMapping(M3, [Sharded(0)])),
+            "plain": torch.zeros(3), "step": -1}
+
+
+def check(t: dict[str, Any], step: int) -> None:
+    assert torch.equal(t["w"].to_torch(), G + step)
+    assert torch.equal(t["b"].to_torch(), torch.arange(6, dtype=torch.int64) + step)
+    assert torch.equal(t["plain"], torch.full((3,), float(step))) and t["step"] == step
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("integrity") / "ckpt"
+    sw.checkpoint.save(state(3), path)
+    return path
+
+
+def _load_copy(saved: Path, damage: Any) -> dict[str, Any]:
+    """Load a damaged copy of ``saved``; returns the target when no error was raised."""
+    with tempfile.TemporaryDirectory() as d:
+        path = Path(d) / "ckpt"
+        shutil.copytree(saved, path)
+        damage(path)
+        t = target()
+        sw.checkpoint.load(t, path)
+        return t
+
+
+def _flip(file: Path, offset: int, mask: bytes) -> None:
+    raw = bytearray(file.read_bytes())
+    for i, m in enumerate(mask):
+        if offset + i < len(raw):
+            raw[offset + i] ^= m
+    file.write_bytes(bytes(raw))
+
+
+def test_a_checksummed_checkpoint_is_an_ordinary_dcp_checkpoint(saved: Path) -> None:
+    t = {"w": torch.zeros(7, 5), "b": torch.zeros(6, dtype=torch.int64),
+         "plain": torch.zeros(3), "step": -1}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # DCP's single-process notice
+        dcp.load(t, checkpoint_id=saved, no_dist=True)
+    assert torch.equal(t["w"], G + 3) and t["step"] == 3
+    md = pickle.loads((saved / ".metadata").read_bytes())  # the trailer is ignored
+    assert all(isinstance(getattr(i, "shardwise_crc32", None), int)
+               for i in md.storage_data.values())
+    check(_load_copy(saved, lambda p: None), 3)
+
+
+@settings(max_examples=100, deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(where=st.floats(0, 1, exclude_max=True), mask=st.binary(min_size=8, max_size=8),
+       kind=st.sampled_from([".distcp", ".metadata"]))
+def test_any_flip_in_any_file_is_corrupt_never_a_wrong_value(
+        saved: Path, where: float, mask: bytes, kind: str) -> None:
+    if not any(mask):
+        mask = b"\x01" + mask[1:]
+    files = sorted(f.name for f in saved.iterdir() if f.name.endswith(kind))
+    name = files[int(where * 997) % len(files)]
+    offset = int(where * (saved / name).stat().st_size)
+    with pytest.raises(CheckpointError, match="corrupt") as err:
+        _load_copy(saved, lambda p: _flip(p / name, offset, mask))
+    message = str(err.value)
+    assert name in message and "bytes" in message, message
+    if kind == ".distcp":
+        assert "Key '" in message, message
+
+
+@pytest.mark.parametrize("kind", [".distcp", ".metadata"])
+@pytest.mark.parametrize("how", ["zero-filled", "truncated", "emptied"])
+def test_zero_filled_and_truncated_files_are_corrupt(saved: Path, kind: str, how: str
+                                                     ) -> None:
+    def damage(path: Path) -> None:
+        for f in path.iterdir():
+            if f.name.endswith(kind):
+                size = f.stat().st_size
+                f.write_bytes({"zero-filled": bytes(size), "truncated": f.read_bytes()[
+                    :size // 2], "emptied": b""}[how])
+
+    with pytest.raises(CheckpointError, match="corrupt") as err:
+        _load_copy(saved, damage)
+    assert "weights_only" not in str(err.value)
+
+
+def test_a_plain_dcp_checkpoint_zero_filled_is_corrupt(tmp_path: Path) -> None:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.save({"w": torch.ones(64), "step": 1}, checkpoint_id=tmp_path / "c", no_dist=True)
+    f = next((tmp_path / "c").glob("*.distcp"))
+    f.write_bytes(bytes(f.stat().st_size))  # no checksums there to compare
+    with pytest.raises(CheckpointError, match=r"Key '(w|step)'.* bytes \d+\.\.\d+ is corrupt "
+                       r"\(they are all zero bytes\)") as err:
+        sw.checkpoint.load({"w": torch.zeros(64), "step": 0}, tmp_path / "c")
+    assert "weights_only" not in str(err.value)
+
+
+# --- an interrupted save ---------------------------------------------------------------------
+def _states(tmp_path: Path, published: bool, old: bool, partial: str) -> Path:
+    """``run`` as a save of step 2 over step 1 left it: ``partial`` is "complete",
+    "incomplete" (data, no metadata) or "none"."""
+    path = tmp_path / "run"
+    if old:
+        sw.checkpoint.save(state(1), tmp_path / "one")
+        os.replace(tmp_path / "one", tmp_path / ("run" if published else "run.old"))
+    if partial != "none":
+        sw.checkpoint.save(state(2), tmp_path / "two")
+        os.replace(tmp_path / "two", tmp_path / "run.partial")
+        if partial == "incomplete":
+            (tmp_path / "run.partial" / ".metadata").unlink()
+    return path
+
+
+def test_between_the_renames_the_complete_unpublished_save_loads_with_a_warning(
+        tmp_path: Path) -> None:
+    path = _states(tmp_path, published=False, old=True, partial="complete")
+    t = target()
+    with pytest.warns(CheckpointWarning) as record:
+        sw.checkpoint.load(t, path)
+    check(t, 2)
+    message = str(record[0].message)
+    assert (f"No checkpoint is published at {path}" in message
+            and f"{path}.partial (step 2) holds a complete save" in message
+            and f"{path}.old (step 1)" in message and "Move run.partial to run" in message
+            ), message
+    with pytest.raises(CheckpointError, match=r"run.partial \(step 2\).*run.old \(step 1\)"
+                       r".*fallback='warn'"):
+        sw.checkpoint.load(target(), path, fallback="error")
+
+
+def test_with_no_unpublished_save_the_older_checkpoint_loads_with_a_warning(
+        tmp_path: Path) -> None:
+    path = _states(tmp_path, published=False, old=True, partial="incomplete")
+    t = target()
+    with pytest.warns(CheckpointWarning, match=r"run.old \(step 1\), aside and did not "
+                      r"finish \(.*run.partial is incomplete\): loading .*run.old"):
+        sw.checkpoint.load(t, path)
+    check(t, 1)
+    with pytest.raises(CheckpointError, match=r"No checkpoint is published.*run.old"):
+        sw.checkpoint.load(target(), path, fallback="error")
+
+
+def test_the_published_checkpoint_wins_without_a_warning(tmp_path: Path) -> None:
+    path = _states(tmp_path, published=True, old=True, partial="complete")  # before rename 1
+    t = target()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", CheckpointWarning)
+        sw.checkpoint.load(t, path, fallback="error")
+    check(t, 1)
+
+
+def test_an_incomplete_save_alone_is_no_checkpoint(tmp_path: Path) -> None:
+    path = _states(tmp_path, published=False, old=False, partial="incomplete")
+    with pytest.raises(CheckpointError, match="No checkpoint at"):
+        sw.checkpoint.load(target(), path)
+    with pytest.raises(CheckpointError, match=r"fallback='later' is not one of"):
+        sw.checkpoint.load(target(), path, fallback="later")  # type: ignore[arg-type]
+
+
+def test_load_train_state_passes_fallback(tmp_path: Path) -> None:
+    model = torch.nn.Linear(2, 2)
+    opt = torch.optim.SGD(model.parameters())
+    sw.checkpoint.save_train_state(tmp_path / "run", model, opt, step=4)
+    os.replace(tmp_path / "run", tmp_path / "run.old")
+    with pytest.raises(CheckpointError, match=r"run.old \(step 4\)"):
+        sw.checkpoint.load_train_state(tmp_path / "run", model, opt, fallback="error")
+    with pytest.warns(CheckpointWarning, match=r"run.old \(step 4\)"):
+        assert sw.checkpoint.load_train_state(tmp_path / "run", model, opt) == 4
+
+
+# --- safetensors ----------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def saved_st(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("integrity_st") / "model.safetensors"
+    s = state(3)
+    del s["step"]
+    sw.checkpoint.save_safetensors(s, path, metadata={"format": "pt"})
+    return path
+
+
+def _load_st(saved_st: Path, damage: Any) -> dict[str, Any]:
+    with tempfile.TemporaryDirectory() as d:
+        path = Path(d) / saved_st.name
+        shutil.copy(saved_st, path)
+        damage(path)
+        t = target()
+        sw.checkpoint.load_safetensors(path, t)
+        return t
+
+
+def test_a_checksummed_safetensors_file_loads(saved_st: Path) -> None:
+    t = _load_st(saved_st, lambda p: None)
+    t["step"] = 3
+    check(t, 3)
+
+
+@settings(max_examples=100, deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(where=st.floats(0, 1, exclude_max=True), mask=st.binary(min_size=8, max_size=8))
+def test_any_flip_in_a_safetensors_file_is_corrupt_never_a_wrong_value(
+        saved_st: Path, where: float, mask: bytes) -> None:
+    if not any(mask):
+        mask = b"\x01" + mask[1:]
+    offset = int(where * saved_st.stat().st_size)
+    with pytest.raises(CheckpointError, match="corrupt") as err:
+        _load_st(saved_st, lambda p: _flip(p, offset, mask))
+    message = str(err.value)
+    assert saved_st.name in message, message
+    assert "bytes" in message or "safetensors cannot read" in message, message
+
+
+@pytest.mark.parametrize("how", ["zero-filled", "truncated", "emptied"])
+@pytest.mark.parametrize("ours", [True, False])
+def test_zero_filled_and_truncated_safetensors_files_are_corrupt(
+        saved_st: Path, tmp_path: Path, how: str, ours: bool) -> None:
+    import safetensors.torch
+
+    src = saved_st
+    if not ours:  # written by safetensors itself: no checksums
+        src = tmp_path / "plain.safetensors"
+        safetensors.torch.save_file({"w": G, "plain": torch.ones(3)}, src)
+
+    def damage(p: Path) -> None:
+        size = p.stat().st_size
+        p.write_bytes({"zero-filled": bytes(size), "truncated": p.read_bytes()[:size - 8],
+                       "emptied": b""}[how])
+
+    with pytest.raises(CheckpointError, match="corrupt"):
+        _load_st(src, damage)
+
+
+@settings(max_examples=50, deadline=None, derandomize=True)
+@given(a=st.binary(max_size=300), b=st.binary(max_size=300))
+def test_crc32_combine_is_zlibs(a: bytes, b: bytes) -> None:
+    from shardwise.checkpoint import integrity
+
+    assert integrity._combine(zlib.crc32(a), zlib.crc32(b), len(b)) == zlib.crc32(a + b)
+
+
+def test_crc32_of_a_large_buffer_in_pieces_is_zlibs(monkeypatch: pytest.MonkeyPatch) -> None:
+    from shardwise.checkpoint import integrity
+
+    monkeypatch.setattr(integrity, "_PIECE", 1000)
+    monkeypatch.setattr(os, "cpu_count", lambda: 4)
+    data = bytes(range(256)) * 41 + b"tail"
+    assert integrity.crc32(data) == zlib.crc32(data)
+    assert integrity.crc32(memoryview(data)[5:]) == zlib.crc32(data[5:])
+
+
+def test_check_chunk_in_pieces_from_a_memory_map(tmp_path: Path,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    from shardwise.checkpoint import integrity
+
+    monkeypatch.setattr(integrity, "_PIECE", 1000)
+    monkeypatch.setattr(os, "cpu_count", lambda: 4)
+    f = tmp_path / "data"
+    data = bytes(range(256)) * 41
+    f.write_bytes(data)
+    integrity.check_chunk(f, 7, 9000, zlib.crc32(data[7:9000]))
+    with pytest.raises(integrity.Corrupt, match="CRC-32"):
+        integrity.check_chunk(f, 7, 9000, zlib.crc32(data[7:9000]) ^ 1)
+    with pytest.raises(integrity.Corrupt, match="truncated"):
+        integrity.check_chunk(f, 7, 90000, 0)
+
+
+def test_verify_false_skips_the_data_checksums(saved: Path, saved_st: Path) -> None:
+    def damage(p: Path) -> None:  # 8 bytes of w's values (row 1, [5., 6.] + 3)
+        f = p / "__0_0.distcp" if p.is_dir() else p
+        _flip(f, f.read_bytes().index((G[1, :2] + 3).numpy().tobytes()), b"\x01" * 8)
+
+    with tempfile.TemporaryDirectory() as d:
+        path, st_path = Path(d) / "ckpt", Path(d) / saved_st.name
+        shutil.copytree(saved, path)
+        shutil.copy(saved_st, st_path)
+        damage(path)
+        damage(st_path)
+        sw.checkpoint.load(target(), path, verify=False)  # unchecked: no error
+        t = target()
+        assert sw.checkpoint.load_safetensors(st_path, t, strict=False, verify=False) == []
+        with pytest.raises(CheckpointError, match="corrupt"):
+            sw.checkpoint.load(target(), path)
+        with pytest.raises(CheckpointError, match="corrupt"):
+            sw.checkpoint.load_safetensors(st_path, target(), strict=False)
