@@ -100,7 +100,7 @@ def test_what_torch_refuses_falls_back_to_torch() -> None:
 
 def test_blocks_the_kernel_refuses_run_one_mm_per_group(monkeypatch: pytest.MonkeyPatch
                                                         ) -> None:
-    from shardwise.ops import linalg
+    from shardwise.ops import matmuls
 
     seen: list[tuple[int, ...]] = []
 
@@ -108,8 +108,8 @@ def test_blocks_the_kernel_refuses_run_one_mm_per_group(monkeypatch: pytest.Monk
         seen.append(tuple(b.shape))
         return grouped_loop(a, b, o)
 
-    grouped_loop = linalg._grouped_loop
-    monkeypatch.setattr(linalg, "_grouped_loop", loop)
+    grouped_loop = matmuls._grouped_loop
+    monkeypatch.setattr(matmuls, "_grouped_loop", loop)
     check(grouped, [(rand(10, 8), pm(M4, R)), (rand(3, 8, 16, seed=2), pm(M4, S2)), OFFS])
     assert seen == []  # blocks of 4 columns: the kernel
     check(grouped, [(rand(10, 8), pm(M4, R)), (rand(3, 8, 12, seed=2), pm(M4, S2)), OFFS])
@@ -117,8 +117,8 @@ def test_blocks_the_kernel_refuses_run_one_mm_per_group(monkeypatch: pytest.Monk
 
 
 def test_offs_out_of_range_is_an_error_on_the_loop() -> None:
-    from shardwise.ops import linalg
+    from shardwise.ops import matmuls
 
     with pytest.raises(ValueError, match=r"offs \[3, 12\] must increase and end within "
                                          r"the 10 grouped rows"):
-        linalg._grouped_loop(rand(10, 6), rand(2, 6, 4), torch.tensor([3, 12]))
+        matmuls._grouped_loop(rand(10, 6), rand(2, 6, 4), torch.tensor([3, 12]))

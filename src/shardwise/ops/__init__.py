@@ -4,11 +4,11 @@
 torch op on local blocks, wrap. ``compute`` holds the compute ops on the rule table,
 ``registry`` the handler table's tools and the fallback, and one module per family
 (``elementwise``, ``conversions``, ``factories``, ``inplace``, ``foreach``, ``shapes``,
-``indexing``, ``reductions``, ``nn``, ``linalg``, ``losses``, ``layers``, ``spectral``,
-``sampling``, ``autograd``) the handlers of torch's functions, each registered at import
-by ``@register`` right above it; ``torch_api`` imports every
-family and sets the fallback (the Tensor loads it on its first torch call). Importing
-this package fills the registry too.
+``views``, ``joins``, ``indexing``, ``reductions``, ``nn``, ``linalg``, ``matmuls``,
+``losses``, ``layers``, ``spectral``, ``sampling``, ``autograd``) the handlers of
+torch's functions, each registered at import by ``@register`` right above it;
+``torch_api`` imports every family and sets the fallback (the Tensor loads it on its
+first torch call). Importing this package fills the registry too.
 """
 
 from shardwise.ops import torch_api as _torch_api  # noqa: F401  (fills the op registry)

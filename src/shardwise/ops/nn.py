@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from shardwise.ops import compute as C
-from shardwise.ops import linalg
+from shardwise.ops import matmuls
 from shardwise.ops.execute import apply
 from shardwise.ops.registry import TensorMethod, fallback, on_mesh, register
 from shardwise.runtime import observe as comm
@@ -61,7 +61,7 @@ def matmul(a: Any, b: Any) -> Any:
 def addmm(bias: Any, a: Any, b: Any, *, beta: Any = 1, alpha: Any = 1, out: Any = None) -> Any:
     """``bias + a @ b`` (transformers' ``Conv1D``): the matmul rule, then the add rule."""
     if out is not None or beta != 1 or alpha != 1:
-        return linalg.scaled_addmm(bias, a, b, beta=beta, alpha=alpha, out=out)
+        return matmuls.scaled_addmm(bias, a, b, beta=beta, alpha=alpha, out=out)
     if all(isinstance(t, Tensor) and t._whole is not None for t in (bias, a, b)):
         # whole values: torch's own addmm once (torch's bits), as F.linear does
         w = bias._whole

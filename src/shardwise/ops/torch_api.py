@@ -17,7 +17,8 @@ above each handler) and then sets the fallback:
 ``indexing``        ``x[...]``, ``torch.index_select``
 ``reductions``      sum, mean, amax, norms, var, max, topk, sort, cumsum, softmax
 ``nn``              linear, matmul, addmm, layer/rms norm, embedding, dropout, sdpa
-``linalg``          batched ``torch.linalg``, addmv and kin, dot, kron, cdist, cross...
+``linalg``          batched ``torch.linalg``, norms over dims, cross, distances, diff...
+``matmuls``         addmv and kin, dot, outer, tensordot, kron, grouped_mm, cdist...
 ``losses``          cross_entropy, nll_loss, the pointwise and per-sample losses
 ``layers``          conv, pools, interpolate, pad, batch/group/instance norm, grid_sample
 ``spectral``        ``torch.fft.*`` (the transformed dims whole)
