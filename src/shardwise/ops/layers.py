@@ -23,6 +23,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from shardwise.ops.compute import ZeroGrad
 from shardwise.ops.kept import apply_kept, lead
 from shardwise.ops.registry import register
 from shardwise.sharding.errors import ShardingError
@@ -110,13 +111,12 @@ def _empty_result(fn: Any, xs: torch.Tensor, args: tuple[Any, ...],
     except (RuntimeError, TypeError, NotImplementedError):
         with torch.no_grad():
             r = fn(xs.detach(), *args, **kwargs)
-    link = xs.sum() * 0
-
     def made(v: Any) -> Any:
         if not isinstance(v, torch.Tensor):
             return v
         out = torch.zeros(v.shape, dtype=v.dtype, device=xs.device)
-        return out + link if out.is_floating_point() or out.is_complex() else out
+        return ZeroGrad.apply(out, False, xs) if out.is_floating_point() or (
+            out.is_complex()) else out
 
     return tuple(made(v) for v in r) if isinstance(r, tuple) else made(r)
 
@@ -305,11 +305,7 @@ def _empty_block(name: str, run: Callable[..., Any], xs: torch.Tensor, rm: Any, 
     backward of the native norms divides by the block's size (SIGFPE, a crash) and its
     training forward refuses it, so the block's output is its (empty) input linked to
     the weights with zero gradients, and the native ops' statistics are empty too."""
-    link = xs.sum() * 0
-    for t in (w, b):
-        if isinstance(t, torch.Tensor) and t.requires_grad:
-            link = link + t.sum() * 0
-    out = xs * 1 + link
+    out = ZeroGrad.apply(torch.empty_like(xs), False, xs, w, b)
     if "native" in name:  # (output, mean, invstd): one statistic per channel, none here
         return out, xs.new_empty(0), xs.new_empty(0)
     return out

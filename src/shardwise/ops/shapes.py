@@ -28,7 +28,6 @@ from shardwise.ops.registry import (
     fallback,
     on_mesh,
     reduce_dims,
-    refuse_write,
     register,
     shape_args,
 )
@@ -177,11 +176,11 @@ def expand_as(x: Any, other: Any) -> Any:
 
 
 @register(torch.cat, torch.concat, torch.concatenate)
-def cat(tensors: Sequence[Any], dim: int = 0, *, out: Any = None, **kwargs: Any) -> Any:
+def cat(tensors: Sequence[Any], dim: int = 0, **kwargs: Any) -> Any:
     """``torch.cat``, with torch's legacy rule: 1-D empty tensors (shape ``(0,)``) beside
-    tensors of another rank are skipped."""
-    if out is not None:
-        raise refuse_write("cat(..., out=)", list(tensors))
+    tensors of another rank are skipped. (``out=`` never reaches a handler: the router
+    writes it, :func:`shardwise.ops.registry.write_out`.)"""
+    kwargs.pop("out", None)  # out=None: no write
     if "axis" in kwargs:  # torch.concatenate's spelling
         dim = kwargs.pop("axis")
     if kwargs:
