@@ -9,6 +9,8 @@ Modules: :mod:`~benchmarks.suite` (the whole suite, JSON + table),
 LocalTensorMode), :mod:`~benchmarks.memory` (peak memory of replication),
 :mod:`~benchmarks.profiling` (cProfile of the 8x8 hot path),
 :mod:`~benchmarks.gloo` (Gloo ranks vs raw torch.distributed and DTensor),
+:mod:`~benchmarks.dispatch` (per-op overhead on Gloo ranks vs DTensor and
+:mod:`~benchmarks.floor`, a minimal wrapper subclass),
 :mod:`~benchmarks.report` (tables, target checks). Each section also runs alone:
 ``python -m benchmarks.simulated``, ``python -m benchmarks.gloo``.
 """

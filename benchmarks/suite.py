@@ -11,6 +11,9 @@ Sections (each documented in its module):
 - ``compile``: ``torch.compile`` of a parallelized tiny HF Llama forward beside the
   eager one (:mod:`benchmarks.compiled`; says so when transformers is missing);
 - ``gloo``: 4 Gloo ranks, shardwise beside raw torch.distributed and DTensor;
+- ``dispatch``: per-op overhead of the process runtime (2 Gloo ranks, a 32x64 block per
+  rank) above plain torch, shardwise beside DTensor and a minimal wrapper subclass (the
+  floor) (:mod:`benchmarks.dispatch`);
 - ``gpt_gloo``: a GPT training step, TP x FSDP on 4 Gloo ranks, shardwise beside
   DTensor TP + FSDP2 (:mod:`benchmarks.gpt_gloo`);
 - ``checkpoint``: DCP and safetensors throughput of a sharded state beside plain
@@ -39,12 +42,14 @@ PRESETS: dict[str, dict[str, Any]] = {
              "profile_calls": 2000, "gloo": {"size": 4096, "repeat": 11, "small_repeat": 200,
                                              "choices": True},
              "ckpt": {"tensors": 8, "repeat": 3, "shape": (2048, 4096)},
-             "gpt": {"repeat": 10, "dims": (32, 256)}},
+             "gpt": {"repeat": 10, "dims": (32, 256)},
+             "dispatch": {"repeat": 21, "inner": 200}},
     "quick": {"size": 1024, "small": 8, "repeat": 3, "small_repeat": 6, "small_inner": 50,
               "profile_calls": 300, "gloo": {"size": 1024, "repeat": 3, "small_repeat": 20,
                                              "choices": False},
               "ckpt": {"tensors": 2, "repeat": 1, "shape": (1024, 1024)},
-              "gpt": {"repeat": 3, "dims": (32,)}},
+              "gpt": {"repeat": 3, "dims": (32,)},
+              "dispatch": {"repeat": 7, "inner": 50}},
 }
 
 
@@ -116,6 +121,10 @@ def run_suite(preset: str = "full", *, devices: tuple[int, ...] = (4, 8), gloo: 
 
         say(f"Gloo suite ({world} ranks) ...")
         res["gloo"] = gloo_mod.run(world=world, **cfg["gloo"])
+        from benchmarks import dispatch
+
+        say("per-op dispatch on 2 Gloo ranks beside DTensor and the floor ...")
+        res["dispatch"] = dispatch.run(**cfg["dispatch"])
         from benchmarks import gpt_gloo
 
         res["gpt_gloo"] = []

@@ -163,3 +163,19 @@ def test_compile_section_tables() -> None:
     assert "1.20x" in "\n".join(compile_tables(row))
     (target,) = [t for t in check_targets({"compile": row}) if t["target"] == "compile"]
     assert target["met"] is True and "compile" in TARGETS
+
+
+def test_dispatch_section_tiny() -> None:
+    """The per-op dispatch rows on 2 Gloo ranks: every way measured, checked against torch
+    on the local blocks, and the target evaluated per op."""
+    from benchmarks import dispatch
+    from benchmarks.report import check_targets
+
+    res = dispatch.run(repeat=1, inner=2, ops=["gelu", "add", "linear"], limit_s=240)
+    assert res is not None and res["benchmark"] == "dispatch"
+    assert [r["op"] for r in res["rows"]] == ["gelu", "add", "linear"]
+    assert all(r["floor_us"] is not None and r["dtensor_us"] is not None
+               and r["shardwise_us"] is not None for r in res["rows"])
+    assert "DTensor +us" in "\n".join(dispatch.tables(res))
+    rows = [t for t in check_targets({"dispatch": res}) if t["target"] == "dispatch"]
+    assert len(rows) == 3 and all(t["met"] in (True, False) for t in rows)

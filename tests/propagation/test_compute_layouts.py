@@ -224,6 +224,7 @@ def test_torch_runs_once_per_distinct_input(monkeypatch: pytest.MonkeyPatch) -> 
 
 
 def test_decisions_are_cached() -> None:
+    from shardwise.ops.execute import clear_decisions, decision_cache_info
     from shardwise.propagation.decide import decide
 
     def pair() -> tuple[sw.Tensor, sw.Tensor]:
@@ -234,20 +235,27 @@ def test_decisions_are_cached() -> None:
 
     x, y = pair()
     x + y
-    before = decide.cache_info().hits
+    before = decide.cache_info()
+    entries = decision_cache_info()[0]
     x, y = pair()
-    x + y
-    assert decide.cache_info().hits == before + 1
+    x + y  # the same layouts, shapes and dtypes: the dispatch's decision cache answers
+    assert decide.cache_info() == before and decision_cache_info()[0] == entries
+    x, y = pair()
+    clear_decisions()
+    x + y  # without it, decide's own cache does
+    assert decide.cache_info().hits == before.hits + 1
     before = decide.cache_info()
     x + x  # one layout, no Partial: the elementwise fast path decides nothing
     assert decide.cache_info() == before
 
 
 def test_large_searches_are_cut_and_stay_correct(monkeypatch: pytest.MonkeyPatch) -> None:
+    from shardwise.ops.execute import clear_decisions
     from shardwise.propagation import decide as propagation
 
     monkeypatch.setattr(propagation, "MAX_COMBINATIONS", 1)
     propagation.decide.cache_clear()
+    clear_decisions()  # decisions the dispatch cached before the patch
     try:
         out, cc = run(operator.add, operator.add, [(X8, lay(MESH, "dp", "tp")),
                                                    (Y8, lay(MESH, "tp", "dp"))])
@@ -258,3 +266,4 @@ def test_large_searches_are_cut_and_stay_correct(monkeypatch: pytest.MonkeyPatch
         assert show(out) == "[S(tp), S(dp)]"
     finally:
         propagation.decide.cache_clear()
+        clear_decisions()

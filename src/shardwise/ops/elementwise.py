@@ -56,9 +56,13 @@ def _elementwise(rule: str, func: Any, flags: bool = False) -> Callable[..., Any
     is_operand = _is_operand if flags else _is_value
 
     def handler(*args: Any, **kwargs: Any) -> Any:
-        if not kwargs and all(isinstance(a, (torch.Tensor, int, float)) and not (
-                flags and isinstance(a, bool)) for a in args):
-            return apply_elementwise(rule, args, func)  # every argument is an operand
+        if not kwargs:
+            for a in args:
+                if not isinstance(a, (torch.Tensor, int, float)) or (
+                        flags and isinstance(a, bool)):
+                    break
+            else:
+                return apply_elementwise(rule, args, func)  # every argument is an operand
         pos = [i for i, a in enumerate(args) if is_operand(a)]
         kws = [k for k, v in kwargs.items() if isinstance(v, torch.Tensor)]
         operands = [args[i] for i in pos] + [kwargs[k] for k in kws]

@@ -30,6 +30,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
+import torch.autograd.forward_ad as fwAD
 
 from shardwise.propagation.binding import Factors, bind
 from shardwise.propagation.decide import Decision, decide
@@ -38,7 +39,8 @@ from shardwise.sharding.layout import Layout
 from shardwise.tensors import cache
 from shardwise.tensors.tensor import Tensor, place
 
-__all__ = ["apply", "apply_elementwise"]
+__all__ = ["DECISIONS_MAX", "apply", "apply_elementwise", "clear_decisions",
+           "decision_cache_info"]
 
 
 def _is_const(x: Any) -> bool:
@@ -84,6 +86,42 @@ def _operands(op: str, operands: Sequence[Any]) -> list[Any]:
 
 
 _NONE = id(None)
+_CONSTS = (int, float, bool, complex)  # Python numbers: broadcast constants, as _is_const
+
+#: the decision cache: (op, shaped, params, per operand its (layout, shape, open dims,
+#: dtype) or None for a number[, the kept layouts when some operand keeps any]) ->
+#: :class:`_Decided`. Bounded: the oldest entry goes once it holds DECISIONS_MAX.
+_DECISIONS: dict[tuple[Any, ...], _Decided] = {}
+DECISIONS_MAX = 4096
+
+
+class _Decided:
+    """What an op's key decides, computed once: the bound rule, the decision, the
+    output's torch size, and per operand whether its blocks serve as they are (its
+    required layout is its own)."""
+
+    __slots__ = ("dec", "diverges", "factors", "plain", "same", "size")
+
+    def __init__(self, factors: Factors, dec: Decision, layouts: Sequence[Layout | None],
+                 shaped: bool) -> None:
+        self.factors, self.dec = factors, dec
+        self.size = torch.Size(factors.out_shape)
+        self.same = tuple(have is not None and req == have
+                          for have, req in zip(layouts, dec.required))
+        # every operand a Tensor that serves as it is (a diverge only where autograd
+        # records: ``diverges``), and fn takes the blocks alone: _run_plain
+        self.plain = all(self.same) and not shaped
+        self.diverges = tuple(i for i, d in enumerate(dec.diverge) if d)
+
+
+def decision_cache_info() -> tuple[int, int]:
+    """(entries, bound) of the decision cache (tests and benchmarks read it)."""
+    return len(_DECISIONS), DECISIONS_MAX
+
+
+def clear_decisions() -> None:
+    """Forget every cached decision (tests that patch the rules or ``decide``)."""
+    _DECISIONS.clear()
 
 
 def apply(op: str, operands: Sequence[Any], fn: Callable[..., torch.Tensor], *params: Any,
@@ -91,7 +129,70 @@ def apply(op: str, operands: Sequence[Any], fn: Callable[..., torch.Tensor], *pa
     """Run ``op`` (rule ``RULES[op]`` with ``params``) as ``fn`` on the local shards;
     ``shaped``: ``fn`` also takes the expected local output shape; ``views``: operand
     index -> the identity view of its whole value that the computation already used
-    (communication accounting hangs its backward hook there)."""
+    (communication accounting hangs its backward hook there).
+
+    The decision (bound rule, layouts, local shapes) is a cache hit for operands
+    already seen in the same layouts, shapes, open dims, dtypes and kept layouts, with
+    the same ``params``: the per-op path then binds and decides nothing."""
+    key: list[Any] = [op, shaped, params]
+    wholes = True
+    kept = False
+    for x in operands:
+        if isinstance(x, Tensor):
+            key += (x._layout, x._shape, x._open, x._dtype)
+            if x._whole is None:
+                wholes = False
+            if x._cache is not None:
+                kept = True
+        elif type(x) in _CONSTS:
+            key.append(None)
+        else:  # torch tensors and the rest: converted or refused by _operands
+            return _apply(op, operands, fn, params, shaped, views, None)
+    if kept:  # the layouts operands keep are priced by decide: part of the key
+        key.append(cache.kept_layouts(
+            [x if isinstance(x, Tensor) else None for x in operands], wholes))
+    k = tuple(key)
+    hit = _DECISIONS.get(k)
+    if hit is None:
+        return _apply(op, operands, fn, params, shaped, views, k)
+    dec = hit.dec
+    if hit.plain and not wholes:
+        for i in hit.diverges:
+            if _records(operands[i]):
+                break
+        else:
+            return _run_plain(op, fn, operands, dec, hit.factors, hit.size)
+    args = list(operands)
+    if wholes:
+        return _run_whole(op, fn, args, dec.required, dec, hit.factors, shaped, views)
+    cols: list[Sequence[torch.Tensor | None] | None] = []
+    for x, req, div, same in zip(args, dec.required, dec.diverge, hit.same):
+        if req is None:
+            cols.append(None)
+        elif same and (not div or not _records(x)):
+            cols.append(x._blocks if x._whole is None else x._shards)
+        else:
+            cols.append(cache.blocks(x, req, div))
+    return _run_local(op, fn, args, cols, dec, hit.factors, shaped, hit.size)
+
+
+def _records(x: Tensor) -> bool:
+    """Whether autograd records through ``x``'s blocks: only then does a diverge (the
+    identity forward, a sum of the gradient's shares backward) do anything."""
+    if fwAD._current_level >= 0:
+        return True
+    if not torch.is_grad_enabled():
+        return False
+    if x._whole is not None:
+        return x._whole.requires_grad
+    return any(b is not None and b.requires_grad for b in x._blocks)  # type: ignore[union-attr]
+
+
+def _apply(op: str, operands: Sequence[Any], fn: Callable[..., torch.Tensor],
+           params: tuple[Any, ...], shaped: bool, views: dict[int, torch.Tensor] | None,
+           key: tuple[Any, ...] | None) -> Tensor:
+    """:func:`apply` without a cached decision: check and convert the operands, bind,
+    decide; then remember the decision under ``key`` (None: not cacheable)."""
     args = _operands(op, operands)
     tensors: list[Tensor | None] = []
     shapes: list[tuple[int, ...]] = []
@@ -100,7 +201,7 @@ def apply(op: str, operands: Sequence[Any], fn: Callable[..., torch.Tensor], *pa
     itemsizes: list[int] = []
     wholes = True
     wrapping: list[int] = []  # integer or bool Partial operands (_reduce_wrapping_partials)
-    for i, x in enumerate(args):  # the wrapper's own fields: the per-op hot path
+    for i, x in enumerate(args):
         if isinstance(x, Tensor):
             if x._layout.is_partial and not _sums_exactly(x._dtype):
                 wrapping.append(i)
@@ -122,6 +223,12 @@ def apply(op: str, operands: Sequence[Any], fn: Callable[..., torch.Tensor], *pa
     # the layouts each operand already reached for earlier ops: free for this one
     dec = decide(factors, tuple(layouts), tuple(opens), tuple(itemsizes),
                  cache.kept_layouts(tensors, wholes))
+    size = None
+    if key is not None and not wrapping:  # a wrapping operand's run depends on wholes
+        if len(_DECISIONS) >= DECISIONS_MAX:
+            del _DECISIONS[next(iter(_DECISIONS))]
+        hit = _DECISIONS[key] = _Decided(factors, dec, layouts, shaped)
+        size = hit.size
     if wholes:
         return _run_whole(op, fn, args, layouts, dec, factors, shaped, views)
     cols: list[Sequence[torch.Tensor | None] | None] = []
@@ -130,8 +237,11 @@ def apply(op: str, operands: Sequence[Any], fn: Callable[..., torch.Tensor], *pa
             cols.append(None)
             continue
         assert req is not None
-        cols.append(cache.blocks(x, req, div))
-    return _run_local(op, fn, args, cols, dec, factors, shaped)
+        if not div or _records(x) or req != have:
+            cols.append(cache.blocks(x, req, div))
+        else:  # a diverge nothing records through is the identity
+            cols.append(x._shards)
+    return _run_local(op, fn, args, cols, dec, factors, shaped, size)
 
 
 def _sums_exactly(dtype: torch.dtype) -> bool:
@@ -166,19 +276,96 @@ def _reduce_wrapping_partials(wrapping: list[int], args: list[Any],
             layouts[i] = args[i]._layout
 
 
+def _run_plain(op: str, fn: Callable[..., torch.Tensor], operands: Sequence[Tensor],
+               dec: Decision, factors: Factors, size: torch.Size) -> Tensor:
+    """:func:`_run_local` where every operand is a Tensor in its required layout and
+    ``fn`` takes the blocks alone: one call per distinct row of blocks (a device
+    another process holds has None in every operand: one mesh)."""
+    expect = dec.local_shapes
+    memo: dict[Any, torch.Tensor] = {}
+    out: list[torch.Tensor | None] = []
+    append = out.append
+    first: torch.Tensor | None = None
+    k = 0
+    try:
+        if len(operands) == 1:
+            x = operands[0]
+            for b in (x._blocks if x._whole is None else x._shards):  # type: ignore[union-attr]
+                if b is None:
+                    append(None)
+                else:
+                    r = memo.get(id(b))
+                    if r is None:
+                        r = memo[id(b)] = fn(b)
+                        assert r.shape == expect[k], _misshapen(op, k, r, dec)
+                        if first is None:
+                            first = r
+                    append(r)
+                k += 1
+        elif len(operands) == 2:
+            x, y = operands
+            c1 = y._blocks if y._whole is None else y._shards
+            for k, b0 in enumerate(x._blocks if x._whole is None else x._shards):  # type: ignore[arg-type]
+                if b0 is None:
+                    append(None)
+                    continue
+                b1 = c1[k]  # type: ignore[index]
+                key: Any = (id(b0), id(b1))
+                r = memo.get(key)
+                if r is None:
+                    r = memo[key] = fn(b0, b1)
+                    assert r.shape == expect[k], _misshapen(op, k, r, dec)
+                    if first is None:
+                        first = r
+                append(r)
+        else:
+            for row in zip(*[x._blocks if x._whole is None else x._shards for x in operands]):
+                key = tuple(map(id, row))
+                r = memo.get(key)
+                if r is None:
+                    if _NONE in key:
+                        append(None)
+                        k += 1
+                        continue
+                    r = memo[key] = fn(*row)
+                    assert r.shape == expect[k], _misshapen(op, k, r, dec)
+                    if first is None:
+                        first = r
+                append(r)
+                k += 1
+    except (RuntimeError, TypeError, ValueError, IndexError) as err:
+        blocks = [tuple(x.shards[k].shape) for x in operands]
+        raise ShardingError(
+            f"{op} failed on the local blocks {blocks} of operands with global "
+            f"shapes {_shapes(list(operands))} (rule '{factors.text}'): {err}"
+        ) from err
+    if first is None:  # no device of this mesh here: the dtype from meta
+        return Tensor(out, dec.output, factors.out_shape,
+                      _meta_dtype(fn, list(operands), dec, False), open_dims=dec.out_open)
+    return Tensor._wrap(tuple(out), None, dec.output, size, first.dtype, first.device,
+                        dec.out_open)
+
+
+def _misshapen(op: str, k: int, r: torch.Tensor, dec: Decision) -> str:
+    return (f"{op}: device {k} computed a block of shape {tuple(r.shape)}, the layout "
+            f"{dec.output} gives {dec.local_shapes[k]}")
+
+
 def _run_local(op: str, fn: Callable[..., torch.Tensor], args: list[Any],
                cols: list[Sequence[torch.Tensor | None] | None], dec: Decision,
-               factors: Factors, shaped: bool) -> Tensor:
+               factors: Factors, shaped: bool, size: torch.Size | None = None) -> Tensor:
     where = [i for i, c in enumerate(cols) if c is not None]
     plain = len(where) == len(args) and not shaped  # every operand a Tensor: call fn(*row)
     expect = dec.local_shapes
-    memo: dict[tuple[int, ...], torch.Tensor] = {}
+    memo: dict[Any, torch.Tensor] = {}
     out: list[torch.Tensor | None] = []
-    for k, row in enumerate(zip(*(cols[i] for i in where))):
-        key = tuple(map(id, row))
+    single = len(where) == 1
+    picked = [cols[i] for i in where]
+    for k, row in enumerate(zip(*picked)):
+        key: Any = id(row[0]) if single else tuple(map(id, row))
         r = memo.get(key)
         if r is None:
-            if _NONE in key:  # a device another process holds
+            if key == _NONE or (not single and _NONE in key):  # another process's device
                 out.append(None)
                 continue
             if plain:
@@ -197,17 +384,22 @@ def _run_local(op: str, fn: Callable[..., torch.Tensor], args: list[Any],
                     f"{op} failed on the local blocks {blocks} of operands with global "
                     f"shapes {_shapes(args)} (rule '{factors.text}'): {err}"
                 ) from err
-            assert tuple(r.shape) == expect[k], (
+            assert r.shape == expect[k], (
                 f"{op}: device {k} computed a block of shape {tuple(r.shape)}, the layout "
                 f"{dec.output} gives {expect[k]}")
             memo[key] = r
         out.append(r)
-    dtype = None if memo else _meta_dtype(fn, args, dec, shaped)
-    return Tensor(out, dec.output, factors.out_shape, dtype, open_dims=dec.out_open)
+    if not memo:  # no device of this mesh here: the dtype from meta
+        return Tensor(out, dec.output, factors.out_shape, _meta_dtype(fn, args, dec, shaped),
+                      open_dims=dec.out_open)
+    r = next(iter(memo.values()))
+    return Tensor._wrap(tuple(out), None, dec.output,
+                        torch.Size(factors.out_shape) if size is None else size, r.dtype,
+                        r.device, dec.out_open)
 
 
 def _run_whole(op: str, fn: Callable[..., torch.Tensor], args: list[Any],
-               layouts: list[Layout | None], dec: Decision, factors: Factors,
+               layouts: Sequence[Layout | None], dec: Decision, factors: Factors,
                shaped: bool, views: dict[int, torch.Tensor] | None = None) -> Tensor:
     """``fn`` once on the operands' whole values: the global op, one autograd node.
     Layout changes of the operands keep their wholes (their collectives are counted)."""
@@ -265,6 +457,9 @@ def apply_elementwise(op: str, operands: Sequence[Any], fn: Callable[..., torch.
     Where every operand also holds its whole value (``_whole``: a simulated mesh),
     ``fn`` runs once on the whole values (one autograd node) and the result keeps
     its whole: one torch call instead of one per distinct block."""
+    x0 = operands[0] if operands else None
+    if isinstance(x0, Tensor) and x0._whole is None and _NONE in map(id, x0._blocks):  # type: ignore[arg-type]
+        return apply(op, operands, fn)  # another process holds a device: the cached path
     first: Tensor | None = None
     for x in operands:
         if isinstance(x, Tensor):

@@ -68,11 +68,14 @@ WRITE_OUT: list[Callable[[Any, tuple[Any, ...], dict[str, Any]], Any]] = []
 
 def _route_eager(func: Any, args: Any, kwargs: Any) -> Any:
     """One torch function on shardwise Tensors: its handler, else the fallback."""
-    if kwargs and WRITE_OUT and kwargs.get("out") is not None:
-        return WRITE_OUT[0](func, tuple(args), kwargs)
     handler = HANDLERS.get(func)
-    if handler is not None:
-        return handler(*args, **(kwargs or {}))
+    if not kwargs:
+        if handler is not None:
+            return handler(*args)
+    elif WRITE_OUT and kwargs.get("out") is not None:
+        return WRITE_OUT[0](func, tuple(args), kwargs)
+    elif handler is not None:
+        return handler(*args, **kwargs)
     if not FALLBACK:  # the registry is filled by the API floor's ops, named here as a
         importlib.import_module(REGISTRY)  # plugin (no static upward import)
         return _route_eager(func, args, kwargs)
@@ -207,6 +210,10 @@ class Tensor(GradMixin, RelayoutMixin, MetaMixin,  # type: ignore[misc,override]
                            kwargs: Any = None) -> Any:
         if _compiling():
             return _route(func, args, kwargs)
+        if not kwargs:  # the common call: straight to its handler
+            handler = HANDLERS.get(func)
+            if handler is not None:
+                return handler(*args)
         return _route_eager(func, args, kwargs)
 
     @classmethod
