@@ -123,6 +123,9 @@ def einsum(equation: str, *operands: Any) -> Tensor:
 
 # --- reductions ---------------------------------------------------------------------------
 def _dims(x: Tensor, dim: Any, op: str) -> tuple[int, ...]:
+    n = len(x._shape)
+    if type(dim) is int and -n <= dim < n:  # one dim in range: the common call
+        return (dim % n,)
     dims = (dim,) if isinstance(dim, int) else tuple(dim or ())
     if not dims:  # None or an empty list: torch's sum/mean/amax/amin reduce every dim
         return tuple(range(x.ndim))

@@ -6,7 +6,14 @@ Invariants:
 - Operands reach the layouts the decision requires only through the operand cache
   (:mod:`shardwise.tensors.cache`: ``blocks``, ``whole``), which also names the
   layouts each already reached (priced free by ``decide``); nothing here reads a
-  Tensor's instance dict or keeps state of its own.
+  Tensor's instance dict. Its one state is the decision cache below.
+- Decisions are cached (``_DECISIONS``, at most :data:`DECISIONS_MAX` entries, the
+  oldest out first) by (op, ``shaped``, params, per operand its layout, shape, open
+  dims and dtype or a marker for a Python number, and the layouts operands keep when
+  any keeps one): everything ``bind`` and ``decide`` read, so a hit is the decision
+  the uncached path would make. Plain torch operands (converted per call) and integer
+  Partial operands (reduced first on blocks) never hit; a hit binds, decides and
+  allocates nothing but the result.
 - The torch op runs once per distinct tuple of input shard objects, and that
   one result serves every device holding that tuple: replicas keep sharing one
   buffer, so simulated gradients are exact (no N-fold overcount).
@@ -14,7 +21,9 @@ Invariants:
   never communicated (a 0-d tensor that requires grad is placed on the mesh).
 - Where an operand is replicated over a mesh axis but the output is not, each
   device computes only a share of that operand's gradient; the backend's
-  ``diverge`` sums the shares (identity in the simulated runtime).
+  ``diverge`` sums the shares (identity in the simulated runtime). Where autograd
+  records nothing through the operand (no grad-requiring block in grad mode, no
+  forward-mode level) the diverge is the identity and is skipped.
 - Every output block has the shape the output layout's split rule gives
   (asserted).
 - Where every Tensor operand holds its whole value (``_whole``: a mesh this process
@@ -93,6 +102,7 @@ _CONSTS = (int, float, bool, complex)  # Python numbers: broadcast constants, as
 #: :class:`_Decided`. Bounded: the oldest entry goes once it holds DECISIONS_MAX.
 _DECISIONS: dict[tuple[Any, ...], _Decided] = {}
 DECISIONS_MAX = 4096
+"""The decision cache's bound: distinct (op, operand layouts, shapes...) keys kept."""
 
 
 class _Decided:
@@ -115,12 +125,21 @@ class _Decided:
 
 
 def decision_cache_info() -> tuple[int, int]:
-    """(entries, bound) of the decision cache (tests and benchmarks read it)."""
+    """(entries, bound) of the decision cache (tests and benchmarks read it).
+
+    >>> clear_decisions()
+    >>> decision_cache_info() == (0, DECISIONS_MAX)
+    True
+    """
     return len(_DECISIONS), DECISIONS_MAX
 
 
 def clear_decisions() -> None:
-    """Forget every cached decision (tests that patch the rules or ``decide``)."""
+    """Forget every cached decision (tests that patch the rules or ``decide``).
+
+    >>> clear_decisions(); decision_cache_info()[0]
+    0
+    """
     _DECISIONS.clear()
 
 
