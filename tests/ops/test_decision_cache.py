@@ -167,3 +167,25 @@ def test_functional_ops_with_params() -> None:
     for shape in ((8,), (8, 8), (8,)):
         check(F.layer_norm(t, shape), F.layer_norm(x, shape))
     check(F.layer_norm(t, (8,), gs, bs), F.layer_norm(x, (8,), g, b))
+
+
+@pytest.mark.parametrize("case", ["rows", "columns", "partial", "bias grad"])
+def test_linear_adds_its_bias_in_the_call_only_where_exact(case: str) -> None:
+    """F.linear on blocks folds the bias into the local call once its decision is
+    cached, where the add would change nothing; elsewhere it adds it by the rule."""
+    x, w, b = values(8, 6, seed=1), values(4, 6, seed=2), values(4, seed=3)
+    x_lay, w_lay = {"rows": (lay(LINE, "x", None), lay(LINE, None, None)),
+                    "columns": (lay(LINE, None, None), lay(LINE, "x", None)),
+                    "partial": (lay(LINE, None, "x"), lay(LINE, None, "x")),
+                    "bias grad": (lay(LINE, "x", None), lay(LINE, None, None))}[case]
+    for _ in range(3):  # the first call caches the decision, the others may fold
+        bs = blocks_of(b, lay(LINE, None))
+        if case == "bias grad":
+            bs = sw.from_local([b.clone().requires_grad_() for _ in range(4)],
+                               lay(LINE, None), b.shape)
+        out = F.linear(blocks_of(x, x_lay), blocks_of(w, w_lay), bs)
+        check(out, F.linear(x, w, b))
+        if case == "bias grad":
+            out.sum().backward()
+            assert bs.grad is not None
+            check(bs.grad, torch.full_like(b, 8.0))

@@ -48,8 +48,8 @@ from shardwise.sharding.layout import Layout
 from shardwise.tensors import cache
 from shardwise.tensors.tensor import Tensor, place
 
-__all__ = ["DECISIONS_MAX", "apply", "apply_elementwise", "clear_decisions",
-           "decision_cache_info"]
+__all__ = ["DECISIONS_MAX", "apply", "apply_elementwise", "cached_decision",
+           "clear_decisions", "decision_cache_info", "records"]
 
 
 def _is_const(x: Any) -> bool:
@@ -177,7 +177,7 @@ def apply(op: str, operands: Sequence[Any], fn: Callable[..., torch.Tensor], *pa
     dec = hit.dec
     if hit.plain and not wholes:
         for i in hit.diverges:
-            if _records(operands[i]):
+            if records(operands[i]):
                 break
         else:
             return _run_plain(op, fn, operands, dec, hit.factors, hit.size)
@@ -188,14 +188,31 @@ def apply(op: str, operands: Sequence[Any], fn: Callable[..., torch.Tensor], *pa
     for x, req, div, same in zip(args, dec.required, dec.diverge, hit.same):
         if req is None:
             cols.append(None)
-        elif same and (not div or not _records(x)):
+        elif same and (not div or not records(x)):
             cols.append(x._blocks if x._whole is None else x._shards)
         else:
             cols.append(cache.blocks(x, req, div))
     return _run_local(op, fn, args, cols, dec, hit.factors, shaped, hit.size)
 
 
-def _records(x: Tensor) -> bool:
+def cached_decision(op: str, operands: Sequence[Any], *params: Any) -> Decision | None:
+    """The decision :func:`apply` would take from the cache for these Tensor operands
+    (held as blocks, keeping no layouts), or None: lets a handler choose its local
+    call by the layouts before it runs (``F.linear`` adds its bias in the same call).
+
+    >>> cached_decision("no such op", ()) is None
+    True
+    """
+    key: list[Any] = [op, False, params]
+    for x in operands:
+        if not isinstance(x, Tensor) or x._whole is not None or x._cache is not None:
+            return None
+        key += (x._layout, x._shape, x._open, x._dtype)
+    hit = _DECISIONS.get(tuple(key))
+    return None if hit is None else hit.dec
+
+
+def records(x: Tensor) -> bool:
     """Whether autograd records through ``x``'s blocks: only then does a diverge (the
     identity forward, a sum of the gradient's shares backward) do anything."""
     if fwAD._current_level >= 0:
@@ -256,7 +273,7 @@ def _apply(op: str, operands: Sequence[Any], fn: Callable[..., torch.Tensor],
             cols.append(None)
             continue
         assert req is not None
-        if not div or _records(x) or req != have:
+        if not div or records(x) or req != have:
             cols.append(cache.blocks(x, req, div))
         else:  # a diverge nothing records through is the identity
             cols.append(x._shards)

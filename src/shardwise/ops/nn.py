@@ -6,7 +6,11 @@ Invariants:
 - Each op names the dims that must stay whole (normalized dims, the vocabulary,
   keys and values, classes) in its rule; batch and head dims shard freely.
 - ``F.linear`` with whole-valued operands runs torch's own addmm once (torch's bits);
-  the add rule still lays the bias out and decides the output layout.
+  the add rule still lays the bias out and decides the output layout. On blocks, once
+  the linear rule's decision is cached and the add would keep its output layout and
+  read the bias whole (a replicated bias of the input's dtype, recording no gradient;
+  an output neither Partial nor split on its last dim), the bias goes into the same
+  local ``F.linear`` call.
 - Dropout draws its mask over the global shape from torch's generator, as
   single-device torch does, then lays it out like the input.
 - Dropout inside attention draws its noise over the attention weights' global shape as
@@ -27,10 +31,11 @@ import torch.nn.functional as F
 
 from shardwise.ops import compute as C
 from shardwise.ops import matmuls
-from shardwise.ops.execute import apply
+from shardwise.ops.execute import apply, cached_decision, records
 from shardwise.ops.registry import TensorMethod, fallback, on_mesh, register
 from shardwise.runtime import observe as comm
 from shardwise.sharding.errors import ShardingError
+from shardwise.sharding.layout import Layout
 from shardwise.tensors.tensor import Tensor, place
 
 __all__: list[str] = []
@@ -47,8 +52,33 @@ def linear(x: Any, weight: Any, bias: Any = None) -> Any:
             b = b.view_as(b)  # the bias's gradient passes here: counted by the add
         y = apply("linear", (x, weight), lambda xs, ws: F.linear(xs, ws, b))
         return apply("add", (y, bias), lambda ys, _: ys, views={1: b})
+    if bias is not None:
+        dec = cached_decision("linear", (x, weight))
+        b = _bias_block(bias) if dec is not None and _adds_in_place(dec.output, x, bias) \
+            else None
+        if b is not None:
+            # the add would keep y's layout and use the bias whole: one call, torch's addmm
+            return apply("linear", (x, weight), lambda xs, ws: F.linear(xs, ws, b))
     y = apply("linear", (x, weight), F.linear)
     return y if bias is None else C.add(y, bias)
+
+
+def _adds_in_place(out: Layout, x: Tensor, bias: Any) -> bool:
+    """Whether ``y + bias`` (``y`` laid out as ``out``) is ``F.linear``'s own bias add on
+    each block: a bias of x's dtype, held as blocks, fully replicated, recording no
+    gradient (no diverge to sum), and an output neither Partial (the bias would be
+    added once per term) nor split on its last dim (each block needs all of the bias)."""
+    return (isinstance(bias, Tensor) and bias._whole is None and bias._dtype is x._dtype
+            and bias._layout.is_fully_replicated and not out.is_partial
+            and not out.dims[-1] and not records(bias))
+
+
+def _bias_block(bias: Tensor) -> torch.Tensor | None:
+    """The one buffer every device here holds of a replicated bias (None if they hold
+    several: replicas on several torch devices)."""
+    held = [s for s in bias._blocks if s is not None]  # type: ignore[union-attr]
+    first = held[0] if held else None
+    return first if all(s is first for s in held) else None
 
 
 @register(torch.matmul, TensorMethod.matmul, TensorMethod.__matmul__, torch.mm,
