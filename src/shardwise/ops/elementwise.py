@@ -167,7 +167,7 @@ def _operator(rule: str, func: Callable[..., Any], reflected: bool) -> Callable[
 
     def forward(*args: Any, **kwargs: Any) -> Any:
         if len(args) > 1:
-            if not _is_value(args[1]):
+            if not isinstance(args[1], (torch.Tensor, numbers.Number)):  # _is_value
                 return NotImplemented
             if reflected:
                 args = (args[1], args[0])
