@@ -12,7 +12,7 @@ rounds of (its time - torch's time in the same round), the max over ranks. Every
 result is checked against the torch result on the local blocks before timing.
 
 Target (issue 22): shardwise's overhead <= 0.75x DTensor's, or within 1.5 us of the
-floor's. ``profile``: an op name to cProfile (shardwise only) on rank 0.
+floor's. ``profile``: an op name to cProfile (shardwise only, in CPU time) on rank 0.
 
     python -m benchmarks.dispatch                     # from the repo root
     python -m benchmarks.dispatch --profile gelu
@@ -194,7 +194,7 @@ def _profile(fn: Callable[[], Any], calls: int, top: int = 14) -> dict[str, Any]
 
     for _ in range(200):
         fn()
-    p = cProfile.Profile()
+    p = cProfile.Profile(time.process_time)  # CPU time: robust to a loaded machine
     p.enable()
     for _ in range(calls):
         fn()
