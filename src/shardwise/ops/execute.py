@@ -153,6 +153,23 @@ def apply(op: str, operands: Sequence[Any], fn: Callable[..., torch.Tensor], *pa
     The decision (bound rule, layouts, local shapes) is a cache hit for operands
     already seen in the same layouts, shapes, open dims, dtypes and kept layouts, with
     the same ``params``: the per-op path then binds and decides nothing."""
+    # the commonest hits, keyed as below without the loop: one or two Tensors held as
+    # blocks, keeping nothing, in place
+    n = len(operands)
+    if n == 1:
+        x = operands[0]
+        if type(x) is Tensor and x._whole is None and x._cache is None:
+            hit = _DECISIONS.get((op, shaped, params, x._layout, x._shape, x._open, x._dtype))
+            if hit is not None and hit.plain and not hit.diverges:
+                return _run_plain(op, fn, operands, hit.dec, hit.factors, hit.size)
+    elif n == 2:
+        x, y = operands
+        if (type(x) is Tensor and type(y) is Tensor and x._whole is None
+                and y._whole is None and x._cache is None and y._cache is None):
+            hit = _DECISIONS.get((op, shaped, params, x._layout, x._shape, x._open, x._dtype,
+                                  y._layout, y._shape, y._open, y._dtype))
+            if hit is not None and hit.plain and not hit.diverges:
+                return _run_plain(op, fn, operands, hit.dec, hit.factors, hit.size)
     key: list[Any] = [op, shaped, params]
     wholes = True
     kept = False
