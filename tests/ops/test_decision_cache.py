@@ -189,3 +189,12 @@ def test_linear_adds_its_bias_in_the_call_only_where_exact(case: str) -> None:
             out.sum().backward()
             assert bs.grad is not None
             check(bs.grad, torch.full_like(b, 8.0))
+
+
+def test_linear_gives_the_same_bits_on_every_call() -> None:
+    """The bias is folded (or not) by the layouts alone, never by what the cache holds:
+    the first call and later ones run the same arithmetic."""
+    x, w, b = values(8, 6, seed=1), values(4, 6, seed=2), values(4, seed=3)
+    outs = [F.linear(blocks_of(x, lay(LINE, "x", None)), blocks_of(w, lay(LINE, None, None)),
+                     blocks_of(b, lay(LINE, None))).to_torch() for _ in range(3)]
+    assert all(torch.equal(o, outs[0]) for o in outs)

@@ -48,8 +48,8 @@ from shardwise.sharding.layout import Layout
 from shardwise.tensors import cache
 from shardwise.tensors.tensor import Tensor, place
 
-__all__ = ["DECISIONS_MAX", "apply", "apply_elementwise", "cached_decision",
-           "clear_decisions", "decision_cache_info", "records"]
+__all__ = ["DECISIONS_MAX", "apply", "apply_elementwise", "clear_decisions",
+           "decision_cache_info", "decision_of", "records"]
 
 
 def _is_const(x: Any) -> bool:
@@ -212,21 +212,50 @@ def apply(op: str, operands: Sequence[Any], fn: Callable[..., torch.Tensor], *pa
     return _run_local(op, fn, args, cols, dec, hit.factors, shaped, hit.size)
 
 
-def cached_decision(op: str, operands: Sequence[Any], *params: Any) -> Decision | None:
-    """The decision :func:`apply` would take from the cache for these Tensor operands
-    (held as blocks, keeping no layouts), or None: lets a handler choose its local
-    call by the layouts before it runs (``F.linear`` adds its bias in the same call).
+def decision_of(op: str, operands: Sequence[Any], *params: Any) -> Decision | None:
+    """The decision :func:`apply` takes for these operands, from the cache or made and
+    cached now, where every operand is a Tensor on one mesh held as blocks, with no
+    integer Partial; else None. Lets a handler choose its local call
+    by the layouts before it runs, the same on the first call as on later ones
+    (``F.linear`` adds its bias in the same call).
 
-    >>> cached_decision("no such op", ()) is None
+    >>> decision_of("linear", ()) is None
     True
     """
     key: list[Any] = [op, False, params]
+    mesh = None
     for x in operands:
-        if not isinstance(x, Tensor) or x._whole is not None or x._cache is not None:
+        if (not isinstance(x, Tensor) or x._whole is not None
+                or (x._layout.is_partial and not _sums_exactly(x._dtype))):
             return None
+        if mesh is None:
+            mesh = x._layout.mesh
+        elif x._layout.mesh != mesh:
+            return None  # apply names the two meshes in its error
         key += (x._layout, x._shape, x._open, x._dtype)
-    hit = _DECISIONS.get(tuple(key))
-    return None if hit is None else hit.dec
+    if mesh is None:
+        return None
+    kept: tuple[tuple[Layout, ...], ...] = ()
+    if any(x._cache is not None for x in operands):  # as apply's key has it
+        kept = cache.kept_layouts(operands, False)
+        key.append(kept)
+    k = tuple(key)
+    hit = _DECISIONS.get(k)
+    if hit is None:
+        layouts = tuple(x._layout for x in operands)
+        factors = bind(op, tuple(x._shape for x in operands), *params)
+        dec = decide(factors, layouts, tuple(x._open for x in operands),
+                     tuple(x._dtype.itemsize for x in operands), kept)
+        hit = _store(k, factors, dec, layouts, False)
+    return hit.dec
+
+
+def _store(key: tuple[Any, ...], factors: Factors, dec: Decision,
+           layouts: Sequence[Layout | None], shaped: bool) -> _Decided:
+    if len(_DECISIONS) >= DECISIONS_MAX:
+        del _DECISIONS[next(iter(_DECISIONS))]
+    hit = _DECISIONS[key] = _Decided(factors, dec, layouts, shaped)
+    return hit
 
 
 def records(x: Tensor) -> bool:
@@ -278,10 +307,7 @@ def _apply(op: str, operands: Sequence[Any], fn: Callable[..., torch.Tensor],
                  cache.kept_layouts(tensors, wholes))
     size = None
     if key is not None and not wrapping:  # a wrapping operand's run depends on wholes
-        if len(_DECISIONS) >= DECISIONS_MAX:
-            del _DECISIONS[next(iter(_DECISIONS))]
-        hit = _DECISIONS[key] = _Decided(factors, dec, layouts, shaped)
-        size = hit.size
+        size = _store(key, factors, dec, layouts, shaped).size
     if wholes:
         return _run_whole(op, fn, args, layouts, dec, factors, shaped, views)
     cols: list[Sequence[torch.Tensor | None] | None] = []

@@ -6,9 +6,9 @@ Invariants:
 - Each op names the dims that must stay whole (normalized dims, the vocabulary,
   keys and values, classes) in its rule; batch and head dims shard freely.
 - ``F.linear`` with whole-valued operands runs torch's own addmm once (torch's bits);
-  the add rule still lays the bias out and decides the output layout. On blocks, once
-  the linear rule's decision is cached and the add would keep its output layout and
-  read the bias whole (a replicated bias of the input's dtype, recording no gradient;
+  the add rule still lays the bias out and decides the output layout. On blocks, where
+  the linear rule's decision (taken first) leaves an add that would keep its output
+  layout and read the bias whole (a replicated bias of the input's dtype, recording no gradient;
   an output neither Partial nor split on its last dim), the bias goes into the same
   local ``F.linear`` call.
 - Dropout draws its mask over the global shape from torch's generator, as
@@ -31,7 +31,7 @@ import torch.nn.functional as F
 
 from shardwise.ops import compute as C
 from shardwise.ops import matmuls
-from shardwise.ops.execute import apply, cached_decision, records
+from shardwise.ops.execute import apply, decision_of, records
 from shardwise.ops.registry import TensorMethod, fallback, on_mesh, register
 from shardwise.runtime import observe as comm
 from shardwise.sharding.errors import ShardingError
@@ -53,7 +53,7 @@ def linear(x: Any, weight: Any, bias: Any = None) -> Any:
         y = apply("linear", (x, weight), lambda xs, ws: F.linear(xs, ws, b))
         return apply("add", (y, bias), lambda ys, _: ys, views={1: b})
     if bias is not None:
-        dec = cached_decision("linear", (x, weight))
+        dec = decision_of("linear", (x, weight))
         b = _bias_block(bias) if dec is not None and _adds_in_place(dec.output, x, bias) \
             else None
         if b is not None:
