@@ -22,6 +22,7 @@ import torch
 import torch.nn as nn
 
 from shardwise.parallel.fsdp_unit import UNIT, Param, Unit, sharded_layout
+from shardwise.parallel.hf import gather_on_save
 from shardwise.parallel.precision import MixedPrecisionPolicy, cast_floating
 from shardwise.sharding.errors import ShardingError, ShardingTypeError
 from shardwise.sharding.layout import Layout
@@ -101,6 +102,7 @@ def fully_shard(module: nn.Module, mesh: DeviceMesh, axis: str = "dp", *,
     setattr(module, UNIT, unit)
     module.register_forward_pre_hook(_pre_forward, with_kwargs=True)
     module.register_forward_hook(_post_forward, always_call=True)
+    gather_on_save(module)  # a transformers model's save_pretrained writes global values
     return module
 
 
