@@ -165,7 +165,11 @@ def _name(func: Any) -> str:
     ('torch.cummax', 'torch.Tensor.rot90', 'torch.special.i0e')
     >>> _name(torch.unique)  # a wrapper made by torch's boolean_dispatch
     'torch.unique'
+    >>> _name(torch.ops.aten.mul.Tensor)
+    'aten.mul.Tensor'
     """
+    if isinstance(func, torch._ops.OpOverload):  # an aten op (under torch.func transforms)
+        return str(func)
     name = getattr(func, "__qualname__", None) or getattr(func, "__name__", None) or repr(func)
     if "<locals>" in str(name):  # a made function (boolean_dispatch): its given name
         name = getattr(func, "__name__", name)

@@ -10,6 +10,10 @@ Invariants:
 - It is a ``torch.Tensor`` (a wrapper with no storage): its torch metadata is the
   global value's, and every torch function goes through ``__torch_function__`` to
   the op registry (``HANDLERS``, filled by :data:`REGISTRY` on first use).
+- Under a torch.func transform (which wraps it below ``__torch_function__``) each aten
+  op reaches ``__torch_dispatch__`` and runs on the gathered values through the
+  registry's fallback (exact, Replicated results); writes in place and wrapped values
+  leaving a transform are refused. Any other aten op reaching it is refused.
 - ``torch.compile`` never traces or compiles shardwise's own frames (the package is on
   Dynamo's skip list, :func:`_skip_in_dynamo`): each shardwise call in compiled code
   is a graph break that runs eagerly, so no guard ever reads shardwise's Python state.
@@ -42,6 +46,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
+import torch.utils._pytree as pytree
 
 from shardwise.runtime import backend_for
 from shardwise.sharding.errors import ShardingError
@@ -213,22 +218,22 @@ class Tensor(GradMixin, RelayoutMixin, MetaMixin,  # type: ignore[misc,override]
     def __torch_dispatch__(cls, func: Any, types: Any, args: Any = (),  # type: ignore[override]
                            kwargs: Any = None) -> Any:
         # Reached only if a torch function bypassed __torch_function__: torch.func's
-        # transforms (they wrap the Tensor in C++ and run aten ops on the wrapper), or a
-        # C++ path with torch functions disabled. The wrapper has no data: refuse by name.
+        # transforms (they wrap the Tensor in C++ and run aten ops on the wrapper, their
+        # own layers already peeled off), or a C++ path with torch functions disabled.
+        # The wrapper has no data: under a transform the aten op runs on the gathered
+        # values (the fallback: exact, Replicated result), elsewhere it is refused.
         transform = _functorch_caller()
         if transform is not None:
-            raise ShardingError(
-                f"torch.func ({transform}) cannot see into a shardwise.Tensor ({func} reached "
-                "torch's dispatcher): torch.func transforms work below "
-                "__torch_function__, where a shardwise.Tensor holds no data of its own. "
-                "For derivatives use shardwise.grad / value_and_grad / vjp / jvp or "
-                "torch.autograd.grad (gradients in each input's layout); for vmap, loop "
-                "over the batch or give the function a batch dim."
-            )
+            return _under_transform(transform, func, args, kwargs or {})
+        _refuse_wrapped("a torch.func transform", func, args, kwargs or {})
         raise ShardingError(
             f"{func} reached torch's dispatcher with a shardwise.Tensor, which holds no data "
             "of its own (its shards do). This torch path bypasses __torch_function__; gather "
-            "the value first with x.to_torch(), or report the call that led here."
+            "the value first with x.to_torch(), or report the call that led here. (After a "
+            "torch.func transform: a value it returned may hold the transform's wrapped "
+            "tensors, when the transformed function mixed its input with shardwise "
+            "Tensors the transform does not see; return x.to_torch() from the function, "
+            "or pass those Tensors through the transform.)"
         )
 
     def __repr__(self) -> str:  # type: ignore[override]
@@ -309,10 +314,12 @@ class Tensor(GradMixin, RelayoutMixin, MetaMixin,  # type: ignore[misc,override]
         out = self._global()
         if self._whole is not None:
             return out.clone()
-        storages = {s.untyped_storage()._cdata for s in self._shards if s is not None}
-        if out.untyped_storage()._cdata in storages:
-            out = out.clone()
-        return out
+        try:
+            storages = {s.untyped_storage()._cdata for s in self._shards if s is not None}
+            alias = out.untyped_storage()._cdata in storages
+        except NotImplementedError:  # torch.func's wrappers hide their storage: copy
+            alias = True
+        return out.clone() if alias else out
 
     def numpy(self, *, force: bool = False) -> Any:
         # torch's rules (grad, device), then always a gathered copy: the array never
@@ -364,8 +371,9 @@ _TRANSFORMS = {"grad_and_value_impl": "grad", "vmap_impl": "vmap", "_vjp_with_ar
 
 
 def _functorch_caller() -> str | None:
-    """The outermost torch.func transform on the call stack, if any (read on the error
-    path only: jacrev shows as the vjp it runs)."""
+    """The outermost torch.func transform on the call stack, if any (jacrev shows as the
+    vjp it runs; ``"transform"`` for another torch._functorch frame, such as the
+    function that ``vjp`` returns)."""
     found = None
     frame = sys._getframe(1)
     while frame is not None:
@@ -373,6 +381,48 @@ def _functorch_caller() -> str | None:
             found = _TRANSFORMS.get(frame.f_code.co_name, found or "transform")
         frame = frame.f_back  # type: ignore[assignment]
     return found
+
+
+def _under_transform(transform: str, func: Any, args: Any, kwargs: dict[str, Any]) -> Any:
+    """An aten op that a torch.func transform ran on shardwise Tensors: the registry's
+    gathered fallback (values exact, Replicated results, the fallback warning; an error
+    under ``shardwise.strict()``). The transform wraps the results again, so gradients
+    and batching are torch's own. Refused: writes in place (into a gathered copy they
+    would be lost; the transforms' own rules write only into fresh values, which come
+    back here), and a Tensor whose values are a transform's wrapped tensors (made inside
+    it from plain inputs or dual tangents: it crossed out of the transform, which cannot
+    see into it to unwrap them)."""
+    if func._schema.is_mutable:
+        raise ShardingError(
+            f"torch.func ({transform}) ran {func}, which writes in place, on a "
+            "shardwise.Tensor: under a torch.func transform an op reaches a "
+            "shardwise.Tensor below __torch_function__, where it runs on a gathered "
+            "copy, and a write into a copy would be lost. Write out of place inside the "
+            "transformed function, or use shardwise.grad / vjp / jvp.")
+    _refuse_wrapped(f"torch.func ({transform})", func, args, kwargs)
+    if not FALLBACK:
+        importlib.import_module(REGISTRY)
+    return FALLBACK[0](func, tuple(args), kwargs)
+
+
+def _refuse_wrapped(who: str, func: Any, args: Any, kwargs: dict[str, Any]) -> None:
+    for t in pytree.tree_leaves((args, kwargs)):
+        if isinstance(t, Tensor) and _wrapped(t):
+            raise ShardingError(
+                f"{who} met {t!r}, whose values are a transform's own wrapped tensors "
+                f"({func}): it was made inside a transformed function (from a plain or "
+                "transformed input mixed with shardwise Tensors the transform does not see, "
+                "or by jvp's dual tangents, as in jacfwd / hessian) and crossed out of it, "
+                "and the transform cannot see into a shardwise.Tensor to unwrap them. "
+                "Return x.to_torch() (a plain tensor) from the function, pass every "
+                "shardwise.Tensor it uses through the transform (torch.func.functional_call "
+                "for a module's parameters), or use shardwise.grad / vjp / jvp.")
+
+
+def _wrapped(t: Tensor) -> bool:
+    value = t._whole if t._whole is not None else next(
+        (s for s in t._shards if s is not None), None)
+    return value is not None and torch._C._functorch.is_functorch_wrapped_tensor(value)
 
 
 def with_open_dims(t: Tensor, sharding: object) -> Tensor:

@@ -31,6 +31,8 @@ Invariants:
 - :func:`run` skips ``Function.apply`` when autograd records nothing (it costs ~10 us).
 - Every member of a group runs the same spec (also one that keeps its block), so the
   members' collectives, forward and backward, pair up.
+- A tensor that a torch.func transform wrapped never enters a collective (:func:`run`
+  raises before any message): c10d has no rule for the transforms' wrappers.
 """
 
 from __future__ import annotations
@@ -107,6 +109,16 @@ def run(spec: Spec, x: torch.Tensor) -> torch.Tensor:
     >>> run(TakeFirst(), torch.ones(2)).tolist()
     [1.0, 1.0]
     """
+    if torch._C._functorch.is_functorch_wrapped_tensor(x):
+        raise ShardingError(
+            f"A tensor wrapped by a torch.func transform reached a collective ({spec!r}) "
+            "of the multi-process runtime, which cannot run under the transform: the "
+            "transformed function mixed a tensor of the transform (its input or a value "
+            "made from it) with a shardwise.Tensor it does not transform (a module's "
+            "parameter, a closure). Under torchrun, pass those shardwise Tensors through "
+            "the transform too (torch.func.functional_call(model, params, args) with "
+            "params transformed or in_dims=None), or use torch.autograd.grad / "
+            "shardwise.grad / vjp / jvp.")
     if fwAD._current_level >= 0 or (x.requires_grad and torch.is_grad_enabled()):
         out: torch.Tensor = Collective.apply(x, spec)
         return out
