@@ -9,9 +9,9 @@ Invariants:
   (atomic, checked): loading fills the *current* model's and optimizer's tensors in
   place, so a run saved on one mesh resumes on another with the same values.
 - ``full_state_dict``/``gather_values`` turn each shardwise Tensor into a plain tensor of
-  its global value, once per distinct data: names that hold the same data (tied weights,
-  which ``state_dict()`` detaches name by name) get one tensor, as torch's own state
-  dict gives them one storage.
+  its global value (every process gathers every one, so their collectives agree); names
+  that hold the same data (tied weights, which ``state_dict()`` detaches name by name)
+  get one tensor, as torch's own state dict gives them one storage.
 """
 
 from __future__ import annotations
@@ -61,8 +61,10 @@ def full_state_dict(module: torch.nn.Module) -> dict[str, torch.Tensor]:
 def gather_values(state: Mapping[str, Any]) -> dict[str, Any]:
     """``state`` with every shardwise Tensor replaced by a plain torch tensor of its
     global value (detached); other values as they are. Every rank calls it (a collective
-    under torchrun, in ``state``'s order). Tensors holding the same data become one
-    tensor, so writers that deduplicate by storage see tied weights tied.
+    under torchrun): each shardwise Tensor is gathered, in ``state``'s order, so every
+    process runs the same collectives whatever it holds. Names holding the same data
+    (tied weights) then share one tensor, so writers that deduplicate by storage see
+    them tied.
 
     >>> mesh = DeviceMesh.cpu(2, "x")
     >>> w = shardwise.tensor(torch.ones(4, 2), sharding=PlacementMapping(mesh, [Sharded(0)]))
@@ -74,24 +76,25 @@ def gather_values(state: Mapping[str, Any]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for name, value in state.items():
         if isinstance(value, Tensor):
+            gathered = value.detach().to_torch()
             key = _data_key(value)
-            if key not in done:
-                done[key] = value.detach().to_torch()
-            value = done[key]
+            first = done.setdefault(key, gathered) if key is not None else gathered
+            # the same local blocks, and (what this process cannot see of the others'
+            # blocks) the same global value: one tensor
+            value = first if torch.equal(first, gathered) else gathered
         out[name] = value
     return out
 
 
-def _data_key(t: Tensor) -> Hashable:
-    """Equal for two Tensors exactly when they hold the same data the same way: same
-    layout, shape and dtype, and every local block at the same place of the same
-    storage (``state_dict()`` detaches each tied name into its own wrapper over the
-    same blocks). Empty Tensors (and a process holding no block) have nothing to tell
-    by: each is its own."""
+def _data_key(t: Tensor) -> Hashable | None:
+    """Equal for two Tensors whose local blocks are the same memory, laid out alike
+    (``state_dict()`` detaches each tied name into its own wrapper over the same
+    blocks); None where that cannot tell (no block here, or an empty one: empty
+    blocks of different Tensors may share an address)."""
     blocks = tuple((s.untyped_storage().data_ptr(), s.storage_offset(), s.stride(), s.shape)
                    for s in t.addressable_shards.values())
-    if t.numel() == 0 or not blocks:
-        return id(t)
+    if not blocks or any(0 in shape for *_, shape in blocks):
+        return None
     return (t.dist_layout, t.shape, t.dtype, blocks)
 
 
