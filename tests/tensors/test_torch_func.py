@@ -1,11 +1,12 @@
 """torch.func's transforms over shardwise Tensors. The transforms wrap a Tensor below
-``__torch_function__``, so each aten op they run reaches ``__torch_dispatch__`` and runs
-on the gathered values (the fallback: values exact, results Replicated, one
-ShardwiseFallbackWarning per op; an error under ``shardwise.strict()``); the transform's
-own autograd and batching do the rest. Compared with plain torch: values, dtype, shape.
-Refused by name: writes in place under a transform, and a Tensor holding the
-transform's wrapped values crossing out of it (jacfwd / hessian, vmap returning a
-Tensor built from the batched plain input)."""
+``__torch_function__``, so each aten op they run on it reaches ``__torch_dispatch__``
+and runs on the gathered values (the fallback: values exact, one
+ShardwiseFallbackWarning per op; an error under ``shardwise.strict()``) and returns
+plain tensors of the global values (views stay Replicated Tensors); the transform's own
+autograd and batching do the rest. Compared with plain torch: values, dtype, shape.
+Refused by name: writes in place into a shardwise Tensor under a transform, and a
+Tensor holding the transform's wrapped values crossing out of it (jacfwd / hessian,
+vmap mixing its input with a shardwise Tensor it does not see)."""
 
 from __future__ import annotations
 
@@ -15,10 +16,10 @@ from typing import Any
 
 import pytest
 import torch
-from torch.func import grad, jacfwd, jacrev, vjp, vmap
+from torch.func import grad, grad_and_value, jacfwd, jacrev, vjp, vmap
 
 import shardwise as sw
-from shardwise import PlacementMapping, Replicated, Sharded
+from shardwise import PlacementMapping, Sharded
 from shardwise.ops import registry
 from tests.helpers.meshes import M2, M22
 
@@ -71,6 +72,7 @@ TRANSFORMS: dict[str, Callable[[Any], Any]] = {
     "vmap": lambda x: vmap(lambda r: (r * 2).cumsum(0).sum())(x),
     "vmap_in_dims_1": lambda x: vmap(lambda c: c.max(), in_dims=1)(x),
     "vmap_of_grad": lambda x: vmap(grad(lambda r: (r * r).sin().sum()))(x),
+    "per_sample_linear": lambda x: vmap(grad(lambda r: (r @ W).tanh().sum()))(x),
     "int_vmap": lambda x: vmap(lambda r: r.long() // 2)(x),
 }
 
@@ -108,11 +110,31 @@ def test_each_aten_op_is_a_named_fallback_and_strict_refuses_it() -> None:
         grad(lambda t: (t * t).sum())(x)
 
 
-def test_in_place_writes_under_a_transform_are_refused() -> None:
+def test_in_place_writes_into_a_shardwise_tensor_are_refused() -> None:
+    """A write into the transformed Tensor (or a view of it) would land in a gathered
+    copy; writes into the plain values ops return are torch's own."""
     x = forms()["whole"]()
-    with pytest.raises(sw.ShardingError, match=r"torch.func \(grad\) ran aten.mul_.Tensor, "
-                                               r"which writes in place"):
-        grad(lambda t: t.clone().mul_(2).sum())(x)
+    for write in (lambda r: r.mul_(2), lambda r: r.view(-1).mul_(2)):  # torch writes x
+        with pytest.raises(sw.ShardingError, match=r"torch.func \(vmap\) ran aten.mul_.Tensor, "
+                                                   r"which writes in place"):
+            vmap(write)(x)
+    assert torch.equal(x.to_torch(), X)
+    same(grad(lambda t: t.clone().mul_(2).sum())(x), torch.full_like(X, 2.0))
+
+
+def test_shardwise_values_the_transform_does_not_see() -> None:
+    """A shardwise Tensor the function closes over, beside the transformed one: its
+    gradients (and grad_and_value's value) equal torch's; vmap cannot unwrap what the
+    mix leaves inside a shardwise result, and refuses it by name."""
+    x = forms()["whole"]()
+    w = sw.tensor(W, sharding=PlacementMapping(M2, [Sharded(1)]))
+    for got, want in zip(grad_and_value(lambda t: (t @ w).sin().sum())(x),
+                         grad_and_value(lambda t: (t @ W).sin().sum())(X)):
+        same(got, want)
+    same(vmap(grad(lambda r: (r @ w).sin().sum()))(x),
+         vmap(grad(lambda r: (r @ W).sin().sum()))(X))
+    with pytest.raises(sw.ShardingError, match="wrapped tensors"):
+        vmap(lambda r: (r[:3] * w[0]).sum())(x)
 
 
 @pytest.mark.parametrize("case", ["jacfwd", "hessian", "vmap_returns_shardwise"])
@@ -127,7 +149,8 @@ def test_wrapped_values_crossing_out_are_refused(case: str) -> None:
         call()
 
 
-def test_the_transformed_results_are_replicated_shardwise_tensors() -> None:
-    """Layouts are not kept under a transform (every op ran gathered)."""
-    g = grad(lambda t: (t * t).sum())(forms()["whole"]())
-    assert isinstance(g, sw.Tensor) and g.placements == (Replicated(),)
+def test_results_are_plain_global_values() -> None:
+    """Layouts are not kept under a transform: every op ran on gathered values."""
+    g = grad(lambda t: (t * t).sum())(forms()["grid"]())
+    assert type(g) is torch.Tensor
+    same(g, 2 * X)

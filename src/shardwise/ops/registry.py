@@ -230,9 +230,11 @@ def refuse_write(name: str, args: Sequence[Any]) -> ShardingError:
     )
 
 
-def fallback(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+def fallback(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], *,
+             plain: bool = False) -> Any:
     """No rule: metadata from the wrapper, readers on gathered values, otherwise run on
-    gathered operands and return Replicated results (warning once per op). An in-place
+    gathered operands and return Replicated results (warning once per op); with
+    ``plain``, the plain torch results themselves (the global values). An in-place
     op or ``out=`` call raises: writing into a gathered copy would be lost silently.
 
     >>> mesh = DeviceMesh.cpu(2, "x")
@@ -272,7 +274,7 @@ def fallback(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     for t, g, before in seen or ():  # the running stats it updated land in the Tensors
         if not torch.equal(g, before):
             t.copy_(g)
-    if func in _READ or like is None:
+    if func in _READ or like is None or plain:
         return result
     return _replicate(result, like)
 

@@ -12,8 +12,9 @@ Invariants:
   the op registry (``HANDLERS``, filled by :data:`REGISTRY` on first use).
 - Under a torch.func transform (which wraps it below ``__torch_function__``) each aten
   op reaches ``__torch_dispatch__`` and runs on the gathered values through the
-  registry's fallback (exact, Replicated results); writes in place and wrapped values
-  leaving a transform are refused. Any other aten op reaching it is refused.
+  registry's fallback (exact; plain results, views stay Replicated Tensors); writes in
+  place into it and wrapped values leaving a transform are refused. Any other aten op
+  reaching it is refused.
 - ``torch.compile`` never traces or compiles shardwise's own frames (the package is on
   Dynamo's skip list, :func:`_skip_in_dynamo`): each shardwise call in compiled code
   is a graph break that runs eagerly, so no guard ever reads shardwise's Python state.
@@ -65,8 +66,9 @@ __all__ = ["Tensor"]
 HANDLERS: dict[Any, Callable[..., Any]] = {}
 #: the module that fills HANDLERS and FALLBACK, loaded on the first torch call.
 REGISTRY = "shardwise.ops.torch_api"
-#: called for a torch function without a handler: ``(func, args, kwargs) -> result``.
-FALLBACK: list[Callable[[Any, tuple[Any, ...], dict[str, Any]], Any]] = []
+#: called for a torch function without a handler: ``(func, args, kwargs) -> result``
+#: (Replicated Tensors; with ``plain=True``, plain torch tensors of the global values).
+FALLBACK: list[Callable[..., Any]] = []
 #: called for a torch function given ``out=``: runs it without, then writes ``out``.
 WRITE_OUT: list[Callable[[Any, tuple[Any, ...], dict[str, Any]], Any]] = []
 
@@ -221,7 +223,7 @@ class Tensor(GradMixin, RelayoutMixin, MetaMixin,  # type: ignore[misc,override]
         # transforms (they wrap the Tensor in C++ and run aten ops on the wrapper, their
         # own layers already peeled off), or a C++ path with torch functions disabled.
         # The wrapper has no data: under a transform the aten op runs on the gathered
-        # values (the fallback: exact, Replicated result), elsewhere it is refused.
+        # values (the fallback: exact), elsewhere it is refused.
         transform = _functorch_caller()
         if transform is not None:
             return _under_transform(transform, func, args, kwargs or {})
@@ -385,13 +387,13 @@ def _functorch_caller() -> str | None:
 
 def _under_transform(transform: str, func: Any, args: Any, kwargs: dict[str, Any]) -> Any:
     """An aten op that a torch.func transform ran on shardwise Tensors: the registry's
-    gathered fallback (values exact, Replicated results, the fallback warning; an error
-    under ``shardwise.strict()``). The transform wraps the results again, so gradients
-    and batching are torch's own. Refused: writes in place (into a gathered copy they
-    would be lost; the transforms' own rules write only into fresh values, which come
-    back here), and a Tensor whose values are a transform's wrapped tensors (made inside
-    it from plain inputs or dual tangents: it crossed out of the transform, which cannot
-    see into it to unwrap them)."""
+    gathered fallback (values exact, the fallback warning; an error under
+    ``shardwise.strict()``), returning the plain global values, except views, which
+    stay Replicated Tensors. The transform wraps the results again, so gradients and
+    batching are torch's own. Refused: writes in place into a shardwise Tensor (into a
+    gathered copy they would be lost), and a Tensor whose values are a transform's
+    wrapped tensors (made inside it from plain inputs or dual tangents: it crossed out
+    of the transform, which cannot see into it to unwrap them)."""
     if func._schema.is_mutable:
         raise ShardingError(
             f"torch.func ({transform}) ran {func}, which writes in place, on a "
@@ -402,7 +404,12 @@ def _under_transform(transform: str, func: Any, args: Any, kwargs: dict[str, Any
     _refuse_wrapped(f"torch.func ({transform})", func, args, kwargs)
     if not FALLBACK:
         importlib.import_module(REGISTRY)
-    return FALLBACK[0](func, tuple(args), kwargs)
+    # A result that aliases an input (a view) stays a Tensor (a Replicated copy), so a
+    # write through it is refused as above; any other result is the plain global value,
+    # and what the transform does with it next is torch's alone (torch's composite ops
+    # write in place into their fresh results, e.g. matmul's squeeze_ under vmap).
+    aliases = any(r.alias_info is not None for r in func._schema.returns)
+    return FALLBACK[0](func, tuple(args), kwargs, plain=not aliases)
 
 
 def _refuse_wrapped(who: str, func: Any, args: Any, kwargs: dict[str, Any]) -> None:
