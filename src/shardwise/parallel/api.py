@@ -53,7 +53,9 @@ def parallelize_module(module: M, mesh: DeviceMesh,
     Args:
         module: an ordinary ``nn.Module``; changed in place: the planned submodules'
             parameters become ``nn.Parameter`` over shardwise Tensors (Replicated on the
-            other mesh axes) and forward hooks lay their inputs and outputs out.
+            other mesh axes) and forward hooks lay their inputs and outputs out. A
+            transformers model's ``save_pretrained`` then writes global values
+            (:func:`~shardwise.parallel.hf.gather_on_save`).
         mesh: the DeviceMesh, e.g. ``DeviceMesh.cpu((2, 4), ("dp", "tp"))``.
         plan: a style for ``module`` itself, or a dict of submodule names (fnmatch
             patterns per dotted component, e.g. ``"layers.*.attn.wq"``) to styles.

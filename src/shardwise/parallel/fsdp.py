@@ -52,7 +52,9 @@ def fully_shard(module: nn.Module, mesh: DeviceMesh, axis: str = "dp", *,
     them until backward.
 
     Args:
-        module: the module to shard (returned, changed in place).
+        module: the module to shard (returned, changed in place; a transformers
+            model's ``save_pretrained`` then writes global values,
+            :func:`~shardwise.parallel.hf.gather_on_save`).
         mesh: the device mesh; tensor-parallel parameters must already live on it.
         axis: the mesh axis to shard over (the data-parallel axis).
         reshard_after_forward: free gathered parameters after forward (ZeRO-3) or
