@@ -57,7 +57,8 @@ def is_initialized() -> bool:
 def initialize(backend: str | None = None, *, rank: int | None = None,
                world_size: int | None = None, master_addr: str | None = None,
                master_port: int | None = None, timeout_s: float = DEFAULT_TIMEOUT_S,
-               init_method: str | None = None, check_collectives: bool | None = None) -> None:
+               init_method: str | None = None, check_collectives: bool | None = None,
+               check_replicas: int | None = None) -> None:
     """Start the multi-process runtime.
 
     Reads the torchrun environment (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``,
@@ -70,6 +71,10 @@ def initialize(backend: str | None = None, *, rank: int | None = None,
     disagreement raises :class:`CollectiveError` on all of them.
     ``check_collectives=True`` (or ``SHARDWISE_CHECK_COLLECTIVES=1``) adds a debug
     check: one more all_gather per collective comparing the full fingerprints.
+    ``check_replicas=N`` (or ``SHARDWISE_CHECK_REPLICAS=N``) compares a hash of every
+    replicated parameter and plain model input across its replicas every N optimizer
+    steps and names the rank whose copy differs
+    (:func:`shardwise.parallel.replicas.check_replicas`); off by default (no hook).
 
     Under ``torchrun --nproc-per-node 4`` (not run as a doctest: it needs the launcher)::
 
@@ -81,6 +86,10 @@ def initialize(backend: str | None = None, *, rank: int | None = None,
 
     if not dist.is_available():
         raise ShardingError("torch.distributed is not available in this torch build.")
+    from shardwise.parallel import replicas
+
+    every = check_replicas if check_replicas is not None else _env_replicas()
+    replicas.check_every(every)  # a bad value fails before the rendezvous
     if dist.is_initialized():
         raise ShardingError(
             "shardwise.distributed.initialize() was already called in this process; call "
@@ -140,6 +149,8 @@ def initialize(backend: str | None = None, *, rank: int | None = None,
         dist.destroy_process_group()
         collectives.reset_groups()
         raise
+    if every:
+        replicas.enable(every)
     global _EXIT_HOOKED
     if not _EXIT_HOOKED:  # once per process: shutdown() is safe to call again
         atexit.register(_shutdown_at_exit)
@@ -147,6 +158,19 @@ def initialize(backend: str | None = None, *, rank: int | None = None,
 
 
 _EXIT_HOOKED = False
+
+
+def _env_replicas() -> int:
+    """``SHARDWISE_CHECK_REPLICAS=N``: check replicas every N optimizer steps (0: off)."""
+    raw = os.environ.get("SHARDWISE_CHECK_REPLICAS", "").strip()
+    if not raw:
+        return 0
+    try:
+        return int(raw)
+    except ValueError:
+        raise ShardingError(
+            f"SHARDWISE_CHECK_REPLICAS={raw!r} is not a number of optimizer steps. Set it "
+            "to an int (e.g. 100), or 0 / unset to turn the replica check off.") from None
 
 
 def _import_world_capturers() -> None:
@@ -224,5 +248,8 @@ def shutdown() -> None:
     from shardwise.runtime.process import collectives as backend
 
     backend.reset_groups()
+    from shardwise.parallel import replicas
+
+    replicas.disable()
     if is_initialized():
         dist.destroy_process_group()

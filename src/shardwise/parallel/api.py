@@ -20,6 +20,7 @@ from typing import TypeVar
 
 import torch.nn as nn
 
+from shardwise.parallel import replicas
 from shardwise.parallel.placing import axis_of, keeping_ties
 from shardwise.parallel.style import ParallelStyle
 from shardwise.sharding.errors import ShardingError, ShardingTypeError
@@ -86,6 +87,7 @@ def parallelize_module(module: M, mesh: DeviceMesh,
         raise ShardingTypeError(f"parallelize_module takes an nn.Module. Got "
                                 f"{type(module).__name__}.")
     a = axis_of(mesh, axis)
+    replicas.track(module)  # the replica check names parameters from the root
     if isinstance(plan, ParallelStyle):
         with keeping_ties():
             plan.apply(module, mesh, a, "")

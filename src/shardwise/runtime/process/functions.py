@@ -31,6 +31,8 @@ Invariants:
 - :func:`run` skips ``Function.apply`` when autograd records nothing (it costs ~10 us).
 - Every member of a group runs the same spec (also one that keeps its block), so the
   members' collectives, forward and backward, pair up.
+- A backward runs at the program position of its forward, marked as its backward
+  (:func:`shardwise.runtime.position.backward_of`): its collectives carry it.
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ import torch
 import torch.autograd.forward_ad as fwAD
 from torch.autograd import Function
 
+from shardwise.runtime.position import HERE, backward_of
 from shardwise.runtime.process import collectives as D
 from shardwise.sharding.errors import ShardingError
 from shardwise.sharding.placements import ReduceOp
@@ -82,6 +85,7 @@ class Collective(Function):
     def forward(ctx: Any, x: torch.Tensor, spec: Spec) -> torch.Tensor:
         out = spec.forward(x)
         ctx.spec = spec
+        ctx.at = HERE.site, HERE.op   # the backward's program position
         if spec.saves:
             ctx.save_for_backward(x, out)
             ctx.fw = (x, out)
@@ -91,7 +95,13 @@ class Collective(Function):
     def backward(ctx: Any, g: torch.Tensor) -> Any:
         spec = ctx.spec
         x, out = ctx.saved_tensors if spec.saves else (None, None)
-        return spec.transpose(g, x, out), None
+        before = HERE.site, HERE.op
+        site, op = ctx.at
+        HERE.site, HERE.op = backward_of(site), op
+        try:
+            return spec.transpose(g, x, out), None
+        finally:
+            HERE.site, HERE.op = before
 
     @staticmethod
     def jvp(ctx: Any, t: torch.Tensor, _: Any) -> torch.Tensor:
