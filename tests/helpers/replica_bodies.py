@@ -4,6 +4,10 @@ step; with the check off nothing is installed."""
 
 from __future__ import annotations
 
+import json
+import os
+import time
+
 import torch
 
 from shardwise import DeviceMesh
@@ -27,12 +31,23 @@ def _train(model: Net, opt: torch.optim.Optimizer, steps: int, x: torch.Tensor,
             before_step(step)
         opt.zero_grad()
         model(x).sum().backward()
+        start = time.monotonic()
         try:
             opt.step()
         except CollectiveError as err:
             _ERRORS.append(str(err))
+            _report(error=str(err), seconds=time.monotonic() - start, step=step)
             return step
     return 0
+
+
+def _report(**fields: object) -> None:
+    """Into ``SHARDWISE_TEST_REPORT`` (a folder), when set: the fault table's row."""
+    folder = os.environ.get("SHARDWISE_TEST_REPORT")
+    if folder:
+        name = f"replicas.{time.time_ns()}.{process_index()}.json"
+        with open(os.path.join(folder, name), "w") as f:
+            json.dump(fields, f)
 
 
 _ERRORS: list[str] = []

@@ -101,3 +101,20 @@ def test_plain_inputs_are_recorded_only_while_on() -> None:
     assert replicas.ENABLED is not None
     model(torch.ones(3, 8))
     assert list(replicas.ENABLED.inputs) == ["input 0 of layers.0.mlp.fc1"]
+
+
+def test_initialize_refuses_a_bad_setting_before_the_rendezvous(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    import shardwise.distributed as sd
+
+    with pytest.raises(ShardingTypeError, match="Got -1"):
+        sd.initialize("gloo", rank=0, world_size=1, master_port=1, check_replicas=-1)
+    monkeypatch.setenv("SHARDWISE_CHECK_REPLICAS", "often")
+    with pytest.raises(sw.ShardingError, match="SHARDWISE_CHECK_REPLICAS='often'"):
+        sd.initialize("gloo", rank=0, world_size=1, master_port=1)
+    assert not sd.is_initialized() and replicas.ENABLED is None
+
+
+def test_the_facade_exports_the_check() -> None:
+    assert sw.check_replicas is check_replicas
+    assert sw.parallel.check_replicas is check_replicas

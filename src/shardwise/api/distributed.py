@@ -12,7 +12,8 @@ Invariants:
 - Process groups are created once per (mesh, axes) and reused; creation is a
   collective call that every process makes in the same order (SPMD).
 - Every collective first agrees with its group on what it is (op, reduce op, group,
-  shape, dtype, layout, sequence number; ``runtime/process/agreement.py``), and every wait
+  shape, dtype, layout, sequence number; ``runtime/process/agreement.py``) and where the
+  program issued it (module, style, op; ``runtime/position.py``), and every wait
   (collectives, point-to-point, barriers, the rendezvous) is bounded by
   ``timeout_s``: a peer that skips a collective, calls another one, stalls, dies or
   is killed makes the others raise :class:`CollectiveError` naming the collective,
@@ -67,8 +68,9 @@ def initialize(backend: str | None = None, *, rank: int | None = None,
     ``"gloo"`` otherwise. ``timeout_s`` bounds every wait: the rendezvous, every
     collective and point-to-point exchange. Every collective checks, in the same
     message or in a tiny one before it, that all processes of its group call the
-    same collective (op, reduce op, axes, shape, dtype, layout, count so far); a
-    disagreement raises :class:`CollectiveError` on all of them.
+    same collective (op, reduce op, axes, shape, dtype, layout, count so far) from the
+    same program position (the module, its parallel style and the op that issued it);
+    a disagreement raises :class:`CollectiveError` on all of them.
     ``check_collectives=True`` (or ``SHARDWISE_CHECK_COLLECTIVES=1``) adds a debug
     check: one more all_gather per collective comparing the full fingerprints.
     ``check_replicas=N`` (or ``SHARDWISE_CHECK_REPLICAS=N``) compares a hash of every
