@@ -20,6 +20,7 @@ import shardwise as sw
 from shardwise import DeviceMesh, Partial, PlacementMapping
 from shardwise.distributed import CollectiveError, process_index
 from shardwise.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+from shardwise.runtime import position
 from shardwise.runtime.process import channel
 
 TIMEOUT_S = 3.0
@@ -156,11 +157,29 @@ def body_same_program_agrees(n: int) -> None:
     mesh = DeviceMesh.cpu((n,), ("tp",))
     parallelize_module(model, mesh, plan(False))
     x = torch.randn(4, d)
-    for _ in range(2):
-        out = model(x)
-        out.sum().backward()
-        want = ref(x)
-        want.sum().backward()
+    seen: list[str] = []
+    orig = channel.Channel.agreed
+
+    def agreed(ch: Any, fp: Any) -> None:  # where each agreed collective was issued
+        seen.append(f"{fp.what} at {position.text()}")
+        orig(ch, fp)
+
+    channel.Channel.agreed = agreed  # type: ignore[method-assign]
+    try:
+        for _ in range(2):
+            out = model(x)
+            out.sum().backward()
+            want = ref(x)
+            want.sum().backward()
+    finally:
+        channel.Channel.agreed = orig  # type: ignore[method-assign]
+    # forward: each fc2's output all_reduce; backward: the all_reduce of layers.1.mlp.fc1's
+    # input gradient (layers.0's input is the plain x: no gradient, no collective)
+    step = ["all_reduce at layers.0.mlp.fc2 (RowwiseParallel linear) in output",
+            "all_reduce at layers.1.mlp.fc2 (RowwiseParallel linear) in output",
+            "all_reduce at backward of layers.1.mlp.fc1 (ColwiseParallel linear) in linear"]
+    assert seen == ["create process groups at layers.0.mlp.fc1 (ColwiseParallel linear) in "
+                    "linear", *step, *step], seen
     assert torch.equal(out.to_torch(), want) or torch.allclose(out.to_torch(), want, atol=1e-6)
     got = model.layers[0].mlp.fc1.weight.grad.to_torch()  # type: ignore[union-attr,operator]
     assert torch.allclose(got, ref.layers[0].mlp.fc1.weight.grad, atol=1e-6)  # type: ignore[union-attr,index,arg-type]
