@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from typing import Any
 
 __all__ = ["HERE", "ROOT", "Site", "at", "backward_of", "code", "current", "issuing", "op_name",
-           "pop", "push", "restore", "site", "text"]
+           "pop", "push", "site", "text"]
 
 _MIX = 0x9E3779B1  # an odd constant: the op's code is spread before it joins the site's
 
@@ -139,10 +139,6 @@ def text() -> str:
 def current() -> tuple[Site, Any]:
     """The current (site, op): what a Function saves for its backward."""
     return HERE.site, HERE.op
-
-
-def restore(pos: tuple[Site, Any]) -> None:
-    HERE.site, HERE.op = pos
 
 
 def push(s: Site) -> None:
