@@ -20,6 +20,7 @@ from typing import TypeVar
 
 import torch.nn as nn
 
+from shardwise.parallel import replicas
 from shardwise.parallel.hf import gather_on_save
 from shardwise.parallel.placing import axis_of, keeping_ties
 from shardwise.parallel.style import ParallelStyle
@@ -90,6 +91,7 @@ def parallelize_module(module: M, mesh: DeviceMesh,
                                 f"{type(module).__name__}.")
     a = axis_of(mesh, axis)
     gather_on_save(module)  # a transformers model's save_pretrained writes global values
+    replicas.track(module)  # the replica check names parameters from the root
     if isinstance(plan, ParallelStyle):
         with keeping_ties():
             plan.apply(module, mesh, a, "")

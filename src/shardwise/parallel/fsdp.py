@@ -10,6 +10,9 @@ Invariants:
   parameters keep their axis, ``axis`` is added as the minor axis of the dim);
   ``parameters()``, ``state_dict()`` (original names) and the optimizer see only
   these. During a unit's forward its modules hold the gathered values.
+- A unit's forward (its gather included) runs at the program position "its path from
+  the outermost ``fully_shard`` root (fully_shard)" (:mod:`shardwise.runtime.position`),
+  and its gradient reduction at the backward of it: their collectives carry it.
 - Gathering, gradient reduction and resharding are in
   :mod:`shardwise.parallel.fsdp_unit` (see its invariants).
 """
@@ -21,9 +24,12 @@ from typing import Any
 import torch
 import torch.nn as nn
 
+from shardwise.parallel import replicas
 from shardwise.parallel.fsdp_unit import UNIT, Param, Unit, sharded_layout
 from shardwise.parallel.hf import gather_on_save
 from shardwise.parallel.precision import MixedPrecisionPolicy, cast_floating
+from shardwise.runtime import position
+from shardwise.runtime.position import HERE
 from shardwise.sharding.errors import ShardingError, ShardingTypeError
 from shardwise.sharding.layout import Layout
 from shardwise.sharding.mesh import DeviceMesh
@@ -102,6 +108,11 @@ def fully_shard(module: nn.Module, mesh: DeviceMesh, axis: str = "dp", *,
     a = mesh.axis_names.index(axis)
     unit = Unit(module, mesh, a, _manage(module, mesh, a), reshard_after_forward, mp_policy)
     setattr(module, UNIT, unit)
+    replicas.track(module)
+    for path, sub in module.named_modules():  # inner units first: the root names them last
+        inner = getattr(sub, UNIT, None)
+        if inner is not None:
+            inner.site = position.site(path, "fully_shard")
     module.register_forward_pre_hook(_pre_forward, with_kwargs=True)
     module.register_forward_hook(_post_forward, always_call=True)
     gather_on_save(module)  # a transformers model's save_pretrained writes global values
@@ -169,7 +180,13 @@ def _shard(p: torch.Tensor, name: str, mesh: DeviceMesh, axis: int) -> Param:
 
 def _pre_forward(module: nn.Module, args: Any, kwargs: Any) -> Any:
     unit: Unit = getattr(module, UNIT)
-    unit.unshard()
+    position.push(unit.site)  # left in _post_forward (which runs also when forward raises)
+    before = HERE.op
+    HERE.op = "all_gather parameters"
+    try:
+        unit.unshard()
+    finally:
+        HERE.op = before
     policy = unit.policy
     if policy.cast_forward_inputs and policy.param_dtype is not None:
         return cast_floating(args, policy.param_dtype), cast_floating(kwargs,
@@ -179,6 +196,7 @@ def _pre_forward(module: nn.Module, args: Any, kwargs: Any) -> Any:
 
 def _post_forward(module: nn.Module, args: Any, output: Any) -> Any:
     unit: Unit = getattr(module, UNIT)
+    position.pop()
     unit.reshard_params()
     return cast_floating(output, unit.policy.output_dtype)
 

@@ -37,7 +37,7 @@ import torch.nn as nn
 from shardwise.parallel.fsdp_flat import Blocks, Flat, one_all_gather
 from shardwise.parallel.precision import MixedPrecisionPolicy
 from shardwise.planner import Plan, make_plan
-from shardwise.runtime import backend_for, observe
+from shardwise.runtime import backend_for, observe, position
 from shardwise.runtime.owner import GradOwner
 from shardwise.sharding.errors import ShardingError
 from shardwise.sharding.layout import Layout
@@ -158,7 +158,9 @@ class _Gather(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor | None) -> Any:
         call: _Call = ctx.call
-        out = call.unit.reduce(call, grads)
+        with position.at(position.backward_of(call.unit.site)), \
+                position.issuing("reduce_scatter gradients"):
+            out = call.unit.reduce(call, grads)
         call.regathered = None
         return (None, *out)
 
@@ -185,6 +187,7 @@ class Unit:
     def __init__(self, module: nn.Module, mesh: DeviceMesh, axis: int,
                  params: list[Param], reshard: bool, policy: MixedPrecisionPolicy) -> None:
         self.module, self.mesh, self.axis, self.params = module, mesh, axis, params
+        self.site = position.site(type(module).__name__, "fully_shard")  # fully_shard names it
         self.reshard, self.policy = reshard, policy
         self.owned = list(backend_for(mesh).owned(mesh))
         self.local = len(self.owned) == mesh.num_devices

@@ -34,6 +34,9 @@ Invariants:
   for ops lives in slots (:mod:`~shardwise.tensors.cache`), never in ``__dict__``. None
   subclasses ``torch.Tensor``; they precede it in the bases, so their properties
   (``shape``, ``grad``, ``requires_grad``, ``data``...) override torch's.
+- Every torch function routed here runs as the current op of the program position
+  (:mod:`shardwise.runtime.position`), which the multi-process collectives it
+  causes carry in their fingerprint; the previous op is restored after it.
 - Here: construction, torch's routing, Python protocols, DCP hooks, values out,
   ``backward`` (through ``torch.autograd.backward``, whose handler is the registry's
   ``autograd`` family), and the placing functions (``place``, ``to_layout``, ...).
@@ -50,6 +53,7 @@ import torch
 import torch.utils._pytree as pytree
 
 from shardwise.runtime import backend_for
+from shardwise.runtime.position import HERE
 from shardwise.sharding.errors import ShardingError
 from shardwise.sharding.layout import Layout
 from shardwise.sharding.mappings import ShardingSpec
@@ -74,16 +78,24 @@ WRITE_OUT: list[Callable[[Any, tuple[Any, ...], dict[str, Any]], Any]] = []
 
 
 def _route_eager(func: Any, args: Any, kwargs: Any) -> Any:
-    """One torch function on shardwise Tensors: its handler, else the fallback."""
-    if kwargs and WRITE_OUT and kwargs.get("out") is not None:
-        return WRITE_OUT[0](func, tuple(args), kwargs)
-    handler = HANDLERS.get(func)
-    if handler is not None:
-        return handler(*args, **(kwargs or {}))
-    if not FALLBACK:  # the registry is filled by the API floor's ops, named here as a
-        importlib.import_module(REGISTRY)  # plugin (no static upward import)
-        return _route_eager(func, args, kwargs)
-    return FALLBACK[0](func, tuple(args), kwargs or {})
+    """One torch function on shardwise Tensors: its handler, else the fallback. The
+    collectives it runs carry ``func`` in their program position (restored after: a
+    rank's extra local op leaves nothing behind)."""
+    here = HERE
+    before = here.op
+    here.op = func
+    try:
+        if kwargs and WRITE_OUT and kwargs.get("out") is not None:
+            return WRITE_OUT[0](func, tuple(args), kwargs)
+        handler = HANDLERS.get(func)
+        if handler is not None:
+            return handler(*args, **(kwargs or {}))
+        if not FALLBACK:  # the registry is filled by the API floor's ops, named here as
+            importlib.import_module(REGISTRY)  # a plugin (no static upward import)
+            return _route_eager(func, args, kwargs)
+        return FALLBACK[0](func, tuple(args), kwargs or {})
+    finally:
+        here.op = before
 
 
 #: :func:`_route_eager` for torch.compile: Dynamo runs it eagerly (a graph break), as

@@ -33,6 +33,8 @@ Invariants:
   members' collectives, forward and backward, pair up.
 - A tensor that a torch.func transform wrapped never enters a collective (:func:`run`
   raises before any message): c10d has no rule for the transforms' wrappers.
+- A backward runs at the program position of its forward, marked as its backward
+  (:func:`shardwise.runtime.position.backward_of`): its collectives carry it.
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ import torch
 import torch.autograd.forward_ad as fwAD
 from torch.autograd import Function
 
+from shardwise.runtime.position import HERE, backward_of
 from shardwise.runtime.process import collectives as D
 from shardwise.sharding.errors import ShardingError
 from shardwise.sharding.placements import ReduceOp
@@ -84,6 +87,7 @@ class Collective(Function):
     def forward(ctx: Any, x: torch.Tensor, spec: Spec) -> torch.Tensor:
         out = spec.forward(x)
         ctx.spec = spec
+        ctx.at = HERE.site, HERE.op   # the backward's program position
         if spec.saves:
             ctx.save_for_backward(x, out)
             ctx.fw = (x, out)
@@ -93,7 +97,13 @@ class Collective(Function):
     def backward(ctx: Any, g: torch.Tensor) -> Any:
         spec = ctx.spec
         x, out = ctx.saved_tensors if spec.saves else (None, None)
-        return spec.transpose(g, x, out), None
+        before = HERE.site, HERE.op
+        site, op = ctx.at
+        HERE.site, HERE.op = backward_of(site), op
+        try:
+            return spec.transpose(g, x, out), None
+        finally:
+            HERE.site, HERE.op = before
 
     @staticmethod
     def jvp(ctx: Any, t: torch.Tensor, _: Any) -> torch.Tensor:
