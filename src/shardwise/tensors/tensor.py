@@ -51,7 +51,7 @@ from shardwise.sharding.types import dtype_name
 from shardwise.tensors import cache, chunks, dtensor
 from shardwise.tensors.grad import GradMixin
 from shardwise.tensors.meta import MetaMixin
-from shardwise.tensors.relayout import RelayoutMixin, _cut, _local_mesh
+from shardwise.tensors.relayout import RelayoutMixin, _cut
 
 __all__ = ["Tensor"]
 
@@ -176,7 +176,7 @@ class Tensor(GradMixin, RelayoutMixin, MetaMixin,  # type: ignore[misc,override]
         """Internal: the Tensor whose blocks are cut from ``whole`` (the global value).
         On a mesh this process holds wholly the blocks are cut lazily and ops whose
         operands all hold wholes run once on them (see ``ops.execute``)."""
-        if not _local_mesh(layout.mesh, whole.device):
+        if not cache.local_mesh(layout.mesh, whole.device):
             return cls(_cut(whole, layout), layout, whole.shape, whole.dtype,
                        open_dims=open_dims)
         return cls._wrap(None, whole, layout, whole.shape, whole.dtype, whole.device,
@@ -383,6 +383,8 @@ def with_open_dims(t: Tensor, sharding: object) -> Tensor:
         want = None
     if want == t._open or (want is not None and len(want) != t.ndim):
         return t
+    if t._whole is not None:  # (the whole, not its blocks: ops keep running on it)
+        return Tensor._wrap(None, t._whole, t._layout, t._size, t._dtype, t._device, want)
     return Tensor(t._shards, t._layout, t._shape, t._dtype, open_dims=want)
 
 
