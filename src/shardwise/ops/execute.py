@@ -220,11 +220,13 @@ def _run_whole(op: str, fn: Callable[..., torch.Tensor], args: list[Any],
     collectives are counted). None when the result aliases a derived copy (a view):
     the op then runs on the blocks, whose views alias them."""
     call = []
+    derived = False
     for i, (x, have, req, div) in enumerate(zip(args, layouts, dec.required, dec.diverge)):
         if have is None:
             call.append(x)
             continue
         assert req is not None
+        derived = derived or x._whole is None
         call.append(cache.whole(x, req, div, views.get(i) if views else None))
     if shaped:
         call.append(factors.out_shape)
@@ -239,7 +241,7 @@ def _run_whole(op: str, fn: Callable[..., torch.Tensor], args: list[Any],
     assert tuple(r.shape) == factors.out_shape, (
         f"{op}: the whole result has shape {tuple(r.shape)}, the rule gives "
         f"{factors.out_shape}")
-    if _aliases_copy(args, call, r):
+    if derived and _aliases_copy(args, call, r):
         return None
     # the operands' wholes live on this mesh's one torch device: no check needed
     return Tensor._wrap(None, r, dec.output, r.shape, r.dtype, r.device, dec.out_open)
@@ -301,13 +303,22 @@ def apply_elementwise(op: str, operands: Sequence[Any], fn: Callable[..., torch.
     # path, which reports the op, the rule and the blocks.
     try:
         # each Tensor's own whole, else its derived one (cache.whole_of)
-        call = [x if not isinstance(x, Tensor) else x._whole if x._whole is not None
-                else cache.whole_of(x) for x in operands]
-        if all(c is not None for c in call):  # (not ``None in call``: tensors' __eq__)
+        call: list[Any] = []
+        derived = False
+        for x in operands:
+            w = x
+            if isinstance(x, Tensor):
+                w = x._whole
+                if w is None:
+                    w, derived = cache.whole_of(x), True
+                    if w is None:
+                        break  # (no whole: on the blocks, below)
+            call.append(w)
+        else:
             whole = fn(*call)
             if tuple(whole.shape) != first._shape:
                 return apply(op, operands, fn)
-            if not _aliases_copy(operands, call, whole):  # (else: on the blocks, below)
+            if not (derived and _aliases_copy(operands, call, whole)):  # (else: blocks)
                 return Tensor._wrap(None, whole, layout, whole.shape, whole.dtype,
                                     whole.device, first._open)
         single = len(operands) == 1

@@ -124,6 +124,7 @@ class Operand(Protocol):
     _layout: Layout
     _shape: tuple[int, ...]
     _dtype: torch.dtype
+    _device: torch.device
     _whole: torch.Tensor | None
     _cache: OperandCache | None
     _grad_owner: GradOwner | None
@@ -416,8 +417,8 @@ def whole_of(x: Operand, copy: bool = True) -> torch.Tensor | None:
     if w is not None:
         return w
     layout = x._layout
-    if layout.is_partial:
-        return None
+    if layout.is_partial or not local_mesh(layout.mesh, x._device):
+        return None  # (first: a process world's values pay only this check)
     shards = x._shards
     uniq = x._unique()
     first = shards[uniq[0]] if uniq else None
@@ -446,10 +447,8 @@ def _derive(shards: tuple[torch.Tensor, ...], uniq: tuple[int, ...], layout: Lay
     Partial axes); the whole is None when this process does not hold them all on one
     device or the copy would be above :data:`COPY_BYTES`."""
     if not uniq or len(uniq) != len(set(layout.representatives())):
-        return None, False  # a device another process holds (None)
+        return None, False  # (a device without its block: never on a mesh held wholly)
     first = shards[uniq[0]]
-    if not local_mesh(layout.mesh, first.device):
-        return None, False
     if len(uniq) == 1 and tuple(first.shape) == shape:
         return first, False  # Replicated: the one buffer is the whole
     if not _recording([shards[k] for k in uniq]):
