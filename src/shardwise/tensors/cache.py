@@ -125,6 +125,7 @@ class Operand(Protocol):
     _shape: tuple[int, ...]
     _dtype: torch.dtype
     _device: torch.device
+    _blocks: tuple[torch.Tensor, ...] | None
     _whole: torch.Tensor | None
     _cache: OperandCache | None
     _grad_owner: GradOwner | None
@@ -416,28 +417,33 @@ def whole_of(x: Operand, copy: bool = True) -> torch.Tensor | None:
     w = x._whole
     if w is not None:
         return w
+    cache = x._cache
+    entry = None if cache is None else cache.derived
+    blocks = x._blocks
+    if (entry is not None and blocks is not None and entry.source is blocks
+            and entry.layout is x._layout):
+        # kept: a view serves while the blocks tuple is the same (writes show through
+        # it), a copy while their version is too; either only in the autograd mode it
+        # was made in, and while the blocks are no leaf requiring grad
+        w, copied, grad, level, first, uniq = entry.kept
+        if (grad is torch.is_grad_enabled() and level == fwAD._current_level
+                and not (first is not None and first.requires_grad and first.grad_fn is None)
+                and (not copied or entry.version == shard_versions(blocks, uniq))):
+            return w if copy or not copied else None
     layout = x._layout
     if layout.is_partial or not local_mesh(layout.mesh, x._device):
-        return None  # (first: a process world's values pay only this check)
+        return None  # (a process world's values pay only this check)
     shards = x._shards
     uniq = x._unique()
     first = shards[uniq[0]] if uniq else None
     if first is not None and first.requires_grad and first.grad_fn is None:
         return None  # (the leaf rule: each use would copy afresh; its blocks run the op)
-    cache = x._cache
-    entry = None if cache is None else cache.derived
-    # a view serves while the blocks tuple is the same (writes show through it); a copy
-    # while their version is too; either only in the autograd mode it was made in
-    mode = (torch.is_grad_enabled(), fwAD._current_level)
-    if entry is not None and entry.source is shards and entry.layout is layout:
-        w, copied, made = entry.kept
-        if made == mode and (not copied or entry.version == shard_versions(shards, uniq)):
-            return w if copy or not copied else None
     version = shard_versions(shards, uniq)
     w, copied = _derive(shards, uniq, layout, x._shape, x._dtype.itemsize)
     if cache is None:
         cache = x._cache = OperandCache()
-    cache.derived = _Entry(shards, layout, version, (w, copied, mode), ())
+    cache.derived = _Entry(shards, layout, version, (
+        w, copied, torch.is_grad_enabled(), fwAD._current_level, first, uniq), ())
     return w if copy or not copied else None
 
 
