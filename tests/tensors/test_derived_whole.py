@@ -93,18 +93,40 @@ def test_gradients_reach_the_users_blocks_once() -> None:
     torch.testing.assert_close(torch.cat([s.grad for s in y.shards]), 2 * g)
 
 
-def test_counts_match_the_block_path() -> None:
+def test_gradients_through_a_derived_copy_of_non_leaf_blocks() -> None:
+    """Blocks that record gradients (results of ops: no leaves) derive a copy made by
+    differentiable torch ops: every distinct block gets its gradient once, replicas
+    included, also through chunk views of one base."""
     g = _g()
-    w = torch.randn(8, 3, generator=torch.Generator().manual_seed(1))
-    ws = sw.tensor(w, sharding=PlacementMapping(MESH, (Replicated(),)))
+    for views in (True, False):
+        base = g.clone().requires_grad_()
+        parts = list(base.chunk(2)) if views else [c * 1.0 for c in base.chunk(2)]
+        layout = PlacementMapping(GRID, (Sharded(0), Replicated()))
+        x = sw.from_local([parts[0], parts[0], parts[1], parts[1]], layout)
+        w = cache.whole_of(x)
+        assert w is not None and w.grad_fn is not None  # a copy autograd records
+        out = (F.gelu(x) * x).sum()
+        grads = torch.autograd.grad(out, [base, *parts])
+        ref = g.clone().requires_grad_()
+        want = torch.autograd.grad((F.gelu(ref) * ref).sum(), ref)[0]
+        torch.testing.assert_close(grads[0], want)
+        torch.testing.assert_close(torch.cat(grads[1:]), want)
+        with torch.no_grad():  # another autograd mode: derived afresh (a view, no graph)
+            assert cache.whole_of(x) is not w
+
+
+def test_counts_match_the_block_path() -> None:
+    """CommCounter counts what a block-by-block run moves, whichever path runs (a
+    derived copy is not used while counting; a derived view is)."""
+    g = _g()
     counts = []
-    for x in (sw.tensor(g, sharding=S0), sw.from_local([c.clone() for c in g.chunk(4)], S0)):
-        xt = x.t()  # Sharded(1): the matmul's contraction needs it gathered or Partial
+    for x in (sw.tensor(g, sharding=S0), sw.from_local([c.clone() for c in g.chunk(4)], S0),
+              sw.from_local(list(g.chunk(4)), S0)):  # own whole, blocks, a derived view
         with CommCounter() as cc:
-            out = (xt @ ws).sum(0)
-            assert torch.allclose(out.to_torch(), (g.t() @ w).sum(0), atol=1e-5)
+            out = (x @ x).sum(0)  # the right operand is gathered: an all_gather
+        torch.testing.assert_close(out.to_torch(), (g @ g).sum(0))
         counts.append(dict(cc.counts))
-    assert counts[0] == counts[1]
+    assert counts[0] == counts[1] == counts[2] and counts[0]
 
 
 def test_partial_values_stay_on_their_blocks() -> None:
