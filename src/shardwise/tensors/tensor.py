@@ -383,8 +383,11 @@ def with_open_dims(t: Tensor, sharding: object) -> Tensor:
         want = None
     if want == t._open or (want is not None and len(want) != t.ndim):
         return t
-    if t._whole is not None:  # (the whole, not its blocks: ops keep running on it)
-        return Tensor._wrap(None, t._whole, t._layout, t._size, t._dtype, t._device, want)
+    w = t._whole
+    if w is not None:  # (the whole, not its blocks: ops keep running on it)
+        if w.requires_grad:  # an alias autograd records, as the cut blocks were: never
+            w = w.view_as(w)  # the leaf itself (one leaf, one .grad)
+        return Tensor._wrap(None, w, t._layout, t._size, t._dtype, t._device, want)
     return Tensor(t._shards, t._layout, t._shape, t._dtype, open_dims=want)
 
 
