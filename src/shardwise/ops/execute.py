@@ -18,9 +18,13 @@ Invariants:
 - Every output block has the shape the output layout's split rule gives
   (asserted).
 - Where every Tensor operand holds its whole value (``_whole``: a mesh this process
-  holds wholly), the op runs once on the wholes: the rule still decides the layouts
-  (metadata) and the collectives the operands' layout changes imply are counted,
-  but no block moves; the output keeps its whole and cuts blocks on demand.
+  holds wholly) or has a derived one (``cache.whole_of``: blocks seen whole), the op
+  runs once on the wholes: the rule still decides the layouts (metadata) and the
+  collectives the operands' layout changes imply are counted, but no block moves;
+  the output keeps its whole and cuts blocks on demand. A result that aliases a
+  derived copy (a view) is dropped and the op runs on the blocks, so that views
+  alias the operand's blocks; derived copies are not used while CommCounter counts
+  (the rerun would count twice).
 """
 
 from __future__ import annotations
@@ -282,9 +286,10 @@ def apply_elementwise(op: str, operands: Sequence[Any], fn: Callable[..., torch.
     without Partial axes (and the rest are Python numbers) the output keeps that
     layout with no rule to bind; else :func:`apply`.
 
-    Where every operand also holds its whole value (``_whole``: a simulated mesh),
-    ``fn`` runs once on the whole values (one autograd node) and the result keeps
-    its whole: one torch call instead of one per distinct block."""
+    Where every operand also holds its whole value (``_whole``: a simulated mesh) or
+    has a derived one (``cache.whole_of``), ``fn`` runs once on the whole values (one
+    autograd node) and the result keeps its whole: one torch call instead of one per
+    distinct block."""
     first: Tensor | None = None
     for x in operands:
         if isinstance(x, Tensor):

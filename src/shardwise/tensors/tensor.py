@@ -21,7 +21,8 @@ Invariants:
   are cut from it on first use (:func:`~shardwise.tensors.relayout._cut`). It is set
   only on a mesh this process holds wholly. Autograd then runs on the whole; shards
   cut from it are views that autograd flows through. A Tensor built from shards
-  (``Tensor(...)``) has none.
+  (``Tensor(...)``) has none (its compute ops may still run once on a whole derived
+  from its blocks, kept by :func:`~shardwise.tensors.cache.whole_of`).
 - The class is built from three bases, each in its own module and each below this
   one: :class:`~shardwise.tensors.meta.MetaMixin` (the fields, torch metadata, mesh
   views) < :class:`~shardwise.tensors.relayout.RelayoutMixin` (layout changes) <
