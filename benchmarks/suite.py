@@ -8,6 +8,9 @@ Sections (each documented in its module):
 - ``profile``: cProfile of the 8x8 hot path;
 - ``torch``: torch ops and a Megatron MLP training step on shardwise Tensors beside
   plain torch (:mod:`benchmarks.torchnative`);
+- ``entry_points``: the per-op overhead of an 8x8 value by how its Tensor was made
+  (``sw.tensor``, ``sw.shard``, ``from_local``, a collective's output) beside plain
+  torch (:mod:`benchmarks.entry_points`);
 - ``compile``: ``torch.compile`` of a parallelized tiny HF Llama forward beside the
   eager one (:mod:`benchmarks.compiled`; says so when transformers is missing);
 - ``gloo``: 4 Gloo ranks, shardwise beside raw torch.distributed and DTensor;
@@ -91,6 +94,11 @@ def run_suite(preset: str = "full", *, devices: tuple[int, ...] = (4, 8), gloo: 
 
     say("torch-native ops and training step ...")
     res["torch"] = torchnative.run(repeat=cfg["small_repeat"], inner=cfg["small_inner"])
+    from benchmarks import entry_points
+
+    say("per-op overhead by entry point ...")
+    res["entry_points"] = entry_points.run(repeat=cfg["small_repeat"],
+                                           inner=cfg["small_inner"])
     if compile:
         from benchmarks import compiled
 

@@ -163,3 +163,17 @@ def test_compile_section_tables() -> None:
     assert "1.20x" in "\n".join(compile_tables(row))
     (target,) = [t for t in check_targets({"compile": row}) if t["target"] == "compile"]
     assert target["met"] is True and "compile" in TARGETS
+
+
+def test_entry_point_section(result: tuple[dict, Path, Path]) -> None:
+    """Every (entry point, op) row, checked against torch before timing; the issue 22
+    target covers gelu and add on sw.tensor, sw.shard and from_local."""
+    from benchmarks.entry_points import ENTRIES, OPS, TARGET_ENTRIES, TARGET_OPS
+
+    data, _, text = result
+    rows = data["entry_points"]["rows"]
+    assert [(r["entry"], r["op"]) for r in rows] == [(e, o) for e in ENTRIES for o in OPS]
+    assert all(r["shardwise_us"] > 0 and r["torch_us"] > 0 for r in rows)
+    targets = [t for t in data["targets"] if t["target"] == "entry_point"]
+    assert len(targets) == len(TARGET_ENTRIES) * len(TARGET_OPS)
+    assert "per-op overhead by entry point" in text.read_text()

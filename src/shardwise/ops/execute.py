@@ -18,9 +18,13 @@ Invariants:
 - Every output block has the shape the output layout's split rule gives
   (asserted).
 - Where every Tensor operand holds its whole value (``_whole``: a mesh this process
-  holds wholly), the op runs once on the wholes: the rule still decides the layouts
-  (metadata) and the collectives the operands' layout changes imply are counted,
-  but no block moves; the output keeps its whole and cuts blocks on demand.
+  holds wholly) or has a derived one (``cache.whole_of``: blocks seen whole), the op
+  runs once on the wholes: the rule still decides the layouts (metadata) and the
+  collectives the operands' layout changes imply are counted, but no block moves;
+  the output keeps its whole and cuts blocks on demand. A result that aliases a
+  derived copy (a view) is dropped and the op runs on the blocks, so that views
+  alias the operand's blocks; derived copies are not used while CommCounter counts
+  (the rerun would count twice).
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ import torch
 
 from shardwise.propagation.binding import Factors, bind
 from shardwise.propagation.decide import Decision, decide
+from shardwise.runtime import observe as comm
 from shardwise.sharding.errors import ShardingError, ShardingTypeError
 from shardwise.sharding.layout import Layout
 from shardwise.tensors import cache
@@ -109,7 +114,10 @@ def apply(op: str, operands: Sequence[Any], fn: Callable[..., torch.Tensor], *pa
             layouts.append(x._layout)
             opens.append(x._open)
             itemsizes.append(x._dtype.itemsize)
-            wholes = wholes and x._whole is not None
+            # (a value held as blocks runs whole on its derived whole; a copy only
+            # while nothing counts: a view result reruns on the blocks, see _run_whole)
+            wholes = wholes and (x._whole is not None or cache.whole_of(
+                x, not comm.active()) is not None)
         else:
             tensors.append(None)
             shapes.append(())
@@ -123,7 +131,9 @@ def apply(op: str, operands: Sequence[Any], fn: Callable[..., torch.Tensor], *pa
     dec = decide(factors, tuple(layouts), tuple(opens), tuple(itemsizes),
                  cache.kept_layouts(tensors, wholes))
     if wholes:
-        return _run_whole(op, fn, args, layouts, dec, factors, shaped, views)
+        out = _run_whole(op, fn, args, layouts, dec, factors, shaped, views)
+        if out is not None:
+            return out
     cols: list[Sequence[torch.Tensor | None] | None] = []
     for x, have, req, div in zip(args, layouts, dec.required, dec.diverge):
         if have is None:
@@ -208,15 +218,19 @@ def _run_local(op: str, fn: Callable[..., torch.Tensor], args: list[Any],
 
 def _run_whole(op: str, fn: Callable[..., torch.Tensor], args: list[Any],
                layouts: list[Layout | None], dec: Decision, factors: Factors,
-               shaped: bool, views: dict[int, torch.Tensor] | None = None) -> Tensor:
-    """``fn`` once on the operands' whole values: the global op, one autograd node.
-    Layout changes of the operands keep their wholes (their collectives are counted)."""
+               shaped: bool, views: dict[int, torch.Tensor] | None = None) -> Tensor | None:
+    """``fn`` once on the operands' whole values (own or derived): the global op, one
+    autograd node. Layout changes of the operands keep their wholes (their
+    collectives are counted). None when the result aliases a derived copy (a view):
+    the op then runs on the blocks, whose views alias them."""
     call = []
+    derived = False
     for i, (x, have, req, div) in enumerate(zip(args, layouts, dec.required, dec.diverge)):
         if have is None:
             call.append(x)
             continue
         assert req is not None
+        derived = derived or x._whole is None
         call.append(cache.whole(x, req, div, views.get(i) if views else None))
     if shaped:
         call.append(factors.out_shape)
@@ -231,8 +245,18 @@ def _run_whole(op: str, fn: Callable[..., torch.Tensor], args: list[Any],
     assert tuple(r.shape) == factors.out_shape, (
         f"{op}: the whole result has shape {tuple(r.shape)}, the rule gives "
         f"{factors.out_shape}")
+    if derived and _aliases_copy(args, call, r):
+        return None
     # the operands' wholes live on this mesh's one torch device: no check needed
     return Tensor._wrap(None, r, dec.output, r.shape, r.dtype, r.device, dec.out_open)
+
+
+def _aliases_copy(operands: Sequence[Any], call: Sequence[Any], r: torch.Tensor) -> bool:
+    """Whether ``r`` is (a view of) the derived copy of an operand held as blocks
+    (``call``: the wholes the op ran on)."""
+    if r._base is None and not any(r is c for c in call):
+        return False  # a new tensor (the common case): aliases nothing
+    return any(isinstance(x, Tensor) and cache.aliases_copy(x, r) for x in operands)
 
 
 def _shapes(args: list[Any]) -> list[list[int]]:
@@ -262,9 +286,10 @@ def apply_elementwise(op: str, operands: Sequence[Any], fn: Callable[..., torch.
     without Partial axes (and the rest are Python numbers) the output keeps that
     layout with no rule to bind; else :func:`apply`.
 
-    Where every operand also holds its whole value (``_whole``: a simulated mesh),
-    ``fn`` runs once on the whole values (one autograd node) and the result keeps
-    its whole: one torch call instead of one per distinct block."""
+    Where every operand also holds its whole value (``_whole``: a simulated mesh) or
+    has a derived one (``cache.whole_of``), ``fn`` runs once on the whole values (one
+    autograd node) and the result keeps its whole: one torch call instead of one per
+    distinct block."""
     first: Tensor | None = None
     for x in operands:
         if isinstance(x, Tensor):
@@ -282,13 +307,25 @@ def apply_elementwise(op: str, operands: Sequence[Any], fn: Callable[..., torch.
     # A failing torch op, or a result of another shape (a broadcast), takes the general
     # path, which reports the op, the rule and the blocks.
     try:
-        if first._whole is not None and all(
-                not isinstance(x, Tensor) or x._whole is not None for x in operands):
-            whole = fn(*[x._whole if isinstance(x, Tensor) else x for x in operands])
+        # each Tensor's own whole, else its derived one (cache.whole_of)
+        call: list[Any] = []
+        derived = False
+        for x in operands:
+            w = x
+            if isinstance(x, Tensor):
+                w = x._whole
+                if w is None:
+                    w, derived = cache.whole_of(x), True
+                    if w is None:
+                        break  # (no whole: on the blocks, below)
+            call.append(w)
+        else:
+            whole = fn(*call)
             if tuple(whole.shape) != first._shape:
                 return apply(op, operands, fn)
-            return Tensor._wrap(None, whole, layout, whole.shape, whole.dtype, whole.device,
-                                first._open)
+            if not (derived and _aliases_copy(operands, call, whole)):  # (else: blocks)
+                return Tensor._wrap(None, whole, layout, whole.shape, whole.dtype,
+                                    whole.device, first._open)
         single = len(operands) == 1
         memo: dict[Any, torch.Tensor] = {}
         out: list[torch.Tensor] = []

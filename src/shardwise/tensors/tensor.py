@@ -26,7 +26,8 @@ Invariants:
   are cut from it on first use (:func:`~shardwise.tensors.relayout._cut`). It is set
   only on a mesh this process holds wholly. Autograd then runs on the whole; shards
   cut from it are views that autograd flows through. A Tensor built from shards
-  (``Tensor(...)``) has none.
+  (``Tensor(...)``) has none (its compute ops may still run once on a whole derived
+  from its blocks, kept by :func:`~shardwise.tensors.cache.whole_of`).
 - The class is built from three bases, each in its own module and each below this
   one: :class:`~shardwise.tensors.meta.MetaMixin` (the fields, torch metadata, mesh
   views) < :class:`~shardwise.tensors.relayout.RelayoutMixin` (layout changes) <
@@ -61,7 +62,7 @@ from shardwise.sharding.types import dtype_name
 from shardwise.tensors import cache, chunks, dtensor
 from shardwise.tensors.grad import GradMixin
 from shardwise.tensors.meta import MetaMixin
-from shardwise.tensors.relayout import RelayoutMixin, _cut, _local_mesh
+from shardwise.tensors.relayout import RelayoutMixin, _cut
 
 __all__ = ["Tensor"]
 
@@ -195,7 +196,7 @@ class Tensor(GradMixin, RelayoutMixin, MetaMixin,  # type: ignore[misc,override]
         """Internal: the Tensor whose blocks are cut from ``whole`` (the global value).
         On a mesh this process holds wholly the blocks are cut lazily and ops whose
         operands all hold wholes run once on them (see ``ops.execute``)."""
-        if not _local_mesh(layout.mesh, whole.device):
+        if not cache.local_mesh(layout.mesh, whole.device):
             return cls(_cut(whole, layout), layout, whole.shape, whole.dtype,
                        open_dims=open_dims)
         return cls._wrap(None, whole, layout, whole.shape, whole.dtype, whole.device,
@@ -452,6 +453,11 @@ def with_open_dims(t: Tensor, sharding: object) -> Tensor:
         want = None
     if want == t._open or (want is not None and len(want) != t.ndim):
         return t
+    w = t._whole
+    if w is not None:  # (the whole, not its blocks: ops keep running on it)
+        if w.requires_grad:  # an alias autograd records, as the cut blocks were: never
+            w = w.view_as(w)  # the leaf itself (one leaf, one .grad)
+        return Tensor._wrap(None, w, t._layout, t._size, t._dtype, t._device, want)
     return Tensor(t._shards, t._layout, t._shape, t._dtype, open_dims=want)
 
 
