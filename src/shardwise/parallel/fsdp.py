@@ -23,6 +23,7 @@ import torch.nn as nn
 
 from shardwise.parallel.fsdp_unit import UNIT, Param, Unit, sharded_layout
 from shardwise.parallel.precision import MixedPrecisionPolicy, cast_floating
+from shardwise.runtime import backend_for
 from shardwise.sharding.errors import ShardingError, ShardingTypeError
 from shardwise.sharding.layout import Layout
 from shardwise.sharding.mesh import DeviceMesh
@@ -157,7 +158,13 @@ def _shard(p: torch.Tensor, name: str, mesh: DeviceMesh, axis: int) -> Param:
             f"{axis_name!r}. Give it shape (1,), or move it out of the module.")
     target, dim = sharded_layout(here, axis, tuple(p.shape))
     with torch.no_grad():
-        t = value.relayout(target)._map_unique(lambda s: s.clone())
+        if len(backend_for(mesh).owned(mesh)) == mesh.num_devices:
+            # a mesh this process holds wholly: the parameter keeps its global value
+            # (blocks cut from it as views), so its gathers are copies of it and the
+            # optimizer's ops run once on it, not once per block
+            t = Tensor.from_whole(value._global().clone(), target)
+        else:
+            t = value.relayout(target)._map_unique(lambda s: s.clone())
     param = nn.Parameter(t, requires_grad=p.requires_grad)
     assert isinstance(param, Tensor)  # nn.Parameter keeps the subclass
     return Param([], param, here, dim)

@@ -87,6 +87,11 @@ class Flat:
     def layout(self, which: str) -> Layout:
         return self._layouts[which]
 
+    def gather_plan(self, itemsize: int) -> Plan:
+        """The all_gather of the parameters (for counting where none runs)."""
+        return make_plan(self._layouts["sharded"], self._layouts["gathered"], self.shape,
+                         itemsize)
+
     def plan(self, itemsize: int) -> Plan:
         """The reduce_scatter of the gradients (for counting where autograd summed)."""
         return make_plan(self._layouts["reduced"], self._layouts["sharded"], self.shape,

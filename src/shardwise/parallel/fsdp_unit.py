@@ -79,7 +79,11 @@ class _Call:
     def storage_block(self, i: int, ordinal: int) -> torch.Tensor:
         if self.regathered is None:
             with torch.no_grad():
-                self.regathered = [_storages(blocks)[1] for blocks in self.unit.gather_all()]
+                if self.unit.wholes:
+                    self.regathered = [[w] for w in self.unit.gather_wholes()]
+                else:
+                    self.regathered = [_storages(blocks)[1]
+                                       for blocks in self.unit.gather_all()]
         return self.regathered[i][ordinal]
 
 
@@ -163,6 +167,27 @@ class _Gather(torch.autograd.Function):
         return (None, *out)
 
 
+class _GatherWhole(torch.autograd.Function):
+    """The whole-value form of :class:`_Gather` (a mesh this process holds wholly, every
+    parameter holding its global value): forward copies each sharded parameter's whole
+    (cast to ``param_dtype``), which *is* the gathered value, and counts the unit's
+    all_gathers; backward receives the gradient autograd already summed over every
+    device (the reduce_scatter's sum, counted there) in the whole's form, cast through
+    ``reduce_dtype`` as the reduce_scatter would."""
+
+    @staticmethod
+    def forward(ctx: Any, call: _Call, *wholes: torch.Tensor) -> Any:
+        ctx.call = call
+        ctx.set_materialize_grads(False)
+        return tuple(call.unit.gather_wholes(wholes))
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor | None) -> Any:
+        call: _Call = ctx.call
+        call.regathered = None
+        return (None, *call.unit.reduce_wholes(grads))
+
+
 class _Share(torch.autograd.Function):
     """identity in forward; backward hands the gradient share to the unit (which
     reduce_scatters the shares) and sends nothing further back."""
@@ -200,6 +225,47 @@ class Unit:
         self.groups = [(idx, Flat(mesh, axis, [
             (tuple(params[i].sharded.shape), params[i].sharded.dist_layout,
              params[i].gathered, params[i].dim) for i in idx])) for idx in by_dtype.values()]
+        self.wholes = self.local and all(fp.sharded._whole is not None for fp in params)
+
+    def gather_plans(self) -> list[Plan]:
+        """The all_gathers of one gather (counted where the whole-value path runs none)."""
+        out = [flat.gather_plan(self.dtype(idx[0]).itemsize) for idx, flat in self.groups]
+        for i in self.alone:
+            fp = self.params[i]
+            out.append(make_plan(fp.sharded.dist_layout, fp.gathered,
+                                 tuple(fp.sharded.shape), self.dtype(i).itemsize))
+        return out
+
+    def gather_wholes(self, wholes: Any = None) -> list[torch.Tensor]:
+        """Per parameter: a copy of its whole value in ``param_dtype`` (the gathered
+        value on a mesh this process holds wholly), counted as the unit's all_gathers."""
+        if wholes is None:
+            wholes = [fp.sharded._whole for fp in self.params]
+        if observe.active():
+            for plan in self.gather_plans():
+                _record(plan)
+        return [w.to(self.dtype(i), memory_format=torch.contiguous_format, copy=True)
+                for i, w in enumerate(wholes)]
+
+    def reduce_wholes(self, grads: tuple[torch.Tensor | None, ...]) -> list[Any]:
+        """The sharded parameters' whole gradients from the gathered ones (autograd
+        summed them over every device): cast through ``reduce_dtype``; the unit's
+        reduce_scatters are counted."""
+        n = len(self.params)
+        reds = [self.policy.reduce_dtype or self.dtype(i) for i in range(n)]
+        if observe.active():
+            for idx, flat in self.groups:
+                if any(grads[i] is not None for i in idx):
+                    _record(flat.plan(reds[idx[0]].itemsize))
+            for i in self.alone:
+                fp = self.params[i]
+                if grads[i] is not None:
+                    _record(make_plan(self._partial(fp.gathered), fp.sharded.dist_layout,
+                                      tuple(fp.sharded.shape), reds[i].itemsize))
+        out: list[Any] = []
+        for i, g in enumerate(grads):
+            out.append(None if g is None else g.to(reds[i]).to(self.params[i].sharded.dtype))
+        return out
 
     def dtype(self, i: int) -> torch.dtype:
         """The dtype parameter ``i`` is gathered and computed in."""
@@ -239,10 +305,15 @@ class Unit:
             fp.sharded = now
             for other, other_name in fp.owners[1:]:
                 other._parameters[other_name] = now
+            self.wholes = self.local and all(q.sharded._whole is not None
+                                             for q in self.params)
 
     def unshard(self) -> None:
         self.refresh()
         call = self.call = _Call(self)
+        if self.wholes:
+            self._unshard_wholes(call)
+            return
         leaves = [s for fp in self.params for s in fp.sharded.unique_shards()[1]]
         outs = _Gather.apply(call, *leaves)
         for i, fp in enumerate(self.params):
@@ -257,6 +328,20 @@ class Unit:
             if self.reshard:
                 for ordinal, ptr in enumerate(_storages(shards)[0]):
                     _LIVE[ptr] = (call, i, ordinal)
+        if self.reshard:
+            call.hooks = torch.autograd.graph.saved_tensors_hooks(_pack, _unpack)
+            call.hooks.__enter__()
+
+    def _unshard_wholes(self, call: _Call) -> None:
+        outs = _GatherWhole.apply(call, *[fp.sharded._whole for fp in self.params])
+        owner = GradOwner((self.axis,), None)
+        for i, fp in enumerate(self.params):
+            full = Tensor.from_whole(outs[i], fp.gathered)
+            full._grad_owner = owner  # the unit sums this gradient over its axis
+            for module, name in fp.owners:
+                module._parameters[name] = full  # type: ignore[assignment]
+            if self.reshard:
+                _LIVE[outs[i].untyped_storage().data_ptr()] = (call, i, 0)
         if self.reshard:
             call.hooks = torch.autograd.graph.saved_tensors_hooks(_pack, _unpack)
             call.hooks.__enter__()
@@ -356,10 +441,11 @@ class Unit:
 
 def _record(plan: Plan) -> None:
     """Count ``plan``'s collectives for CommCounter without running them (the sum
-    they would compute already happened in autograd's accumulation)."""
+    they would compute already happened in autograd's accumulation, or the gathered
+    value is the whole value this process holds)."""
     if observe.active():
         for step in plan.collectives:
-            observe.record(step.kind, step.bytes_per_device, step, phase="backward")
+            observe.record(step.kind, step.bytes_per_device, step)
 
 
 def sharded_layout(layout: Layout, axis: int, shape: tuple[int, ...]) -> tuple[Layout, int]:

@@ -7,7 +7,10 @@ Invariants:
   process holds it, as everywhere in shardwise): it is placed, never assumed to be
   a local shard, so placing it costs no communication.
 - A shardwise Tensor is laid out by the planner (differentiable, counted by
-  ``CommCounter``); one already in the wanted layout is returned as it is.
+  ``CommCounter``); one already in the wanted layout is returned as it is. One that
+  holds its whole value (a mesh this process holds wholly) keeps it: the layout
+  change is metadata there, its collectives counted as if they ran, so the module's
+  ops run once on the whole value rather than block by block.
 - Parameters become ``nn.Parameter`` over shardwise Tensors with the same value
   and ``requires_grad``; every process must hold the same initial value (seed
   every rank alike), as for ``shardwise.tensor``.
@@ -27,6 +30,7 @@ from shardwise.sharding.errors import ShardingError, ShardingTypeError
 from shardwise.sharding.layout import Layout, normalize_dim
 from shardwise.sharding.mesh import DeviceMesh
 from shardwise.sharding.placements import Partial, Placement, Replicated, Sharded
+from shardwise.tensors import cache
 from shardwise.tensors.tensor import Tensor, place
 
 __all__ = ["axis_of", "check_placement", "keeping_ties", "layout_on", "place_on",
@@ -95,7 +99,11 @@ def place_on(x: Any, mesh: DeviceMesh, axis: int, placement: Placement | None,
         if placement is None:
             return x
         target = layout_on(x.dist_layout, x.ndim, axis, placement)
-        return x if target == x.dist_layout else x.relayout(target)
+        if target == x.dist_layout:
+            return x
+        if x._whole is not None and not target.is_partial:
+            return Tensor.from_whole(cache.whole(x, target), target)
+        return x.relayout(target)
     if isinstance(x, torch.Tensor):
         want = placement if placement is not None else plain
         if want is None:
