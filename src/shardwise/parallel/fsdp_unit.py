@@ -237,15 +237,19 @@ class Unit:
         return out
 
     def gather_wholes(self, wholes: Any = None) -> list[torch.Tensor]:
-        """Per parameter: a copy of its whole value in ``param_dtype`` (the gathered
-        value on a mesh this process holds wholly), counted as the unit's all_gathers."""
+        """Per parameter: its whole value in ``param_dtype`` (the gathered value on a
+        mesh this process holds wholly: the parameter's own storage, or a cast copy),
+        counted as the unit's all_gathers."""
         if wholes is None:
             wholes = [fp.sharded._whole for fp in self.params]
         if observe.active():
             for plan in self.gather_plans():
                 _record(plan)
-        return [w.to(self.dtype(i), memory_format=torch.contiguous_format, copy=True)
-                for i, w in enumerate(wholes)]
+        out = []
+        for i, w in enumerate(wholes):
+            dtype = self.dtype(i)
+            out.append(w.view_as(w) if w.dtype == dtype else w.to(dtype))
+        return out
 
     def reduce_wholes(self, grads: tuple[torch.Tensor | None, ...]) -> list[Any]:
         """The sharded parameters' whole gradients from the gathered ones (autograd

@@ -32,6 +32,7 @@ import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
 from shardwise.parallel.blocks import pick_classes
+from shardwise.parallel.placing import relayout
 from shardwise.sharding.layout import Layout
 from shardwise.tensors.tensor import Tensor, place
 
@@ -55,7 +56,7 @@ def _cross_entropy(logits: Any, target: Any, weight: Any = None, size_average: A
     x: Tensor = logits
     rows, classes = x.dist_layout.dims
     if x.dist_layout.is_partial:  # a nonlinear loss needs the value itself
-        x = x.relayout(Layout(x.mesh, (rows, classes), (None,) * x.mesh.ndim))
+        x = relayout(x, Layout(x.mesh, (rows, classes), (None,) * x.mesh.ndim))
     if not isinstance(target, Tensor):
         target = place(target, Layout.replicated(x.mesh, 1))
     m = torch.amax(x.detach(), dim=1, keepdim=True)   # Partial(MAX): reduced by the sub
@@ -65,7 +66,7 @@ def _cross_entropy(logits: Any, target: Any, weight: Any = None, size_average: A
         parts.append(z.sum(1))
     # every part is Partial(SUM) over the class axes: one all_reduce for all of them
     stacked: Tensor = torch.stack(parts)  # type: ignore[assignment]
-    both = stacked.relayout(Layout(x.mesh, ((), rows), (None,) * x.mesh.ndim))
+    both = relayout(stacked, Layout(x.mesh, ((), rows), (None,) * x.mesh.ndim))
     lse = torch.log(both[0])
     per = lse - both[1]
     if label_smoothing:

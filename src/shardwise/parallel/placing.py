@@ -33,7 +33,7 @@ from shardwise.sharding.placements import Partial, Placement, Replicated, Sharde
 from shardwise.tensors import cache
 from shardwise.tensors.tensor import Tensor, place
 
-__all__ = ["axis_of", "check_placement", "keeping_ties", "layout_on", "place_on",
+__all__ = ["axis_of", "check_placement", "keeping_ties", "layout_on", "place_on", "relayout",
            "shard_parameter"]
 
 
@@ -98,12 +98,7 @@ def place_on(x: Any, mesh: DeviceMesh, axis: int, placement: Placement | None,
                 "shardwise.to_device(x, sharding=PlacementMapping(mesh, ...)).")
         if placement is None:
             return x
-        target = layout_on(x.dist_layout, x.ndim, axis, placement)
-        if target == x.dist_layout:
-            return x
-        if x._whole is not None and not target.is_partial:
-            return Tensor.from_whole(cache.whole(x, target), target)
-        return x.relayout(target)
+        return relayout(x, layout_on(x.dist_layout, x.ndim, axis, placement))
     if isinstance(x, torch.Tensor):
         want = placement if placement is not None else plain
         if want is None:
@@ -113,6 +108,22 @@ def place_on(x: Any, mesh: DeviceMesh, axis: int, placement: Placement | None,
                                 "Give Replicated() for scalars.")
         return place(x, layout_on(Layout.replicated(mesh, x.ndim), x.ndim, axis, want))
     return x
+
+
+def relayout(x: Tensor, target: Layout) -> Tensor:
+    """``x.relayout(target)``; a Tensor holding its whole value keeps it (module doc).
+
+    >>> mesh = DeviceMesh.cpu(2, "tp")
+    >>> x = shardwise.tensor(torch.arange(4.), sharding=PlacementMapping(mesh, [Sharded(0)]))
+    >>> y = relayout(x, Layout.replicated(mesh, 1))
+    >>> y.placements, y.to_torch().tolist()
+    ((Replicated(),), [0.0, 1.0, 2.0, 3.0])
+    """
+    if target == x.dist_layout:
+        return x
+    if x._whole is not None and not target.is_partial:
+        return Tensor.from_whole(cache.whole(x, target), target)
+    return x.relayout(target)
 
 
 def shard_parameter(module: nn.Module, name: str, mesh: DeviceMesh, axis: int,
