@@ -93,3 +93,27 @@ def test_a_target_out_of_range_raises_as_in_torch() -> None:
     with pytest.raises(IndexError, match=r"target 8 is out of bounds for 8 classes"), \
             loss_parallel():
         F.cross_entropy(x, target)
+
+
+def test_the_block_routes_only_cross_entropy_and_restores_the_registry() -> None:
+    """loss_parallel() swaps the registry's F.cross_entropy handler (as DTensor installs
+    its loss ops), nested blocks keep it, and leaving the outermost one, even by an
+    exception, restores the registry's own."""
+    from shardwise.tensors import tensor as core
+
+    logits, target = _case(8)
+    x = sw.tensor(logits, sharding=PlacementMapping(MESH, [Replicated(), Sharded(1)]))
+    F.cross_entropy(x, target)  # the registry is filled
+    ordinary = core.HANDLERS[F.cross_entropy]
+    with pytest.raises(RuntimeError, match="leave"), loss_parallel():
+        with loss_parallel():
+            pass
+        with CommCounter() as cc:
+            F.cross_entropy(x, target)
+        assert dict(cc.counts) == {"all_reduce": 2}  # still routed after the inner one
+        raise RuntimeError("leave")
+    assert core.HANDLERS[F.cross_entropy] is ordinary
+    fresh = sw.tensor(logits, sharding=x.sharding)  # (x counted its gather already)
+    with CommCounter() as plain:
+        F.cross_entropy(fresh, target)
+    assert plain.counts["all_gather"] >= 1

@@ -17,23 +17,29 @@ Invariants:
 - The result equals ``F.cross_entropy`` of the global logits (up to rounding):
   ``ignore_index`` rows count 0 and are left out of the mean; ``reduction`` and
   ``label_smoothing`` as torch.
-- Gradients flow through the same ops (torch's autograd on the blocks); the max is
-  detached (it cancels in the loss).
+- Gradients flow through the same ops (torch's autograd on the blocks, or once on
+  the whole values where the operands hold them); the max is detached (it cancels
+  in the loss).
+- Inside the outermost block the registry's ``F.cross_entropy`` handler is this
+  module's (the registry's own is restored on leaving it; it runs everything that
+  is not class-sharded). No other torch function pays for the block, and calls
+  without a shardwise Tensor never reach the handler.
 """
 
 from __future__ import annotations
 
 import contextlib
+import importlib
 from collections.abc import Iterator
 from typing import Any
 
 import torch
 import torch.nn.functional as F
-from torch.overrides import TorchFunctionMode
 
 from shardwise.parallel.blocks import pick_classes
 from shardwise.parallel.placing import relayout
 from shardwise.sharding.layout import Layout
+from shardwise.tensors import tensor as core
 from shardwise.tensors.tensor import Tensor, place
 
 __all__ = ["loss_parallel"]
@@ -51,8 +57,8 @@ def _cross_entropy(logits: Any, target: Any, weight: Any = None, size_average: A
                    ignore_index: int = -100, reduce: Any = None, reduction: str = "mean",
                    label_smoothing: float = 0.0) -> Any:
     if not _class_sharded(logits, target, weight, size_average, reduce):
-        return F.cross_entropy(logits, target, weight, size_average, ignore_index, reduce,
-                               reduction, label_smoothing)
+        return _ordinary(logits, target, weight, size_average, ignore_index, reduce,
+                         reduction, label_smoothing)
     x: Tensor = logits
     rows, classes = x.dist_layout.dims
     if x.dist_layout.is_partial:  # a nonlinear loss needs the value itself
@@ -82,15 +88,38 @@ def _cross_entropy(logits: Any, target: Any, weight: Any = None, size_average: A
     return total / valid.to(per.dtype).sum()
 
 
-class _LossParallel(TorchFunctionMode):
-    """Routes ``F.cross_entropy`` to the class-sharded computation; every other torch
-    function runs as usual (the mode is off inside its own handler)."""
+_DEPTH = [0]  # open loss_parallel() blocks
+_ORDINARY: list[Any] = []  # the registry's own F.cross_entropy handler while one is open
 
-    def __torch_function__(self, func: Any, types: Any, args: Any = (),
-                           kwargs: Any = None) -> Any:
-        if func is F.cross_entropy:
-            return _cross_entropy(*args, **(kwargs or {}))
-        return func(*args, **(kwargs or {}))
+
+def _routed(*args: Any, **kwargs: Any) -> Any:
+    """The registry's F.cross_entropy handler inside ``loss_parallel()``."""
+    return _cross_entropy(*args, **kwargs)
+
+
+def _ordinary(*args: Any, **kwargs: Any) -> Any:
+    handler = _ORDINARY[0] if _ORDINARY else None
+    if handler is None:  # no handler of its own: the registry's gathered fallback
+        return core.FALLBACK[0](F.cross_entropy, args, kwargs)
+    return handler(*args, **kwargs)
+
+
+def _install() -> None:
+    """Route F.cross_entropy on shardwise Tensors to :func:`_cross_entropy` (as DTensor's
+    loss_parallel installs its custom op handlers): only that call pays, where a
+    TorchFunctionMode would add a Python call to every torch function in the block."""
+    if not core.FALLBACK:  # the registry fills the handlers on its first use
+        importlib.import_module(core.REGISTRY)
+    _ORDINARY[:] = [core.HANDLERS.get(F.cross_entropy)]
+    core.HANDLERS[F.cross_entropy] = _routed
+
+
+def _uninstall() -> None:
+    ordinary = _ORDINARY.pop()
+    if ordinary is None:
+        core.HANDLERS.pop(F.cross_entropy, None)
+    else:
+        core.HANDLERS[F.cross_entropy] = ordinary
 
 
 @contextlib.contextmanager
@@ -113,5 +142,12 @@ def loss_parallel() -> Iterator[None]:
     >>> dict(cc.counts)          # max, then sum-exp and target logits together
     {'all_reduce': 2}
     """
-    with _LossParallel():
+    if _DEPTH[0] == 0:
+        _install()
+    _DEPTH[0] += 1
+    try:
         yield
+    finally:
+        _DEPTH[0] -= 1
+        if _DEPTH[0] == 0:
+            _uninstall()
