@@ -10,6 +10,11 @@
   dim=256) with Megatron tensor parallelism on tp (wq/wk/wv/w1 Sharded(0), wo/w2
   weights Sharded(1), the rest Replicated; batch Sharded(0) on dp) on the same mesh,
   batch 8, beside the same model in plain torch; targets: 3x (default), 1.5x (dim=256).
+- ``planned``: the path users take (issue 22): the same GPT as a plain nn.Module with
+  ``parallelize_module`` (examples/gpt.py's plan on tp) x ``fully_shard`` (per block and
+  root on dp) on a simulated 2x2 mesh, the loss under ``loss_parallel``, at the default
+  Config and dim=256 (targets 2.5x, 1.2x); a tiny HF Llama (``hf_plan`` on tp x
+  ``fully_shard`` on dp, target 2.5x), skipped with the reason without transformers.
 Cases are interleaved (see :mod:`benchmarks.timing`); one torch thread. Ops and training
 steps are timed in this process's CPU time (``clock: process_time``: single-threaded, so the
 same as wall time on an idle machine, and robust to a loaded one). Rows give the median

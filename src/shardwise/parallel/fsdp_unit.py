@@ -340,7 +340,8 @@ class Unit:
         outs = _GatherWhole.apply(call, *[fp.sharded._whole for fp in self.params])
         owner = GradOwner((self.axis,), None)
         for i, fp in enumerate(self.params):
-            full = Tensor.from_whole(outs[i], fp.gathered)
+            w = outs[i]  # (the mesh is held here wholly: no from_whole check needed)
+            full = Tensor._wrap(None, w, fp.gathered, w.shape, w.dtype, w.device, None)
             full._grad_owner = owner  # the unit sums this gradient over its axis
             for module, name in fp.owners:
                 module._parameters[name] = full  # type: ignore[assignment]
