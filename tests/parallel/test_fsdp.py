@@ -462,3 +462,19 @@ def test_accumulation_and_activation_checkpointing_match_torch(checkpointed: boo
     for (name, p), q in zip(model.named_parameters(), ref.parameters()):
         torch.testing.assert_close(p.detach().to_torch(), q.detach(), rtol=1e-5, atol=1e-6,
                                    msg=name)
+
+
+def test_a_parameter_swapped_for_blocks_takes_the_block_gather() -> None:
+    """``p.data = `` a Tensor built from blocks (no whole value) between steps: the unit
+    gathers through the flat buffer again, with the same values."""
+    torch.manual_seed(0)
+    ref = nn.Sequential(nn.Linear(5, 4), nn.Tanh(), nn.Linear(4, 2))
+    model = copy.deepcopy(ref)
+    mesh = DeviceMesh.cpu(2, "dp")
+    fully_shard(model, mesh)
+    w = model[0].weight
+    assert w._whole is not None
+    with torch.no_grad():
+        w.data = w.detach()._map_unique(lambda s: s.clone())  # blocks, no whole
+    assert w._whole is None
+    _assert_sgd_like_torch(model, ref, mesh, steps=2)

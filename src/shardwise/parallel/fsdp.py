@@ -10,6 +10,9 @@ Invariants:
   parameters keep their axis, ``axis`` is added as the minor axis of the dim);
   ``parameters()``, ``state_dict()`` (original names) and the optimizer see only
   these. During a unit's forward its modules hold the gathered values.
+- On a mesh this process holds wholly (the simulated runtime) a sharded parameter
+  holds its global value, its blocks views of it, as ``shardwise.tensor`` makes them:
+  gathering is then a view, and the optimizer's ops run once on the whole value.
 - Gathering, gradient reduction and resharding are in
   :mod:`shardwise.parallel.fsdp_unit` (see its invariants).
 """

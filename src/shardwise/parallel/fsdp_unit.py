@@ -14,8 +14,16 @@ Invariants:
 - One autograd node per unit forward (``_Gather``) maps the sharded leaf blocks to
   the gathered blocks; its backward sums the gathered gradient over the FSDP axis and
   cuts it back to the sharded layout: one reduce_scatter per flat buffer.
+- Whole values: on a mesh this process holds wholly every sharded parameter holds
+  its global value (``fully_shard`` makes it so; its blocks are views of it). The
+  unit's node is then ``_GatherWhole``: the gathered value of a parameter is a view
+  of that global value (a cast copy under ``param_dtype``), its ops run once on it,
+  and autograd hands the backward the gradient summed over every device, which is
+  the reduce_scatter's result in the whole's form. The all_gathers and
+  reduce_scatters are counted as the flat buffers would run them.
 - With ``reshard_after_forward`` autograd never holds a gathered block: saved-tensor
-  hooks store a reference instead and the first unpack in backward re-gathers the unit.
+  hooks store a reference instead and the first unpack in backward re-gathers the unit
+  (for whole values: views of the parameters again, or new cast copies).
 - Gradient routes: on a mesh this process holds wholly (simulated) the replicas of a
   gathered block share one buffer, so autograd already sums the devices' shares and
   the backward cuts the sum (counted as the reduce_scatter it stands for). On the
@@ -309,12 +317,12 @@ class Unit:
             fp.sharded = now
             for other, other_name in fp.owners[1:]:
                 other._parameters[other_name] = now
-            self.wholes = self.local and all(q.sharded._whole is not None
-                                             for q in self.params)
 
     def unshard(self) -> None:
         self.refresh()
         call = self.call = _Call(self)
+        # (checked per forward: x.data = ... may have swapped a whole for blocks)
+        self.wholes = self.local and all(fp.sharded._whole is not None for fp in self.params)
         if self.wholes:
             self._unshard_wholes(call)
             return
