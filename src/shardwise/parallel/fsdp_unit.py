@@ -79,6 +79,7 @@ class _Call:
         self.shares: dict[int, torch.Tensor] = {}
         self.regathered: list[list[torch.Tensor]] | None = None  # per param: per storage
         self.hooks: Any = None
+        self.freed = False  # whole values: gathered copies freed after forward
 
     def share(self, j: int, g: torch.Tensor) -> None:
         have = self.shares.get(j)
@@ -192,8 +193,14 @@ class _GatherWhole(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor | None) -> Any:
         call: _Call = ctx.call
+        unit = call.unit
+        if unit.reshard and not call.freed and observe.active():
+            # gathered views of the parameters hold no memory of their own, so none
+            # was freed and autograd kept them: count the re-gather it stands for
+            for plan in unit.gather_plans():
+                _record(plan)
         call.regathered = None
-        return (None, *call.unit.reduce_wholes(grads))
+        return (None, *unit.reduce_wholes(grads))
 
 
 class _Share(torch.autograd.Function):
@@ -353,9 +360,11 @@ class Unit:
             full._grad_owner = owner  # the unit sums this gradient over its axis
             for module, name in fp.owners:
                 module._parameters[name] = full  # type: ignore[assignment]
-            if self.reshard:
-                _LIVE[outs[i].untyped_storage().data_ptr()] = (call, i, 0)
-        if self.reshard:
+        # only cast copies take memory: views of the parameters need no freeing
+        if self.reshard and any(w._base is None for w in outs):
+            for i, w in enumerate(outs):
+                _LIVE[w.untyped_storage().data_ptr()] = (call, i, 0)
+            call.freed = True
             call.hooks = torch.autograd.graph.saved_tensors_hooks(_pack, _unpack)
             call.hooks.__enter__()
 
