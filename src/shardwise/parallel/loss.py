@@ -17,9 +17,11 @@ Invariants:
 - The result equals ``F.cross_entropy`` of the global logits (up to rounding):
   ``ignore_index`` rows count 0 and are left out of the mean; ``reduction`` and
   ``label_smoothing`` as torch.
-- Gradients flow through the same ops (torch's autograd on the blocks, or once on
-  the whole values where the operands hold them); the max is detached (it cancels
-  in the loss).
+- Gradients flow through the same ops (torch's autograd on the blocks); the max is
+  detached (it cancels in the loss).
+- Where logits and target hold whole values (a mesh this process holds wholly) the
+  per-row losses are torch's own kernel run once on the wholes, laid out and counted
+  as the block computation (the same collectives, bytes and result layout).
 - Inside the outermost block the registry's ``F.cross_entropy`` handler is this
   module's (the registry's own is restored on leaving it; it runs everything that
   is not class-sharded). No other torch function pays for the block, and calls
@@ -38,7 +40,10 @@ import torch.nn.functional as F
 
 from shardwise.parallel.blocks import pick_classes
 from shardwise.parallel.placing import relayout
+from shardwise.planner import make_plan
+from shardwise.runtime import observe
 from shardwise.sharding.layout import Layout
+from shardwise.sharding.placements import ReduceOp
 from shardwise.tensors import tensor as core
 from shardwise.tensors.tensor import Tensor, place
 
@@ -65,19 +70,22 @@ def _cross_entropy(logits: Any, target: Any, weight: Any = None, size_average: A
         x = relayout(x, Layout(x.mesh, (rows, classes), (None,) * x.mesh.ndim))
     if not isinstance(target, Tensor):
         target = place(target, Layout.replicated(x.mesh, 1))
-    m = torch.amax(x.detach(), dim=1, keepdim=True)   # Partial(MAX): reduced by the sub
-    z: Tensor = x - m  # type: ignore[assignment]  # the registry returns a shardwise Tensor
-    parts = [torch.exp(z).sum(1), pick_classes(z, target, ignore_index)]
-    if label_smoothing:
-        parts.append(z.sum(1))
-    # every part is Partial(SUM) over the class axes: one all_reduce for all of them
-    stacked: Tensor = torch.stack(parts)  # type: ignore[assignment]
-    both = relayout(stacked, Layout(x.mesh, ((), rows), (None,) * x.mesh.ndim))
-    lse = torch.log(both[0])
-    per = lse - both[1]
-    if label_smoothing:
-        smooth = lse - both[2] / x.shape[1]
-        per = per * (1.0 - label_smoothing) + smooth * label_smoothing
+    if x._whole is not None and target._whole is not None:
+        per = _per_row_whole(x, target, ignore_index, label_smoothing)
+    else:
+        m = torch.amax(x.detach(), dim=1, keepdim=True)   # Partial(MAX): reduced by the sub
+        z: Tensor = x - m  # type: ignore[assignment]  # the registry returns a Tensor
+        parts = [torch.exp(z).sum(1), pick_classes(z, target, ignore_index)]
+        if label_smoothing:
+            parts.append(z.sum(1))
+        # every part is Partial(SUM) over the class axes: one all_reduce for all of them
+        stacked: Tensor = torch.stack(parts)  # type: ignore[assignment]
+        both = relayout(stacked, Layout(x.mesh, ((), rows), (None,) * x.mesh.ndim))
+        lse = torch.log(both[0])
+        per = lse - both[1]
+        if label_smoothing:
+            smooth = lse - both[2] / x.shape[1]
+            per = per * (1.0 - label_smoothing) + smooth * label_smoothing
     valid = target != ignore_index
     per = torch.where(valid, per, 0.0)
     if reduction == "none":
@@ -86,6 +94,37 @@ def _cross_entropy(logits: Any, target: Any, weight: Any = None, size_average: A
     if reduction == "sum":
         return total
     return total / valid.to(per.dtype).sum()
+
+
+def _per_row_whole(x: Tensor, target: Tensor, ignore_index: int, label_smoothing: float
+                   ) -> Any:
+    """The per-row losses where logits and target hold whole values (a mesh this
+    process holds wholly): torch's own kernel once on the wholes, laid out and counted
+    as the block computation (the row max's all_reduce MAX, the parts' all_reduce SUM)."""
+    t, shape = target._whole, tuple(x.shape)
+    assert t is not None and x._whole is not None
+    bad = (t < 0) | (t >= shape[1])
+    bad &= t != ignore_index
+    if bool(bad.any()):  # (as pick_classes says it)
+        raise IndexError(f"cross_entropy: target {int(t[bad][0])} is out of bounds for "
+                         f"{shape[1]} classes. Targets are class indices in "
+                         f"[0, {shape[1]}) or ignore_index ({ignore_index}).")
+    mesh, (rows, classes) = x.mesh, x.dist_layout.dims
+    none = (None,) * mesh.ndim
+    if observe.active():
+        itemsize = x.dtype.itemsize
+        for op, src, dst, size in (
+                (ReduceOp.MAX, (rows, ()), (rows, ()), (shape[0], 1)),
+                (ReduceOp.SUM, ((), rows), ((), rows), (3 if label_smoothing else 2,
+                                                        shape[0]))):
+            partial = tuple(op if a in classes else None for a in range(mesh.ndim))
+            plan = make_plan(Layout(mesh, src, partial), Layout(mesh, dst, none), size,
+                             itemsize)
+            for step in plan.collectives:
+                observe.record(step.kind, step.bytes_per_device, step)
+    per = F.cross_entropy(x._whole, t, ignore_index=ignore_index, reduction="none",
+                          label_smoothing=label_smoothing)
+    return Tensor.from_whole(per, Layout(mesh, (rows,), none))
 
 
 _DEPTH = [0]  # open loss_parallel() blocks
