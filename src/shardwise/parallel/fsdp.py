@@ -13,6 +13,9 @@ Invariants:
 - A unit's forward (its gather included) runs at the program position "its path from
   the outermost ``fully_shard`` root (fully_shard)" (:mod:`shardwise.runtime.position`),
   and its gradient reduction at the backward of it: their collectives carry it.
+- On a mesh this process holds wholly (the simulated runtime) a sharded parameter
+  holds its global value, its blocks views of it, as ``shardwise.tensor`` makes them:
+  gathering is then a view, and the optimizer's ops run once on the whole value.
 - Gathering, gradient reduction and resharding are in
   :mod:`shardwise.parallel.fsdp_unit` (see its invariants).
 """
@@ -28,7 +31,7 @@ from shardwise.parallel import replicas
 from shardwise.parallel.fsdp_unit import UNIT, Param, Unit, sharded_layout
 from shardwise.parallel.hf import gather_on_save
 from shardwise.parallel.precision import MixedPrecisionPolicy, cast_floating
-from shardwise.runtime import position
+from shardwise.runtime import backend_for, position
 from shardwise.runtime.position import HERE
 from shardwise.sharding.errors import ShardingError, ShardingTypeError
 from shardwise.sharding.layout import Layout
@@ -172,7 +175,13 @@ def _shard(p: torch.Tensor, name: str, mesh: DeviceMesh, axis: int) -> Param:
             f"{axis_name!r}. Give it shape (1,), or move it out of the module.")
     target, dim = sharded_layout(here, axis, tuple(p.shape))
     with torch.no_grad():
-        t = value.relayout(target)._map_unique(lambda s: s.clone())
+        if len(backend_for(mesh).owned(mesh)) == mesh.num_devices:
+            # a mesh this process holds wholly: the parameter keeps its global value
+            # (blocks cut from it as views), so its gathers are copies of it and the
+            # optimizer's ops run once on it, not once per block
+            t = Tensor.from_whole(value._global().clone(), target)
+        else:
+            t = value.relayout(target)._map_unique(lambda s: s.clone())
     param = nn.Parameter(t, requires_grad=p.requires_grad)
     assert isinstance(param, Tensor)  # nn.Parameter keeps the subclass
     return Param([], param, here, dim)
