@@ -41,6 +41,7 @@ from torch.distributed.tensor import Partial as DPartial
 import shardwise as sw
 from benchmarks.common import dist_time, launch, ratio, write_json
 from benchmarks.report import gloo_tables
+from shardwise.runtime import position
 from shardwise.sharding import DeviceMesh, Partial, PlacementMapping, Replicated, Sharded
 
 __all__ = ["main", "parser", "report", "run"]
@@ -406,7 +407,10 @@ def agreement_overhead(args: argparse.Namespace) -> list[dict[str, Any]]:
 
         def call(on: bool, part: Any = part) -> torch.Tensor:
             WORLD.agreement = on
-            out: torch.Tensor = sw.all_reduce(part).shards[r]
+            # issued where a model issues it (a row-parallel layer's output), so the
+            # fingerprint carries a program position as in training (issue 24)
+            with position.at(_SITE), position.issuing("output"):
+                out: torch.Tensor = sw.all_reduce(part).shards[r]
             return out
 
         times = torch.empty(2, repeat, dtype=torch.float64)
@@ -427,7 +431,8 @@ def agreement_overhead(args: argparse.Namespace) -> list[dict[str, Any]]:
         on_t, off_t = times[0].tolist(), times[1].tolist()
         scale = {"ms": 1e3, "us": 1e6}[unit]
         rows.append({
-            "case": f"all_reduce {n}x{n} float32 (Partial->Replicated), {w} ranks", "unit": unit,
+            "case": f"all_reduce {n}x{n} float32 (Partial->Replicated), {w} ranks, program "
+                    "position included", "unit": unit,
             "world": w,
             "on": statistics.median(on_t) * scale, "off": statistics.median(off_t) * scale,
             "on_min": min(on_t) * scale, "off_min": min(off_t) * scale,
@@ -437,6 +442,9 @@ def agreement_overhead(args: argparse.Namespace) -> list[dict[str, Any]]:
             "overhead_min": min(on_t) / min(off_t) - 1.0, "repeat": repeat,
             "limit": 0.05 if n == args.small else 0.01})
     return rows
+
+
+_SITE = position.site("layers.0.mlp.fc2", "RowwiseParallel linear")
 
 
 def rank_body(args: argparse.Namespace) -> dict[str, Any]:

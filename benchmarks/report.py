@@ -24,6 +24,13 @@ TARGETS = {
     "torch_step": "Megatron MLP training step on a simulated 2x4 mesh: <= 3x plain torch",
     "torch_gpt": "GPT (examples/gpt.py) Megatron training step on a simulated 2x4 mesh: "
                  "<= 3x plain torch at the default Config, <= 1.5x at dim=256",
+    "planned_gpt": "GPT (examples/gpt.py) as a plain nn.Module, parallelize_module (tp) x "
+                   "fully_shard (dp) on a simulated 2x2 mesh, AdamW: <= 2.5x plain torch at "
+                   "the default Config, <= 1.2x at dim=256 (issue 22)",
+    "planned_llama": "tiny HF Llama, hf_plan (tp) x fully_shard (dp) on a simulated 2x2 "
+                     "mesh, AdamW: <= 2.5x plain torch (issue 22)",
+    "copy_fresh": "simulated P->S(0), 64 MiB on 4 devices, in fresh processes: every run "
+                  "<= 2x the copy ceiling (no bimodal row, issue 22)",
     "agreement": "Gloo: the default collective agreement costs <= 5% on an 8x8 all_reduce, "
                  "<= 1% on 64 MiB",
     "checkpoint": "DCP save/load of a sharded state: >= 80% of the throughput of DCP with "
@@ -35,6 +42,8 @@ TARGETS = {
                    "DTensor TP + FSDP2 (agreement check on, as shipped)",
     "dispatch": "Gloo, 2 ranks, per-op overhead (gelu, add, sum, linear, softmax, layer_norm, "
                 "sdpa): <= 0.75x DTensor's or within 1.5 us of the floor (issue 22)",
+    "entry_point": "simulated: <= 10 us over plain torch for 8x8 gelu/add on 4 devices, for "
+                   "Tensors made by sw.tensor, sw.shard and from_local alike (issue 22)",
 }
 
 
@@ -82,6 +91,26 @@ def check_targets(res: dict[str, Any]) -> list[dict[str, Any]]:
     for g in tn.get("gpt", []):
         out.append(_t("torch_gpt", g["case"], g["ratio"], 1.5 if g["dim"] >= 256 else 3.0,
                       "x torch"))
+    entry = res.get("entry_points") or {}
+    for r in entry.get("rows", []):
+        from benchmarks.entry_points import TARGET_ENTRIES, TARGET_OPS
+
+        if r["entry"] in TARGET_ENTRIES and r["op"] in TARGET_OPS:
+            out.append(_t("entry_point", f"{r['op']} on {r['entry']}", r["overhead_us"],
+                          entry["limit_us"], "us over torch"))
+    for g in tn.get("planned", []):
+        if "skipped" in g:
+            out.append(_t("planned_llama", f"{g['case']}: {g['skipped']}", None, 2.5,
+                          "x torch"))
+        elif "dim" in g:
+            out.append(_t("planned_gpt", g["case"], g["ratio"], 1.2 if g["dim"] >= 256
+                          else 2.5, "x torch"))
+        else:
+            out.append(_t("planned_llama", g["case"], g["ratio"], 2.5, "x torch"))
+    sp = res.get("spread") or {}
+    if sp.get("x_copy_max") is not None:
+        out.append(_t("copy_fresh", f"{sp['case']}, {sp['processes']} fresh processes (min "
+                      f"{sp['x_copy_min']:.2f}x)", sp["x_copy_max"], 2.0, "x copy ceiling"))
     gloo = res.get("gloo") or {}
     for r in gloo.get("large", []):
         out.append(_t("gloo_raw", r["case"], r["shardwise_over_raw"], 1.1, "x raw"))
@@ -185,10 +214,18 @@ def tables(res: dict[str, Any]) -> str:
         from benchmarks.torchnative import tables as torch_tables
 
         lines += torch_tables(res["torch"])
+    if res.get("entry_points"):
+        from benchmarks.entry_points import tables as entry_tables
+
+        lines += entry_tables(res["entry_points"])
     if res.get("compile"):
         from benchmarks.compiled import tables as compile_tables
 
         lines += compile_tables(res["compile"])
+    if res.get("spread"):
+        from benchmarks.spread import tables as spread_tables
+
+        lines += spread_tables(res["spread"])
     if res.get("memory"):
         lines += _memory(res["memory"])
     if res.get("profile"):

@@ -4,10 +4,16 @@ Sections (each documented in its module):
 - ``simulated``: every reshard transition and collective on 4 and 8 virtual
   devices, 64 MiB and 8x8, beside the copy ceiling and DTensor LocalTensorMode,
   under glibc's default allocator and with buffer reuse;
+- ``spread``: P->S(0) (64 MiB, 4 virtual devices) in fresh processes, the spread of
+  a row that depends on the allocator's state (:mod:`benchmarks.spread`);
 - ``memory``: what a Replicated tensor costs on 8 virtual devices (fresh process);
 - ``profile``: cProfile of the 8x8 hot path;
-- ``torch``: torch ops and a Megatron MLP training step on shardwise Tensors beside
-  plain torch (:mod:`benchmarks.torchnative`);
+- ``torch``: torch ops and training steps on shardwise Tensors beside plain torch:
+  a Megatron MLP, the GPT sharded by hand, and the plan-driven GPT and tiny HF Llama
+  (TP x ``fully_shard``) (:mod:`benchmarks.torchnative`);
+- ``entry_points``: the per-op overhead of an 8x8 value by how its Tensor was made
+  (``sw.tensor``, ``sw.shard``, ``from_local``, a collective's output) beside plain
+  torch (:mod:`benchmarks.entry_points`);
 - ``compile``: ``torch.compile`` of a parallelized tiny HF Llama forward beside the
   eager one (:mod:`benchmarks.compiled`; says so when transformers is missing);
 - ``gloo``: 4 Gloo ranks, shardwise beside raw torch.distributed and DTensor;
@@ -43,13 +49,15 @@ PRESETS: dict[str, dict[str, Any]] = {
                                              "choices": True},
              "ckpt": {"tensors": 8, "repeat": 3, "shape": (2048, 4096)},
              "gpt": {"repeat": 10, "dims": (32, 256)},
-             "dispatch": {"repeat": 21, "inner": 200}},
+             "dispatch": {"repeat": 21, "inner": 200},
+             "spread": {"processes": 5, "repeat": 5}},
     "quick": {"size": 1024, "small": 8, "repeat": 3, "small_repeat": 6, "small_inner": 50,
               "profile_calls": 300, "gloo": {"size": 1024, "repeat": 3, "small_repeat": 20,
                                              "choices": False},
               "ckpt": {"tensors": 2, "repeat": 1, "shape": (1024, 1024)},
               "gpt": {"repeat": 3, "dims": (32,)},
-              "dispatch": {"repeat": 7, "inner": 50}},
+              "dispatch": {"repeat": 7, "inner": 50},
+              "spread": {"processes": 2, "repeat": 3}},
 }
 
 
@@ -96,12 +104,24 @@ def run_suite(preset: str = "full", *, devices: tuple[int, ...] = (4, 8), gloo: 
 
     say("torch-native ops and training step ...")
     res["torch"] = torchnative.run(repeat=cfg["small_repeat"], inner=cfg["small_inner"])
+    from benchmarks import entry_points
+
+    say("per-op overhead by entry point ...")
+    res["entry_points"] = entry_points.run(repeat=cfg["small_repeat"],
+                                           inner=cfg["small_inner"])
     if compile:
         from benchmarks import compiled
 
         say("torch.compile of a parallelized Llama forward beside eager ...")
         res["compile"] = compiled.run(repeat=cfg["small_repeat"])
     if memory:
+        from benchmarks import spread
+
+        sp = cfg["spread"]
+        say(f"P->S(0) in {sp['processes']} fresh processes (the spread of a row that "
+            "depends on the allocator's state) ...")
+        res["spread"] = spread.run(sp["processes"], "P->S(0)", min(devices), cfg["size"],
+                                   sp["repeat"])
         say("peak memory (fresh process) ...")
         res["memory"] = memory_mod.run(size=cfg["size"], n=max(devices), dtensor=dtensor)
     if profile:

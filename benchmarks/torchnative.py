@@ -10,6 +10,11 @@
   dim=256) with Megatron tensor parallelism on tp (wq/wk/wv/w1 Sharded(0), wo/w2
   weights Sharded(1), the rest Replicated; batch Sharded(0) on dp) on the same mesh,
   batch 8, beside the same model in plain torch; targets: 3x (default), 1.5x (dim=256).
+- ``planned``: the path users take (issue 22): the same GPT as a plain nn.Module with
+  ``parallelize_module`` (examples/gpt.py's plan on tp) x ``fully_shard`` (per block and
+  root on dp) on a simulated 2x2 mesh, the loss under ``loss_parallel``, at the default
+  Config and dim=256 (targets 2.5x, 1.2x); a tiny HF Llama (``hf_plan`` on tp x
+  ``fully_shard`` on dp, target 2.5x), skipped with the reason without transformers.
 Cases are interleaved (see :mod:`benchmarks.timing`); one torch thread. Ops and training
 steps are timed in this process's CPU time (``clock: process_time``: single-threaded, so the
 same as wall time on an idle machine, and robust to a loaded one). Rows give the median
@@ -131,13 +136,95 @@ def _gpt(dim: int, repeat: int, inner: int) -> dict[str, Any]:
     return {"dim": dim, **_row(case, step_sw, step_torch, repeat, inner)}
 
 
+PLANNED_MESH = (2, 2)  # dp x tp, as the issue measured (issue 22)
+
+
+def _gpt_planned(dim: int, repeat: int, inner: int) -> dict[str, Any]:
+    """The GPT as users build it: a plain nn.Module, ``parallelize_module`` with
+    examples/gpt.py's Megatron plan on tp, ``fully_shard`` per block and on the root
+    over dp (``gpt.parallelize``), the loss under ``loss_parallel``."""
+    from shardwise.parallel import loss_parallel
+
+    gpt = example_gpt()
+    c = gpt.Config(dim=dim)
+    torch.manual_seed(0)
+    ref = gpt.GPT(c)
+    mesh = DeviceMesh.cpu(PLANNED_MESH, ("dp", "tp"))
+    model = gpt.parallelize(copy.deepcopy(ref), mesh)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    ropt = torch.optim.AdamW(ref.parameters(), lr=1e-3)
+    x, y = gpt.batch(c, 8, 0)
+    data = PlacementMapping(mesh, (Sharded(0), Replicated()))
+    xs, ys = sw.tensor(x, sharding=data), sw.tensor(y, sharding=data)
+
+    def step_sw() -> None:
+        with loss_parallel():
+            model(xs, ys).backward()
+        opt.step()
+        opt.zero_grad()
+
+    def step_torch() -> None:
+        ref(x, y).backward()
+        ropt.step()
+        ropt.zero_grad()
+
+    dp, tp = PLANNED_MESH
+    case = (f"GPT V={c.vocab} T={c.seq} D={c.dim} H={c.heads} L={c.layers}, plan TP x "
+            f"fully_shard, AdamW, DeviceMesh(dp={dp}, tp={tp}), batch 8")
+    return {"dim": dim, **_row(case, step_sw, step_torch, repeat, inner)}
+
+
+def _llama(repeat: int, inner: int) -> dict[str, Any]:
+    """A tiny HF Llama (tests/parallel/test_hf.py's config) with its own plan
+    (``hf_plan``) on tp and ``fully_shard`` per layer and on the root over dp; skipped
+    with the reason when transformers (a test-only dependency) is missing."""
+    try:
+        import transformers as T
+    except ImportError as e:
+        return {"case": "tiny HF Llama TP x FSDP", "skipped": f"transformers missing ({e})"}
+    from shardwise.parallel import fully_shard, hf_plan, parallelize_module
+
+    torch.manual_seed(0)
+    ref = T.LlamaForCausalLM(T.LlamaConfig(
+        vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64))
+    mesh = DeviceMesh.cpu(PLANNED_MESH, ("dp", "tp"))
+    model = parallelize_module(copy.deepcopy(ref), mesh, hf_plan(ref), axis="tp")
+    for layer in model.model.layers:
+        fully_shard(layer, mesh, axis="dp")
+    fully_shard(model, mesh, axis="dp")
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    ropt = torch.optim.AdamW(ref.parameters(), lr=1e-3)
+    ids = torch.randint(0, 128, (8, 16), generator=torch.Generator().manual_seed(0))
+    data = PlacementMapping(mesh, (Sharded(0), Replicated()))
+    sids = sw.tensor(ids, sharding=data)
+
+    def step_sw() -> None:
+        model(sids, labels=sids).loss.backward()
+        opt.step()
+        opt.zero_grad()
+
+    def step_torch() -> None:
+        ref(ids, labels=ids).loss.backward()
+        ropt.step()
+        ropt.zero_grad()
+
+    dp, tp = PLANNED_MESH
+    case = (f"tiny HF Llama (D=64, L=2, V=128), hf_plan TP x fully_shard, AdamW, "
+            f"DeviceMesh(dp={dp}, tp={tp}), batch 8x16")
+    return _row(case, step_sw, step_torch, repeat, inner)
+
+
 def run(repeat: int = 15, inner: int = 200) -> dict[str, Any]:
-    """Both cases as JSON-ready rows (one torch thread during the run)."""
+    """Every case as JSON-ready rows (one torch thread during the run)."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
         return {"ops": _ops(repeat, inner), "mlp": _mlp(repeat, max(inner // 20, 5)),
-                "gpt": [_gpt(32, repeat, max(inner // 100, 1)), _gpt(256, repeat, 1)]}
+                "gpt": [_gpt(32, repeat, max(inner // 100, 1)), _gpt(256, repeat, 1)],
+                "planned": [_gpt_planned(32, repeat, max(inner // 100, 1)),
+                            _gpt_planned(256, repeat, 1),
+                            _llama(repeat, max(inner // 100, 1))]}
     finally:
         torch.set_num_threads(threads)
 
@@ -149,7 +236,10 @@ def tables(res: dict[str, Any]) -> list[str]:
         lines.append(f"  {r['case']:<26} {r['shardwise_us']:>10.1f} {r['torch_us']:>8.1f} "
                      f"{r['overhead_us']:>9.1f}")
     lines.append("training steps (median ms; ratio of medians, of minima):")
-    for m in [res["mlp"], *res.get("gpt", [])]:
+    for m in [res["mlp"], *res.get("gpt", []), *res.get("planned", [])]:
+        if "skipped" in m:
+            lines.append(f"  {m['case']}: skipped ({m['skipped']})")
+            continue
         lines.append(f"  {m['case']}: shardwise {m['shardwise_ms']:.3f} ms, torch "
                      f"{m['torch_ms']:.3f} ms, {m['ratio']:.2f}x (min {m['ratio_min']:.2f}x)")
     return lines

@@ -110,6 +110,7 @@ _LAZY: dict[str, str] = {
     "parallel": "shardwise.parallel",  # a module: ``shardwise.parallel.parallelize_module``
     "checkpoint": "shardwise.checkpoint",  # a module: ``shardwise.checkpoint.save``
     "from_dtensor": "shardwise.checkpoint",
+    "check_replicas": "shardwise.parallel.replicas",
 }
 
 __all__ = [

@@ -179,3 +179,17 @@ def test_dispatch_section_tiny() -> None:
     assert "DTensor +us" in "\n".join(dispatch.tables(res))
     rows = [t for t in check_targets({"dispatch": res}) if t["target"] == "dispatch"]
     assert len(rows) == 3 and all(t["met"] in (True, False) for t in rows)
+
+
+def test_entry_point_section(result: tuple[dict, Path, Path]) -> None:
+    """Every (entry point, op) row, checked against torch before timing; the issue 22
+    target covers gelu and add on sw.tensor, sw.shard and from_local."""
+    from benchmarks.entry_points import ENTRIES, OPS, TARGET_ENTRIES, TARGET_OPS
+
+    data, _, text = result
+    rows = data["entry_points"]["rows"]
+    assert [(r["entry"], r["op"]) for r in rows] == [(e, o) for e in ENTRIES for o in OPS]
+    assert all(r["shardwise_us"] > 0 and r["torch_us"] > 0 for r in rows)
+    targets = [t for t in data["targets"] if t["target"] == "entry_point"]
+    assert len(targets) == len(TARGET_ENTRIES) * len(TARGET_OPS)
+    assert "per-op overhead by entry point" in text.read_text()

@@ -1,8 +1,9 @@
 """Hugging Face transformers bodies on real Gloo processes (see ``harness.py``): a tiny
 Llama parallelized on a process mesh (``hf_plan`` on tp, ``fully_shard`` on dp, or
 both) is saved with ``save_pretrained(d, state_dict=full_state_dict(model),
-is_main_process=rank == 0)`` (every rank gathers, rank 0 writes), and rank 0's
-``from_pretrained`` loads a plain model with the single-device model's weights;
+is_main_process=rank == 0)`` and with plain ``save_pretrained(d)`` (every rank gathers,
+rank 0 writes), and rank 0's ``from_pretrained`` loads a plain model with the
+single-device model's weights from both;
 ``generate()`` gives torch's tokens on every rank. A tiny Mixtral's experts run on
 ``torch._grouped_mm``'s rule over each process's blocks. Every rank builds the
 single-device model itself from the same seed.
@@ -41,6 +42,7 @@ def _save_load_generate(model: Any, ref: Any, folder: str) -> None:
             assert torch.equal(state[name], value), (rank, name)
         # (rank 0's save_pretrained edits the dict it is given: compared before)
         model.save_pretrained(path, state_dict=state, is_main_process=rank == 0)
+        model.save_pretrained(path.with_name(folder + "_plain"))  # gathers itself
         ids = torch.randint(0, 128, (2, 5), generator=torch.Generator().manual_seed(9))
         got = model.generate(ids, max_new_tokens=4, do_sample=False, use_cache=True)
         got = got.to_torch() if isinstance(got, sw.Tensor) else got
@@ -48,11 +50,12 @@ def _save_load_generate(model: Any, ref: Any, folder: str) -> None:
     assert torch.equal(got, want), (rank, got, want)
     sd.barrier("hf checkpoint written")
     if rank == 0:
-        loaded = type(ref).from_pretrained(path)
-        want_sd, got_sd = ref.state_dict(), loaded.state_dict()
-        assert set(got_sd) == set(want_sd)
-        for name, value in want_sd.items():
-            assert torch.equal(got_sd[name], value), name
+        for where in (path, path.with_name(folder + "_plain")):
+            loaded = type(ref).from_pretrained(where)
+            want_sd, got_sd = ref.state_dict(), loaded.state_dict()
+            assert set(got_sd) == set(want_sd), where
+            for name, value in want_sd.items():
+                assert torch.equal(got_sd[name], value), (where, name)
     sd.barrier("hf checkpoint read")
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import copy
 from typing import Any
 
+import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -150,5 +151,53 @@ def body_views_and_elementwise_on_process_meshes(n: int) -> None:
     assert torch.equal(F.one_hot(ids_s).to_torch(), F.one_hot(ids))
 
 
-BODIES = ["body_megatron_mlp_adamw_clip", "body_torch_ops_on_process_meshes",
-          "body_init_matches_single_device", "body_views_and_elementwise_on_process_meshes"]
+def body_torch_func_transforms(n: int) -> None:
+    """torch.func over shardwise Tensors (each aten op on gathered values, exact):
+    ``grad`` w.r.t. a Sharded input and, through ``functional_call``, w.r.t. a Megatron
+    MLP's shardwise parameters, and per-sample gradients (``vmap(grad(...))``) equal
+    single-device torch's. A loss mixing the transformed input with parameters the
+    transform does not see runs on the simulated mesh and is refused on processes (a
+    collective would get the transform's wrapped tensor)."""
+    import warnings
+
+    from torch.func import functional_call, grad, vmap
+
+    mesh = _mesh(n)
+    torch.manual_seed(0)
+    ref = nn.Sequential(nn.Linear(4, 8), nn.GELU(), nn.Linear(8, 3))
+    model = megatron(copy.deepcopy(ref), mesh)
+    x, y = torch.randn(4, 4), torch.randint(0, 3, (4,))
+    xs = sw.tensor(x, sharding=PlacementMapping(mesh, [R, Sharded(0)]))
+
+    def loss(mod: nn.Module) -> Any:
+        return lambda p, xb, yb: F.cross_entropy(functional_call(mod, p, (xb,)), yb)
+
+    def value(t: Any) -> torch.Tensor:
+        return t.to_torch() if isinstance(t, sw.Tensor) else t
+
+    ps = {k: v.detach() for k, v in model.named_parameters()}
+    rps = {k: v.detach() for k, v in ref.named_parameters()}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", sw.ShardwiseFallbackWarning)
+        gp = grad(loss(model))(ps, x, y)
+        per = vmap(grad(lambda p, xb, yb: loss(model)(p, xb[None], yb[None])),
+                   in_dims=(None, 0, 0))(ps, x, y)
+        gs = grad(lambda t: (t @ t.T).tanh().sum())(xs)  # the input transformed alone
+        if sw.distributed.process_count() == 1:  # the model's own parameters in the loss
+            gx = value(grad(lambda t: F.cross_entropy(model(t), y))(xs))
+            torch.testing.assert_close(gx, grad(lambda t: F.cross_entropy(ref(t), y))(x))
+        else:  # on a process mesh a collective meets the transformed input: refused
+            with pytest.raises(sw.ShardingError, match="reached a collective"):
+                grad(lambda t: F.cross_entropy(model(t), y))(xs)
+    torch.testing.assert_close(value(gs), grad(lambda t: (t @ t.T).tanh().sum())(x))
+    want = grad(loss(ref))(rps, x, y)
+    want_per = vmap(grad(lambda p, xb, yb: loss(ref)(p, xb[None], yb[None])),
+                    in_dims=(None, 0, 0))(rps, x, y)
+    for name in rps:
+        torch.testing.assert_close(value(gp[name]), want[name], msg=name)
+        torch.testing.assert_close(value(per[name]), want_per[name], msg=name)
+
+
+BODIES = ["body_megatron_mlp_adamw_clip", "body_torch_func_transforms",
+          "body_torch_ops_on_process_meshes", "body_init_matches_single_device",
+          "body_views_and_elementwise_on_process_meshes"]

@@ -216,18 +216,6 @@ def test_is_grads_batched_is_refused_by_name() -> None:
                             is_grads_batched=True)
 
 
-@pytest.mark.parametrize("transform", ["grad", "vmap", "vjp"])
-def test_torch_func_transforms_are_refused_naming_the_alternative(transform: str) -> None:
-    # torch.func runs below __torch_function__, where a shardwise Tensor has no data
-    # (DTensor, a __torch_dispatch__ subclass, supports grad/vmap/vjp/jacrev there)
-    x = leaf(rand(4, 3), PlacementMapping(M4, [Sharded(0)]), "whole").detach()
-    call = {"grad": lambda: torch.func.grad(lambda t: (t * t).sum())(x),
-            "vmap": lambda: torch.func.vmap(lambda t: t * 2)(x),
-            "vjp": lambda: torch.func.vjp(lambda t: t * 2, x)}[transform]
-    with pytest.raises(sw.ShardingError, match=rf"torch.func \({transform}\).*shardwise.grad"):
-        call()
-
-
 def test_torch_func_jvp_values_equal_torch() -> None:
     # jvp reaches shardwise through forward AD's make_dual (gathered, exact)
     xv = rand(4, 3)

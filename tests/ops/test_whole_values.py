@@ -99,9 +99,10 @@ def test_uneven_and_size_zero_shards_train_like_torch() -> None:
             torch.testing.assert_close(p.to_torch(), q.detach())
 
 
-def test_block_mode_operands_and_whole_parameters_mix() -> None:
-    """An input built from blocks (no whole value) runs block by block; gradients flow
-    through the blocks cut from the parameters' wholes into their .grad."""
+def test_block_built_operands_and_whole_parameters_mix() -> None:
+    """An input built from separate blocks (no whole value of its own) runs once on
+    its derived whole (a copy: cache.whole_of); gradients flow into the parameters'
+    wholes, shown in their layout."""
     torch.manual_seed(1)
     ref = nn.Linear(4, 6)
     model = copy.deepcopy(ref)
@@ -113,7 +114,7 @@ def test_block_mode_operands_and_whole_parameters_mix() -> None:
                            layout, shape=(8, 4))
     assert blocks._whole is None
     out = model(blocks)
-    assert out._whole is None  # block mode
+    assert out._whole is not None and blocks._whole is None  # on the derived whole
     out.sum().backward()
     ref(x).sum().backward()
     torch.testing.assert_close(model.weight.grad.to_torch(), ref.weight.grad)

@@ -131,17 +131,23 @@ def test_collectives_per_step(reshard: bool) -> None:
 
 @pytest.mark.parametrize("reshard", [True, False])
 def test_gathered_parameters_are_freed_after_forward(reshard: bool) -> None:
+    """Gathered copies (here cast to bf16: on a simulated mesh an uncast gathered
+    parameter is the sharded parameter's own storage, see the next test) live
+    during forward, then until backward only without resharding."""
     torch.manual_seed(0)
     c = GPT.Config()
     model = GPT.GPT(c)
     mesh = DeviceMesh.cpu(4, "dp")
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16)
     for block in model.layers:
-        fully_shard(block, mesh, reshard_after_forward=reshard)
-    fully_shard(model, mesh, reshard_after_forward=reshard)
+        fully_shard(block, mesh, reshard_after_forward=reshard, mp_policy=policy)
+    fully_shard(model, mesh, reshard_after_forward=reshard, mp_policy=policy)
     refs: list[Any] = []
+    wholes: list[Any] = []
 
     def grab(module: nn.Module, args: Any, out: Any) -> None:
         refs.extend(weakref.ref(s) for s in module.weight.shards)
+        wholes.append(weakref.ref(module.weight._whole))
 
     for block in model.layers:
         block.mlp.w1.register_forward_hook(grab)
@@ -150,14 +156,44 @@ def test_gathered_parameters_are_freed_after_forward(reshard: bool) -> None:
     batch = PlacementMapping(mesh, [Sharded(0)])
     loss = model(sw.tensor(ids, sharding=batch), sw.tensor(targets, sharding=batch))
     gc.collect()
-    alive = sum(r() is not None for r in refs)
-    assert refs and alive == (0 if reshard else len(refs))
+    alive = sum(r() is not None for r in wholes)
+    assert len(wholes) == 3 and alive == (0 if reshard else 3)
+    if reshard:  # nothing cut from the gathered values is kept either
+        assert refs and not any(r() is not None for r in refs)
     loss.backward()
     del loss
     gc.collect()
-    assert all(r() is None for r in refs)
+    assert all(r() is None for r in refs + wholes)
     for p in model.parameters():
         assert p.grad is not None and p.grad.dist_layout == p.dist_layout
+
+
+def test_gathered_parameters_on_a_simulated_mesh_are_the_sharded_storage() -> None:
+    """On a mesh this process holds wholly, a sharded parameter holds its global value
+    (its blocks are views of it), so the unit's gather is a view of it, not a copy:
+    no gathered memory, and the same values as single-device torch bit for bit."""
+    torch.manual_seed(0)
+    ref = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3))
+    model = copy.deepcopy(ref)
+    mesh = DeviceMesh.cpu(4, "dp")
+    fully_shard(model, mesh)
+    sharded = model[0].weight
+    seen: list[Any] = []
+    model[0].register_forward_hook(lambda m, a, o: seen.append(m.weight))
+    x = torch.randn(4, 6)
+    xs = sw.tensor(x, sharding=PlacementMapping(mesh, [Sharded(0)]))
+    with CommCounter() as cc:
+        loss = model(xs).pow(2).sum()
+    assert seen[0] is not sharded and seen[0].dist_layout != sharded.dist_layout
+    assert seen[0].untyped_storage().data_ptr() == sharded.untyped_storage().data_ptr()
+    assert cc.counts["all_gather"] == 1  # counted as the one flat all_gather it stands for
+    rloss = ref(x).pow(2).sum()
+    loss.backward()
+    rloss.backward()
+    assert torch.equal(loss.to_torch(), rloss.detach())
+    for p, q in zip(model.parameters(), ref.parameters()):
+        assert p.grad.dist_layout == p.dist_layout
+        assert torch.equal(p.grad.to_torch(), q.grad)
 
 
 def test_mixed_precision_bf16_matches_a_bf16_torch_reference() -> None:
@@ -426,3 +462,19 @@ def test_accumulation_and_activation_checkpointing_match_torch(checkpointed: boo
     for (name, p), q in zip(model.named_parameters(), ref.parameters()):
         torch.testing.assert_close(p.detach().to_torch(), q.detach(), rtol=1e-5, atol=1e-6,
                                    msg=name)
+
+
+def test_a_parameter_swapped_for_blocks_takes_the_block_gather() -> None:
+    """``p.data = `` a Tensor built from blocks (no whole value) between steps: the unit
+    gathers through the flat buffer again, with the same values."""
+    torch.manual_seed(0)
+    ref = nn.Sequential(nn.Linear(5, 4), nn.Tanh(), nn.Linear(4, 2))
+    model = copy.deepcopy(ref)
+    mesh = DeviceMesh.cpu(2, "dp")
+    fully_shard(model, mesh)
+    w = model[0].weight
+    assert w._whole is not None
+    with torch.no_grad():
+        w.data = w.detach()._map_unique(lambda s: s.clone())  # blocks, no whole
+    assert w._whole is None
+    _assert_sgd_like_torch(model, ref, mesh, steps=2)

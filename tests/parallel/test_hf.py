@@ -215,16 +215,62 @@ def test_tied_and_distinct_parameters_tell_their_storage() -> None:
         ["transformer.wte.weight", "lm_head.weight"]]
 
 
+@pytest.mark.parametrize("how", ["plain", "model_state_dict", "full_state_dict"])
 @pytest.mark.parametrize("which", ["llama", "gpt2", "mixtral"])
-def test_save_pretrained_loads_into_a_plain_model(which: str, tmp_path: Any) -> None:
-    """A parallelized model (TP x FSDP) saved with its gathered state dict loads with
-    ``from_pretrained`` into a plain model with equal weights (GPT-2's tied head, Mixtral's
-    stacked experts, which transformers writes per expert and stacks back)."""
+def test_save_pretrained_loads_into_a_plain_model(which: str, how: str, tmp_path: Any) -> None:
+    """A parallelized model (TP x FSDP) saved with plain ``save_pretrained(d)`` (the
+    gather that parallelize_module / fully_shard install), with its own shardwise state
+    dict, or with the gathered one, loads with ``from_pretrained`` into a plain model with
+    equal weights (GPT-2's tied head, Mixtral's stacked experts, which transformers writes
+    per expert and stacks back), and the file holds the names and values the plain model's
+    own save_pretrained writes (the tied head dropped, as transformers does)."""
+    from safetensors.torch import load_file
+
     model, ref = _planned(which, fsdp=True)
-    model.save_pretrained(tmp_path, state_dict=sw.checkpoint.full_state_dict(model))
-    loaded = type(ref).from_pretrained(tmp_path)
+    given = {"plain": None, "model_state_dict": model.state_dict(),
+             "full_state_dict": sw.checkpoint.full_state_dict(model)}[how]
+    model.save_pretrained(tmp_path / "got", state_dict=given)
+    ref.save_pretrained(tmp_path / "want")
+    loaded = type(ref).from_pretrained(tmp_path / "got")
     want = ref.state_dict()
     got = loaded.state_dict()
     assert set(got) == set(want)
     for name, value in want.items():
         assert torch.equal(got[name], value), name
+    written = load_file(tmp_path / "got" / "model.safetensors")
+    expected = load_file(tmp_path / "want" / "model.safetensors")
+    assert set(written) == set(expected)
+    for name, value in expected.items():
+        assert torch.equal(written[name], value) and written[name].dtype == value.dtype, name
+    if which == "gpt2":
+        assert "lm_head.weight" not in written  # tied to transformer.wte.weight
+
+
+def test_save_pretrained_after_training_writes_the_trained_values(tmp_path: Any) -> None:
+    """After an optimizer step (parameters updated in place), plain ``save_pretrained``
+    writes the updated global values, equal to those of single-device torch trained alike."""
+    model, ref = _planned("llama", fsdp=True)
+    ids = torch.randint(0, 128, (2, 8), generator=torch.Generator().manual_seed(1))
+    for m, x in ((model, sw.tensor(ids, sharding=DATA)), (ref, ids)):
+        opt = torch.optim.SGD(m.parameters(), lr=0.1)
+        m(x, labels=x).loss.backward()
+        opt.step()
+    model.save_pretrained(tmp_path)
+    loaded = type(ref).from_pretrained(tmp_path)
+    trained = {name: _value(p) for name, p in model.named_parameters()}
+    for name, value in loaded.state_dict().items():
+        assert torch.equal(value, trained[name]), name
+        torch.testing.assert_close(value, ref.state_dict()[name], rtol=1e-4, atol=1e-5)
+
+
+def test_only_models_that_save_pretrained_get_the_gather() -> None:
+    """parallelize_module / fully_shard install the gathering save_pretrained on the
+    module they lay out, only where one taking ``state_dict`` exists; deepcopy rebinds it."""
+    model, _ = _planned("gpt2", fsdp=True)
+    assert "save_pretrained" in vars(model)
+    assert "save_pretrained" not in vars(model.transformer.h[0])
+    twin = copy.deepcopy(model)
+    assert twin.save_pretrained.__self__ is twin
+    mlp = parallelize_module(torch.nn.Sequential(torch.nn.Linear(4, 4)),
+                             sw.DeviceMesh.cpu(2, "tp"), {"0": ColwiseParallel()})
+    assert "save_pretrained" not in vars(mlp)

@@ -93,3 +93,53 @@ def test_a_target_out_of_range_raises_as_in_torch() -> None:
     with pytest.raises(IndexError, match=r"target 8 is out of bounds for 8 classes"), \
             loss_parallel():
         F.cross_entropy(x, target)
+
+
+def test_the_block_routes_only_cross_entropy_and_restores_the_registry() -> None:
+    """loss_parallel() swaps the registry's F.cross_entropy handler (as DTensor installs
+    its loss ops), nested blocks keep it, and leaving the outermost one, even by an
+    exception, restores the registry's own."""
+    from shardwise.tensors import tensor as core
+
+    logits, target = _case(8)
+    x = sw.tensor(logits, sharding=PlacementMapping(MESH, [Replicated(), Sharded(1)]))
+    F.cross_entropy(x, target)  # the registry is filled
+    ordinary = core.HANDLERS[F.cross_entropy]
+    with pytest.raises(RuntimeError, match="leave"), loss_parallel():
+        with loss_parallel():
+            pass
+        with CommCounter() as cc:
+            F.cross_entropy(x, target)
+        assert dict(cc.counts) == {"all_reduce": 2}  # still routed after the inner one
+        raise RuntimeError("leave")
+    assert core.HANDLERS[F.cross_entropy] is ordinary
+    fresh = sw.tensor(logits, sharding=x.sharding)  # (x counted its gather already)
+    with CommCounter() as plain:
+        F.cross_entropy(fresh, target)
+    assert plain.counts["all_gather"] >= 1
+
+
+@pytest.mark.parametrize("kwargs", [{}, {"label_smoothing": 0.2},
+                                    {"reduction": "none", "ignore_index": 0}],
+                         ids=["mean", "smoothing", "none"])
+def test_whole_values_and_blocks_count_and_compute_alike(kwargs: dict[str, object]) -> None:
+    """Logits holding their whole value (``shardwise.tensor``) run torch's kernel once;
+    logits built from blocks run the block computation: the same collectives (kinds,
+    bytes, phases), layout, values and gradients (to rounding)."""
+    logits, target = _case(10, ignored=int(kwargs.get("ignore_index", -100)))
+    t = sw.tensor(target, sharding=PlacementMapping(MESH, [Sharded(0), Replicated()]))
+    whole = sw.tensor(logits, sharding=PlacementMapping(MESH, [Sharded(0), Sharded(1)]))
+    blocks = whole.detach()._map_unique(lambda s: s.clone().requires_grad_())
+    whole.requires_grad_()
+    assert whole._whole is not None and blocks._whole is None
+    got = []
+    for x in (whole, blocks):
+        with loss_parallel(), CommCounter() as cc:
+            out = F.cross_entropy(x, t, **kwargs)  # type: ignore[arg-type]
+            out.sum().backward()
+        got.append(([(e.kind, e.nbytes, e.phase) for e in cc.events], out.dist_layout,
+                    out.detach().to_torch(), x.grad.to_torch()))
+    (ev_a, lay_a, val_a, grad_a), (ev_b, lay_b, val_b, grad_b) = got
+    assert ev_a == ev_b and lay_a == lay_b
+    torch.testing.assert_close(val_a, val_b)
+    torch.testing.assert_close(grad_a, grad_b)

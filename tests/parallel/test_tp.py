@@ -4,6 +4,7 @@ collectives, and the plan's errors."""
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Iterator
 
 import pytest
@@ -264,3 +265,26 @@ def test_sequence_parallel_per_position_modules(make: object) -> None:
     torch.testing.assert_close(y.detach().to_torch(), want)
     for p in module.parameters():
         assert p.placements == (Replicated(), Replicated())
+
+
+def test_styles_keep_whole_values_and_count_what_they_stand_for() -> None:
+    """On a simulated mesh a planned Megatron MLP runs on whole values end to end (the
+    styles' layout changes are metadata there), counts the one all_reduce of the row-
+    parallel output as if it ran, and gives torch's values and gradients bit for bit."""
+    torch.manual_seed(0)
+    ref = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.GELU(), torch.nn.Linear(8, 4))
+    mesh = DeviceMesh.cpu((2, 2), ("dp", "tp"))
+    model = parallelize_module(copy.deepcopy(ref), mesh,
+                               {"0": ColwiseParallel(), "2": RowwiseParallel()}, axis="tp")
+    x = torch.randn(4, 6)
+    xs = sw.tensor(x, sharding=PlacementMapping(mesh, [Sharded(0), Replicated()]))
+    with CommCounter() as cc:
+        y = model(xs)
+    assert y._whole is not None and y.placements == (Sharded(0), Replicated())
+    assert dict(cc.counts) == {"all_reduce": 1}
+    want = ref(x)
+    assert torch.equal(y.to_torch(), want.detach())
+    y.sum().backward()
+    want.sum().backward()
+    for p, q in zip(model.parameters(), ref.parameters()):
+        assert torch.equal(p.grad.to_torch(), q.grad)

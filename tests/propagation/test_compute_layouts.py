@@ -212,8 +212,14 @@ def test_torch_runs_once_per_distinct_input(monkeypatch: pytest.MonkeyPatch) -> 
     real = torch.tanh
     monkeypatch.setattr(torch, "tanh", lambda t: calls.append(1) or real(t))
     from shardwise.ops import compute
+    from shardwise.tensors import cache
 
     x = sw.tensor(values(8, 8), sharding=lay(MESH, "dp", None))
+    blocks = sw.from_local([s.clone() for s in x.shards], x.dist_layout, shape=(8, 8))
+    compute._elementwise("tanh", torch.tanh)(blocks)
+    assert len(calls) == 1  # on the derived whole (a copy of the blocks: cache.whole_of)
+    calls.clear()
+    monkeypatch.setattr(cache, "COPY_BYTES", 0)  # no copy: the blocks run the op
     blocks = sw.from_local([s.clone() for s in x.shards], x.dist_layout, shape=(8, 8))
     compute._elementwise("tanh", torch.tanh)(blocks)
     assert len(calls) == 2  # two distinct blocks (dp), shared by the tp replicas

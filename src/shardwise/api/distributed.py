@@ -12,7 +12,8 @@ Invariants:
 - Process groups are created once per (mesh, axes) and reused; creation is a
   collective call that every process makes in the same order (SPMD).
 - Every collective first agrees with its group on what it is (op, reduce op, group,
-  shape, dtype, layout, sequence number; ``runtime/process/agreement.py``), and every wait
+  shape, dtype, layout, sequence number; ``runtime/process/agreement.py``) and where the
+  program issued it (module, style, op; ``runtime/position.py``), and every wait
   (collectives, point-to-point, barriers, the rendezvous) is bounded by
   ``timeout_s``: a peer that skips a collective, calls another one, stalls, dies or
   is killed makes the others raise :class:`CollectiveError` naming the collective,
@@ -57,7 +58,8 @@ def is_initialized() -> bool:
 def initialize(backend: str | None = None, *, rank: int | None = None,
                world_size: int | None = None, master_addr: str | None = None,
                master_port: int | None = None, timeout_s: float = DEFAULT_TIMEOUT_S,
-               init_method: str | None = None, check_collectives: bool | None = None) -> None:
+               init_method: str | None = None, check_collectives: bool | None = None,
+               check_replicas: int | None = None) -> None:
     """Start the multi-process runtime.
 
     Reads the torchrun environment (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``,
@@ -66,10 +68,15 @@ def initialize(backend: str | None = None, *, rank: int | None = None,
     ``"gloo"`` otherwise. ``timeout_s`` bounds every wait: the rendezvous, every
     collective and point-to-point exchange. Every collective checks, in the same
     message or in a tiny one before it, that all processes of its group call the
-    same collective (op, reduce op, axes, shape, dtype, layout, count so far); a
-    disagreement raises :class:`CollectiveError` on all of them.
+    same collective (op, reduce op, axes, shape, dtype, layout, count so far) from the
+    same program position (the module, its parallel style and the op that issued it);
+    a disagreement raises :class:`CollectiveError` on all of them.
     ``check_collectives=True`` (or ``SHARDWISE_CHECK_COLLECTIVES=1``) adds a debug
     check: one more all_gather per collective comparing the full fingerprints.
+    ``check_replicas=N`` (or ``SHARDWISE_CHECK_REPLICAS=N``) compares a hash of every
+    replicated parameter and plain model input across its replicas every N optimizer
+    steps and names the rank whose copy differs
+    (:func:`shardwise.parallel.replicas.check_replicas`); off by default (no hook).
 
     Under ``torchrun --nproc-per-node 4`` (not run as a doctest: it needs the launcher)::
 
@@ -81,6 +88,10 @@ def initialize(backend: str | None = None, *, rank: int | None = None,
 
     if not dist.is_available():
         raise ShardingError("torch.distributed is not available in this torch build.")
+    from shardwise.parallel import replicas
+
+    every = check_replicas if check_replicas is not None else _env_replicas()
+    replicas.check_every(every)  # a bad value fails before the rendezvous
     if dist.is_initialized():
         raise ShardingError(
             "shardwise.distributed.initialize() was already called in this process; call "
@@ -140,6 +151,8 @@ def initialize(backend: str | None = None, *, rank: int | None = None,
         dist.destroy_process_group()
         collectives.reset_groups()
         raise
+    if every:
+        replicas.enable(every)
     global _EXIT_HOOKED
     if not _EXIT_HOOKED:  # once per process: shutdown() is safe to call again
         atexit.register(_shutdown_at_exit)
@@ -147,6 +160,19 @@ def initialize(backend: str | None = None, *, rank: int | None = None,
 
 
 _EXIT_HOOKED = False
+
+
+def _env_replicas() -> int:
+    """``SHARDWISE_CHECK_REPLICAS=N``: check replicas every N optimizer steps (0: off)."""
+    raw = os.environ.get("SHARDWISE_CHECK_REPLICAS", "").strip()
+    if not raw:
+        return 0
+    try:
+        return int(raw)
+    except ValueError:
+        raise ShardingError(
+            f"SHARDWISE_CHECK_REPLICAS={raw!r} is not a number of optimizer steps. Set it "
+            "to an int (e.g. 100), or 0 / unset to turn the replica check off.") from None
 
 
 def _import_world_capturers() -> None:
@@ -224,5 +250,8 @@ def shutdown() -> None:
     from shardwise.runtime.process import collectives as backend
 
     backend.reset_groups()
+    from shardwise.parallel import replicas
+
+    replicas.disable()
     if is_initialized():
         dist.destroy_process_group()

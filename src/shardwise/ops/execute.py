@@ -27,9 +27,13 @@ Invariants:
 - Every output block has the shape the output layout's split rule gives
   (asserted).
 - Where every Tensor operand holds its whole value (``_whole``: a mesh this process
-  holds wholly), the op runs once on the wholes: the rule still decides the layouts
-  (metadata) and the collectives the operands' layout changes imply are counted,
-  but no block moves; the output keeps its whole and cuts blocks on demand.
+  holds wholly) or has a derived one (``cache.whole_of``: blocks seen whole), the op
+  runs once on the wholes: the rule still decides the layouts (metadata) and the
+  collectives the operands' layout changes imply are counted, but no block moves;
+  the output keeps its whole and cuts blocks on demand. A result that aliases a
+  derived copy (a view) is dropped and the op runs on the blocks, so that views
+  alias the operand's blocks; derived copies are not used while CommCounter counts
+  (the rerun would count twice).
 """
 
 from __future__ import annotations
@@ -43,6 +47,7 @@ import torch.autograd.forward_ad as fwAD
 
 from shardwise.propagation.binding import Factors, bind
 from shardwise.propagation.decide import Decision, decide
+from shardwise.runtime import observe as comm
 from shardwise.sharding.errors import ShardingError, ShardingTypeError
 from shardwise.sharding.layout import Layout
 from shardwise.tensors import cache
@@ -154,21 +159,25 @@ def apply(op: str, operands: Sequence[Any], fn: Callable[..., torch.Tensor], *pa
     already seen in the same layouts, shapes, open dims, dtypes and kept layouts, with
     the same ``params``: the per-op path then binds and decides nothing."""
     # the commonest hits, keyed as below without the loop: one or two Tensors held as
-    # blocks, keeping nothing, in place
+    # blocks of which another process holds some (so no derived whole: whole_of is
+    # None), keeping nothing, in place, no diverge that records
     n = len(operands)
     if n == 1:
         x = operands[0]
-        if type(x) is Tensor and x._whole is None and x._cache is None:
+        if (type(x) is Tensor and x._whole is None and x._cache is None
+                and _NONE in map(id, x._blocks)):  # type: ignore[arg-type]
             hit = _DECISIONS.get((op, shaped, params, x._layout, x._shape, x._open, x._dtype))
             if hit is not None and hit.plain and not hit.diverges:
                 return _run_plain(op, fn, operands, hit.dec, hit.factors, hit.size)
     elif n == 2:
         x, y = operands
         if (type(x) is Tensor and type(y) is Tensor and x._whole is None
-                and y._whole is None and x._cache is None and y._cache is None):
+                and y._whole is None and x._cache is None and y._cache is None
+                and _NONE in map(id, x._blocks)):  # type: ignore[arg-type]
             hit = _DECISIONS.get((op, shaped, params, x._layout, x._shape, x._open, x._dtype,
                                   y._layout, y._shape, y._open, y._dtype))
-            if hit is not None and hit.plain and not hit.diverges:
+            if hit is not None and hit.plain and not any(
+                    records(operands[i]) for i in hit.diverges):
                 return _run_plain(op, fn, operands, hit.dec, hit.factors, hit.size)
     key: list[Any] = [op, shaped, params]
     wholes = True
@@ -176,7 +185,8 @@ def apply(op: str, operands: Sequence[Any], fn: Callable[..., torch.Tensor], *pa
     for x in operands:
         if isinstance(x, Tensor):
             key += (x._layout, x._shape, x._open, x._dtype)
-            if x._whole is None:
+            # as _apply: a value held as blocks runs whole on its derived whole
+            if wholes and x._whole is None and cache.whole_of(x, not comm.active()) is None:
                 wholes = False
             if x._cache is not None:
                 kept = True
@@ -200,13 +210,15 @@ def apply(op: str, operands: Sequence[Any], fn: Callable[..., torch.Tensor], *pa
             return _run_plain(op, fn, operands, dec, hit.factors, hit.size)
     args = list(operands)
     if wholes:
-        return _run_whole(op, fn, args, dec.required, dec, hit.factors, shaped, views)
+        out = _run_whole(op, fn, args, dec.required, dec, hit.factors, shaped, views)
+        if out is not None:
+            return out
     cols: list[Sequence[torch.Tensor | None] | None] = []
     for x, req, div, same in zip(args, dec.required, dec.diverge, hit.same):
         if req is None:
             cols.append(None)
         elif same and (not div or not records(x)):
-            cols.append(x._blocks if x._whole is None else x._shards)
+            cols.append(x._shards)
         else:
             cols.append(cache.blocks(x, req, div))
     return _run_local(op, fn, args, cols, dec, hit.factors, shaped, hit.size)
@@ -214,10 +226,10 @@ def apply(op: str, operands: Sequence[Any], fn: Callable[..., torch.Tensor], *pa
 
 def decision_of(op: str, operands: Sequence[Any], *params: Any) -> Decision | None:
     """The decision :func:`apply` takes for these operands, from the cache or made and
-    cached now, where every operand is a Tensor on one mesh held as blocks, with no
-    integer Partial; else None. Lets a handler choose its local call
-    by the layouts before it runs, the same on the first call as on later ones
-    (``F.linear`` adds its bias in the same call).
+    cached now, where every operand is a Tensor on one mesh held as blocks of which
+    another process holds some (no derived whole), with no integer Partial; else None.
+    Lets a handler choose its local call by the layouts before it runs, the same on
+    the first call as on later ones (``F.linear`` adds its bias in the same call).
 
     >>> decision_of("linear", ()) is None
     True
@@ -226,8 +238,9 @@ def decision_of(op: str, operands: Sequence[Any], *params: Any) -> Decision | No
     mesh = None
     for x in operands:
         if (not isinstance(x, Tensor) or x._whole is not None
+                or _NONE not in map(id, x._blocks)  # type: ignore[arg-type]
                 or (x._layout.is_partial and not _sums_exactly(x._dtype))):
-            return None
+            return None  # (blocks all here may run on a derived whole: apply decides)
         if mesh is None:
             mesh = x._layout.mesh
         elif x._layout.mesh != mesh:
@@ -292,7 +305,10 @@ def _apply(op: str, operands: Sequence[Any], fn: Callable[..., torch.Tensor],
             layouts.append(x._layout)
             opens.append(x._open)
             itemsizes.append(x._dtype.itemsize)
-            wholes = wholes and x._whole is not None
+            # (a value held as blocks runs whole on its derived whole; a copy only
+            # while nothing counts: a view result reruns on the blocks, see _run_whole)
+            wholes = wholes and (x._whole is not None or cache.whole_of(
+                x, not comm.active()) is not None)
         else:
             tensors.append(None)
             shapes.append(())
@@ -309,7 +325,9 @@ def _apply(op: str, operands: Sequence[Any], fn: Callable[..., torch.Tensor],
     if key is not None and not wrapping:  # a wrapping operand's run depends on wholes
         size = _store(key, factors, dec, layouts, shaped).size
     if wholes:
-        return _run_whole(op, fn, args, layouts, dec, factors, shaped, views)
+        out = _run_whole(op, fn, args, layouts, dec, factors, shaped, views)
+        if out is not None:
+            return out
     cols: list[Sequence[torch.Tensor | None] | None] = []
     for x, have, req, div in zip(args, layouts, dec.required, dec.diverge):
         if have is None:
@@ -479,15 +497,19 @@ def _run_local(op: str, fn: Callable[..., torch.Tensor], args: list[Any],
 
 def _run_whole(op: str, fn: Callable[..., torch.Tensor], args: list[Any],
                layouts: Sequence[Layout | None], dec: Decision, factors: Factors,
-               shaped: bool, views: dict[int, torch.Tensor] | None = None) -> Tensor:
-    """``fn`` once on the operands' whole values: the global op, one autograd node.
-    Layout changes of the operands keep their wholes (their collectives are counted)."""
+               shaped: bool, views: dict[int, torch.Tensor] | None = None) -> Tensor | None:
+    """``fn`` once on the operands' whole values (own or derived): the global op, one
+    autograd node. Layout changes of the operands keep their wholes (their
+    collectives are counted). None when the result aliases a derived copy (a view):
+    the op then runs on the blocks, whose views alias them."""
     call = []
+    derived = False
     for i, (x, have, req, div) in enumerate(zip(args, layouts, dec.required, dec.diverge)):
         if have is None:
             call.append(x)
             continue
         assert req is not None
+        derived = derived or x._whole is None
         call.append(cache.whole(x, req, div, views.get(i) if views else None))
     if shaped:
         call.append(factors.out_shape)
@@ -502,8 +524,18 @@ def _run_whole(op: str, fn: Callable[..., torch.Tensor], args: list[Any],
     assert tuple(r.shape) == factors.out_shape, (
         f"{op}: the whole result has shape {tuple(r.shape)}, the rule gives "
         f"{factors.out_shape}")
+    if derived and _aliases_copy(args, call, r):
+        return None
     # the operands' wholes live on this mesh's one torch device: no check needed
     return Tensor._wrap(None, r, dec.output, r.shape, r.dtype, r.device, dec.out_open)
+
+
+def _aliases_copy(operands: Sequence[Any], call: Sequence[Any], r: torch.Tensor) -> bool:
+    """Whether ``r`` is (a view of) the derived copy of an operand held as blocks
+    (``call``: the wholes the op ran on)."""
+    if r._base is None and not any(r is c for c in call):
+        return False  # a new tensor (the common case): aliases nothing
+    return any(isinstance(x, Tensor) and cache.aliases_copy(x, r) for x in operands)
 
 
 def _shapes(args: list[Any]) -> list[list[int]]:
@@ -533,9 +565,10 @@ def apply_elementwise(op: str, operands: Sequence[Any], fn: Callable[..., torch.
     without Partial axes (and the rest are Python numbers) the output keeps that
     layout with no rule to bind; else :func:`apply`.
 
-    Where every operand also holds its whole value (``_whole``: a simulated mesh),
-    ``fn`` runs once on the whole values (one autograd node) and the result keeps
-    its whole: one torch call instead of one per distinct block."""
+    Where every operand also holds its whole value (``_whole``: a simulated mesh) or
+    has a derived one (``cache.whole_of``), ``fn`` runs once on the whole values (one
+    autograd node) and the result keeps its whole: one torch call instead of one per
+    distinct block."""
     x0 = operands[0] if operands else None
     if isinstance(x0, Tensor) and x0._whole is None and _NONE in map(id, x0._blocks):  # type: ignore[arg-type]
         return apply(op, operands, fn)  # another process holds a device: the cached path
@@ -556,13 +589,25 @@ def apply_elementwise(op: str, operands: Sequence[Any], fn: Callable[..., torch.
     # A failing torch op, or a result of another shape (a broadcast), takes the general
     # path, which reports the op, the rule and the blocks.
     try:
-        if first._whole is not None and all(
-                not isinstance(x, Tensor) or x._whole is not None for x in operands):
-            whole = fn(*[x._whole if isinstance(x, Tensor) else x for x in operands])
+        # each Tensor's own whole, else its derived one (cache.whole_of)
+        call: list[Any] = []
+        derived = False
+        for x in operands:
+            w = x
+            if isinstance(x, Tensor):
+                w = x._whole
+                if w is None:
+                    w, derived = cache.whole_of(x), True
+                    if w is None:
+                        break  # (no whole: on the blocks, below)
+            call.append(w)
+        else:
+            whole = fn(*call)
             if tuple(whole.shape) != first._shape:
                 return apply(op, operands, fn)
-            return Tensor._wrap(None, whole, layout, whole.shape, whole.dtype, whole.device,
-                                first._open)
+            if not (derived and _aliases_copy(operands, call, whole)):  # (else: blocks)
+                return Tensor._wrap(None, whole, layout, whole.shape, whole.dtype,
+                                    whole.device, first._open)
         single = len(operands) == 1
         memo: dict[Any, torch.Tensor] = {}
         out: list[torch.Tensor] = []

@@ -165,7 +165,11 @@ def _name(func: Any) -> str:
     ('torch.cummax', 'torch.Tensor.rot90', 'torch.special.i0e')
     >>> _name(torch.unique)  # a wrapper made by torch's boolean_dispatch
     'torch.unique'
+    >>> _name(torch.ops.aten.mul.Tensor)
+    'aten.mul.Tensor'
     """
+    if isinstance(func, torch._ops.OpOverload):  # an aten op (under torch.func transforms)
+        return str(func)
     name = getattr(func, "__qualname__", None) or getattr(func, "__name__", None) or repr(func)
     if "<locals>" in str(name):  # a made function (boolean_dispatch): its given name
         name = getattr(func, "__name__", name)
@@ -226,9 +230,11 @@ def refuse_write(name: str, args: Sequence[Any]) -> ShardingError:
     )
 
 
-def fallback(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+def fallback(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], *,
+             plain: bool = False) -> Any:
     """No rule: metadata from the wrapper, readers on gathered values, otherwise run on
-    gathered operands and return Replicated results (warning once per op). An in-place
+    gathered operands and return Replicated results (warning once per op); with
+    ``plain``, the plain torch results themselves (the global values). An in-place
     op or ``out=`` call raises: writing into a gathered copy would be lost silently.
 
     >>> mesh = DeviceMesh.cpu(2, "x")
@@ -268,7 +274,7 @@ def fallback(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     for t, g, before in seen or ():  # the running stats it updated land in the Tensors
         if not torch.equal(g, before):
             t.copy_(g)
-    if func in _READ or like is None:
+    if func in _READ or like is None or plain:
         return result
     return _replicate(result, like)
 

@@ -4,7 +4,8 @@
 parallel styles (tensor and sequence parallelism); ``loss_parallel()`` keeps the
 class-sharded logits of a column-parallel head sharded through ``F.cross_entropy``;
 ``fully_shard(module, mesh)`` adds fully sharded data parallelism (FSDP2's semantics);
-``hf_plan(model)`` reads a transformers model's own tensor-parallel plan.
+``hf_plan(model)`` reads a transformers model's own tensor-parallel plan;
+``check_replicas(model)`` checks that every replica of its replicated values is equal.
 Values stay global: the model's code needs no change.
 
 Invariants:
@@ -17,6 +18,7 @@ from shardwise.parallel.api import parallelize_module
 from shardwise.parallel.fsdp import MixedPrecisionPolicy, fully_shard, memory_per_device
 from shardwise.parallel.hf import hf_plan
 from shardwise.parallel.loss import loss_parallel
+from shardwise.parallel.replicas import check_replicas
 from shardwise.parallel.style import (
     ColwiseParallel,
     ParallelStyle,
@@ -34,6 +36,7 @@ __all__ = [
     "PrepareModuleOutput",
     "RowwiseParallel",
     "SequenceParallel",
+    "check_replicas",
     "fully_shard",
     "hf_plan",
     "loss_parallel",

@@ -20,6 +20,8 @@ from typing import TypeVar
 
 import torch.nn as nn
 
+from shardwise.parallel import replicas
+from shardwise.parallel.hf import gather_on_save
 from shardwise.parallel.placing import axis_of, keeping_ties
 from shardwise.parallel.style import ParallelStyle
 from shardwise.sharding.errors import ShardingError, ShardingTypeError
@@ -52,7 +54,9 @@ def parallelize_module(module: M, mesh: DeviceMesh,
     Args:
         module: an ordinary ``nn.Module``; changed in place: the planned submodules'
             parameters become ``nn.Parameter`` over shardwise Tensors (Replicated on the
-            other mesh axes) and forward hooks lay their inputs and outputs out.
+            other mesh axes) and forward hooks lay their inputs and outputs out. A
+            transformers model's ``save_pretrained`` then writes global values
+            (:func:`~shardwise.parallel.hf.gather_on_save`).
         mesh: the DeviceMesh, e.g. ``DeviceMesh.cpu((2, 4), ("dp", "tp"))``.
         plan: a style for ``module`` itself, or a dict of submodule names (fnmatch
             patterns per dotted component, e.g. ``"layers.*.attn.wq"``) to styles.
@@ -86,6 +90,8 @@ def parallelize_module(module: M, mesh: DeviceMesh,
         raise ShardingTypeError(f"parallelize_module takes an nn.Module. Got "
                                 f"{type(module).__name__}.")
     a = axis_of(mesh, axis)
+    gather_on_save(module)  # a transformers model's save_pretrained writes global values
+    replicas.track(module)  # the replica check names parameters from the root
     if isinstance(plan, ParallelStyle):
         with keeping_ties():
             plan.apply(module, mesh, a, "")

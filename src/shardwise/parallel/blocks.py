@@ -13,6 +13,10 @@ Invariants:
   only a share of its gradient on each device: the backend's ``diverge`` sums the
   shares (the simulated runtime's replicas share one buffer, so it is identity).
 - Autograd runs on the blocks: the gradients are torch's own.
+- Where every operand holds its whole value (a mesh this process holds wholly),
+  :func:`blockwise` runs ``fn`` once on the wholes at the position of the whole
+  (the result's whole is the global value, its Partial axes reduced); layout
+  changes and ``diverge`` are counted as the block run would run them.
 """
 
 from __future__ import annotations
@@ -23,11 +27,13 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from shardwise.parallel.placing import relayout
 from shardwise.runtime import backend_for
 from shardwise.sharding.errors import ShardingError
 from shardwise.sharding.layout import Layout
 from shardwise.sharding.placements import ReduceOp
 from shardwise.sharding.shapes import local_bounds
+from shardwise.tensors import cache
 from shardwise.tensors.tensor import Tensor, place
 
 __all__ = ["blockwise", "pick_classes", "vocab_embedding"]
@@ -35,12 +41,22 @@ __all__ = ["blockwise", "pick_classes", "vocab_embedding"]
 
 def blockwise(fn: Callable[..., torch.Tensor], operands: Sequence[Tensor], layout: Layout,
               shape: Sequence[int], dtype: torch.dtype,
-              where: Callable[[tuple[int, ...]], Hashable]) -> Tensor:
+              where: Callable[[tuple[int, ...]], Hashable], whole: Hashable = None
+              ) -> Tensor:
     """A Tensor laid out as ``layout`` whose block on the device at ``coord`` is
     ``fn(where(coord), *blocks)``; the operands must already be laid out as ``fn``
-    expects."""
+    expects. ``whole``: the position of the whole value, where ``fn(whole, *wholes)``
+    is the global value (module doc)."""
     mesh = layout.mesh
     spread = set(layout.sharded_axes) | set(layout.partial_axes)
+    if whole is not None and all(x._whole is not None for x in operands):
+        wholes = []
+        for x in operands:
+            lay = x.dist_layout
+            used = set(lay.sharded_axes) | set(lay.partial_axes)
+            axes = tuple(a for a in sorted(spread) if a not in used)
+            wholes.append(cache.whole(x, lay, axes if x.requires_grad else ()))
+        return Tensor.from_whole(fn(whole, *wholes), layout)
     cols: list[Sequence[torch.Tensor | None]] = []
     for x in operands:
         lay = x.dist_layout
@@ -70,7 +86,7 @@ def blockwise(fn: Callable[..., torch.Tensor], operands: Sequence[Tensor], layou
 def _plain(x: Tensor, dims: tuple[tuple[int, ...], ...]) -> Tensor:
     """``x`` laid out with ``dims`` and no Partial axes."""
     target = Layout(x.mesh, dims, (None,) * x.mesh.ndim)
-    return x if target == x.dist_layout else x.relayout(target)
+    return relayout(x, target)
 
 
 def _free(axes: tuple[int, ...], taken: set[int]) -> tuple[int, ...]:
@@ -116,7 +132,7 @@ def vocab_embedding(ids: torch.Tensor, weight: Tensor, padding_idx: int | None =
         return found.masked_fill(outside.unsqueeze(-1), 0.0)
 
     return blockwise(lookup, [ids, weight], layout, (*ids.shape, wshape[1]), weight.dtype,
-                     rows)
+                     rows, whole=(0, wshape[0]))
 
 
 def pick_classes(logits: Tensor, target: torch.Tensor, ignore_index: int | None = None
@@ -165,4 +181,5 @@ def pick_classes(logits: Tensor, target: torch.Tensor, ignore_index: int | None 
         got = z.gather(1, local.clamp(0, hi - lo - 1).unsqueeze(1)).squeeze(1)
         return got.masked_fill(~inside, 0.0)
 
-    return blockwise(pick, [logits, target], layout, shape[:1], logits.dtype, span)
+    return blockwise(pick, [logits, target], layout, shape[:1], logits.dtype, span,
+                     whole=(0, shape[1]))

@@ -10,6 +10,12 @@ Invariants:
   parameters keep their axis, ``axis`` is added as the minor axis of the dim);
   ``parameters()``, ``state_dict()`` (original names) and the optimizer see only
   these. During a unit's forward its modules hold the gathered values.
+- A unit's forward (its gather included) runs at the program position "its path from
+  the outermost ``fully_shard`` root (fully_shard)" (:mod:`shardwise.runtime.position`),
+  and its gradient reduction at the backward of it: their collectives carry it.
+- On a mesh this process holds wholly (the simulated runtime) a sharded parameter
+  holds its global value, its blocks views of it, as ``shardwise.tensor`` makes them:
+  gathering is then a view, and the optimizer's ops run once on the whole value.
 - Gathering, gradient reduction and resharding are in
   :mod:`shardwise.parallel.fsdp_unit` (see its invariants).
 """
@@ -21,8 +27,12 @@ from typing import Any
 import torch
 import torch.nn as nn
 
+from shardwise.parallel import replicas
 from shardwise.parallel.fsdp_unit import UNIT, Param, Unit, sharded_layout
+from shardwise.parallel.hf import gather_on_save
 from shardwise.parallel.precision import MixedPrecisionPolicy, cast_floating
+from shardwise.runtime import backend_for, position
+from shardwise.runtime.position import HERE
 from shardwise.sharding.errors import ShardingError, ShardingTypeError
 from shardwise.sharding.layout import Layout
 from shardwise.sharding.mesh import DeviceMesh
@@ -51,7 +61,9 @@ def fully_shard(module: nn.Module, mesh: DeviceMesh, axis: str = "dp", *,
     them until backward.
 
     Args:
-        module: the module to shard (returned, changed in place).
+        module: the module to shard (returned, changed in place; a transformers
+            model's ``save_pretrained`` then writes global values,
+            :func:`~shardwise.parallel.hf.gather_on_save`).
         mesh: the device mesh; tensor-parallel parameters must already live on it.
         axis: the mesh axis to shard over (the data-parallel axis).
         reshard_after_forward: free gathered parameters after forward (ZeRO-3) or
@@ -99,8 +111,14 @@ def fully_shard(module: nn.Module, mesh: DeviceMesh, axis: str = "dp", *,
     a = mesh.axis_names.index(axis)
     unit = Unit(module, mesh, a, _manage(module, mesh, a), reshard_after_forward, mp_policy)
     setattr(module, UNIT, unit)
+    replicas.track(module)
+    for path, sub in module.named_modules():  # inner units first: the root names them last
+        inner = getattr(sub, UNIT, None)
+        if inner is not None:
+            inner.site = position.site(path, "fully_shard")
     module.register_forward_pre_hook(_pre_forward, with_kwargs=True)
     module.register_forward_hook(_post_forward, always_call=True)
+    gather_on_save(module)  # a transformers model's save_pretrained writes global values
     return module
 
 
@@ -157,7 +175,13 @@ def _shard(p: torch.Tensor, name: str, mesh: DeviceMesh, axis: int) -> Param:
             f"{axis_name!r}. Give it shape (1,), or move it out of the module.")
     target, dim = sharded_layout(here, axis, tuple(p.shape))
     with torch.no_grad():
-        t = value.relayout(target)._map_unique(lambda s: s.clone())
+        if len(backend_for(mesh).owned(mesh)) == mesh.num_devices:
+            # a mesh this process holds wholly: the parameter keeps its global value
+            # (blocks cut from it as views), so its gathers are copies of it and the
+            # optimizer's ops run once on it, not once per block
+            t = Tensor.from_whole(value._global().clone(), target)
+        else:
+            t = value.relayout(target)._map_unique(lambda s: s.clone())
     param = nn.Parameter(t, requires_grad=p.requires_grad)
     assert isinstance(param, Tensor)  # nn.Parameter keeps the subclass
     return Param([], param, here, dim)
@@ -165,7 +189,13 @@ def _shard(p: torch.Tensor, name: str, mesh: DeviceMesh, axis: int) -> Param:
 
 def _pre_forward(module: nn.Module, args: Any, kwargs: Any) -> Any:
     unit: Unit = getattr(module, UNIT)
-    unit.unshard()
+    position.push(unit.site)  # left in _post_forward (which runs also when forward raises)
+    before = HERE.op
+    HERE.op = "all_gather parameters"
+    try:
+        unit.unshard()
+    finally:
+        HERE.op = before
     policy = unit.policy
     if policy.cast_forward_inputs and policy.param_dtype is not None:
         return cast_floating(args, policy.param_dtype), cast_floating(kwargs,
@@ -175,6 +205,7 @@ def _pre_forward(module: nn.Module, args: Any, kwargs: Any) -> Any:
 
 def _post_forward(module: nn.Module, args: Any, output: Any) -> Any:
     unit: Unit = getattr(module, UNIT)
+    position.pop()
     unit.reshard_params()
     return cast_floating(output, unit.policy.output_dtype)
 

@@ -13,6 +13,9 @@ Invariants:
   sharded blocks along the FSDP dim (the planner gathers them with one all_gather)
   join a group; the gathered blocks are copies (the flat buffer dies after the split),
   and devices that are replicas in a parameter's gathered layout share one block.
+- Where the unit's parameters hold whole values (a mesh this process holds wholly)
+  no flat buffer is built: :meth:`Flat.gather_plan` and :meth:`Flat.plan` give the
+  collectives to count (see :mod:`~shardwise.parallel.fsdp_unit`).
 """
 
 from __future__ import annotations
@@ -86,6 +89,11 @@ class Flat:
 
     def layout(self, which: str) -> Layout:
         return self._layouts[which]
+
+    def gather_plan(self, itemsize: int) -> Plan:
+        """The all_gather of the parameters (for counting where none runs)."""
+        return make_plan(self._layouts["sharded"], self._layouts["gathered"], self.shape,
+                         itemsize)
 
     def plan(self, itemsize: int) -> Plan:
         """The reduce_scatter of the gradients (for counting where autograd summed)."""

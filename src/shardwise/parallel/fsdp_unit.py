@@ -14,8 +14,16 @@ Invariants:
 - One autograd node per unit forward (``_Gather``) maps the sharded leaf blocks to
   the gathered blocks; its backward sums the gathered gradient over the FSDP axis and
   cuts it back to the sharded layout: one reduce_scatter per flat buffer.
+- Whole values: on a mesh this process holds wholly every sharded parameter holds
+  its global value (``fully_shard`` makes it so; its blocks are views of it). The
+  unit's node is then ``_GatherWhole``: the gathered value of a parameter is a view
+  of that global value (a cast copy under ``param_dtype``), its ops run once on it,
+  and autograd hands the backward the gradient summed over every device, which is
+  the reduce_scatter's result in the whole's form. The all_gathers and
+  reduce_scatters are counted as the flat buffers would run them.
 - With ``reshard_after_forward`` autograd never holds a gathered block: saved-tensor
-  hooks store a reference instead and the first unpack in backward re-gathers the unit.
+  hooks store a reference instead and the first unpack in backward re-gathers the unit
+  (for whole values: views of the parameters again, or new cast copies).
 - Gradient routes: on a mesh this process holds wholly (simulated) the replicas of a
   gathered block share one buffer, so autograd already sums the devices' shares and
   the backward cuts the sum (counted as the reduce_scatter it stands for). On the
@@ -37,7 +45,7 @@ import torch.nn as nn
 from shardwise.parallel.fsdp_flat import Blocks, Flat, one_all_gather
 from shardwise.parallel.precision import MixedPrecisionPolicy
 from shardwise.planner import Plan, make_plan
-from shardwise.runtime import backend_for, observe
+from shardwise.runtime import backend_for, observe, position
 from shardwise.runtime.owner import GradOwner
 from shardwise.sharding.errors import ShardingError
 from shardwise.sharding.layout import Layout
@@ -71,6 +79,7 @@ class _Call:
         self.shares: dict[int, torch.Tensor] = {}
         self.regathered: list[list[torch.Tensor]] | None = None  # per param: per storage
         self.hooks: Any = None
+        self.freed = False  # whole values: gathered copies freed after forward
 
     def share(self, j: int, g: torch.Tensor) -> None:
         have = self.shares.get(j)
@@ -79,7 +88,11 @@ class _Call:
     def storage_block(self, i: int, ordinal: int) -> torch.Tensor:
         if self.regathered is None:
             with torch.no_grad():
-                self.regathered = [_storages(blocks)[1] for blocks in self.unit.gather_all()]
+                if self.unit.wholes:
+                    self.regathered = [[w] for w in self.unit.gather_wholes()]
+                else:
+                    self.regathered = [_storages(blocks)[1]
+                                       for blocks in self.unit.gather_all()]
         return self.regathered[i][ordinal]
 
 
@@ -158,9 +171,38 @@ class _Gather(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor | None) -> Any:
         call: _Call = ctx.call
-        out = call.unit.reduce(call, grads)
+        with position.at(position.backward_of(call.unit.site)), \
+                position.issuing("reduce_scatter gradients"):
+            out = call.unit.reduce(call, grads)
         call.regathered = None
         return (None, *out)
+
+
+class _GatherWhole(torch.autograd.Function):
+    """The whole-value form of :class:`_Gather` (a mesh this process holds wholly, every
+    parameter holding its global value): forward copies each sharded parameter's whole
+    (cast to ``param_dtype``), which *is* the gathered value, and counts the unit's
+    all_gathers; backward receives the gradient autograd already summed over every
+    device (the reduce_scatter's sum, counted there) in the whole's form, cast through
+    ``reduce_dtype`` as the reduce_scatter would."""
+
+    @staticmethod
+    def forward(ctx: Any, call: _Call, *wholes: torch.Tensor) -> Any:
+        ctx.call = call
+        ctx.set_materialize_grads(False)
+        return tuple(call.unit.gather_wholes(wholes))
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor | None) -> Any:
+        call: _Call = ctx.call
+        unit = call.unit
+        if unit.reshard and not call.freed and observe.active():
+            # gathered views of the parameters hold no memory of their own, so none
+            # was freed and autograd kept them: count the re-gather it stands for
+            for plan in unit.gather_plans():
+                _record(plan)
+        call.regathered = None
+        return (None, *unit.reduce_wholes(grads))
 
 
 class _Share(torch.autograd.Function):
@@ -185,6 +227,7 @@ class Unit:
     def __init__(self, module: nn.Module, mesh: DeviceMesh, axis: int,
                  params: list[Param], reshard: bool, policy: MixedPrecisionPolicy) -> None:
         self.module, self.mesh, self.axis, self.params = module, mesh, axis, params
+        self.site = position.site(type(module).__name__, "fully_shard")  # fully_shard names it
         self.reshard, self.policy = reshard, policy
         self.owned = list(backend_for(mesh).owned(mesh))
         self.local = len(self.owned) == mesh.num_devices
@@ -200,6 +243,51 @@ class Unit:
         self.groups = [(idx, Flat(mesh, axis, [
             (tuple(params[i].sharded.shape), params[i].sharded.dist_layout,
              params[i].gathered, params[i].dim) for i in idx])) for idx in by_dtype.values()]
+        self.wholes = self.local and all(fp.sharded._whole is not None for fp in params)
+
+    def gather_plans(self) -> list[Plan]:
+        """The all_gathers of one gather (counted where the whole-value path runs none)."""
+        out = [flat.gather_plan(self.dtype(idx[0]).itemsize) for idx, flat in self.groups]
+        for i in self.alone:
+            fp = self.params[i]
+            out.append(make_plan(fp.sharded.dist_layout, fp.gathered,
+                                 tuple(fp.sharded.shape), self.dtype(i).itemsize))
+        return out
+
+    def gather_wholes(self, wholes: Any = None) -> list[torch.Tensor]:
+        """Per parameter: its whole value in ``param_dtype`` (the gathered value on a
+        mesh this process holds wholly: the parameter's own storage, or a cast copy),
+        counted as the unit's all_gathers."""
+        if wholes is None:
+            wholes = [fp.sharded._whole for fp in self.params]
+        if observe.active():
+            for plan in self.gather_plans():
+                _record(plan)
+        out = []
+        for i, w in enumerate(wholes):
+            dtype = self.dtype(i)
+            out.append(w.view_as(w) if w.dtype == dtype else w.to(dtype))
+        return out
+
+    def reduce_wholes(self, grads: tuple[torch.Tensor | None, ...]) -> list[Any]:
+        """The sharded parameters' whole gradients from the gathered ones (autograd
+        summed them over every device): cast through ``reduce_dtype``; the unit's
+        reduce_scatters are counted."""
+        n = len(self.params)
+        reds = [self.policy.reduce_dtype or self.dtype(i) for i in range(n)]
+        if observe.active():
+            for idx, flat in self.groups:
+                if any(grads[i] is not None for i in idx):
+                    _record(flat.plan(reds[idx[0]].itemsize))
+            for i in self.alone:
+                fp = self.params[i]
+                if grads[i] is not None:
+                    _record(make_plan(self._partial(fp.gathered), fp.sharded.dist_layout,
+                                      tuple(fp.sharded.shape), reds[i].itemsize))
+        out: list[Any] = []
+        for i, g in enumerate(grads):
+            out.append(None if g is None else g.to(reds[i]).to(self.params[i].sharded.dtype))
+        return out
 
     def dtype(self, i: int) -> torch.dtype:
         """The dtype parameter ``i`` is gathered and computed in."""
@@ -243,6 +331,11 @@ class Unit:
     def unshard(self) -> None:
         self.refresh()
         call = self.call = _Call(self)
+        # (checked per forward: x.data = ... may have swapped a whole for blocks)
+        self.wholes = self.local and all(fp.sharded._whole is not None for fp in self.params)
+        if self.wholes:
+            self._unshard_wholes(call)
+            return
         leaves = [s for fp in self.params for s in fp.sharded.unique_shards()[1]]
         outs = _Gather.apply(call, *leaves)
         for i, fp in enumerate(self.params):
@@ -258,6 +351,23 @@ class Unit:
                 for ordinal, ptr in enumerate(_storages(shards)[0]):
                     _LIVE[ptr] = (call, i, ordinal)
         if self.reshard:
+            call.hooks = torch.autograd.graph.saved_tensors_hooks(_pack, _unpack)
+            call.hooks.__enter__()
+
+    def _unshard_wholes(self, call: _Call) -> None:
+        outs = _GatherWhole.apply(call, *[fp.sharded._whole for fp in self.params])
+        owner = GradOwner((self.axis,), None)
+        for i, fp in enumerate(self.params):
+            w = outs[i]  # (the mesh is held here wholly: no from_whole check needed)
+            full = Tensor._wrap(None, w, fp.gathered, w.shape, w.dtype, w.device, None)
+            full._grad_owner = owner  # the unit sums this gradient over its axis
+            for module, name in fp.owners:
+                module._parameters[name] = full  # type: ignore[assignment]
+        # only cast copies take memory: views of the parameters need no freeing
+        if self.reshard and any(w._base is None for w in outs):
+            for i, w in enumerate(outs):
+                _LIVE[w.untyped_storage().data_ptr()] = (call, i, 0)
+            call.freed = True
             call.hooks = torch.autograd.graph.saved_tensors_hooks(_pack, _unpack)
             call.hooks.__enter__()
 
@@ -356,10 +466,11 @@ class Unit:
 
 def _record(plan: Plan) -> None:
     """Count ``plan``'s collectives for CommCounter without running them (the sum
-    they would compute already happened in autograd's accumulation)."""
+    they would compute already happened in autograd's accumulation, or the gathered
+    value is the whole value this process holds)."""
     if observe.active():
         for step in plan.collectives:
-            observe.record(step.kind, step.bytes_per_device, step, phase="backward")
+            observe.record(step.kind, step.bytes_per_device, step)
 
 
 def sharded_layout(layout: Layout, axis: int, shape: tuple[int, ...]) -> tuple[Layout, int]:

@@ -19,12 +19,20 @@ Invariants:
 - An entry naming a parameter (the stacked weights of MoE experts) becomes a
   :class:`ShardParameters` style on the module that owns it.
 - An unknown style string raises a ShardingError naming it and the known ones.
+- A model that ``parallelize_module``/``fully_shard`` lay out and that has a
+  ``save_pretrained`` taking ``state_dict`` saves global values
+  (:func:`gather_on_save`): safetensors reads raw bytes through ``data_ptr()``, which a
+  shardwise Tensor (a wrapper with no storage, as DTensor) does not have, and
+  transformers gathers only DTensors, and only under its own ``distributed_config``.
 """
 
 from __future__ import annotations
 
+import inspect
+import types
 from collections.abc import Callable, Mapping
 from fnmatch import fnmatchcase
+from typing import Any
 
 import torch.nn as nn
 
@@ -39,7 +47,7 @@ from shardwise.sharding.errors import ShardingError, ShardingTypeError
 from shardwise.sharding.mesh import DeviceMesh
 from shardwise.sharding.placements import Placement, Replicated, Sharded
 
-__all__ = ["ShardParameters", "hf_plan"]
+__all__ = ["ShardParameters", "gather_on_save", "hf_plan"]
 
 
 class ShardParameters(ParallelStyle):
@@ -216,3 +224,49 @@ def hf_plan(model: nn.Module, plan: Mapping[str, str] | None = None
                 "or the other.")
         styles[owner] = ShardParameters(placements)
     return styles
+
+
+def gather_on_save(module: nn.Module) -> None:
+    """Make ``module.save_pretrained(d, ...)`` (transformers') write global values: it
+    first gathers every shardwise Tensor of the state dict it saves (the model's own, or
+    the ``state_dict=`` given) into a plain tensor, tied weights into one
+    (:func:`shardwise.checkpoint.full_state_dict`'s rule), then runs transformers' own
+    ``save_pretrained``. Under torchrun every rank calls it (the gather is a collective)
+    and rank 0 writes, as transformers does for DTensors. ``parallelize_module`` and
+    ``fully_shard`` call this on the module they are given; a module without a
+    ``save_pretrained`` that takes ``state_dict`` is left alone. The wrapper is an
+    attribute of this instance (``copy.deepcopy`` rebinds it to the copy).
+
+    >>> class Saver(torch.nn.Linear):
+    ...     def save_pretrained(self, d: str, state_dict: dict | None = None) -> None:
+    ...         print(d, {k: type(v).__name__ for k, v in state_dict.items()})
+    >>> m = Saver(4, 2)
+    >>> m.weight = torch.nn.Parameter(shardwise.tensor(
+    ...     m.weight.detach(), sharding=PlacementMapping(DeviceMesh.cpu(2, "tp"), [Sharded(0)])))
+    >>> gather_on_save(m)
+    >>> m.save_pretrained("out")
+    out {'weight': 'Tensor', 'bias': 'Tensor'}
+    >>> isinstance(m.weight, shardwise.Tensor)  # the model itself is unchanged
+    True
+    """
+    save = getattr(type(module), "save_pretrained", None)
+    if not callable(save) or "save_pretrained" in vars(module):
+        return
+    try:
+        takes = "state_dict" in inspect.signature(save).parameters
+    except (TypeError, ValueError):  # a builtin without a signature: not transformers'
+        return
+    if takes:
+        vars(module)["save_pretrained"] = types.MethodType(_save_gathered, module)
+
+
+def _save_gathered(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+    """transformers' ``save_pretrained`` on the state dict with global values."""
+    from shardwise.checkpoint.state import gather_values  # (torch.distributed.checkpoint)
+
+    save: Any = type(self).save_pretrained  # type: ignore[attr-defined]
+    bound = inspect.signature(save).bind(self, *args, **kwargs)
+    given = bound.arguments.get("state_dict")
+    bound.arguments["state_dict"] = gather_values(self.state_dict() if given is None
+                                                  else given)
+    return save(*bound.args, **bound.kwargs)

@@ -19,20 +19,32 @@ Invariants:
   ``label_smoothing`` as torch.
 - Gradients flow through the same ops (torch's autograd on the blocks); the max is
   detached (it cancels in the loss).
+- Where logits and target hold whole values (a mesh this process holds wholly) the
+  per-row losses are torch's own kernel run once on the wholes, laid out and counted
+  as the block computation (the same collectives, bytes and result layout).
+- Inside the outermost block the registry's ``F.cross_entropy`` handler is this
+  module's (the registry's own is restored on leaving it; it runs everything that
+  is not class-sharded). No other torch function pays for the block, and calls
+  without a shardwise Tensor never reach the handler.
 """
 
 from __future__ import annotations
 
 import contextlib
+import importlib
 from collections.abc import Iterator
 from typing import Any
 
 import torch
 import torch.nn.functional as F
-from torch.overrides import TorchFunctionMode
 
 from shardwise.parallel.blocks import pick_classes
+from shardwise.parallel.placing import relayout
+from shardwise.planner import make_plan
+from shardwise.runtime import observe
 from shardwise.sharding.layout import Layout
+from shardwise.sharding.placements import ReduceOp
+from shardwise.tensors import tensor as core
 from shardwise.tensors.tensor import Tensor, place
 
 __all__ = ["loss_parallel"]
@@ -50,27 +62,30 @@ def _cross_entropy(logits: Any, target: Any, weight: Any = None, size_average: A
                    ignore_index: int = -100, reduce: Any = None, reduction: str = "mean",
                    label_smoothing: float = 0.0) -> Any:
     if not _class_sharded(logits, target, weight, size_average, reduce):
-        return F.cross_entropy(logits, target, weight, size_average, ignore_index, reduce,
-                               reduction, label_smoothing)
+        return _ordinary(logits, target, weight, size_average, ignore_index, reduce,
+                         reduction, label_smoothing)
     x: Tensor = logits
     rows, classes = x.dist_layout.dims
     if x.dist_layout.is_partial:  # a nonlinear loss needs the value itself
-        x = x.relayout(Layout(x.mesh, (rows, classes), (None,) * x.mesh.ndim))
+        x = relayout(x, Layout(x.mesh, (rows, classes), (None,) * x.mesh.ndim))
     if not isinstance(target, Tensor):
         target = place(target, Layout.replicated(x.mesh, 1))
-    m = torch.amax(x.detach(), dim=1, keepdim=True)   # Partial(MAX): reduced by the sub
-    z: Tensor = x - m  # type: ignore[assignment]  # the registry returns a shardwise Tensor
-    parts = [torch.exp(z).sum(1), pick_classes(z, target, ignore_index)]
-    if label_smoothing:
-        parts.append(z.sum(1))
-    # every part is Partial(SUM) over the class axes: one all_reduce for all of them
-    stacked: Tensor = torch.stack(parts)  # type: ignore[assignment]
-    both = stacked.relayout(Layout(x.mesh, ((), rows), (None,) * x.mesh.ndim))
-    lse = torch.log(both[0])
-    per = lse - both[1]
-    if label_smoothing:
-        smooth = lse - both[2] / x.shape[1]
-        per = per * (1.0 - label_smoothing) + smooth * label_smoothing
+    if x._whole is not None and target._whole is not None:
+        per = _per_row_whole(x, target, ignore_index, label_smoothing)
+    else:
+        m = torch.amax(x.detach(), dim=1, keepdim=True)   # Partial(MAX): reduced by the sub
+        z: Tensor = x - m  # type: ignore[assignment]  # the registry returns a Tensor
+        parts = [torch.exp(z).sum(1), pick_classes(z, target, ignore_index)]
+        if label_smoothing:
+            parts.append(z.sum(1))
+        # every part is Partial(SUM) over the class axes: one all_reduce for all of them
+        stacked: Tensor = torch.stack(parts)  # type: ignore[assignment]
+        both = relayout(stacked, Layout(x.mesh, ((), rows), (None,) * x.mesh.ndim))
+        lse = torch.log(both[0])
+        per = lse - both[1]
+        if label_smoothing:
+            smooth = lse - both[2] / x.shape[1]
+            per = per * (1.0 - label_smoothing) + smooth * label_smoothing
     valid = target != ignore_index
     per = torch.where(valid, per, 0.0)
     if reduction == "none":
@@ -81,15 +96,69 @@ def _cross_entropy(logits: Any, target: Any, weight: Any = None, size_average: A
     return total / valid.to(per.dtype).sum()
 
 
-class _LossParallel(TorchFunctionMode):
-    """Routes ``F.cross_entropy`` to the class-sharded computation; every other torch
-    function runs as usual (the mode is off inside its own handler)."""
+def _per_row_whole(x: Tensor, target: Tensor, ignore_index: int, label_smoothing: float
+                   ) -> Any:
+    """The per-row losses where logits and target hold whole values (a mesh this
+    process holds wholly): torch's own kernel once on the wholes, laid out and counted
+    as the block computation (the row max's all_reduce MAX, the parts' all_reduce SUM)."""
+    t, shape = target._whole, tuple(x.shape)
+    assert t is not None and x._whole is not None
+    bad = (t < 0) | (t >= shape[1])
+    bad &= t != ignore_index
+    if bool(bad.any()):  # (as pick_classes says it)
+        raise IndexError(f"cross_entropy: target {int(t[bad][0])} is out of bounds for "
+                         f"{shape[1]} classes. Targets are class indices in "
+                         f"[0, {shape[1]}) or ignore_index ({ignore_index}).")
+    mesh, (rows, classes) = x.mesh, x.dist_layout.dims
+    none = (None,) * mesh.ndim
+    if observe.active():
+        itemsize = x.dtype.itemsize
+        for op, src, dst, size in (
+                (ReduceOp.MAX, (rows, ()), (rows, ()), (shape[0], 1)),
+                (ReduceOp.SUM, ((), rows), ((), rows), (3 if label_smoothing else 2,
+                                                        shape[0]))):
+            partial = tuple(op if a in classes else None for a in range(mesh.ndim))
+            plan = make_plan(Layout(mesh, src, partial), Layout(mesh, dst, none), size,
+                             itemsize)
+            for step in plan.collectives:
+                observe.record(step.kind, step.bytes_per_device, step)
+    per = F.cross_entropy(x._whole, t, ignore_index=ignore_index, reduction="none",
+                          label_smoothing=label_smoothing)
+    return Tensor.from_whole(per, Layout(mesh, (rows,), none))
 
-    def __torch_function__(self, func: Any, types: Any, args: Any = (),
-                           kwargs: Any = None) -> Any:
-        if func is F.cross_entropy:
-            return _cross_entropy(*args, **(kwargs or {}))
-        return func(*args, **(kwargs or {}))
+
+_DEPTH = [0]  # open loss_parallel() blocks
+_ORDINARY: list[Any] = []  # the registry's own F.cross_entropy handler while one is open
+
+
+def _routed(*args: Any, **kwargs: Any) -> Any:
+    """The registry's F.cross_entropy handler inside ``loss_parallel()``."""
+    return _cross_entropy(*args, **kwargs)
+
+
+def _ordinary(*args: Any, **kwargs: Any) -> Any:
+    handler = _ORDINARY[0] if _ORDINARY else None
+    if handler is None:  # no handler of its own: the registry's gathered fallback
+        return core.FALLBACK[0](F.cross_entropy, args, kwargs)
+    return handler(*args, **kwargs)
+
+
+def _install() -> None:
+    """Route F.cross_entropy on shardwise Tensors to :func:`_cross_entropy` (as DTensor's
+    loss_parallel installs its custom op handlers): only that call pays, where a
+    TorchFunctionMode would add a Python call to every torch function in the block."""
+    if not core.FALLBACK:  # the registry fills the handlers on its first use
+        importlib.import_module(core.REGISTRY)
+    _ORDINARY[:] = [core.HANDLERS.get(F.cross_entropy)]
+    core.HANDLERS[F.cross_entropy] = _routed
+
+
+def _uninstall() -> None:
+    ordinary = _ORDINARY.pop()
+    if ordinary is None:
+        core.HANDLERS.pop(F.cross_entropy, None)
+    else:
+        core.HANDLERS[F.cross_entropy] = ordinary
 
 
 @contextlib.contextmanager
@@ -112,5 +181,12 @@ def loss_parallel() -> Iterator[None]:
     >>> dict(cc.counts)          # max, then sum-exp and target logits together
     {'all_reduce': 2}
     """
-    with _LossParallel():
+    if _DEPTH[0] == 0:
+        _install()
+    _DEPTH[0] += 1
+    try:
         yield
+    finally:
+        _DEPTH[0] -= 1
+        if _DEPTH[0] == 0:
+            _uninstall()

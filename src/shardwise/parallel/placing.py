@@ -7,7 +7,10 @@ Invariants:
   process holds it, as everywhere in shardwise): it is placed, never assumed to be
   a local shard, so placing it costs no communication.
 - A shardwise Tensor is laid out by the planner (differentiable, counted by
-  ``CommCounter``); one already in the wanted layout is returned as it is.
+  ``CommCounter``); one already in the wanted layout is returned as it is. One that
+  holds its whole value (a mesh this process holds wholly) keeps it: the layout
+  change is metadata there, its collectives counted as if they ran, so the module's
+  ops run once on the whole value rather than block by block.
 - Parameters become ``nn.Parameter`` over shardwise Tensors with the same value
   and ``requires_grad``; every process must hold the same initial value (seed
   every rank alike), as for ``shardwise.tensor``.
@@ -23,13 +26,15 @@ from typing import Any
 import torch
 import torch.nn as nn
 
+from shardwise.runtime.position import HERE
 from shardwise.sharding.errors import ShardingError, ShardingTypeError
 from shardwise.sharding.layout import Layout, normalize_dim
 from shardwise.sharding.mesh import DeviceMesh
 from shardwise.sharding.placements import Partial, Placement, Replicated, Sharded
+from shardwise.tensors import cache
 from shardwise.tensors.tensor import Tensor, place
 
-__all__ = ["axis_of", "check_placement", "keeping_ties", "layout_on", "place_on",
+__all__ = ["axis_of", "check_placement", "keeping_ties", "layout_on", "place_on", "relayout",
            "shard_parameter"]
 
 
@@ -95,7 +100,14 @@ def place_on(x: Any, mesh: DeviceMesh, axis: int, placement: Placement | None,
         if placement is None:
             return x
         target = layout_on(x.dist_layout, x.ndim, axis, placement)
-        return x if target == x.dist_layout else x.relayout(target)
+        if target == x.dist_layout:
+            return x
+        before = HERE.op
+        HERE.op = where  # the op of the program position its collectives carry
+        try:
+            return relayout(x, target)
+        finally:
+            HERE.op = before
     if isinstance(x, torch.Tensor):
         want = placement if placement is not None else plain
         if want is None:
@@ -105,6 +117,22 @@ def place_on(x: Any, mesh: DeviceMesh, axis: int, placement: Placement | None,
                                 "Give Replicated() for scalars.")
         return place(x, layout_on(Layout.replicated(mesh, x.ndim), x.ndim, axis, want))
     return x
+
+
+def relayout(x: Tensor, target: Layout) -> Tensor:
+    """``x.relayout(target)``; a Tensor holding its whole value keeps it (module doc).
+
+    >>> mesh = DeviceMesh.cpu(2, "tp")
+    >>> x = shardwise.tensor(torch.arange(4.), sharding=PlacementMapping(mesh, [Sharded(0)]))
+    >>> y = relayout(x, Layout.replicated(mesh, 1))
+    >>> y.placements, y.to_torch().tolist()
+    ((Replicated(),), [0.0, 1.0, 2.0, 3.0])
+    """
+    if target == x.dist_layout:
+        return x
+    if x._whole is not None and not target.is_partial:
+        return Tensor.from_whole(cache.whole(x, target), target)
+    return x.relayout(target)
 
 
 def shard_parameter(module: nn.Module, name: str, mesh: DeviceMesh, axis: int,

@@ -24,6 +24,10 @@ Invariants:
 - Plain ``torch.Tensor`` inputs are global values: placed (no communication),
   never read as local shards; ``input_layouts`` say how to place them where no
   desired layout is given.
+- Each style runs its module's forward (hooks included) at the program position
+  "module path (style kind)" (:mod:`shardwise.runtime.position`): the collectives it
+  causes carry it, so ranks that lay a module out differently disagree at their first
+  collective there.
 - ``use_local_output=True`` is refused: it exists in DTensor for model code written
   for local shapes, which global values make unnecessary.
 
@@ -44,8 +48,10 @@ from typing import Any
 import torch
 import torch.nn as nn
 
+from shardwise.parallel import replicas
 from shardwise.parallel.blocks import vocab_embedding
 from shardwise.parallel.placing import check_placement, place_on, shard_parameter
+from shardwise.runtime import position
 from shardwise.sharding.errors import ShardingError, ShardingTypeError
 from shardwise.sharding.mesh import DeviceMesh
 from shardwise.sharding.placements import Placement, Replicated, Sharded
@@ -140,6 +146,25 @@ def _hook_outputs(module: nn.Module, mesh: DeviceMesh, axis: int,
     module.register_forward_hook(hook)
 
 
+def _mark(module: nn.Module, mesh: DeviceMesh, name: str, style: str) -> None:
+    """Run ``module``'s forward (its hooks included) at program position ``name``
+    (``style``): the collectives it causes carry it. Call last in ``apply`` (the leaving
+    hook must follow the output hook); it also runs when the forward raises. With the
+    replica check on, the module's plain tensor inputs are recorded for it."""
+    here = position.site(name, style)
+
+    def enter(mod: nn.Module, args: Any) -> None:
+        position.push(here)
+        if replicas.ENABLED is not None:
+            replicas.record_inputs(name, mesh, args)
+
+    def leave(mod: nn.Module, args: Any, output: Any) -> None:
+        position.pop()
+
+    module.register_forward_pre_hook(enter, prepend=True)
+    module.register_forward_hook(leave, always_call=True)
+
+
 def _kind(module: nn.Module, style: str, name: str) -> str:
     if isinstance(module, nn.Linear):
         return "linear"
@@ -193,6 +218,7 @@ class ColwiseParallel(ParallelStyle):
             shard_parameter(module, "weight", mesh, axis, Sharded(1))
         _hook_inputs(module, mesh, axis, (Replicated(),), (self.input_layouts,), {}, {})
         _hook_outputs(module, mesh, axis, (self.output_layouts or Sharded(-1),))
+        _mark(module, mesh, name, f"ColwiseParallel {kind}")
 
 
 class RowwiseParallel(ParallelStyle):
@@ -237,6 +263,7 @@ class RowwiseParallel(ParallelStyle):
             want = Replicated()
         _hook_inputs(module, mesh, axis, (want,), (self.input_layouts,), {}, {})
         _hook_outputs(module, mesh, axis, (self.output_layouts or Replicated(),))
+        _mark(module, mesh, name, f"RowwiseParallel {kind}")
 
 
 def _vocab_forward(self: nn.Embedding, ids: Any) -> Any:
@@ -271,6 +298,7 @@ class SequenceParallel(ParallelStyle):
         seq = Sharded(self.sequence_dim)
         _hook_inputs(module, mesh, axis, None, None, {}, {}, every=seq)
         _hook_outputs(module, mesh, axis, (seq,))
+        _mark(module, mesh, name, "SequenceParallel")
 
 
 class PrepareModuleInput(ParallelStyle):
@@ -310,6 +338,7 @@ class PrepareModuleInput(ParallelStyle):
     def apply(self, module: nn.Module, mesh: DeviceMesh, axis: int, name: str) -> None:
         _hook_inputs(module, mesh, axis, self.desired_input_layouts, self.input_layouts,
                      self.desired_input_kwarg_layouts, self.input_kwarg_layouts)
+        _mark(module, mesh, name, "PrepareModuleInput")
 
 
 class PrepareModuleOutput(ParallelStyle):
@@ -342,4 +371,5 @@ class PrepareModuleOutput(ParallelStyle):
 
     def apply(self, module: nn.Module, mesh: DeviceMesh, axis: int, name: str) -> None:
         _hook_outputs(module, mesh, axis, self.desired_output_layouts)
+        _mark(module, mesh, name, "PrepareModuleOutput")
 

@@ -6,6 +6,10 @@ A recipe node is ``("leaf", src_device, ((dim, start, length), ...), move_to | N
 (a narrowed source block, moved to another torch device if needed) or
 ``("cat", dim, (child, ...))``. Replicas share one node: recipes are built for
 the representative device of each distinct target block (:func:`rep_indices`).
+
+:func:`tiling_view` is the inverse question: when the blocks already tile one buffer
+exactly as the layout places them, the global value is a view of that buffer (no
+copy); the simulated runtime's results and users' chunks often do.
 """
 
 from __future__ import annotations
@@ -20,7 +24,8 @@ import torch
 from shardwise.sharding.layout import Layout
 from shardwise.sharding.shapes import local_bounds, local_shape, split_bounds
 
-__all__ = ["Node", "assemble_recipe", "rep_indices", "run_node", "source_splits"]
+__all__ = ["Node", "assemble_recipe", "rep_indices", "run_node", "source_splits",
+           "tiling_view"]
 
 Node: TypeAlias = "tuple[Any, ...]"
 
@@ -154,3 +159,62 @@ def run_node(node: Node, shards: Sequence[torch.Tensor],
                 t = t.narrow(dim, start, length)
         return t if node[3] is None else t.to(node[3])
     return torch.cat([run_node(child, shards, pieces) for child in node[2]], dim=node[1])
+
+
+@functools.lru_cache(maxsize=4096)
+def _starts(layout: Layout, shape: tuple[int, ...]) -> tuple[tuple[int, tuple[int, ...],
+                                                                    tuple[int, ...]], ...]:
+    """Per distinct block (its representative device): the device, the block's start
+    and its shape in the global value."""
+    mesh = layout.mesh
+    out = []
+    for k in sorted(set(layout.representatives())):
+        bounds = local_bounds(shape, layout, mesh.coord_of(k))
+        out.append((k, tuple(lo for lo, _ in bounds), tuple(hi - lo for lo, hi in bounds)))
+    return tuple(out)
+
+
+def tiling_view(shards: Sequence[torch.Tensor | None], layout: Layout,
+                shape: tuple[int, ...]) -> torch.Tensor | None:
+    """The global value as one view of the buffer the blocks of ``shards`` are views
+    of, when they tile it exactly as ``layout`` places them (each distinct block at
+    its global offset, all with one stride); else None. ``layout`` has no Partial
+    axes. Empty blocks are skipped; a value with no element has no view.
+
+    Not differentiable through the blocks: the view is of their storage, so autograd
+    would reach their base without passing through them (callers check).
+
+    >>> g = torch.arange(12.).reshape(4, 3)
+    >>> lay = Layout(DeviceMesh.cpu(2, "x"), ((0,), ()), (None,))
+    >>> w = tiling_view(list(g.chunk(2)), lay, (4, 3))
+    >>> w.data_ptr() == g.data_ptr() and torch.equal(w, g)
+    True
+    >>> tiling_view([g[:2].clone(), g[2:]], lay, (4, 3)) is None
+    True
+    """
+    if not math.prod(shape):
+        return None
+    base: torch.Tensor | None = None
+    ptr = offset = 0
+    stride: tuple[int, ...] = ()
+    # (storage offsets and strides of CPU tensors are ints: no symbolic sizes here)
+    for k, start, size in _starts(layout, shape):
+        t = shards[k]
+        if t is None or tuple(t.shape) != size:
+            return None
+        if not t.numel():
+            continue
+        if base is None:
+            base, ptr, stride = t, t.untyped_storage().data_ptr(), t.stride()
+            offset = int(t.storage_offset()) - sum(a * b for a, b in zip(start, stride))
+            if offset < 0:
+                return None
+        elif (t.stride() != stride or t.dtype != base.dtype
+              or t.untyped_storage().data_ptr() != ptr
+              or t.storage_offset() != offset + sum(a * b for a, b in zip(start, stride))):
+            return None
+    assert base is not None  # some block holds an element of a non-empty value
+    try:
+        return base.as_strided(shape, stride, offset)
+    except RuntimeError:  # the blocks' stride reaches past their storage for the whole
+        return None

@@ -41,26 +41,42 @@ Invariants:
   Axes whose gradient the value's :class:`~shardwise.runtime.owner.GradOwner` sums
   itself are left out of the all_reduce and of its count. Identity views exist only
   while counting.
+- A value held as blocks, without Partial axes, on a mesh this process holds wholly
+  (:func:`local_mesh`) has a *derived whole* for compute ops (:func:`whole_of`),
+  kept in the cache's ``derived`` slot under the staleness and leaf rules above:
+  the blocks' one buffer seen whole (a view: a Replicated block, or blocks that tile
+  one buffer, :func:`~shardwise.runtime.blocks.tiling_view`) or, where none exists
+  or autograd must reach each block, a copy (the runtime's gather; differentiable
+  into every distinct block once). Blocks that are leaves requiring grad (from
+  ``requires_grad=True``) derive none: each use would copy afresh (the leaf rule), so
+  their ops run on the blocks. A copy is read, never written, and an op whose
+  result aliases it (a view) runs on the blocks instead (:func:`aliases_copy`): a
+  view of a value aliases its blocks, as torch's views do. ``_whole`` stays the
+  value's own (in-place ops, ``requires_grad_``, gradients read it); the derived
+  whole never is.
 - Below every other module of ``tensors/``: it knows a Tensor only by the fields and
   methods of :class:`Operand`.
 """
 
 from __future__ import annotations
 
+import math
 import operator
 from collections.abc import Sequence
 from typing import Any, Protocol, Self, TypeVar
 
 import torch
+import torch.autograd.forward_ad as fwAD
 
 from shardwise.planner import Plan, backward_steps, diverge_step, make_plan
 from shardwise.runtime import backend_for
 from shardwise.runtime import observe as comm
+from shardwise.runtime.blocks import tiling_view
 from shardwise.runtime.owner import GradOwner
 from shardwise.sharding.layout import Layout
 
-__all__ = ["Operand", "OperandCache", "blocks", "kept_layouts", "relayout", "shard_versions",
-           "whole"]
+__all__ = ["COPY_BYTES", "Operand", "OperandCache", "aliases_copy", "blocks", "kept_layouts",
+           "local_mesh", "relayout", "shard_versions", "whole", "whole_of"]
 
 Key = tuple[Layout, tuple[int, ...], bool]
 """(target layout, diverge axes, grad mode)."""
@@ -90,13 +106,16 @@ class _Entry:
 
 class OperandCache:
     """One value's kept operands: ``blocks`` (held as blocks) and ``wholes`` (held
-    whole), each keyed by (target layout, diverge axes, grad mode)."""
+    whole), each keyed by (target layout, diverge axes, grad mode); ``derived``: the
+    derived whole of a value held as blocks (its ``kept`` is ``(whole, is_copy)``),
+    or None."""
 
-    __slots__ = ("blocks", "wholes")
+    __slots__ = ("blocks", "derived", "wholes")
 
     def __init__(self) -> None:
         self.blocks: dict[Key, _Entry] = {}
         self.wholes: dict[Key, _Entry] = {}
+        self.derived: _Entry | None = None
 
 
 class Operand(Protocol):
@@ -105,6 +124,8 @@ class Operand(Protocol):
     _layout: Layout
     _shape: tuple[int, ...]
     _dtype: torch.dtype
+    _device: torch.device
+    _blocks: tuple[torch.Tensor, ...] | None
     _whole: torch.Tensor | None
     _cache: OperandCache | None
     _grad_owner: GradOwner | None
@@ -205,7 +226,7 @@ def kept_layouts(operands: Sequence[Operand | None], held_whole: bool
                 continue
             if source is None:  # read the source's version once, only when needed
                 if held_whole:
-                    w = x._whole
+                    w = whole_of(x)
                     assert w is not None
                     source, version = w, _whole_version(w)
                 else:
@@ -306,7 +327,7 @@ def whole(x: Operand, target: Layout, diverge: tuple[int, ...] = (),
     value, from the cheapest layout kept (the same operand for every later op, so one
     backward hook sees the summed gradient). ``view``: an identity view of the whole
     that the op already used (the hook goes there, e.g. a bias inside addmm)."""
-    w = x._whole
+    w = x._whole if x._whole is not None else whole_of(x)
     assert w is not None
     layout = x._layout
     if not diverge and (target is layout or target == layout):
@@ -345,3 +366,122 @@ def whole(x: Operand, target: Layout, diverge: tuple[int, ...] = (),
     if table is not None:  # (a view of the whole shares its version: watch nothing more)
         table[key] = _Entry(w, layout, version, out, ())
     return out
+
+
+# --- the derived whole of a value held as blocks ---------------------------------------
+_LOCAL: dict[tuple[int, torch.device], tuple[Any, bool]] = {}
+_DIST = torch.distributed.is_available()
+
+
+def local_mesh(mesh: Any, device: torch.device) -> bool:
+    """Whether this process alone holds every device of ``mesh`` (a DeviceMesh), all
+    on torch ``device``. Never in a process world (torch.distributed initialized):
+    other processes may take part in ``mesh``'s collectives (a one-device mesh held
+    here is still broadcast to them), so every process runs the ops block by block
+    alike."""
+    if _DIST and torch.distributed.is_initialized():
+        return False
+    hit = _LOCAL.get((id(mesh), device))
+    if hit is None:
+        backend = backend_for(mesh)
+        ok = len(backend.owned(mesh)) == mesh.num_devices and all(
+            backend.device_of(mesh, k) == device for k in range(mesh.num_devices))
+        hit = _LOCAL[(id(mesh), device)] = (mesh, ok)
+    return hit[1]
+
+
+COPY_BYTES = 1 << 18
+"""Derived wholes that copy are made for values of at most this many bytes: there an
+op's per-block torch calls (~1-3 us each) cost more than the copy; above it they are
+a small share of the op, and a copy would cost a pass over the bytes and keep a second
+copy of the value alive."""
+
+
+def whole_of(x: Operand, copy: bool = True) -> torch.Tensor | None:
+    """``x``'s whole value for a compute op: its own ``_whole``, else its derived
+    whole (module doc), else None (Partial axes, blocks on other devices or
+    processes, blocks that are autograd leaves requiring grad, or a copy where
+    ``copy`` is False or the value is above :data:`COPY_BYTES`). A derived whole is
+    made once per value and kept while the blocks are unchanged.
+
+    >>> from shardwise.tensors.tensor import Tensor
+    >>> mesh = DeviceMesh.cpu(2, "x")
+    >>> lay = Layout(mesh, ((0,),), (None,))
+    >>> g = torch.arange(4.)
+    >>> whole_of(Tensor(list(g.chunk(2)), lay, (4,))).data_ptr() == g.data_ptr()  # a view
+    True
+    >>> t = Tensor([torch.zeros(2), torch.ones(2)], lay, (4,))
+    >>> whole_of(t).tolist(), aliases_copy(t, whole_of(t))
+    ([0.0, 0.0, 1.0, 1.0], True)
+    """
+    w = x._whole
+    if w is not None:
+        return w
+    cache = x._cache
+    entry = None if cache is None else cache.derived
+    blocks = x._blocks
+    if (entry is not None and blocks is not None and entry.source is blocks
+            and entry.layout is x._layout):
+        # kept: a view serves while the blocks tuple is the same (writes show through
+        # it), a copy while their version is too; either only in the autograd mode it
+        # was made in, and while the blocks are no leaf requiring grad
+        w, copied, grad, level, first, uniq = entry.kept
+        if (grad is torch.is_grad_enabled() and level == fwAD._current_level
+                and not (first is not None and first.requires_grad and first.grad_fn is None)
+                and (not copied or entry.version == shard_versions(blocks, uniq))):
+            return w if copy or not copied else None
+    layout = x._layout
+    if layout.is_partial or not local_mesh(layout.mesh, x._device):
+        return None  # (a process world's values pay only this check)
+    shards = x._shards
+    uniq = x._unique()
+    first = shards[uniq[0]] if uniq else None
+    if first is not None and first.requires_grad and first.grad_fn is None:
+        return None  # (the leaf rule: each use would copy afresh; its blocks run the op)
+    version = shard_versions(shards, uniq)
+    w, copied = _derive(shards, uniq, layout, x._shape, x._dtype.itemsize)
+    if cache is None:
+        cache = x._cache = OperandCache()
+    cache.derived = _Entry(shards, layout, version, (
+        w, copied, torch.is_grad_enabled(), fwAD._current_level, first, uniq), ())
+    return w if copy or not copied else None
+
+
+def _derive(shards: tuple[torch.Tensor, ...], uniq: tuple[int, ...], layout: Layout,
+            shape: tuple[int, ...], itemsize: int) -> tuple[torch.Tensor | None, bool]:
+    """(the whole, whether it is a copy) of blocks ``shards`` in ``layout`` (no
+    Partial axes); the whole is None when this process does not hold them all on one
+    device or the copy would be above :data:`COPY_BYTES`."""
+    if not uniq or len(uniq) != len(set(layout.representatives())):
+        return None, False  # (a device without its block: never on a mesh held wholly)
+    first = shards[uniq[0]]
+    if len(uniq) == 1 and tuple(first.shape) == shape:
+        return first, False  # Replicated: the one buffer is the whole
+    if not _recording([shards[k] for k in uniq]):
+        view = tiling_view(shards, layout, shape)
+        if view is not None:
+            return view, False
+    if math.prod(shape) * itemsize > COPY_BYTES:
+        return None, False
+    full = Layout.replicated(layout.mesh, len(shape))
+    return backend_for(layout.mesh).assemble(shards, layout, full, shape)[0], True
+
+
+def _recording(parts: list[torch.Tensor]) -> bool:
+    """Whether autograd (reverse or forward mode) may need ``parts`` as separate inputs."""
+    return fwAD._current_level >= 0 or (
+        torch.is_grad_enabled() and any(p.requires_grad for p in parts))
+
+
+def aliases_copy(x: Operand, result: torch.Tensor) -> bool:
+    """Whether ``result`` (an op's output) is, or is a view of, ``x``'s derived whole
+    when that whole is a copy of the blocks: then the op runs on the blocks instead,
+    so that its result aliases them (module doc)."""
+    if x._whole is not None:
+        return False
+    cache = x._cache
+    entry = None if cache is None else cache.derived
+    if entry is None or not entry.kept[1]:
+        return False
+    w = entry.kept[0]
+    return result is w or result._base is w

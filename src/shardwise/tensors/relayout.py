@@ -49,26 +49,6 @@ def _replicated(mesh: DeviceMesh, ndim: int) -> Layout:
     return hit[1]
 
 
-_LOCAL: dict[tuple[int, torch.device], tuple[DeviceMesh, bool]] = {}
-_DIST = torch.distributed.is_available()
-
-
-def _local_mesh(mesh: DeviceMesh, device: torch.device) -> bool:
-    """Whether this process alone holds every device of ``mesh``, all on torch
-    ``device``. Never in a process world (torch.distributed initialized): other
-    processes may take part in ``mesh``'s collectives (a one-device mesh held here is
-    still broadcast to them), so every process runs the ops block by block alike."""
-    if _DIST and torch.distributed.is_initialized():
-        return False
-    hit = _LOCAL.get((id(mesh), device))
-    if hit is None:
-        backend = backend_for(mesh)
-        ok = len(backend.owned(mesh)) == mesh.num_devices and all(
-            backend.device_of(mesh, k) == device for k in range(mesh.num_devices))
-        hit = _LOCAL[(id(mesh), device)] = (mesh, ok)
-    return hit[1]
-
-
 def _cut(whole: torch.Tensor, layout: Layout) -> tuple[torch.Tensor, ...]:
     """The blocks of ``whole`` (the global value) that ``layout`` gives each device;
     Partial axes get the canonical decomposition (the planner's make_partial steps,

@@ -10,6 +10,11 @@ Invariants:
 - It is a ``torch.Tensor`` (a wrapper with no storage): its torch metadata is the
   global value's, and every torch function goes through ``__torch_function__`` to
   the op registry (``HANDLERS``, filled by :data:`REGISTRY` on first use).
+- Under a torch.func transform (which wraps it below ``__torch_function__``) each aten
+  op reaches ``__torch_dispatch__`` and runs on the gathered values through the
+  registry's fallback (exact; plain results, views stay Replicated Tensors); writes in
+  place into it and wrapped values leaving a transform are refused. Any other aten op
+  reaching it is refused.
 - ``torch.compile`` never traces or compiles shardwise's own frames (the package is on
   Dynamo's skip list, :func:`_skip_in_dynamo`): each shardwise call in compiled code
   is a graph break that runs eagerly, so no guard ever reads shardwise's Python state.
@@ -21,7 +26,8 @@ Invariants:
   are cut from it on first use (:func:`~shardwise.tensors.relayout._cut`). It is set
   only on a mesh this process holds wholly. Autograd then runs on the whole; shards
   cut from it are views that autograd flows through. A Tensor built from shards
-  (``Tensor(...)``) has none.
+  (``Tensor(...)``) has none (its compute ops may still run once on a whole derived
+  from its blocks, kept by :func:`~shardwise.tensors.cache.whole_of`).
 - The class is built from three bases, each in its own module and each below this
   one: :class:`~shardwise.tensors.meta.MetaMixin` (the fields, torch metadata, mesh
   views) < :class:`~shardwise.tensors.relayout.RelayoutMixin` (layout changes) <
@@ -29,6 +35,9 @@ Invariants:
   for ops lives in slots (:mod:`~shardwise.tensors.cache`), never in ``__dict__``. None
   subclasses ``torch.Tensor``; they precede it in the bases, so their properties
   (``shape``, ``grad``, ``requires_grad``, ``data``...) override torch's.
+- Every torch function routed here runs as the current op of the program position
+  (:mod:`shardwise.runtime.position`), which the multi-process collectives it
+  causes carry in their fingerprint; the previous op is restored after it.
 - Here: construction, torch's routing, Python protocols, DCP hooks, values out,
   ``backward`` (through ``torch.autograd.backward``, whose handler is the registry's
   ``autograd`` family), and the placing functions (``place``, ``to_layout``, ...).
@@ -42,8 +51,10 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
+import torch.utils._pytree as pytree
 
 from shardwise.runtime import backend_for
+from shardwise.runtime.position import HERE
 from shardwise.sharding.errors import ShardingError
 from shardwise.sharding.layout import Layout
 from shardwise.sharding.mappings import ShardingSpec
@@ -51,7 +62,7 @@ from shardwise.sharding.types import dtype_name
 from shardwise.tensors import cache, chunks, dtensor
 from shardwise.tensors.grad import GradMixin
 from shardwise.tensors.meta import MetaMixin
-from shardwise.tensors.relayout import RelayoutMixin, _cut, _local_mesh
+from shardwise.tensors.relayout import RelayoutMixin, _cut
 
 __all__ = ["Tensor"]
 
@@ -60,26 +71,35 @@ __all__ = ["Tensor"]
 HANDLERS: dict[Any, Callable[..., Any]] = {}
 #: the module that fills HANDLERS and FALLBACK, loaded on the first torch call.
 REGISTRY = "shardwise.ops.torch_api"
-#: called for a torch function without a handler: ``(func, args, kwargs) -> result``.
-FALLBACK: list[Callable[[Any, tuple[Any, ...], dict[str, Any]], Any]] = []
+#: called for a torch function without a handler: ``(func, args, kwargs) -> result``
+#: (Replicated Tensors; with ``plain=True``, plain torch tensors of the global values).
+FALLBACK: list[Callable[..., Any]] = []
 #: called for a torch function given ``out=``: runs it without, then writes ``out``.
 WRITE_OUT: list[Callable[[Any, tuple[Any, ...], dict[str, Any]], Any]] = []
 
 
 def _route_eager(func: Any, args: Any, kwargs: Any) -> Any:
-    """One torch function on shardwise Tensors: its handler, else the fallback."""
-    handler = HANDLERS.get(func)
-    if not kwargs:
-        if handler is not None:
-            return handler(*args)
-    elif WRITE_OUT and kwargs.get("out") is not None:
-        return WRITE_OUT[0](func, tuple(args), kwargs)
-    elif handler is not None:
-        return handler(*args, **kwargs)
-    if not FALLBACK:  # the registry is filled by the API floor's ops, named here as a
-        importlib.import_module(REGISTRY)  # plugin (no static upward import)
-        return _route_eager(func, args, kwargs)
-    return FALLBACK[0](func, tuple(args), kwargs or {})
+    """One torch function on shardwise Tensors: its handler, else the fallback. The
+    collectives it runs carry ``func`` in their program position (restored after: a
+    rank's extra local op leaves nothing behind)."""
+    here = HERE
+    before = here.op
+    here.op = func
+    try:
+        handler = HANDLERS.get(func)
+        if not kwargs:  # the common call: straight to its handler
+            if handler is not None:
+                return handler(*args)
+        elif WRITE_OUT and kwargs.get("out") is not None:
+            return WRITE_OUT[0](func, tuple(args), kwargs)
+        elif handler is not None:
+            return handler(*args, **kwargs)
+        if not FALLBACK:  # the registry is filled by the API floor's ops, named here as
+            importlib.import_module(REGISTRY)  # a plugin (no static upward import)
+            return _route_eager(func, args, kwargs)
+        return FALLBACK[0](func, tuple(args), kwargs or {})
+    finally:
+        here.op = before
 
 
 #: :func:`_route_eager` for torch.compile: Dynamo runs it eagerly (a graph break), as
@@ -179,7 +199,7 @@ class Tensor(GradMixin, RelayoutMixin, MetaMixin,  # type: ignore[misc,override]
         """Internal: the Tensor whose blocks are cut from ``whole`` (the global value).
         On a mesh this process holds wholly the blocks are cut lazily and ops whose
         operands all hold wholes run once on them (see ``ops.execute``)."""
-        if not _local_mesh(layout.mesh, whole.device):
+        if not cache.local_mesh(layout.mesh, whole.device):
             return cls(_cut(whole, layout), layout, whole.shape, whole.dtype,
                        open_dims=open_dims)
         return cls._wrap(None, whole, layout, whole.shape, whole.dtype, whole.device,
@@ -210,32 +230,28 @@ class Tensor(GradMixin, RelayoutMixin, MetaMixin,  # type: ignore[misc,override]
                            kwargs: Any = None) -> Any:
         if _compiling():
             return _route(func, args, kwargs)
-        if not kwargs:  # the common call: straight to its handler
-            handler = HANDLERS.get(func)
-            if handler is not None:
-                return handler(*args)
         return _route_eager(func, args, kwargs)
 
     @classmethod
     def __torch_dispatch__(cls, func: Any, types: Any, args: Any = (),  # type: ignore[override]
                            kwargs: Any = None) -> Any:
         # Reached only if a torch function bypassed __torch_function__: torch.func's
-        # transforms (they wrap the Tensor in C++ and run aten ops on the wrapper), or a
-        # C++ path with torch functions disabled. The wrapper has no data: refuse by name.
+        # transforms (they wrap the Tensor in C++ and run aten ops on the wrapper, their
+        # own layers already peeled off), or a C++ path with torch functions disabled.
+        # The wrapper has no data: under a transform the aten op runs on the gathered
+        # values (the fallback: exact), elsewhere it is refused.
         transform = _functorch_caller()
         if transform is not None:
-            raise ShardingError(
-                f"torch.func ({transform}) cannot see into a shardwise.Tensor ({func} reached "
-                "torch's dispatcher): torch.func transforms work below "
-                "__torch_function__, where a shardwise.Tensor holds no data of its own. "
-                "For derivatives use shardwise.grad / value_and_grad / vjp / jvp or "
-                "torch.autograd.grad (gradients in each input's layout); for vmap, loop "
-                "over the batch or give the function a batch dim."
-            )
+            return _under_transform(transform, func, args, kwargs or {})
+        _refuse_wrapped("a torch.func transform", func, args, kwargs or {})
         raise ShardingError(
             f"{func} reached torch's dispatcher with a shardwise.Tensor, which holds no data "
             "of its own (its shards do). This torch path bypasses __torch_function__; gather "
-            "the value first with x.to_torch(), or report the call that led here."
+            "the value first with x.to_torch(), or report the call that led here. (After a "
+            "torch.func transform: a value it returned may hold the transform's wrapped "
+            "tensors, when the transformed function mixed its input with shardwise "
+            "Tensors the transform does not see; return x.to_torch() from the function, "
+            "or pass those Tensors through the transform.)"
         )
 
     def __repr__(self) -> str:  # type: ignore[override]
@@ -316,10 +332,12 @@ class Tensor(GradMixin, RelayoutMixin, MetaMixin,  # type: ignore[misc,override]
         out = self._global()
         if self._whole is not None:
             return out.clone()
-        storages = {s.untyped_storage()._cdata for s in self._shards if s is not None}
-        if out.untyped_storage()._cdata in storages:
-            out = out.clone()
-        return out
+        try:
+            storages = {s.untyped_storage()._cdata for s in self._shards if s is not None}
+            alias = out.untyped_storage()._cdata in storages
+        except NotImplementedError:  # torch.func's wrappers hide their storage: copy
+            alias = True
+        return out.clone() if alias else out
 
     def numpy(self, *, force: bool = False) -> Any:
         # torch's rules (grad, device), then always a gathered copy: the array never
@@ -371,8 +389,9 @@ _TRANSFORMS = {"grad_and_value_impl": "grad", "vmap_impl": "vmap", "_vjp_with_ar
 
 
 def _functorch_caller() -> str | None:
-    """The outermost torch.func transform on the call stack, if any (read on the error
-    path only: jacrev shows as the vjp it runs)."""
+    """The outermost torch.func transform on the call stack, if any (jacrev shows as the
+    vjp it runs; ``"transform"`` for another torch._functorch frame, such as the
+    function that ``vjp`` returns)."""
     found = None
     frame = sys._getframe(1)
     while frame is not None:
@@ -380,6 +399,53 @@ def _functorch_caller() -> str | None:
             found = _TRANSFORMS.get(frame.f_code.co_name, found or "transform")
         frame = frame.f_back  # type: ignore[assignment]
     return found
+
+
+def _under_transform(transform: str, func: Any, args: Any, kwargs: dict[str, Any]) -> Any:
+    """An aten op that a torch.func transform ran on shardwise Tensors: the registry's
+    gathered fallback (values exact, the fallback warning; an error under
+    ``shardwise.strict()``), returning the plain global values, except views, which
+    stay Replicated Tensors. The transform wraps the results again, so gradients and
+    batching are torch's own. Refused: writes in place into a shardwise Tensor (into a
+    gathered copy they would be lost), and a Tensor whose values are a transform's
+    wrapped tensors (made inside it from plain inputs or dual tangents: it crossed out
+    of the transform, which cannot see into it to unwrap them)."""
+    if func._schema.is_mutable:
+        raise ShardingError(
+            f"torch.func ({transform}) ran {func}, which writes in place, on a "
+            "shardwise.Tensor: under a torch.func transform an op reaches a "
+            "shardwise.Tensor below __torch_function__, where it runs on a gathered "
+            "copy, and a write into a copy would be lost. Write out of place inside the "
+            "transformed function, or use shardwise.grad / vjp / jvp.")
+    _refuse_wrapped(f"torch.func ({transform})", func, args, kwargs)
+    if not FALLBACK:
+        importlib.import_module(REGISTRY)
+    # A result that aliases an input (a view) stays a Tensor (a Replicated copy), so a
+    # write through it is refused as above; any other result is the plain global value,
+    # and what the transform does with it next is torch's alone (torch's composite ops
+    # write in place into their fresh results, e.g. matmul's squeeze_ under vmap).
+    aliases = any(r.alias_info is not None for r in func._schema.returns)
+    return FALLBACK[0](func, tuple(args), kwargs, plain=not aliases)
+
+
+def _refuse_wrapped(who: str, func: Any, args: Any, kwargs: dict[str, Any]) -> None:
+    for t in pytree.tree_leaves((args, kwargs)):
+        if isinstance(t, Tensor) and _wrapped(t):
+            raise ShardingError(
+                f"{who} met {t!r}, whose values are a transform's own wrapped tensors "
+                f"({func}): it was made inside a transformed function (from a plain or "
+                "transformed input mixed with shardwise Tensors the transform does not see, "
+                "or by jvp's dual tangents, as in jacfwd / hessian) and crossed out of it, "
+                "and the transform cannot see into a shardwise.Tensor to unwrap them. "
+                "Return x.to_torch() (a plain tensor) from the function, pass every "
+                "shardwise.Tensor it uses through the transform (torch.func.functional_call "
+                "for a module's parameters), or use shardwise.grad / vjp / jvp.")
+
+
+def _wrapped(t: Tensor) -> bool:
+    value = t._whole if t._whole is not None else next(
+        (s for s in t._shards if s is not None), None)
+    return value is not None and torch._C._functorch.is_functorch_wrapped_tensor(value)
 
 
 def with_open_dims(t: Tensor, sharding: object) -> Tensor:
@@ -390,6 +456,11 @@ def with_open_dims(t: Tensor, sharding: object) -> Tensor:
         want = None
     if want == t._open or (want is not None and len(want) != t.ndim):
         return t
+    w = t._whole
+    if w is not None:  # (the whole, not its blocks: ops keep running on it)
+        if w.requires_grad:  # an alias autograd records, as the cut blocks were: never
+            w = w.view_as(w)  # the leaf itself (one leaf, one .grad)
+        return Tensor._wrap(None, w, t._layout, t._size, t._dtype, t._device, want)
     return Tensor(t._shards, t._layout, t._shape, t._dtype, open_dims=want)
 
 

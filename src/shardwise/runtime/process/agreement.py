@@ -6,8 +6,11 @@ The message (see :mod:`.channel`) is one all_reduce whose kind (length, dtype, o
 group's agreed history alone decides, so it is the same on every member whatever each
 one calls now: a disagreement can never make Gloo abort on a size mismatch, nor mix
 reduce ops. Its tail carries the collective's fingerprint (op, reduce op, group, shape,
-dtype, layout, sizes, and the group's sequence number): every member finds the
-expected reduced tail exactly when all fingerprints are equal.
+dtype, layout, sizes, and the group's sequence number) joined with the program position
+that issued it (:mod:`shardwise.runtime.position`: the module, its style and the op;
+one XOR of cached codes): every member finds the expected reduced tail exactly when
+all fingerprints and positions are equal, so a divergent program stops at its first
+divergent collective, before its data is used.
 - A control message (float64 sum) carries a SUM/AVG all_reduce or reduce_scatter, an
   all_gather or a broadcast of a float dtype when it fits the room the history
   predicted (a training step repeats: from its second iteration a step's small and
@@ -28,7 +31,8 @@ Invariants:
   that differs (or by the timeout), not by the count itself.
 - A mismatch raises :class:`CollectiveError` on every member (all read the same
   reduced tail); the message names the collective, the field and the ranks, read
-  from the members' fingerprints in the rendezvous store.
+  from the members' fingerprints in the rendezvous store, and where each member
+  issued it when the positions differ.
 - Waits: messages, p2p and collectives end within ``timeout_s`` (+ at most
   ``3 * diagnose.SLACK_S + 2 * diagnose.BYSTANDER_S + 0.5`` s for naming the ranks that
   did not arrive and the culprit behind them, whatever the store's host does: frozen,
@@ -46,7 +50,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from shardwise.runtime import buffers
+from shardwise.runtime import buffers, position
 from shardwise.runtime.process import diagnose
 from shardwise.runtime.process.channel import (  # re-exported: the runtime reaches them here
     CAP,
@@ -178,7 +182,7 @@ def agree(pg: Any, ranks: tuple[int, ...], label: str, fp: Fingerprint,
         if x is not None:
             raise AssertionError(f"{fp.what}: the next message is a fused all_reduce "
                                  "(check room() first)")
-        mine, want = tails(fp.code, ch.seq, len(ch.ranks), k.op)
+        mine, want = tails(fp.code ^ position.code(), ch.seq, len(ch.ranks), k.op)
         buf = torch.zeros(k.room + TAIL, dtype=k.dtype, device=ch.device)
         buf[k.room:].copy_(torch.tensor(mine, dtype=k.dtype))
         _send(ch, buf, k, label, fp, want, deferred)
@@ -188,7 +192,7 @@ def agree(pg: Any, ranks: tuple[int, ...], label: str, fp: Fingerprint,
         raise AssertionError(f"{fp.what}: {x.dtype} data does not fit a float32 control "
                              "message (check room_for() first)")
     size = len(ch.ranks)
-    mine, want = tails(fp.code, ch.seq, size)
+    mine, want = tails(fp.code ^ position.code(), ch.seq, size)
     buf, arr = msg.buf, msg.arr
     fast = arr is not None and x is not None and x.dtype in _NUMPY
     n = at = 0
@@ -242,15 +246,14 @@ def fold_reduce(ch: Channel, label: str, fp: Fingerprint, x: torch.Tensor, op: R
     arr, n, size = msg.arr, x.numel(), len(ch.ranks)
     assert arr is not None and msg.mem is not None
     arr[:n] = (x.detach() if x.requires_grad else x).numpy().reshape(-1)
-    mine, want = tails(fp.code, ch.seq, size)
+    mine, want = tails(fp.code ^ position.code(), ch.seq, size)
     msg.pack.pack_into(msg.mem, msg.tail_at, *mine)
     work = _post(ch, msg.buf, ReduceOp.SUM, label, fp)
     out = torch.empty(tuple(x.shape), dtype=x.dtype)  # while the message travels
     _wait_control(work, ch, label, fp)
     if msg.pack.unpack_from(msg.mem, msg.tail_at) != want:
         ch.mismatches += 1
-        raise CollectiveError(diagnose.mismatch(ch, label, dict(zip(FIELDS, fp.values)),
-                                                fp.what))
+        raise CollectiveError(diagnose.mismatch(ch, label, _fields(fp), fp.what))
     ch.agreed(fp)
     if op is ReduceOp.AVG:
         np.divide(arr[:n], size, out=out.numpy().reshape(-1), casting="unsafe")
@@ -271,7 +274,7 @@ def agree_fused(pg: Any, ranks: tuple[int, ...], label: str, fp: Fingerprint,
     if fp.fuse != k:
         raise AssertionError(f"{fp.what}: not the fused all_reduce the group expects "
                              "(check kind() first)")
-    mine, want = tails(fp.code, ch.seq, len(ch.ranks), k.op)
+    mine, want = tails(fp.code ^ position.code(), ch.seq, len(ch.ranks), k.op)
     out = buffers.empty((k.room + TAIL,), x)
     out[:k.room].view(x.shape).copy_(x)
     out[k.room:].copy_(torch.tensor(mine, dtype=k.dtype))
@@ -300,9 +303,14 @@ def _finish(work: Any, ch: Channel, buf: torch.Tensor, k: Kind, label: str, fp: 
            else tuple(buf[k.room:].tolist()))
     if got != want:
         ch.mismatches += 1
-        raise CollectiveError(diagnose.mismatch(ch, label, dict(zip(FIELDS, fp.values)),
-                                                fp.what))
+        raise CollectiveError(diagnose.mismatch(ch, label, _fields(fp), fp.what))
     ch.agreed(fp)
+
+
+def _fields(fp: Fingerprint) -> dict[str, str]:
+    """This member's view of a mismatched collective, for the error: the fingerprint's
+    fields and the program position that issued it (formatted here, off the hot path)."""
+    return {**dict(zip(FIELDS, fp.values)), diagnose.POSITION: position.text()}
 
 
 def _device_of(pg: Any) -> torch.device:
@@ -364,12 +372,13 @@ def debug_check(pg: Any, ranks: tuple[int, ...], slot: Any, label: str, fp: Fing
     """Debug mode (``check_collectives=True``): compare every member's fingerprint code
     explicitly (one all_gather after the control message), independent of the tail's
     arithmetic. ``slot[p]``: member p's place in torch's rank order (None: the same)."""
-    mine = torch.tensor([fp.code], dtype=torch.int64)
+    code = fp.code ^ position.code()
+    mine = torch.tensor([code], dtype=torch.int64)
     got = torch.empty(len(ranks), dtype=torch.int64)
     gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
     run(fp.what, label, ranks, lambda: gather(got, mine, group=pg), pg)
     codes = got.tolist()
-    others = [ranks[p] for p in range(len(ranks)) if codes[slot[p] if slot else p] != fp.code]
+    others = [ranks[p] for p in range(len(ranks)) if codes[slot[p] if slot else p] != code]
     if others:
         raise CollectiveError(
             f"Collective mismatch (debug check): rank {dist.get_rank()} called {fp.what} over "

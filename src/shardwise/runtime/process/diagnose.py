@@ -48,6 +48,7 @@ import torch.distributed as dist
 __all__ = ["Seen", "absent", "examine", "failed_text", "first_failure", "mismatch", "note",
            "note_done", "record"]
 
+POSITION = "issued at"  # the mismatch field of the program position (runtime.position)
 SLACK_S = 2.0        # at most this long without an answer from the store after a failure
 BYSTANDER_S = 1.0    # a bystander records and raises this much after the culprit's witness
 _HOPS = 4            # waits followed from an absent rank to the culprit
@@ -391,15 +392,35 @@ def _present(store: Any, prefix: str, ranks: tuple[int, ...], deadline: float) -
     return found
 
 
+def _positions(views: dict[int, dict[str, str]], me: int) -> str:
+    """"rank 1 issued all_reduce at X, where ranks 0, 2 issued all_reduce at Y": this
+    rank's position first, then the others', grouped."""
+    def says(r: int) -> str:
+        v = views[r]
+        return f"{v.get('collective', '?')} at {v.get(POSITION, '?')}"
+
+    held: dict[str, list[int]] = {}
+    for r in sorted(views):
+        held.setdefault(says(r), []).append(r)
+    mine = says(me) if me in views else None
+    order = sorted(held, key=lambda k: k != mine)
+    parts = [f"rank{'s' if len(held[k]) > 1 else ''} {', '.join(map(str, held[k]))} "
+             f"issued {k}" for k in order]
+    return "the program position: " + parts[0] + (", where " + "; ".join(parts[1:])
+                                                  if parts[1:] else "")
+
+
 def _mismatch_text(ch: Any, label: str, what: str, fields: list[str],
                    views: dict[int, dict[str, str]]) -> str:
     me = dist.get_rank()
-    lines = []
+    lines: list[str] = []
     for field_ in ("seq", *fields):
         held: dict[str, list[int]] = {}
         for r in sorted(views):
-            held.setdefault(views[r][field_], []).append(r)
-        if len(held) > 1:
+            held.setdefault(views[r].get(field_, "?"), []).append(r)
+        if len(held) > 1 and field_ == POSITION:
+            lines.insert(0, _positions(views, me))
+        elif len(held) > 1:
             name = "sequence number (collectives so far on this group)" if field_ == "seq" \
                 else field_
             parts = "; ".join(f"rank{'s' if len(rs) > 1 else ''} {', '.join(map(str, rs))}: "

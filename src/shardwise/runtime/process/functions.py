@@ -31,6 +31,10 @@ Invariants:
 - :func:`run` skips ``Function.apply`` when autograd records nothing (it costs ~10 us).
 - Every member of a group runs the same spec (also one that keeps its block), so the
   members' collectives, forward and backward, pair up.
+- A tensor that a torch.func transform wrapped never enters a collective (:func:`run`
+  raises before any message): c10d has no rule for the transforms' wrappers.
+- A backward runs at the program position of its forward, marked as its backward
+  (:func:`shardwise.runtime.position.backward_of`): its collectives carry it.
 """
 
 from __future__ import annotations
@@ -43,6 +47,7 @@ import torch
 import torch.autograd.forward_ad as fwAD
 from torch.autograd import Function
 
+from shardwise.runtime.position import HERE, backward_of
 from shardwise.runtime.process import collectives as D
 from shardwise.sharding.errors import ShardingError
 from shardwise.sharding.placements import ReduceOp
@@ -82,6 +87,7 @@ class Collective(Function):
     def forward(ctx: Any, x: torch.Tensor, spec: Spec) -> torch.Tensor:
         out = spec.forward(x)
         ctx.spec = spec
+        ctx.at = HERE.site, HERE.op   # the backward's program position
         if spec.saves:
             ctx.save_for_backward(x, out)
             ctx.fw = (x, out)
@@ -91,7 +97,13 @@ class Collective(Function):
     def backward(ctx: Any, g: torch.Tensor) -> Any:
         spec = ctx.spec
         x, out = ctx.saved_tensors if spec.saves else (None, None)
-        return spec.transpose(g, x, out), None
+        before = HERE.site, HERE.op
+        site, op = ctx.at
+        HERE.site, HERE.op = backward_of(site), op
+        try:
+            return spec.transpose(g, x, out), None
+        finally:
+            HERE.site, HERE.op = before
 
     @staticmethod
     def jvp(ctx: Any, t: torch.Tensor, _: Any) -> torch.Tensor:
@@ -107,6 +119,16 @@ def run(spec: Spec, x: torch.Tensor) -> torch.Tensor:
     >>> run(TakeFirst(), torch.ones(2)).tolist()
     [1.0, 1.0]
     """
+    if torch._C._functorch.is_functorch_wrapped_tensor(x):
+        raise ShardingError(
+            f"A tensor wrapped by a torch.func transform reached a collective ({spec!r}) "
+            "of the multi-process runtime, which cannot run under the transform: the "
+            "transformed function mixed a tensor of the transform (its input or a value "
+            "made from it) with a shardwise.Tensor it does not transform (a module's "
+            "parameter, a closure). Under torchrun, pass those shardwise Tensors through "
+            "the transform too (torch.func.functional_call(model, params, args) with "
+            "params transformed or in_dims=None), or use torch.autograd.grad / "
+            "shardwise.grad / vjp / jvp.")
     if fwAD._current_level >= 0 or (x.requires_grad and torch.is_grad_enabled()):
         out: torch.Tensor = Collective.apply(x, spec)
         return out
