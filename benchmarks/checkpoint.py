@@ -16,6 +16,13 @@ the peak memory of a sharded safetensors load.
   shardwise save and same-layout load >= 80% of plain. ``shardwise.checkpoint.save``
   and ``load`` (atomic; a CRC-32 per chunk written, checked on load) are shown beside
   the plain ``dcp.save``/``dcp.load`` too.
+- The checksums' cost (issue 24): ``checkpoint.save``/``load`` and
+  ``save_safetensors``/``load_safetensors`` with the checksums on and off, the same code
+  path with its switch (``store._save(checksums=)``, ``load(verify=)``; the loads read
+  the same checksummed files), in alternating order, each save into a fresh path and
+  each load from the page cache (the file just written), ``repeat`` pairs of their
+  own; the ratio is the throughput with them over that without (median, and best).
+  Target: >= 0.95 (the checksums cost <= 5%).
 - Peak memory of ``load_safetensors`` into the sharded model, in a fresh process,
   after ``malloc_trim(0)`` (freed heap pages would otherwise be reused unseen):
   anonymous memory (``RssAnon`` of ``/proc/self/status``, sampled every 0.1 ms by a
@@ -195,6 +202,56 @@ def measure_throughput(n: int, repeat: int, shape: tuple[int, int] = SHAPE
     ]
 
 
+def measure_checksums(n: int, repeat: int, shape: tuple[int, int] = SHAPE
+                      ) -> list[dict[str, Any]]:
+    """Checksums on beside off, interleaved (see the module doc)."""
+    import shardwise as sw
+    from shardwise.checkpoint import integrity, safetensors_io, store
+
+    warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+    sharded, _ = _state(n, shape)
+    mib = n * shape[0] * shape[1] * 4 / MiB
+    root = Path(tempfile.mkdtemp(prefix="shardwise-bench-crc-"))
+    times: dict[str, list[float]] = {}
+
+    def add(key: str, seconds: float) -> None:
+        times.setdefault(key, []).append(seconds)
+
+    try:
+        for i in range(repeat):
+            order = (True, False) if i % 2 else (False, True)
+            for on in order:
+                add(f"save {on}", _timed(store._save, sharded, root / f"{on}{i}",
+                                         checksums=on))
+            for on in order:  # both read the checksummed checkpoint
+                add(f"load {on}", _timed(sw.checkpoint.load, _targets(n, False, shape),
+                                         root / f"True{i}", verify=on))
+            for on in order:
+                shutil.rmtree(root / f"{on}{i}")
+            for on in order:
+                add(f"st save {on}", _timed(safetensors_io._save_safetensors, sharded,
+                                            root / f"{on}.safetensors", None, checksums=on))
+            moved = _targets(n, True, shape)
+            for on in order:
+                add(f"st load {on}", _timed(sw.checkpoint.load_safetensors,
+                                            root / "True.safetensors", moved, verify=on))
+            for on in order:
+                (root / f"{on}.safetensors").unlink()
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    how = "zlib-ng" if integrity.FAST else "zlib"
+    return [
+        _summary(f"checkpoint.save, CRC-32s ({how}) on / off", mib, times["save True"],
+                 times["save False"], "the same, checksums off"),
+        _summary(f"checkpoint.load, CRC-32s ({how}) checked / not", mib, times["load True"],
+                 times["load False"], "the same, verify=False"),
+        _summary(f"save_safetensors, CRC-32s ({how}) on / off", mib, times["st save True"],
+                 times["st save False"], "the same, checksums off"),
+        _summary(f"load_safetensors, CRC-32s ({how}) checked / not", mib,
+                 times["st load True"], times["st load False"], "the same, verify=False"),
+    ]
+
+
 def _status(field: str) -> int:
     with open("/proc/self/status") as f:
         for line in f:
@@ -290,7 +347,9 @@ def measure_memory(n: int, shape: tuple[int, int] = SHAPE) -> dict[str, Any]:
 
 def measure(n: int = 8, repeat: int = 3, shape: tuple[int, int] = SHAPE) -> dict[str, Any]:
     return {"tensors": n, "tensor": list(shape), "mib": n * shape[0] * shape[1] * 4 / MiB,
-            "repeat": repeat, "rows": measure_throughput(n, repeat, shape)}
+            "repeat": repeat, "rows": measure_throughput(n, repeat, shape),
+            "checksum_repeat": 2 * repeat + 1,
+            "checksum_rows": measure_checksums(n, 2 * repeat + 1, shape)}
 
 
 def _fresh(args: list[str], timeout_s: float) -> dict[str, Any]:
@@ -331,6 +390,14 @@ def tables(res: dict[str, Any]) -> list[str]:
                      f"({r['shardwise_best_mib_s']:4.0f}) {r['reference_mib_s']:9.0f} "
                      f"({r['reference_best_mib_s']:4.0f}) {r['ratio']:5.2f} "
                      f"({r['ratio_best']:4.2f})  {r['reference']}")
+    if res.get("checksum_rows"):
+        lines.append(f"  the checksums' cost: with / without, the same code path; median "
+                     f"(best) of {res['checksum_repeat']}, interleaved")
+        for r in res["checksum_rows"]:
+            lines.append(f"  {r['case']:50} {r['shardwise_mib_s']:6.0f} "
+                         f"({r['shardwise_best_mib_s']:4.0f}) / {r['reference_mib_s']:6.0f} "
+                         f"({r['reference_best_mib_s']:4.0f}) MiB/s = {r['ratio']:4.2f} "
+                         f"({r['ratio_best']:4.2f})")
     mem = res.get("memory") or {}
     if "error" in mem:
         lines.append(f"  load_safetensors peak memory: failed ({mem['error']})")
@@ -350,10 +417,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeat", type=int, default=3)
     p.add_argument("--shape", type=int, nargs=2, default=list(SHAPE))
     p.add_argument("--memory", action="store_true")
+    p.add_argument("--checksums-only", action="store_true",
+                   help="only the checksums on/off rows, --repeat pairs")
     args = p.parse_args(argv)
     shape = (args.shape[0], args.shape[1])
-    out = (measure_memory(args.tensors, shape) if args.memory
-           else measure(args.tensors, args.repeat, shape))
+    out: Any
+    if args.memory:
+        out = measure_memory(args.tensors, shape)
+    elif args.checksums_only:
+        out = measure_checksums(args.tensors, args.repeat, shape)
+    else:
+        out = measure(args.tensors, args.repeat, shape)
     print(json.dumps(out))
     return 0
 

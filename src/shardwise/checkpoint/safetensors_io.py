@@ -10,11 +10,13 @@ Invariants:
   The file appears under its name only when every process is done (temporary name,
   barrier, rename).
 - Checksums where the format has room, its ``__metadata__`` (strings): the key
-  ``shardwise.crc32.<name>`` holds the CRC-32 of tensor ``<name>``'s bytes (8 hex
-  digits) and ``shardwise.crc32`` that of the header itself, read with that value
-  as ``00000000``. The header is written with zeros there, and after every process
-  has written its blocks each process reads back its share of the tensors (every
-  ``process_count()``-th) and writes their digits in place: the header's length,
+  ``shardwise.crc32.<name>`` holds the checksum of tensor ``<name>``'s bytes (8 hex
+  digits) under the algorithm that ``shardwise.checksum`` names (``crc32``; a file
+  written before that key existed holds CRC-32s), and ``shardwise.crc32`` the CRC-32
+  of the header itself, read with that value as ``00000000``. The header is written
+  with zeros there, and after every process has written its blocks each process
+  reads back its share of the tensors (every ``process_count()``-th) and writes their
+  digits in place: the header's length,
   hence every offset, never changes. Other readers see ordinary metadata strings.
 - Reading fills the targets in place: each process reads, with ``get_slice``, only the
   slices its own blocks cover (one slice in memory at a time); shapes and dtypes
@@ -22,7 +24,8 @@ Invariants:
   Before that, the header and every tensor it loads are checked against their CRC-32
   (files without ours are read unchecked); damage, and a header that safetensors
   cannot parse, are a ``CheckpointError`` saying "corrupt", naming the file, the
-  byte range and the key.
+  byte range and the key. An algorithm this version does not know is an error too
+  (``verify=False`` skips the tensors' checksums).
 """
 
 from __future__ import annotations
@@ -33,7 +36,6 @@ import math
 import mmap
 import os
 import struct
-import zlib
 from collections.abc import Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -74,25 +76,29 @@ def _flatten(state: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
 
 
 _CRC = "shardwise.crc32"
+_ALGORITHM = "shardwise.checksum"
 _ZERO = "00000000"
 
 
-def _header(flat: dict[str, torch.Tensor], metadata: Mapping[str, str] | None
-            ) -> tuple[bytes, dict[str, int], dict[str, int]]:
+def _header(flat: dict[str, torch.Tensor], metadata: Mapping[str, str] | None,
+            checksums: bool = True) -> tuple[bytes, dict[str, int], dict[str, int]]:
     """The length-prefixed JSON header, each tensor's byte offset in the data, and
     the byte position in the header of each CRC's 8 digits (name, or "" for the
-    header's own): see the module doc."""
+    header's own; none with ``checksums=False``): see the module doc."""
     head: dict[str, Any] = {}
     meta = {str(k): str(v) for k, v in (metadata or {}).items()}
     for key in meta:
-        if key.startswith(_CRC):
+        if key.startswith(_CRC) or key == _ALGORITHM:
             raise CheckpointError(
-                f"metadata key {key!r}: keys that begin with {_CRC!r} hold shardwise's "
-                "checksums. Rename the key."
+                f"metadata key {key!r}: {_ALGORITHM!r} and the keys that begin with "
+                f"{_CRC!r} hold shardwise's checksums. Rename the key."
             )
-    meta[_CRC] = _ZERO
-    meta.update({f"{_CRC}.{name}": _ZERO for name in flat})
-    head["__metadata__"] = meta
+    if checksums:
+        meta[_ALGORITHM] = integrity.ALGORITHM
+        meta[_CRC] = _ZERO
+        meta.update({f"{_CRC}.{name}": _ZERO for name in flat})
+    if meta:
+        head["__metadata__"] = meta
     begins: dict[str, int] = {}
     pos = 0
     for name, t in flat.items():
@@ -103,8 +109,10 @@ def _header(flat: dict[str, torch.Tensor], metadata: Mapping[str, str] | None
         pos += size
     text = json.dumps(head, separators=(",", ":")).encode()
     text += b" " * (-len(text) % 8)  # the data starts 8-byte aligned, as safetensors pads
-    digits = {name: _digits_at(text, f"{_CRC}.{name}") for name in flat}
-    digits[""] = _digits_at(text, _CRC)
+    digits = {}
+    if checksums:
+        digits = {name: _digits_at(text, f"{_CRC}.{name}") for name in flat}
+        digits[""] = _digits_at(text, _CRC)
     return struct.pack("<Q", len(text)) + text, begins, digits
 
 
@@ -120,7 +128,7 @@ def _header_crc(head: bytes, digits: Iterable[int]) -> int:
     raw = bytearray(head)
     for at in digits:
         raw[at:at + 8] = _ZERO.encode()
-    return zlib.crc32(raw)
+    return integrity.crc32(memoryview(raw))
 
 
 def _check_saveable(flat: dict[str, Any]) -> None:
@@ -175,11 +183,18 @@ def save_safetensors(state_dict: Mapping[str, Any], path: str | os.PathLike[str]
     >>> torch.equal(safetensors.torch.load_file(f)["w"], w.to_torch())
     True
     """
+    _save_safetensors(state_dict, path, metadata, checksums=True)
+
+
+def _save_safetensors(state_dict: Mapping[str, Any], path: str | os.PathLike[str],
+                      metadata: Mapping[str, str] | None, *, checksums: bool) -> None:
+    """:func:`save_safetensors`; ``checksums=False`` writes none (an ordinary file
+    without them: the benchmarks measure what they cost, the same path either way)."""
     flat = _flatten(state_dict)
     _check_saveable(flat)
     path = Path(path)
     tmp = path.with_name(path.name + ".partial")
-    head, begins, digits = _header(flat, metadata)
+    head, begins, digits = _header(flat, metadata, checksums)
     total = len(head) + sum(t.numel() * t.dtype.itemsize for t in flat.values())
     first = distributed.process_index() == 0
     if first:
@@ -204,8 +219,9 @@ def save_safetensors(state_dict: Mapping[str, Any], path: str | os.PathLike[str]
     finally:
         os.close(fd)
     distributed.barrier("shardwise.checkpoint.save_safetensors: written")
-    _write_checksums(tmp, head, begins, digits, flat)
-    distributed.barrier("shardwise.checkpoint.save_safetensors: checksummed")
+    if checksums:
+        _write_checksums(tmp, head, begins, digits, flat)
+        distributed.barrier("shardwise.checkpoint.save_safetensors: checksummed")
     if first:
         os.replace(tmp, path)
         fd = os.open(path.parent, os.O_RDONLY)
@@ -264,7 +280,7 @@ def load_safetensors(path: str | os.PathLike[str], state_dict: Mapping[str, Any]
     missing: list[str] = []
     if not Path(path).exists():
         raise CheckpointError(f"No safetensors file at {path}. Check the path.")
-    checks = _checks(Path(path))
+    checks = _checks(Path(path), verify)
     try:
         opened = safe_open(str(path), framework="pt")
     except Exception as err:  # safetensors' own error type varies across versions
@@ -272,7 +288,7 @@ def load_safetensors(path: str | os.PathLike[str], state_dict: Mapping[str, Any]
             f"{path} is corrupt: safetensors cannot read its header ({err}). Restore the "
             "file."
         ) from err
-    # the next tensor's CRC-32 is computed on a thread (zlib releases the GIL) while
+    # the next tensor's CRC-32 is computed on a thread (it releases the GIL) while
     # this one is read; a tensor is filled only once its own has matched
     ahead = ThreadPoolExecutor(1, thread_name_prefix="shardwise-check")
     order = [n for n, t in flat.items() if isinstance(t, torch.Tensor) and verify
@@ -303,9 +319,10 @@ def load_safetensors(path: str | os.PathLike[str], state_dict: Mapping[str, Any]
     return missing
 
 
-def _checks(path: Path) -> dict[str, tuple[int, int, int]]:
-    """``{name: (first byte, end, CRC-32)}`` of the file's checksummed tensors, once its
-    header matches its own CRC-32 (``{}`` for a file written without them)."""
+def _checks(path: Path, verify: bool = True) -> dict[str, tuple[int, int, int, str]]:
+    """``{name: (first byte, end, checksum, algorithm)}`` of the file's checksummed
+    tensors, once its header matches its own CRC-32 (``{}`` for a file written without
+    them) and their algorithm is one this version knows (unless ``verify=False``)."""
     with open(path, "rb") as f:
         prefix = f.read(8)
         n = struct.unpack("<Q", prefix)[0] if len(prefix) == 8 else -1
@@ -322,20 +339,31 @@ def _checks(path: Path) -> dict[str, tuple[int, int, int]]:
         got = _header_crc(prefix + text, digits)
         if got != expected:
             raise ValueError(f"its CRC-32 is {got:08x}, the header recorded {expected:08x}")
+        algorithm = str(meta.get(_ALGORITHM, "crc32"))  # written before the key existed: CRC-32
         start = 8 + n
-        return {name: (start + entry["data_offsets"][0], start + entry["data_offsets"][1],
-                       int(meta[f"{_CRC}.{name}"], 16))
-                for name, entry in head.items() if f"{_CRC}.{name}" in meta}
+        checks = {name: (start + entry["data_offsets"][0], start + entry["data_offsets"][1],
+                       int(meta[f"{_CRC}.{name}"], 16), algorithm)
+                  for name, entry in head.items() if f"{_CRC}.{name}" in meta}
     except (ValueError, KeyError, TypeError, AttributeError, IndexError) as err:
         raise CheckpointError(
             f"The header of {path} (bytes 0..{8 + max(n, 0)}) is corrupt ({err}). Restore "
             "the file."
         ) from None
+    if verify and algorithm not in integrity.ALGORITHMS:
+        known = ", ".join(repr(a) for a in integrity.ALGORITHMS)
+        raise CheckpointError(
+            f"{path} records its tensors' checksums as {algorithm!r} (header metadata "
+            f"{_ALGORITHM!r}), an algorithm this version of shardwise cannot check (it "
+            f"knows {known}). Load it with the shardwise that wrote it, or pass "
+            "verify=False to load it without checking the tensors."
+        )
+    return checks
 
 
-def _verify(path: Path, name: str, begin: int, end: int, expected: int) -> None:
+def _verify(path: Path, name: str, begin: int, end: int, expected: int, algorithm: str
+            ) -> None:
     try:
-        integrity.check_chunk(path, begin, end, expected)
+        integrity.check_chunk(path, begin, end, expected, algorithm)
     except integrity.Corrupt as err:
         raise CheckpointError(
             f"Key {name!r}: its data in {path} bytes {begin}..{end} is corrupt "
