@@ -16,8 +16,9 @@ Invariants:
   of the header itself, read with that value as ``00000000``. The header is written
   with zeros there, and after every process has written its blocks each process
   reads back its share of the tensors (every ``process_count()``-th) and writes their
-  digits in place: the header's length,
-  hence every offset, never changes. Other readers see ordinary metadata strings.
+  digits in place: the header's length, hence every offset, never changes (a process
+  alone reads its tensors back while it fsyncs them). Other readers see ordinary
+  metadata strings.
 - Reading fills the targets in place: each process reads, with ``get_slice``, only the
   slices its own blocks cover (one slice in memory at a time); shapes and dtypes
   must agree (``cast=True`` converts dtypes), a missing name raises naming it.
@@ -30,6 +31,7 @@ Invariants:
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import json
 import math
@@ -202,6 +204,34 @@ def _save_safetensors(state_dict: Mapping[str, Any], path: str | os.PathLike[str
             f.write(head)
             f.truncate(total)  # sized (sparse) before any process writes its blocks
     distributed.barrier("shardwise.checkpoint.save_safetensors: header")
+    # a process alone reads its CRC-32s back on a thread while the fsync waits for the
+    # disk (with peers, only once they have all written theirs)
+    summer = (ThreadPoolExecutor(1, thread_name_prefix="shardwise-crc32")
+              if checksums and distributed.process_count() == 1 else None)
+    with contextlib.ExitStack() as stack:
+        if summer is not None:
+            stack.callback(summer.shutdown, wait=True)
+        sums = _write_data(tmp, head, begins, flat, first, summer)
+        distributed.barrier("shardwise.checkpoint.save_safetensors: written")
+        if checksums:
+            _write_checksums(tmp, head, digits, _sums(tmp, head, begins, flat)
+                             if sums is None else sums.result())
+            distributed.barrier("shardwise.checkpoint.save_safetensors: checksummed")
+    if first:
+        os.replace(tmp, path)
+        fd = os.open(path.parent, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    distributed.barrier("shardwise.checkpoint.save_safetensors: published")
+
+
+def _write_data(tmp: Path, head: bytes, begins: dict[str, int], flat: dict[str, Any],
+                first: bool, summer: ThreadPoolExecutor | None
+                ) -> concurrent.futures.Future[dict[str, int]] | None:
+    """Write this process's blocks and fsync them; with ``summer``, their CRC-32s are
+    read back on it meanwhile (:func:`_sums`), returned as a future."""
     fd = os.open(tmp, os.O_WRONLY)
     try:
         for name, t in flat.items():
@@ -215,39 +245,38 @@ def _save_safetensors(state_dict: Mapping[str, Any], path: str | os.PathLike[str
                     _write_block(fd, start, shape, offsets, block)
             elif first and t.numel():
                 _write_block(fd, start, shape, (0,) * len(shape), t)
+        sums = None if summer is None else summer.submit(_sums, tmp, head, begins, flat)
         os.fsync(fd)  # this process's bytes are on disk before anyone publishes the file
     finally:
         os.close(fd)
-    distributed.barrier("shardwise.checkpoint.save_safetensors: written")
-    if checksums:
-        _write_checksums(tmp, head, begins, digits, flat)
-        distributed.barrier("shardwise.checkpoint.save_safetensors: checksummed")
-    if first:
-        os.replace(tmp, path)
-        fd = os.open(path.parent, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-    distributed.barrier("shardwise.checkpoint.save_safetensors: published")
+    return sums
 
 
-def _write_checksums(tmp: Path, head: bytes, begins: dict[str, int], digits: dict[str, int],
-                     flat: dict[str, torch.Tensor]) -> None:
-    """This process's share of the CRC-32s, read back from the file and written into
-    the header's reserved digits (see the module doc)."""
+def _sums(tmp: Path, head: bytes, begins: dict[str, int], flat: dict[str, torch.Tensor]
+          ) -> dict[str, int]:
+    """The CRC-32s of this process's share of the tensors (every ``process_count()``-th),
+    read back from the file where the page cache holds it."""
     me, count = distributed.process_index(), distributed.process_count()
+    sums = {}
+    with (open(tmp, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm,
+          memoryview(mm) as view):
+        for n, (name, t) in enumerate(flat.items()):
+            if n % count == me:
+                begin = len(head) + begins[name]
+                with view[begin:begin + t.numel() * t.dtype.itemsize] as part:
+                    sums[name] = integrity.crc32(part)
+    return sums
+
+
+def _write_checksums(tmp: Path, head: bytes, digits: dict[str, int], sums: dict[str, int]
+                     ) -> None:
+    """This process's CRC-32s ``sums``, written into the header's reserved digits (see
+    the module doc)."""
     fd = os.open(tmp, os.O_RDWR)
     try:
-        # summed where the page cache holds the bytes
-        with mmap.mmap(fd, 0, access=mmap.ACCESS_READ) as mm, memoryview(mm) as view:
-            for n, (name, t) in enumerate(flat.items()):
-                if n % count != me:
-                    continue
-                begin = len(head) + begins[name]
-                crc = integrity.crc32(view[begin:begin + t.numel() * t.dtype.itemsize])
-                os.pwrite(fd, b"%08x" % crc, digits[name])
-        if me == 0:
+        for name, crc in sums.items():
+            os.pwrite(fd, b"%08x" % crc, digits[name])
+        if distributed.process_index() == 0:
             os.pwrite(fd, b"%08x" % _header_crc(head, digits.values()), digits[""])
         os.fsync(fd)
     finally:
