@@ -302,6 +302,7 @@ def test_check_chunk_in_pieces_from_a_memory_map(tmp_path: Path,
 
     _without_zlib_ng(monkeypatch)
     monkeypatch.setattr(integrity, "_PIECE", 1000)
+    monkeypatch.setattr(integrity, "_SMALL", 100)  # mapped, not read
     monkeypatch.setattr(os, "cpu_count", lambda: 4)
     f = tmp_path / "data"
     data = bytes(range(256)) * 41
@@ -495,3 +496,37 @@ def test_the_benchmarks_switch_writes_no_checksums(tmp_path: Path) -> None:
     sw.checkpoint.load_safetensors(tmp_path / "f.safetensors", t, strict=False)
     t["step"] = 4
     check(t, 4)
+
+
+@pytest.mark.parametrize("small", [1, 1 << 30])
+def test_large_chunks_are_checked_ahead_on_a_thread_small_ones_in_line(
+        saved: Path, saved_st: Path, monkeypatch: pytest.MonkeyPatch, small: int) -> None:
+    """Chunks of at least ``_SMALL`` bytes are checked on the look-ahead thread from a
+    memory map, smaller ones on the reading thread with a read: both catch a flip."""
+    import threading
+
+    from shardwise.checkpoint import integrity
+
+    monkeypatch.setattr(integrity, "_SMALL", small)
+    where: set[str] = set()
+    check_chunk = integrity.check_chunk
+
+    def spy(*args: Any) -> None:
+        where.add(threading.current_thread().name.split("_")[0])
+        check_chunk(*args)
+
+    monkeypatch.setattr(integrity, "check_chunk", spy)
+    check(_load_copy(saved, lambda p: None), 3)
+    t = _load_st(saved_st, lambda p: None)
+    t["step"] = 3
+    check(t, 3)
+    assert where == ({"shardwise-check"} if small == 1 else {"MainThread"}), where
+
+    def flip_w(p: Path) -> None:  # 8 bytes of w's values (row 1, [5., 6.] + 3)
+        f = p / "__0_0.distcp" if p.is_dir() else p
+        _flip(f, f.read_bytes().index((G[1, :2] + 3).numpy().tobytes()), b"\x01" * 8)
+
+    with pytest.raises(CheckpointError, match=r"Key 'w'.*bytes \d+\.\.\d+ is corrupt"):
+        _load_copy(saved, flip_w)
+    with pytest.raises(CheckpointError, match=r"Key 'w'.*bytes \d+\.\.\d+ is corrupt"):
+        _load_st(saved_st, flip_w)

@@ -143,19 +143,24 @@ class _Summing(io.RawIOBase):
     ``tell()`` calls: DCP's ``_write_item`` calls ``tell()`` right before and right
     after each chunk, so a stretch is one chunk (checked again when it is used).
     Each buffer is summed right before it is written: the write then reads it from
-    the cache (with zlib-ng the CRC costs ~1/20 of the write)."""
+    the cache (with zlib-ng the CRC costs ~1/20 of the write). The metadata file
+    (``trailer``) gets its trailer when DCP asks for the descriptor to fsync it (the
+    pickle is complete then; one fsync covers both), else when it is closed."""
 
     def __init__(self, raw: IO[bytes], trailer: bool) -> None:
         super().__init__()
         self.raw, self.trailer = raw, trailer
         self.pos = self.mark = self.crc = 0
         self.whole = 0  # the CRC of everything written (the metadata trailer's)
+        self.sealed = False  # the trailer is written
         self.stretches: dict[int, tuple[int, int]] = {}  # begin -> (end, crc)
 
     def writable(self) -> bool:
         return True
 
     def write(self, b: Any) -> int:
+        if self.sealed:
+            raise OSError("shardwise: a write to the checkpoint metadata after its trailer")
         view = memoryview(b).cast("B")
         self.crc = _crc32(view, self.crc)
         if self.trailer:
@@ -174,7 +179,15 @@ class _Summing(io.RawIOBase):
         self.raw.flush()
 
     def fileno(self) -> int:
+        self.seal()
         return self.raw.fileno()
+
+    def seal(self) -> None:
+        """Write the metadata's trailer (for a data file, nothing)."""
+        if self.trailer and not self.sealed:
+            self.raw.write(_TRAILER + b"%08x" % self.whole)
+            self.raw.flush()
+            self.sealed = True
 
 
 class _SummingFileSystem(FileSystem):
@@ -196,9 +209,8 @@ class _SummingFileSystem(FileSystem):
         with open(path, mode) as raw:
             summing = _Summing(raw, trailer)
             yield summing
-            if trailer:  # before DCP renames it to .metadata
-                raw.write(_TRAILER + b"%08x" % summing.whole)
-                raw.flush()
+            if trailer and not summing.sealed:  # before DCP renames it to .metadata
+                summing.seal()
                 os.fsync(raw.fileno())
         self.stretches[path.name] = summing.stretches
 
@@ -268,13 +280,16 @@ def split_trailer(data: bytes) -> tuple[bytes, int | None]:
     return data, None
 
 
+_SMALL = 1 << 20  # a smaller chunk is read, not mapped: setting a map up costs ~50 us
+
+
 def check_chunk(path: Path, begin: int, end: int, expected: int | None,
                 algorithm: str = ALGORITHM) -> None:
     """Raise :class:`Corrupt` unless bytes ``begin..end`` of ``path`` are all there and
     match their checksum ``expected`` under ``algorithm`` (one of :data:`ALGORITHMS`;
     ``None``: a chunk written without one, which must then not be all zero bytes).
-    Read through a memory map: the bytes are summed where the page cache holds them,
-    never copied."""
+    A large chunk is read through a memory map: its bytes are summed where the page
+    cache holds them, never copied."""
     with open(path, "rb") as f:
         size = os.fstat(f.fileno()).st_size
         if size < end:
@@ -282,16 +297,27 @@ def check_chunk(path: Path, begin: int, end: int, expected: int | None,
                           "them (truncated)")
         if end == begin:
             return
+        if end - begin < _SMALL:
+            _judge(path, begin, end, memoryview(os.pread(f.fileno(), end - begin, begin)),
+                   expected, algorithm)
+            return
         with (mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm,
               memoryview(mm) as whole, whole[begin:end] as view):
-            if expected is not None:
-                got = ALGORITHMS[algorithm](view)
-                if got != expected:
-                    name = "CRC-32" if algorithm == "crc32" else algorithm
-                    raise Corrupt(path, begin, end, f"their {name} is {got:08x}, the "
-                                  f"metadata recorded {expected:08x}")
-            elif not any(view[:4096]) and not any(view):
-                raise Corrupt(path, begin, end, "they are all zero bytes")
+            _judge(path, begin, end, view, expected, algorithm)
+
+
+def _judge(path: Path, begin: int, end: int, view: memoryview, expected: int | None,
+           algorithm: str) -> None:
+    if len(view) != end - begin:  # the file shrank since its size was read
+        raise Corrupt(path, begin, end, f"only {len(view)} of them could be read (truncated)")
+    if expected is not None:
+        got = ALGORITHMS[algorithm](view)
+        if got != expected:
+            name = "CRC-32" if algorithm == "crc32" else algorithm
+            raise Corrupt(path, begin, end, f"their {name} is {got:08x}, the "
+                          f"metadata recorded {expected:08x}")
+    elif not any(view[:4096]) and not any(view):
+        raise Corrupt(path, begin, end, "they are all zero bytes")
 
 
 def check_info(path: Path, info: Any, algorithm: str = ALGORITHM) -> None:

@@ -129,7 +129,8 @@ class _SafeReader(dcp.FileSystemReader):
     def _check_soon(self, ahead: ThreadPoolExecutor, item: ReadItem) -> None:
         info = self.storage_data[item.storage_index]
         key = (info.relative_path, info.offset)
-        if self._verify and key not in self._verified and key not in self._pending:
+        if (self._verify and key not in self._verified and key not in self._pending
+                and info.length >= integrity._SMALL):  # a small one: _slice_file, no hand-over
             self._pending[key] = ahead.submit(
                 integrity.check_info, Path(self.path) / info.relative_path, info,
                 self._algorithm)
