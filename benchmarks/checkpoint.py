@@ -16,6 +16,15 @@ the peak memory of a sharded safetensors load.
   shardwise save and same-layout load >= 80% of plain. ``shardwise.checkpoint.save``
   and ``load`` (atomic; a CRC-32 per chunk written, checked on load) are shown beside
   the plain ``dcp.save``/``dcp.load`` too.
+- The checksums' cost (issue 24): ``checkpoint.save``/``load`` and
+  ``save_safetensors``/``load_safetensors`` with the checksums on and off, the same code
+  path with its switch (``store._save(checksums=)``, ``load(verify=)``; the loads read
+  the same checksummed files), in alternating order, each save into a fresh path and
+  each load from the page cache (the file just written), ``repeat`` pairs of their
+  own; the ratio is the throughput with them over that without (median, and best).
+  Target: >= 0.95 (the checksums cost <= 5%). Beside it the same ratio of CPU time
+  (``time.process_time``, every thread of the process, medians): on a machine shared
+  with other work, wall time is mostly others' load, CPU time what the checksums add.
 - Peak memory of ``load_safetensors`` into the sharded model, in a fresh process,
   after ``malloc_trim(0)`` (freed heap pages would otherwise be reused unseen):
   anonymous memory (``RssAnon`` of ``/proc/self/status``, sampled every 0.1 ms by a
@@ -98,6 +107,13 @@ def _timed(fn: Any, *args: Any, **kwargs: Any) -> float:
     t0 = time.perf_counter()
     fn(*args, **kwargs)
     return time.perf_counter() - t0
+
+
+def _timed_cpu(fn: Any, *args: Any, **kwargs: Any) -> tuple[float, float]:
+    """(wall seconds, CPU seconds of every thread of this process) of ``fn(...)``."""
+    t0, c0 = time.perf_counter(), time.process_time()
+    fn(*args, **kwargs)
+    return time.perf_counter() - t0, time.process_time() - c0
 
 
 def _summary(case: str, mib: float, sw_s: list[float], ref_s: list[float], ref: str
@@ -192,6 +208,64 @@ def measure_throughput(n: int, repeat: int, shape: tuple[int, int] = SHAPE
                  times["st save plain"], "safetensors.torch.save_file"),
         _summary("load_safetensors (slices, resharded)", mib, times["st load sw"],
                  times["st load plain"], "safetensors.torch.load_file"),
+    ]
+
+
+def measure_checksums(n: int, repeat: int, shape: tuple[int, int] = SHAPE
+                      ) -> list[dict[str, Any]]:
+    """Checksums on beside off, interleaved (see the module doc)."""
+    import shardwise as sw
+    from shardwise.checkpoint import integrity, safetensors_io, store
+
+    warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+    sharded, _ = _state(n, shape)
+    mib = n * shape[0] * shape[1] * 4 / MiB
+    root = Path(tempfile.mkdtemp(prefix="shardwise-bench-crc-"))
+    times: dict[str, list[float]] = {}
+    cpu: dict[str, list[float]] = {}
+
+    def add(key: str, seconds: tuple[float, float]) -> None:
+        times.setdefault(key, []).append(seconds[0])
+        cpu.setdefault(key, []).append(seconds[1])
+
+    try:
+        for i in range(repeat):
+            order = (True, False) if i % 2 else (False, True)
+            for on in order:
+                add(f"save {on}", _timed_cpu(store._save, sharded, root / f"{on}{i}",
+                                         checksums=on))
+            for on in order:  # both read the checksummed checkpoint
+                add(f"load {on}", _timed_cpu(sw.checkpoint.load, _targets(n, False, shape),
+                                         root / f"True{i}", verify=on))
+            for on in order:
+                shutil.rmtree(root / f"{on}{i}")
+            for on in order:
+                add(f"st save {on}", _timed_cpu(safetensors_io._save_safetensors, sharded,
+                                            root / f"{on}.safetensors", None, checksums=on))
+            moved = _targets(n, True, shape)
+            for on in order:
+                add(f"st load {on}", _timed_cpu(sw.checkpoint.load_safetensors,
+                                            root / "True.safetensors", moved, verify=on))
+            for on in order:
+                (root / f"{on}.safetensors").unlink()
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    how = "zlib-ng" if integrity.FAST else "zlib"
+
+    def row(case: str, key: str, ref: str) -> dict[str, Any]:
+        out = _summary(case, mib, times[f"{key} True"], times[f"{key} False"], ref)
+        on, off = sorted(cpu[f"{key} True"]), sorted(cpu[f"{key} False"])
+        out["cpu_ratio"] = off[len(off) // 2] / on[len(on) // 2]
+        out["cpu_on_ms"], out["cpu_off_ms"] = 1e3 * on[len(on) // 2], 1e3 * off[len(off) // 2]
+        return out
+
+    return [
+        row(f"checkpoint.save, CRC-32s ({how}) on / off", "save", "the same, checksums off"),
+        row(f"checkpoint.load, CRC-32s ({how}) checked / not", "load",
+            "the same, verify=False"),
+        row(f"save_safetensors, CRC-32s ({how}) on / off", "st save", "the same, checksums off"),
+        row(f"load_safetensors, CRC-32s ({how}) checked / not", "st load",
+            "the same, verify=False"),
     ]
 
 
@@ -290,7 +364,9 @@ def measure_memory(n: int, shape: tuple[int, int] = SHAPE) -> dict[str, Any]:
 
 def measure(n: int = 8, repeat: int = 3, shape: tuple[int, int] = SHAPE) -> dict[str, Any]:
     return {"tensors": n, "tensor": list(shape), "mib": n * shape[0] * shape[1] * 4 / MiB,
-            "repeat": repeat, "rows": measure_throughput(n, repeat, shape)}
+            "repeat": repeat, "rows": measure_throughput(n, repeat, shape),
+            "checksum_repeat": 2 * repeat + 1,
+            "checksum_rows": measure_checksums(n, 2 * repeat + 1, shape)}
 
 
 def _fresh(args: list[str], timeout_s: float) -> dict[str, Any]:
@@ -331,6 +407,16 @@ def tables(res: dict[str, Any]) -> list[str]:
                      f"({r['shardwise_best_mib_s']:4.0f}) {r['reference_mib_s']:9.0f} "
                      f"({r['reference_best_mib_s']:4.0f}) {r['ratio']:5.2f} "
                      f"({r['ratio_best']:4.2f})  {r['reference']}")
+    if res.get("checksum_rows"):
+        lines.append(f"  the checksums' cost: with / without, the same code path; median "
+                     f"(best) of {res['checksum_repeat']}, interleaved; CPU: ms of CPU time "
+                     "(all threads), medians")
+        for r in res["checksum_rows"]:
+            lines.append(f"  {r['case']:50} {r['shardwise_mib_s']:6.0f} "
+                         f"({r['shardwise_best_mib_s']:4.0f}) / {r['reference_mib_s']:6.0f} "
+                         f"({r['reference_best_mib_s']:4.0f}) MiB/s = {r['ratio']:4.2f} "
+                         f"({r['ratio_best']:4.2f}); CPU {r['cpu_on_ms']:.0f} / "
+                         f"{r['cpu_off_ms']:.0f} ms = {r['cpu_ratio']:4.2f}")
     mem = res.get("memory") or {}
     if "error" in mem:
         lines.append(f"  load_safetensors peak memory: failed ({mem['error']})")
@@ -350,10 +436,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeat", type=int, default=3)
     p.add_argument("--shape", type=int, nargs=2, default=list(SHAPE))
     p.add_argument("--memory", action="store_true")
+    p.add_argument("--checksums-only", action="store_true",
+                   help="only the checksums on/off rows, --repeat pairs")
     args = p.parse_args(argv)
     shape = (args.shape[0], args.shape[1])
-    out = (measure_memory(args.tensors, shape) if args.memory
-           else measure(args.tensors, args.repeat, shape))
+    out: Any
+    if args.memory:
+        out = measure_memory(args.tensors, shape)
+    elif args.checksums_only:
+        out = measure_checksums(args.tensors, args.repeat, shape)
+    else:
+        out = measure(args.tensors, args.repeat, shape)
     print(json.dumps(out))
     return 0
 

@@ -35,6 +35,8 @@ TARGETS = {
                  "<= 1% on 64 MiB",
     "checkpoint": "DCP save/load of a sharded state: >= 80% of the throughput of DCP with "
                   "plain tensors of the same bytes",
+    "checkpoint_checksums": "checksums cost <= 5% of save/load throughput (checkpoint.save/"
+                            "load, save/load_safetensors: on / off >= 0.95)",
     "checkpoint_memory": "sharded load_safetensors: peak memory <= one block above the model",
     "compile": "torch.compile of a parallelized tiny HF Llama forward: <= 1.5x the eager "
                "shardwise forward once warm",
@@ -133,6 +135,9 @@ def check_targets(res: dict[str, Any]) -> list[dict[str, Any]]:
         if r["case"] in ("dcp.save", "dcp.load, same layout"):
             out.append(_t("checkpoint", f"{r['case']}, {ckpt['mib']:.0f} MiB", r["ratio"], 0.8,
                           "x plain throughput", le=False))
+    for r in ckpt.get("checksum_rows", []):
+        out.append(_t("checkpoint_checksums", f"{r['case']}, {ckpt['mib']:.0f} MiB", r["ratio"],
+                      0.95, "x throughput without", le=False))
     mem = ckpt.get("memory") or {}
     if mem.get("anon_peak_above_model_mib") is not None:
         out.append(_t("checkpoint_memory", f"{mem['model_mib']:.0f} MiB model",

@@ -84,6 +84,7 @@ def test_a_checksummed_checkpoint_is_an_ordinary_dcp_checkpoint(saved: Path) -> 
     md = pickle.loads((saved / ".metadata").read_bytes())  # the trailer is ignored
     assert all(isinstance(getattr(i, "shardwise_crc32", None), int)
                for i in md.storage_data.values())
+    assert md.shardwise_checksum == "crc32"
     check(_load_copy(saved, lambda p: None), 3)
 
 
@@ -268,6 +269,14 @@ def test_zero_filled_and_truncated_safetensors_files_are_corrupt(
         _load_st(src, damage)
 
 
+def _without_zlib_ng(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The fallback where zlib-ng is not installed: zlib's CRC-32, pieces on threads."""
+    from shardwise.checkpoint import integrity
+
+    monkeypatch.setattr(integrity, "_crc32", zlib.crc32)
+    monkeypatch.setattr(integrity, "FAST", False)
+
+
 @settings(max_examples=50, deadline=None, derandomize=True)
 @given(a=st.binary(max_size=300), b=st.binary(max_size=300))
 def test_crc32_combine_is_zlibs(a: bytes, b: bytes) -> None:
@@ -279,6 +288,7 @@ def test_crc32_combine_is_zlibs(a: bytes, b: bytes) -> None:
 def test_crc32_of_a_large_buffer_in_pieces_is_zlibs(monkeypatch: pytest.MonkeyPatch) -> None:
     from shardwise.checkpoint import integrity
 
+    _without_zlib_ng(monkeypatch)
     monkeypatch.setattr(integrity, "_PIECE", 1000)
     monkeypatch.setattr(os, "cpu_count", lambda: 4)
     data = bytes(range(256)) * 41 + b"tail"
@@ -290,7 +300,9 @@ def test_check_chunk_in_pieces_from_a_memory_map(tmp_path: Path,
                                                  monkeypatch: pytest.MonkeyPatch) -> None:
     from shardwise.checkpoint import integrity
 
+    _without_zlib_ng(monkeypatch)
     monkeypatch.setattr(integrity, "_PIECE", 1000)
+    monkeypatch.setattr(integrity, "_SMALL", 100)  # mapped, not read
     monkeypatch.setattr(os, "cpu_count", lambda: 4)
     f = tmp_path / "data"
     data = bytes(range(256)) * 41
@@ -320,3 +332,201 @@ def test_verify_false_skips_the_data_checksums(saved: Path, saved_st: Path) -> N
             sw.checkpoint.load(target(), path)
         with pytest.raises(CheckpointError, match="corrupt"):
             sw.checkpoint.load_safetensors(st_path, target(), strict=False)
+
+
+# --- the checksums' algorithm ------------------------------------------------------------------
+def test_zlib_ng_when_installed_computes_zlibs_crc32() -> None:
+    from shardwise.checkpoint import integrity
+
+    try:
+        import zlib_ng  # noqa: F401
+    except ImportError:
+        assert not integrity.FAST
+    else:
+        assert integrity.FAST  # the dependency is used where it is installed
+    data = bytes(range(256)) * 4099
+    for part in (b"", data[:1], data[3:70000], data):
+        assert integrity.crc32(part) == zlib.crc32(part)
+        assert integrity.crc32(memoryview(part), 12345) == zlib.crc32(part, 12345)
+
+
+def test_with_and_without_zlib_ng_the_checkpoints_are_the_same(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    sw.checkpoint.save(state(5), tmp_path / "a")
+    sw.checkpoint.save_safetensors({"w": state(5)["w"]}, tmp_path / "a.safetensors")
+    _without_zlib_ng(monkeypatch)
+    sw.checkpoint.save(state(5), tmp_path / "b")
+    sw.checkpoint.save_safetensors({"w": state(5)["w"]}, tmp_path / "b.safetensors")
+    for f in (tmp_path / "a").glob("*.distcp"):
+        assert f.read_bytes() == (tmp_path / "b" / f.name).read_bytes(), f.name
+
+    def crcs(path: Path) -> dict[Any, int]:  # the metadata also holds the path
+        md = pickle.loads((path / ".metadata").read_bytes())
+        return {k: i.shardwise_crc32 for k, i in md.storage_data.items()}
+
+    assert crcs(tmp_path / "a") == crcs(tmp_path / "b")
+    assert (tmp_path / "a.safetensors").read_bytes() == (
+        tmp_path / "b.safetensors").read_bytes()
+    t = target()
+    sw.checkpoint.load(t, tmp_path / "a")  # checked by zlib's CRC-32
+    check(t, 5)
+    with pytest.raises(CheckpointError, match="corrupt"):
+        _load_copy(tmp_path / "a", lambda p: _flip(next(p.glob("*.distcp")), 200, b"\x04"))
+
+
+def _rewrite_metadata(path: Path, change: Any) -> None:
+    """``change`` the unpickled metadata of the checkpoint at ``path`` and write it back
+    with a valid trailer (as a writer would have)."""
+    from shardwise.checkpoint import integrity
+
+    data, crc = integrity.split_trailer((path / ".metadata").read_bytes())
+    assert crc is not None
+    md = pickle.loads(data)
+    change(md)
+    data = pickle.dumps(md)
+    (path / ".metadata").write_bytes(data + b"shardwise.crc32=%08x" % zlib.crc32(data))
+
+
+def test_metadata_without_the_algorithm_holds_crc32s(saved: Path) -> None:
+    def older(path: Path) -> None:  # as written before the algorithm was recorded
+        _rewrite_metadata(path, lambda md: delattr(md, "shardwise_checksum"))
+
+    check(_load_copy(saved, older), 3)
+    with pytest.raises(CheckpointError, match=r"Key '.*': its data in .*bytes "
+                       r"\d+\.\.\d+ is corrupt \(their CRC-32 is"):
+        _load_copy(saved, lambda p: (older(p), _flip(p / "__0_0.distcp", 600, b"\x10")))
+
+
+def test_an_unknown_algorithm_is_a_clear_error(saved: Path) -> None:
+    def newer(path: Path) -> None:
+        _rewrite_metadata(path, lambda md: setattr(md, "shardwise_checksum", "xxh3"))
+
+    with pytest.raises(CheckpointError, match=r"records its chunk checksums as 'xxh3' .*"
+                       r"cannot check \(it knows 'crc32'\).*verify=False") as err:
+        _load_copy(saved, newer)
+    assert "corrupt" not in str(err.value)
+    with tempfile.TemporaryDirectory() as d:
+        path = Path(d) / "ckpt"
+        shutil.copytree(saved, path)
+        newer(path)
+        t = target()
+        sw.checkpoint.load(t, path, verify=False)  # sizes and the metadata still checked
+        check(t, 3)
+
+
+def _rewrite_header(path: Path, change: Any) -> None:
+    """``change`` the ``__metadata__`` of the safetensors file at ``path`` and rewrite
+    its header with valid checksums (as a writer would have)."""
+    import json
+    import struct
+
+    from shardwise.checkpoint import safetensors_io as sio
+
+    raw = path.read_bytes()
+    n = struct.unpack("<Q", raw[:8])[0]
+    head = json.loads(raw[8:8 + n])
+    change(head["__metadata__"])
+    text = json.dumps(head, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)
+    full = struct.pack("<Q", len(text)) + text
+    digits = [sio._digits_at(text, k) for k in head["__metadata__"] if k.startswith(sio._CRC)]
+    at = sio._digits_at(text, sio._CRC)
+    full = full[:at] + b"%08x" % sio._header_crc(full, digits) + full[at + 8:]
+    path.write_bytes(full + raw[8 + n:])
+
+
+def test_a_safetensors_file_without_the_algorithm_holds_crc32s(saved_st: Path) -> None:
+    def older(p: Path) -> None:
+        _rewrite_header(p, lambda meta: meta.pop("shardwise.checksum"))
+
+    with tempfile.TemporaryDirectory() as d:
+        path = Path(d) / saved_st.name
+        shutil.copy(saved_st, path)
+        older(path)
+        assert b"shardwise.checksum" not in path.read_bytes()
+    t = _load_st(saved_st, older)
+    t["step"] = 3
+    check(t, 3)
+    with pytest.raises(CheckpointError, match=r"Key '.*': its data in .*bytes \d+\.\.\d+ "
+                       r"is corrupt \(their CRC-32 is"):
+        _load_st(saved_st, lambda p: (older(p), _flip(p, p.stat().st_size - 8, b"\x01")))
+
+
+def test_an_unknown_safetensors_algorithm_is_a_clear_error(saved_st: Path) -> None:
+    def newer(p: Path) -> None:
+        _rewrite_header(p, lambda meta: meta.update({"shardwise.checksum": "xxh3"}))
+
+    with pytest.raises(CheckpointError, match=r"records its tensors' checksums as 'xxh3' .*"
+                       r"cannot check \(it knows 'crc32'\).*verify=False") as err:
+        _load_st(saved_st, newer)
+    assert "corrupt" not in str(err.value)
+    with tempfile.TemporaryDirectory() as d:
+        path = Path(d) / saved_st.name
+        shutil.copy(saved_st, path)
+        newer(path)
+        t = target()
+        sw.checkpoint.load_safetensors(path, t, strict=False, verify=False)
+        t["step"] = 3
+        check(t, 3)
+
+
+def test_the_algorithm_key_is_reserved_in_safetensors_metadata(tmp_path: Path) -> None:
+    with pytest.raises(CheckpointError, match=r"'shardwise\.checksum'.*Rename the key"):
+        sw.checkpoint.save_safetensors({"w": torch.ones(2)}, tmp_path / "f.safetensors",
+                                       metadata={"shardwise.checksum": "mine"})
+
+
+def test_the_benchmarks_switch_writes_no_checksums(tmp_path: Path) -> None:
+    from shardwise.checkpoint import integrity, safetensors_io, store
+
+    store._save(state(4), tmp_path / "c", checksums=False)
+    data, crc = integrity.split_trailer((tmp_path / "c" / ".metadata").read_bytes())
+    md = pickle.loads(data)
+    assert crc is None and not hasattr(md, "shardwise_checksum")
+    assert not any(hasattr(i, "shardwise_crc32") for i in md.storage_data.values())
+    t = target()
+    sw.checkpoint.load(t, tmp_path / "c")
+    check(t, 4)
+    s = state(4)
+    del s["step"]
+    safetensors_io._save_safetensors(s, tmp_path / "f.safetensors", None, checksums=False)
+    assert b"shardwise" not in (tmp_path / "f.safetensors").read_bytes()[:4096]
+    assert safetensors_io._checks(tmp_path / "f.safetensors") == {}
+    t = target()
+    sw.checkpoint.load_safetensors(tmp_path / "f.safetensors", t, strict=False)
+    t["step"] = 4
+    check(t, 4)
+
+
+@pytest.mark.parametrize("small", [1, 1 << 30])
+def test_large_chunks_are_checked_ahead_on_a_thread_small_ones_in_line(
+        saved: Path, saved_st: Path, monkeypatch: pytest.MonkeyPatch, small: int) -> None:
+    """Chunks of at least ``_SMALL`` bytes are checked on the look-ahead thread from a
+    memory map, smaller ones on the reading thread with a read: both catch a flip."""
+    import threading
+
+    from shardwise.checkpoint import integrity
+
+    monkeypatch.setattr(integrity, "_SMALL", small)
+    where: set[str] = set()
+    check_chunk = integrity.check_chunk
+
+    def spy(*args: Any) -> None:
+        where.add(threading.current_thread().name.split("_")[0])
+        check_chunk(*args)
+
+    monkeypatch.setattr(integrity, "check_chunk", spy)
+    check(_load_copy(saved, lambda p: None), 3)
+    t = _load_st(saved_st, lambda p: None)
+    t["step"] = 3
+    check(t, 3)
+    assert where == ({"shardwise-check"} if small == 1 else {"MainThread"}), where
+
+    def flip_w(p: Path) -> None:  # 8 bytes of w's values (row 1, [5., 6.] + 3)
+        f = p / "__0_0.distcp" if p.is_dir() else p
+        _flip(f, f.read_bytes().index((G[1, :2] + 3).numpy().tobytes()), b"\x01" * 8)
+
+    with pytest.raises(CheckpointError, match=r"Key 'w'.*bytes \d+\.\.\d+ is corrupt"):
+        _load_copy(saved, flip_w)
+    with pytest.raises(CheckpointError, match=r"Key 'w'.*bytes \d+\.\.\d+ is corrupt"):
+        _load_st(saved_st, flip_w)

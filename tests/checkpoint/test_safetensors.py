@@ -56,6 +56,7 @@ def test_the_file_holds_global_tensors_any_reader_takes(tmp_path: Path) -> None:
     n = struct.unpack("<Q", head[:8])[0]
     meta = json.loads(head[8:8 + n])["__metadata__"]
     assert n % 8 == 0 and meta.pop("format") == "pt"
+    assert meta.pop("shardwise.checksum") == "crc32"  # the algorithm of the tensors' sums
     crcs = {k.removeprefix("shardwise.crc32."): int(v, 16) for k, v in meta.items()
             if k.startswith("shardwise.crc32.")}  # a CRC-32 per tensor, and the header's
     assert sorted(meta) == ["shardwise.crc32", *(f"shardwise.crc32.{k}" for k in sorted(crcs))]

@@ -89,11 +89,14 @@ def test_checkpoint_section(result: tuple[dict, Path, Path]) -> None:
         "checkpoint.load (CRC-32s checked)", "save_safetensors (by offsets)",
         "load_safetensors (slices"]
     assert all(r["shardwise_mib_s"] > 0 and r["reference_mib_s"] > 0 for r in ckpt["rows"])
+    assert [r["case"].split(",")[0] for r in ckpt["checksum_rows"]] == [
+        "checkpoint.save", "checkpoint.load", "save_safetensors", "load_safetensors"]
+    assert all(r["ratio"] > 0 for r in ckpt["checksum_rows"])
     mem = ckpt["memory"]
     assert "error" not in mem, mem.get("error")
     assert mem["largest_block_mib"] > 0 and mem["anon_peak_above_model_mib"] is not None
     keys = {t["target"] for t in result[0]["targets"]}
-    assert {"checkpoint", "checkpoint_memory"} <= keys
+    assert {"checkpoint", "checkpoint_checksums", "checkpoint_memory"} <= keys
 
 
 def test_table_written(result: tuple[dict, Path, Path]) -> None:

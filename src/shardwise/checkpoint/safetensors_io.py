@@ -10,30 +10,34 @@ Invariants:
   The file appears under its name only when every process is done (temporary name,
   barrier, rename).
 - Checksums where the format has room, its ``__metadata__`` (strings): the key
-  ``shardwise.crc32.<name>`` holds the CRC-32 of tensor ``<name>``'s bytes (8 hex
-  digits) and ``shardwise.crc32`` that of the header itself, read with that value
-  as ``00000000``. The header is written with zeros there, and after every process
-  has written its blocks each process reads back its share of the tensors (every
-  ``process_count()``-th) and writes their digits in place: the header's length,
-  hence every offset, never changes. Other readers see ordinary metadata strings.
+  ``shardwise.crc32.<name>`` holds the checksum of tensor ``<name>``'s bytes (8 hex
+  digits) under the algorithm that ``shardwise.checksum`` names (``crc32``; a file
+  written before that key existed holds CRC-32s), and ``shardwise.crc32`` the CRC-32
+  of the header itself, read with that value as ``00000000``. The header is written
+  with zeros there, and after every process has written its blocks each process
+  reads back its share of the tensors (every ``process_count()``-th) and writes their
+  digits in place: the header's length, hence every offset, never changes (a process
+  alone reads its tensors back while it fsyncs them). Other readers see ordinary
+  metadata strings.
 - Reading fills the targets in place: each process reads, with ``get_slice``, only the
   slices its own blocks cover (one slice in memory at a time); shapes and dtypes
   must agree (``cast=True`` converts dtypes), a missing name raises naming it.
   Before that, the header and every tensor it loads are checked against their CRC-32
   (files without ours are read unchecked); damage, and a header that safetensors
   cannot parse, are a ``CheckpointError`` saying "corrupt", naming the file, the
-  byte range and the key.
+  byte range and the key. An algorithm this version does not know is an error too
+  (``verify=False`` skips the tensors' checksums).
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import json
 import math
 import mmap
 import os
 import struct
-import zlib
 from collections.abc import Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -74,25 +78,29 @@ def _flatten(state: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
 
 
 _CRC = "shardwise.crc32"
+_ALGORITHM = "shardwise.checksum"
 _ZERO = "00000000"
 
 
-def _header(flat: dict[str, torch.Tensor], metadata: Mapping[str, str] | None
-            ) -> tuple[bytes, dict[str, int], dict[str, int]]:
+def _header(flat: dict[str, torch.Tensor], metadata: Mapping[str, str] | None,
+            checksums: bool = True) -> tuple[bytes, dict[str, int], dict[str, int]]:
     """The length-prefixed JSON header, each tensor's byte offset in the data, and
     the byte position in the header of each CRC's 8 digits (name, or "" for the
-    header's own): see the module doc."""
+    header's own; none with ``checksums=False``): see the module doc."""
     head: dict[str, Any] = {}
     meta = {str(k): str(v) for k, v in (metadata or {}).items()}
     for key in meta:
-        if key.startswith(_CRC):
+        if key.startswith(_CRC) or key == _ALGORITHM:
             raise CheckpointError(
-                f"metadata key {key!r}: keys that begin with {_CRC!r} hold shardwise's "
-                "checksums. Rename the key."
+                f"metadata key {key!r}: {_ALGORITHM!r} and the keys that begin with "
+                f"{_CRC!r} hold shardwise's checksums. Rename the key."
             )
-    meta[_CRC] = _ZERO
-    meta.update({f"{_CRC}.{name}": _ZERO for name in flat})
-    head["__metadata__"] = meta
+    if checksums:
+        meta[_ALGORITHM] = integrity.ALGORITHM
+        meta[_CRC] = _ZERO
+        meta.update({f"{_CRC}.{name}": _ZERO for name in flat})
+    if meta:
+        head["__metadata__"] = meta
     begins: dict[str, int] = {}
     pos = 0
     for name, t in flat.items():
@@ -103,8 +111,10 @@ def _header(flat: dict[str, torch.Tensor], metadata: Mapping[str, str] | None
         pos += size
     text = json.dumps(head, separators=(",", ":")).encode()
     text += b" " * (-len(text) % 8)  # the data starts 8-byte aligned, as safetensors pads
-    digits = {name: _digits_at(text, f"{_CRC}.{name}") for name in flat}
-    digits[""] = _digits_at(text, _CRC)
+    digits = {}
+    if checksums:
+        digits = {name: _digits_at(text, f"{_CRC}.{name}") for name in flat}
+        digits[""] = _digits_at(text, _CRC)
     return struct.pack("<Q", len(text)) + text, begins, digits
 
 
@@ -120,7 +130,7 @@ def _header_crc(head: bytes, digits: Iterable[int]) -> int:
     raw = bytearray(head)
     for at in digits:
         raw[at:at + 8] = _ZERO.encode()
-    return zlib.crc32(raw)
+    return integrity.crc32(memoryview(raw))
 
 
 def _check_saveable(flat: dict[str, Any]) -> None:
@@ -175,11 +185,18 @@ def save_safetensors(state_dict: Mapping[str, Any], path: str | os.PathLike[str]
     >>> torch.equal(safetensors.torch.load_file(f)["w"], w.to_torch())
     True
     """
+    _save_safetensors(state_dict, path, metadata, checksums=True)
+
+
+def _save_safetensors(state_dict: Mapping[str, Any], path: str | os.PathLike[str],
+                      metadata: Mapping[str, str] | None, *, checksums: bool) -> None:
+    """:func:`save_safetensors`; ``checksums=False`` writes none (an ordinary file
+    without them: the benchmarks measure what they cost, the same path either way)."""
     flat = _flatten(state_dict)
     _check_saveable(flat)
     path = Path(path)
     tmp = path.with_name(path.name + ".partial")
-    head, begins, digits = _header(flat, metadata)
+    head, begins, digits = _header(flat, metadata, checksums)
     total = len(head) + sum(t.numel() * t.dtype.itemsize for t in flat.values())
     first = distributed.process_index() == 0
     if first:
@@ -187,6 +204,34 @@ def save_safetensors(state_dict: Mapping[str, Any], path: str | os.PathLike[str]
             f.write(head)
             f.truncate(total)  # sized (sparse) before any process writes its blocks
     distributed.barrier("shardwise.checkpoint.save_safetensors: header")
+    # a process alone reads its CRC-32s back on a thread while the fsync waits for the
+    # disk (with peers, only once they have all written theirs)
+    summer = (ThreadPoolExecutor(1, thread_name_prefix="shardwise-crc32")
+              if checksums and distributed.process_count() == 1 else None)
+    with contextlib.ExitStack() as stack:
+        if summer is not None:
+            stack.callback(summer.shutdown, wait=True)
+        sums = _write_data(tmp, head, begins, flat, first, summer)
+        distributed.barrier("shardwise.checkpoint.save_safetensors: written")
+        if checksums:
+            _write_checksums(tmp, head, digits, _sums(tmp, head, begins, flat)
+                             if sums is None else sums.result())
+            distributed.barrier("shardwise.checkpoint.save_safetensors: checksummed")
+    if first:
+        os.replace(tmp, path)
+        fd = os.open(path.parent, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    distributed.barrier("shardwise.checkpoint.save_safetensors: published")
+
+
+def _write_data(tmp: Path, head: bytes, begins: dict[str, int], flat: dict[str, Any],
+                first: bool, summer: ThreadPoolExecutor | None
+                ) -> concurrent.futures.Future[dict[str, int]] | None:
+    """Write this process's blocks and fsync them; with ``summer``, their CRC-32s are
+    read back on it meanwhile (:func:`_sums`), returned as a future."""
     fd = os.open(tmp, os.O_WRONLY)
     try:
         for name, t in flat.items():
@@ -200,38 +245,38 @@ def save_safetensors(state_dict: Mapping[str, Any], path: str | os.PathLike[str]
                     _write_block(fd, start, shape, offsets, block)
             elif first and t.numel():
                 _write_block(fd, start, shape, (0,) * len(shape), t)
+        sums = None if summer is None else summer.submit(_sums, tmp, head, begins, flat)
         os.fsync(fd)  # this process's bytes are on disk before anyone publishes the file
     finally:
         os.close(fd)
-    distributed.barrier("shardwise.checkpoint.save_safetensors: written")
-    _write_checksums(tmp, head, begins, digits, flat)
-    distributed.barrier("shardwise.checkpoint.save_safetensors: checksummed")
-    if first:
-        os.replace(tmp, path)
-        fd = os.open(path.parent, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-    distributed.barrier("shardwise.checkpoint.save_safetensors: published")
+    return sums
 
 
-def _write_checksums(tmp: Path, head: bytes, begins: dict[str, int], digits: dict[str, int],
-                     flat: dict[str, torch.Tensor]) -> None:
-    """This process's share of the CRC-32s, read back from the file and written into
-    the header's reserved digits (see the module doc)."""
+def _sums(tmp: Path, head: bytes, begins: dict[str, int], flat: dict[str, torch.Tensor]
+          ) -> dict[str, int]:
+    """The CRC-32s of this process's share of the tensors (every ``process_count()``-th),
+    read back from the file where the page cache holds it."""
     me, count = distributed.process_index(), distributed.process_count()
+    sums = {}
+    with (open(tmp, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm,
+          memoryview(mm) as view):
+        for n, (name, t) in enumerate(flat.items()):
+            if n % count == me:
+                begin = len(head) + begins[name]
+                with view[begin:begin + t.numel() * t.dtype.itemsize] as part:
+                    sums[name] = integrity.crc32(part)
+    return sums
+
+
+def _write_checksums(tmp: Path, head: bytes, digits: dict[str, int], sums: dict[str, int]
+                     ) -> None:
+    """This process's CRC-32s ``sums``, written into the header's reserved digits (see
+    the module doc)."""
     fd = os.open(tmp, os.O_RDWR)
     try:
-        # summed where the page cache holds the bytes
-        with mmap.mmap(fd, 0, access=mmap.ACCESS_READ) as mm, memoryview(mm) as view:
-            for n, (name, t) in enumerate(flat.items()):
-                if n % count != me:
-                    continue
-                begin = len(head) + begins[name]
-                crc = integrity.crc32(view[begin:begin + t.numel() * t.dtype.itemsize])
-                os.pwrite(fd, b"%08x" % crc, digits[name])
-        if me == 0:
+        for name, crc in sums.items():
+            os.pwrite(fd, b"%08x" % crc, digits[name])
+        if distributed.process_index() == 0:
             os.pwrite(fd, b"%08x" % _header_crc(head, digits.values()), digits[""])
         os.fsync(fd)
     finally:
@@ -264,7 +309,7 @@ def load_safetensors(path: str | os.PathLike[str], state_dict: Mapping[str, Any]
     missing: list[str] = []
     if not Path(path).exists():
         raise CheckpointError(f"No safetensors file at {path}. Check the path.")
-    checks = _checks(Path(path))
+    checks = _checks(Path(path), verify)
     try:
         opened = safe_open(str(path), framework="pt")
     except Exception as err:  # safetensors' own error type varies across versions
@@ -272,11 +317,12 @@ def load_safetensors(path: str | os.PathLike[str], state_dict: Mapping[str, Any]
             f"{path} is corrupt: safetensors cannot read its header ({err}). Restore the "
             "file."
         ) from err
-    # the next tensor's CRC-32 is computed on a thread (zlib releases the GIL) while
-    # this one is read; a tensor is filled only once its own has matched
+    # the next large tensor's CRC-32 is computed on a thread (it releases the GIL) while
+    # this one is read (a small one's, here: cheaper than the hand-over); a tensor is
+    # filled only once its own has matched
     ahead = ThreadPoolExecutor(1, thread_name_prefix="shardwise-check")
     order = [n for n, t in flat.items() if isinstance(t, torch.Tensor) and verify
-             and n in checks]
+             and n in checks and checks[n][1] - checks[n][0] >= integrity._SMALL]
     position = {n: i for i, n in enumerate(order)}
     pending = {n: ahead.submit(_verify, Path(path), n, *checks[n]) for n in order[:1]}
     with opened as f, torch.no_grad(), contextlib.ExitStack() as stack:
@@ -299,13 +345,16 @@ def load_safetensors(path: str | os.PathLike[str], state_dict: Mapping[str, Any]
                     pending[order[nxt]] = ahead.submit(_verify, Path(path), order[nxt],
                                                        *checks[order[nxt]])
                 pending.pop(name).result()  # raises CheckpointError
+            elif verify and name in checks and name not in position:
+                _verify(Path(path), name, *checks[name])
             _load_one(f, name, target, cast)
     return missing
 
 
-def _checks(path: Path) -> dict[str, tuple[int, int, int]]:
-    """``{name: (first byte, end, CRC-32)}`` of the file's checksummed tensors, once its
-    header matches its own CRC-32 (``{}`` for a file written without them)."""
+def _checks(path: Path, verify: bool = True) -> dict[str, tuple[int, int, int, str]]:
+    """``{name: (first byte, end, checksum, algorithm)}`` of the file's checksummed
+    tensors, once its header matches its own CRC-32 (``{}`` for a file written without
+    them) and their algorithm is one this version knows (unless ``verify=False``)."""
     with open(path, "rb") as f:
         prefix = f.read(8)
         n = struct.unpack("<Q", prefix)[0] if len(prefix) == 8 else -1
@@ -322,20 +371,31 @@ def _checks(path: Path) -> dict[str, tuple[int, int, int]]:
         got = _header_crc(prefix + text, digits)
         if got != expected:
             raise ValueError(f"its CRC-32 is {got:08x}, the header recorded {expected:08x}")
+        algorithm = str(meta.get(_ALGORITHM, "crc32"))  # written before the key existed: CRC-32
         start = 8 + n
-        return {name: (start + entry["data_offsets"][0], start + entry["data_offsets"][1],
-                       int(meta[f"{_CRC}.{name}"], 16))
-                for name, entry in head.items() if f"{_CRC}.{name}" in meta}
+        checks = {name: (start + entry["data_offsets"][0], start + entry["data_offsets"][1],
+                       int(meta[f"{_CRC}.{name}"], 16), algorithm)
+                  for name, entry in head.items() if f"{_CRC}.{name}" in meta}
     except (ValueError, KeyError, TypeError, AttributeError, IndexError) as err:
         raise CheckpointError(
             f"The header of {path} (bytes 0..{8 + max(n, 0)}) is corrupt ({err}). Restore "
             "the file."
         ) from None
+    if verify and algorithm not in integrity.ALGORITHMS:
+        known = ", ".join(repr(a) for a in integrity.ALGORITHMS)
+        raise CheckpointError(
+            f"{path} records its tensors' checksums as {algorithm!r} (header metadata "
+            f"{_ALGORITHM!r}), an algorithm this version of shardwise cannot check (it "
+            f"knows {known}). Load it with the shardwise that wrote it, or pass "
+            "verify=False to load it without checking the tensors."
+        )
+    return checks
 
 
-def _verify(path: Path, name: str, begin: int, end: int, expected: int) -> None:
+def _verify(path: Path, name: str, begin: int, end: int, expected: int, algorithm: str
+            ) -> None:
     try:
-        integrity.check_chunk(path, begin, end, expected)
+        integrity.check_chunk(path, begin, end, expected, algorithm)
     except integrity.Corrupt as err:
         raise CheckpointError(
             f"Key {name!r}: its data in {path} bytes {begin}..{end} is corrupt "

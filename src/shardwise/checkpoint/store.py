@@ -8,7 +8,8 @@ Invariants:
   checkpoint at ``dir``, or, between the two renames, a complete one at
   ``<dir>.partial`` beside the previous one at ``<dir>.old``.
 - Every chunk ``save`` writes carries its CRC-32 in the metadata, and the metadata
-  its own (``integrity``); the directory stays an ordinary DCP checkpoint.
+  its own and the checksums' algorithm (``integrity``); the directory stays an
+  ordinary DCP checkpoint.
 - ``load(state, dir)`` loads the checkpoint published at ``dir``. Only when there is
   none does it load the newest complete one beside it (``.partial`` with its
   ``.metadata``, else ``.old``), never silently: a :class:`CheckpointWarning` names
@@ -19,8 +20,10 @@ Invariants:
   Partial, and every file holds the bytes its metadata promises (a truncated or
   missing file names the key it holds). While reading, each chunk's bytes are checked
   against their CRC-32 before they are deserialised, so a damaged file is an error,
-  never a wrong value. Errors are :class:`CheckpointError`, naming the key (and, for
-  damage, the file, the byte range and the word "corrupt"). Then DCP fills ``state``
+  never a wrong value; checksums of an algorithm this version does not know are an
+  error before any data is read (``verify=False`` skips them). Errors are
+  :class:`CheckpointError`, naming the key (and, for damage, the file, the byte range
+  and the word "corrupt"). Then DCP fills ``state``
   in place, resharding by global offsets.
 - Unpickling: the metadata file through an allowlist (DCP's own metadata classes,
   ``torch.Size``, dtypes, paths); non-tensor values with ``weights_only=True``.
@@ -38,7 +41,6 @@ import os
 import pickle
 import shutil
 import warnings
-import zlib
 from collections.abc import Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -104,6 +106,7 @@ class _SafeReader(dcp.FileSystemReader):
     def __init__(self, path: str | os.PathLike[str], *, verify: bool = True) -> None:
         super().__init__(path)
         self._verify = verify
+        self._algorithm = integrity.ALGORITHM  # read_metadata sets the checkpoint's
         self._verified: set[tuple[str, int]] = set()  # (file, offset) checked in this load
         self._pending: dict[tuple[str, int], concurrent.futures.Future[None]] = {}
 
@@ -126,9 +129,11 @@ class _SafeReader(dcp.FileSystemReader):
     def _check_soon(self, ahead: ThreadPoolExecutor, item: ReadItem) -> None:
         info = self.storage_data[item.storage_index]
         key = (info.relative_path, info.offset)
-        if self._verify and key not in self._verified and key not in self._pending:
+        if (self._verify and key not in self._verified and key not in self._pending
+                and info.length >= integrity._SMALL):  # a small one: _slice_file, no hand-over
             self._pending[key] = ahead.submit(
-                integrity.check_info, Path(self.path) / info.relative_path, info)
+                integrity.check_info, Path(self.path) / info.relative_path, info,
+                self._algorithm)
 
     def _read_one(self, plan: LoadPlan, planner: LoadPlanner, item: ReadItem) -> None:
         # one item at a time, so that damaged data names the key it belongs to
@@ -169,7 +174,7 @@ class _SafeReader(dcp.FileSystemReader):
             pending.result()  # raises integrity.Corrupt
             self._verified.add(key)
         elif self._verify and key not in self._verified:
-            integrity.check_info(Path(self.path) / sinfo.relative_path, sinfo)
+            integrity.check_info(Path(self.path) / sinfo.relative_path, sinfo, self._algorithm)
             self._verified.add(key)
         return super()._slice_file(file, sinfo)
 
@@ -183,10 +188,10 @@ class _SafeReader(dcp.FileSystemReader):
                 "never publishes one). Check the path, or save first."
             ) from None
         data, expected = integrity.split_trailer(raw)
-        if expected is not None and zlib.crc32(data) != expected:
+        if expected is not None and integrity.crc32(data) != expected:
             raise CheckpointError(
                 f"The checkpoint metadata {path} is corrupt: the CRC-32 of bytes "
-                f"0..{len(data)} is {zlib.crc32(data):08x}, its trailer recorded "
+                f"0..{len(data)} is {integrity.crc32(data):08x}, its trailer recorded "
                 f"{expected:08x}. Restore the checkpoint directory or load an older one."
             )
         f = io.BytesIO(data)
@@ -207,6 +212,19 @@ class _SafeReader(dcp.FileSystemReader):
                 f"The checkpoint metadata {path} (bytes 0..{len(raw)}) is corrupt: it holds a "
                 f"{type(md).__name__}, not DCP's Metadata. Restore the checkpoint directory."
             )
+        # metadata written before the algorithm was recorded holds CRC-32s
+        algorithm = getattr(md, integrity.ALGORITHM_ATTR, integrity.ALGORITHM)
+        if self._verify and (not isinstance(algorithm, str)
+                             or algorithm not in integrity.ALGORITHMS):
+            known = ", ".join(repr(a) for a in integrity.ALGORITHMS)
+            raise CheckpointError(
+                f"The checkpoint {self.path} records its chunk checksums as "
+                f"{algorithm!r} (metadata attribute {integrity.ALGORITHM_ATTR}), an "
+                f"algorithm this version of shardwise cannot check (it knows {known}). "
+                "Load it with the shardwise that wrote it, or pass verify=False to load it "
+                "without checking the chunks."
+            )
+        self._algorithm = algorithm
         meta = getattr(md, "storage_meta", None) or StorageMeta()
         meta.load_id = self.load_id
         md.storage_meta = meta
@@ -257,6 +275,13 @@ def save(state_dict: Mapping[str, Any], path: str | os.PathLike[str]) -> None:
     >>> state["w"].tolist(), state["step"]
     ([0.0, 1.0, 2.0, 3.0, 4.0, 5.0], 3)
     """
+    _save(state_dict, path, checksums=True)
+
+
+def _save(state_dict: Mapping[str, Any], path: str | os.PathLike[str], *,
+          checksums: bool) -> None:
+    """:func:`save`; ``checksums=False`` writes no checksums (the benchmarks measure
+    what they cost: the same path with and without them)."""
     with _told():
         path = Path(path)
         tmp, old = _siblings(path)
@@ -267,7 +292,8 @@ def save(state_dict: Mapping[str, Any], path: str | os.PathLike[str]) -> None:
         distributed.barrier("shardwise.checkpoint.save: begin")
         try:
             with _single_process_quiet():
-                dcp.save(dict(state_dict), storage_writer=integrity.ChecksummedWriter(tmp),
+                dcp.save(dict(state_dict), storage_writer=integrity.ChecksummedWriter(
+                    tmp, checksums=checksums),
                          no_dist=not distributed.is_initialized())
         except (Exception, CheckpointException) as err:  # DCP's is a BaseException
             cause = _cause(err).rstrip(".")
@@ -308,7 +334,7 @@ def _step(path: Path) -> int | None:
         md = reader.read_metadata()
         index = next(i for i in md.storage_data if i.fqn == "step")
         info = md.storage_data[index]
-        integrity.check_info(path / info.relative_path, info)
+        integrity.check_info(path / info.relative_path, info, reader._algorithm)
         with open(path / info.relative_path, "rb") as f:
             f.seek(info.offset)
             value = torch.load(io.BytesIO(f.read(info.length)), weights_only=True)
@@ -376,8 +402,8 @@ def load(state_dict: dict[str, Any], path: str | os.PathLike[str], *,
     ``<path>.old``) is loaded with a :class:`CheckpointWarning` naming both and their
     steps; ``fallback="error"`` raises instead.
 
-    ``verify=False`` skips the CRC-32s (about half the time of a load from the page
-    cache; sizes and the metadata's own checksum are still checked).
+    ``verify=False`` skips the chunks' CRC-32s (sizes and the metadata's own checksum
+    are still checked).
 
     >>> import tempfile
     >>> d = tempfile.mkdtemp() + "/ckpt"
