@@ -14,9 +14,10 @@ Invariants:
   the uncached path would make. Plain torch operands (converted per call) and integer
   Partial operands (reduced first on blocks) never hit; a hit binds, decides and
   allocates nothing but the result.
-- The torch op runs once per distinct tuple of input shard objects, and that
-  one result serves every device holding that tuple: replicas keep sharing one
-  buffer, so simulated gradients are exact (no N-fold overcount).
+- Running the decided op (on blocks or wholes) and wrapping its result is
+  :mod:`shardwise.ops.runners`' (see its invariants: one torch call per distinct
+  tuple of input blocks, so replicas share one buffer and simulated gradients are
+  exact).
 - Python numbers and 0-d torch tensors are broadcast constants: replicated,
   never communicated (a 0-d tensor that requires grad is placed on the mesh).
 - Where an operand is replicated over a mesh axis but the output is not, each
@@ -24,8 +25,6 @@ Invariants:
   ``diverge`` sums the shares (identity in the simulated runtime). Where autograd
   records nothing through the operand (no grad-requiring block in grad mode, no
   forward-mode level) the diverge is the identity and is skipped.
-- Every output block has the shape the output layout's split rule gives
-  (asserted).
 - Where every Tensor operand holds its whole value (``_whole``: a mesh this process
   holds wholly) or has a derived one (``cache.whole_of``: blocks seen whole), the op
   runs once on the wholes: the rule still decides the layouts (metadata) and the
@@ -45,6 +44,13 @@ from typing import Any
 import torch
 import torch.autograd.forward_ad as fwAD
 
+from shardwise.ops.runners import (
+    _NONE,
+    _aliases_copy,
+    _run_local,
+    _run_plain,
+    _run_whole,
+)
 from shardwise.propagation.binding import Factors, bind
 from shardwise.propagation.decide import Decision, decide
 from shardwise.runtime import observe as comm
@@ -99,7 +105,6 @@ def _operands(op: str, operands: Sequence[Any]) -> list[Any]:
     return out
 
 
-_NONE = id(None)
 _CONSTS = (int, float, bool, complex)  # Python numbers: broadcast constants, as _is_const
 
 #: the decision cache: (op, shaped, params, per operand its (layout, shape, open dims,
@@ -371,192 +376,6 @@ def _reduce_wrapping_partials(wrapping: list[int], args: list[Any],
         if dtype != t._dtype:
             args[i] = tensors[i] = cache.relayout(t, t._layout.without_partial())
             layouts[i] = args[i]._layout
-
-
-def _run_plain(op: str, fn: Callable[..., torch.Tensor], operands: Sequence[Tensor],
-               dec: Decision, factors: Factors, size: torch.Size) -> Tensor:
-    """:func:`_run_local` where every operand is a Tensor in its required layout and
-    ``fn`` takes the blocks alone: one call per distinct row of blocks (a device
-    another process holds has None in every operand: one mesh)."""
-    expect = dec.local_shapes
-    memo: dict[Any, torch.Tensor] = {}
-    out: list[torch.Tensor | None] = []
-    append = out.append
-    first: torch.Tensor | None = None
-    k = 0
-    try:
-        if len(operands) == 1:
-            x = operands[0]
-            for b in (x._blocks if x._whole is None else x._shards):  # type: ignore[union-attr]
-                if b is None:
-                    append(None)
-                else:
-                    r = memo.get(id(b))
-                    if r is None:
-                        r = memo[id(b)] = fn(b)
-                        assert r.shape == expect[k], _misshapen(op, k, r, dec)
-                        if first is None:
-                            first = r
-                    append(r)
-                k += 1
-        elif len(operands) == 2:
-            x, y = operands
-            c1 = y._blocks if y._whole is None else y._shards
-            for k, b0 in enumerate(x._blocks if x._whole is None else x._shards):  # type: ignore[arg-type]
-                if b0 is None:
-                    append(None)
-                    continue
-                b1 = c1[k]  # type: ignore[index]
-                key: Any = (id(b0), id(b1))
-                r = memo.get(key)
-                if r is None:
-                    r = memo[key] = fn(b0, b1)
-                    assert r.shape == expect[k], _misshapen(op, k, r, dec)
-                    if first is None:
-                        first = r
-                append(r)
-        else:
-            for row in zip(*[x._blocks if x._whole is None else x._shards for x in operands]):
-                key = tuple(map(id, row))
-                r = memo.get(key)
-                if r is None:
-                    if _NONE in key:
-                        append(None)
-                        k += 1
-                        continue
-                    r = memo[key] = fn(*row)
-                    assert r.shape == expect[k], _misshapen(op, k, r, dec)
-                    if first is None:
-                        first = r
-                append(r)
-                k += 1
-    except (RuntimeError, TypeError, ValueError, IndexError) as err:
-        blocks = [tuple(x.shards[k].shape) for x in operands]
-        raise ShardingError(
-            f"{op} failed on the local blocks {blocks} of operands with global "
-            f"shapes {_shapes(list(operands))} (rule '{factors.text}'): {err}"
-        ) from err
-    if first is None:  # no device of this mesh here: the dtype from meta
-        return Tensor(out, dec.output, factors.out_shape,
-                      _meta_dtype(fn, list(operands), dec, False), open_dims=dec.out_open)
-    return Tensor._wrap(tuple(out), None, dec.output, size, first.dtype, first.device,
-                        dec.out_open)
-
-
-def _misshapen(op: str, k: int, r: torch.Tensor, dec: Decision) -> str:
-    return (f"{op}: device {k} computed a block of shape {tuple(r.shape)}, the layout "
-            f"{dec.output} gives {dec.local_shapes[k]}")
-
-
-def _run_local(op: str, fn: Callable[..., torch.Tensor], args: list[Any],
-               cols: list[Sequence[torch.Tensor | None] | None], dec: Decision,
-               factors: Factors, shaped: bool, size: torch.Size | None = None) -> Tensor:
-    where = [i for i, c in enumerate(cols) if c is not None]
-    plain = len(where) == len(args) and not shaped  # every operand a Tensor: call fn(*row)
-    expect = dec.local_shapes
-    memo: dict[Any, torch.Tensor] = {}
-    out: list[torch.Tensor | None] = []
-    single = len(where) == 1
-    picked = [cols[i] for i in where]
-    for k, row in enumerate(zip(*picked)):
-        key: Any = id(row[0]) if single else tuple(map(id, row))
-        r = memo.get(key)
-        if r is None:
-            if key == _NONE or (not single and _NONE in key):  # another process's device
-                out.append(None)
-                continue
-            if plain:
-                call = row
-            else:
-                call = list(args)
-                for i, s in zip(where, row):
-                    call[i] = s
-                if shaped:
-                    call.append(expect[k])
-            try:
-                r = fn(*call)
-            except (RuntimeError, TypeError, ValueError, IndexError) as err:
-                blocks = [tuple(a.shape) for a in call if isinstance(a, torch.Tensor)]
-                raise ShardingError(
-                    f"{op} failed on the local blocks {blocks} of operands with global "
-                    f"shapes {_shapes(args)} (rule '{factors.text}'): {err}"
-                ) from err
-            assert r.shape == expect[k], (
-                f"{op}: device {k} computed a block of shape {tuple(r.shape)}, the layout "
-                f"{dec.output} gives {expect[k]}")
-            memo[key] = r
-        out.append(r)
-    if not memo:  # no device of this mesh here: the dtype from meta
-        return Tensor(out, dec.output, factors.out_shape, _meta_dtype(fn, args, dec, shaped),
-                      open_dims=dec.out_open)
-    r = next(iter(memo.values()))
-    return Tensor._wrap(tuple(out), None, dec.output,
-                        torch.Size(factors.out_shape) if size is None else size, r.dtype,
-                        r.device, dec.out_open)
-
-
-def _run_whole(op: str, fn: Callable[..., torch.Tensor], args: list[Any],
-               layouts: Sequence[Layout | None], dec: Decision, factors: Factors,
-               shaped: bool, views: dict[int, torch.Tensor] | None = None) -> Tensor | None:
-    """``fn`` once on the operands' whole values (own or derived): the global op, one
-    autograd node. Layout changes of the operands keep their wholes (their
-    collectives are counted). None when the result aliases a derived copy (a view):
-    the op then runs on the blocks, whose views alias them."""
-    call = []
-    derived = False
-    for i, (x, have, req, div) in enumerate(zip(args, layouts, dec.required, dec.diverge)):
-        if have is None:
-            call.append(x)
-            continue
-        assert req is not None
-        derived = derived or x._whole is None
-        call.append(cache.whole(x, req, div, views.get(i) if views else None))
-    if shaped:
-        call.append(factors.out_shape)
-    try:
-        r = fn(*call)
-    except (RuntimeError, TypeError, ValueError, IndexError) as err:
-        blocks = [tuple(a.shape) for a in call if isinstance(a, torch.Tensor)]
-        raise ShardingError(  # the whole values are this process's one local block each
-            f"{op} failed on the local blocks {blocks} of operands with global shapes "
-            f"{_shapes(args)} (rule '{factors.text}'): {err}"
-        ) from err
-    assert tuple(r.shape) == factors.out_shape, (
-        f"{op}: the whole result has shape {tuple(r.shape)}, the rule gives "
-        f"{factors.out_shape}")
-    if derived and _aliases_copy(args, call, r):
-        return None
-    # the operands' wholes live on this mesh's one torch device: no check needed
-    return Tensor._wrap(None, r, dec.output, r.shape, r.dtype, r.device, dec.out_open)
-
-
-def _aliases_copy(operands: Sequence[Any], call: Sequence[Any], r: torch.Tensor) -> bool:
-    """Whether ``r`` is (a view of) the derived copy of an operand held as blocks
-    (``call``: the wholes the op ran on)."""
-    if r._base is None and not any(r is c for c in call):
-        return False  # a new tensor (the common case): aliases nothing
-    return any(isinstance(x, Tensor) and cache.aliases_copy(x, r) for x in operands)
-
-
-def _shapes(args: list[Any]) -> list[list[int]]:
-    return [list(x.shape) if isinstance(x, (Tensor, torch.Tensor)) else [] for x in args]
-
-
-def _meta_dtype(fn: Callable[..., torch.Tensor], args: list[Any], dec: Decision,
-                shaped: bool) -> torch.dtype:
-    """The output dtype on a process that holds no device of the mesh."""
-    from shardwise.sharding.shapes import local_shape
-
-    call: list[Any] = []
-    for x, req in zip(args, dec.required):
-        if isinstance(x, Tensor) and req is not None:
-            shape = local_shape(x.shape, req, req.mesh.coord_of(0))
-            call.append(torch.empty(shape, dtype=x.dtype, device="meta"))
-        else:
-            call.append(x)
-    if shaped:
-        call.append(dec.local_shapes[0])
-    return fn(*call).dtype
 
 
 def apply_elementwise(op: str, operands: Sequence[Any], fn: Callable[..., torch.Tensor]
