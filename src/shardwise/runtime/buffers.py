@@ -6,10 +6,11 @@ unmaps it on free, so each new 64 MiB result faults in 16384 4-KiB pages: on a
 backs guest pages lazily). Large results of shardwise ops come from
 :func:`empty`, which avoids that:
 
-- **The pool** (on by default, :func:`set_pool_limit`): a result above 32 MiB
-  is written into an anonymous mapping lent from a pool; when the result's
-  storage dies, the mapping returns to the pool with its pages still mapped,
-  so the next result of that size faults nothing. At most 512 MiB stay idle.
+- **The pool** (on by default, :func:`set_pool_limit`): a result above 4 MiB
+  (glibc maps those fresh or not, depending on its history of frees) is written
+  into an anonymous mapping lent from a pool; when the result's storage dies,
+  the mapping returns to the pool with its pages still mapped, so the next
+  result of that size faults nothing. At most 512 MiB stay idle.
 - **Huge pages** (with the pool off, or for a new mapping): blocks are advised
   to use transparent huge pages (``madvise(MADV_HUGEPAGE)``, when the kernel's
   THP mode is ``madvise``): they fault in 2 MiB pages, 64 MiB costs ~1.5 copies.
@@ -95,6 +96,10 @@ def buffer_reuse() -> bool:
 
 # --- transparent huge pages for fresh mapped blocks ----------------------------------------
 MAPPED = 32 * 2**20  # glibc maps blocks above this fresh in every mode (its threshold's cap)
+#: results above this come from the pool: glibc maps blocks between its default mmap
+#: threshold (128 KiB) and MAPPED fresh or not depending on its dynamic threshold (the
+#: history of frees), so such a result cost 1x or ~3x a copy from one process to the next
+POOLED = 4 * 2**20
 _HUGE = 2 * 2**20     # the huge page size on x86-64 and arm64 (4 KiB base pages)
 _MADV_HUGEPAGE = 14   # asm-generic/mman-common.h
 
@@ -237,9 +242,10 @@ def _modes_active() -> bool:
 
 def empty(shape: Sequence[int], like: torch.Tensor) -> torch.Tensor:
     """``like.new_empty(shape)``, for a result about to be written whole. A host block
-    that glibc would map fresh (above 32 MiB, buffer reuse off) instead comes from the
-    pool of large result buffers (pages already mapped: no page faults), or, with the
-    pool off, is advised to use huge pages before its first touch. Why not advise
+    that glibc may map fresh (above 4 MiB, :data:`POOLED`; buffer reuse off) instead
+    comes from the pool of large result buffers (pages already mapped: no page faults),
+    or, with the pool off, one above 32 MiB is advised to use huge pages before its
+    first touch. Why not advise
     every block: advising heap memory would split the heap's mapping for good.
 
     >>> from shardwise.runtime import buffers
@@ -248,11 +254,12 @@ def empty(shape: Sequence[int], like: torch.Tensor) -> torch.Tensor:
     (torch.Size([4096, 4096]), torch.float32)
     """
     nbytes = math.prod(shape) * like.element_size()
-    if (nbytes <= MAPPED or nbytes == 0 or _enabled or like.device.type != "cpu"
+    if (nbytes <= POOLED or _enabled or like.device.type != "cpu"
             or type(like) is not torch.Tensor or _modes_active()):
         return like.new_empty(shape)  # (fake/meta tensors and dispatch modes: no memory)
     if _pool.limit > 0:
         return _pooled(shape, like.dtype, nbytes)
     t = like.new_empty(shape)
-    _advise_huge(t.data_ptr(), nbytes)
+    if nbytes > MAPPED:  # surely a fresh mapping: never advise the heap's memory
+        _advise_huge(t.data_ptr(), nbytes)
     return t

@@ -206,7 +206,7 @@ def _exec(node: Node, shards: Sequence[torch.Tensor], cuts: list[Any], big: bool
 def out_buffer(shape: Sequence[int], like: torch.Tensor, inputs: Sequence[torch.Tensor]
                ) -> torch.Tensor | None:
     """The ``out=`` buffer of a result computed from ``inputs``: one from
-    :func:`buffers.empty` (the pool) when glibc would map it fresh (above 32 MiB),
+    :func:`buffers.empty` (the pool) when glibc may map it fresh (above 4 MiB),
     else None (a plain allocation); always None while autograd records ``inputs``
     (``out=`` is not differentiable).
 
@@ -214,7 +214,7 @@ def out_buffer(shape: Sequence[int], like: torch.Tensor, inputs: Sequence[torch.
     >>> out_buffer((8,), x, [x]) is None  # small: torch allocates as usual
     True
     """
-    if math.prod(shape) * like.element_size() <= buffers.MAPPED or recording(inputs):
+    if math.prod(shape) * like.element_size() <= buffers.POOLED or recording(inputs):
         return None
     return buffers.empty(shape, like)
 
