@@ -32,7 +32,6 @@ from shardwise.parallel.fsdp_unit import UNIT, Param, Unit, sharded_layout
 from shardwise.parallel.hf import gather_on_save
 from shardwise.parallel.precision import MixedPrecisionPolicy, cast_floating
 from shardwise.runtime import backend_for, position
-from shardwise.runtime.position import HERE
 from shardwise.sharding.errors import ShardingError, ShardingTypeError
 from shardwise.sharding.layout import Layout
 from shardwise.sharding.mesh import DeviceMesh
@@ -190,12 +189,8 @@ def _shard(p: torch.Tensor, name: str, mesh: DeviceMesh, axis: int) -> Param:
 def _pre_forward(module: nn.Module, args: Any, kwargs: Any) -> Any:
     unit: Unit = getattr(module, UNIT)
     position.push(unit.site)  # left in _post_forward (which runs also when forward raises)
-    before = HERE.op
-    HERE.op = "all_gather parameters"
-    try:
+    with position.issuing("all_gather parameters"):
         unit.unshard()
-    finally:
-        HERE.op = before
     policy = unit.policy
     if policy.cast_forward_inputs and policy.param_dtype is not None:
         return cast_floating(args, policy.param_dtype), cast_floating(kwargs,

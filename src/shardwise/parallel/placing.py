@@ -26,7 +26,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from shardwise.runtime.position import HERE
+from shardwise.runtime.position import issuing
 from shardwise.sharding.errors import ShardingError, ShardingTypeError
 from shardwise.sharding.layout import Layout, normalize_dim
 from shardwise.sharding.mesh import DeviceMesh
@@ -102,12 +102,8 @@ def place_on(x: Any, mesh: DeviceMesh, axis: int, placement: Placement | None,
         target = layout_on(x.dist_layout, x.ndim, axis, placement)
         if target == x.dist_layout:
             return x
-        before = HERE.op
-        HERE.op = where  # the op of the program position its collectives carry
-        try:
+        with issuing(where):  # the op of the program position its collectives carry
             return relayout(x, target)
-        finally:
-            HERE.op = before
     if isinstance(x, torch.Tensor):
         want = placement if placement is not None else plain
         if want is None:

@@ -261,13 +261,12 @@ def _verdict(name: str, mesh: DeviceMesh, group: list[int], hashes: dict[int, in
         return ""
     ids = {k: mesh.devices[k].id for k in group}
     top, n = counts.most_common(1)[0]
-    where = name
     if 2 * n > len(seen):
         odd = sorted(ids[k] for k, h in seen.items() if h != top)
         good = sorted(ids[k] for k, h in seen.items() if h == top)
-        return (f"{where}: {_list(who, odd)}'s cop{'ies differ' if len(odd) > 1 else 'y differs'}"
+        return (f"{name}: {_list(who, odd)}'s cop{'ies differ' if len(odd) > 1 else 'y differs'}"
                 f" from the majority ({_list(who, good)}).")
-    return (f"{where}: {_list(who, sorted(ids.values()))} hold different copies, with no "
+    return (f"{name}: {_list(who, sorted(ids.values()))} hold different copies, with no "
             "majority (any of them may be the wrong one).")
 
 

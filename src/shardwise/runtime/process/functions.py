@@ -47,7 +47,7 @@ import torch
 import torch.autograd.forward_ad as fwAD
 from torch.autograd import Function
 
-from shardwise.runtime.position import HERE, backward_of
+from shardwise.runtime.position import HERE, backward_of, current
 from shardwise.runtime.process import collectives as D
 from shardwise.sharding.errors import ShardingError
 from shardwise.sharding.placements import ReduceOp
@@ -87,7 +87,7 @@ class Collective(Function):
     def forward(ctx: Any, x: torch.Tensor, spec: Spec) -> torch.Tensor:
         out = spec.forward(x)
         ctx.spec = spec
-        ctx.at = HERE.site, HERE.op   # the backward's program position
+        ctx.at = current()  # the backward's program position
         if spec.saves:
             ctx.save_for_backward(x, out)
             ctx.fw = (x, out)
