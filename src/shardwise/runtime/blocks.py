@@ -16,18 +16,33 @@ from __future__ import annotations
 
 import functools
 import math
+import operator
 from collections.abc import Sequence
 from typing import Any, TypeAlias
 
 import torch
+import torch.autograd.forward_ad as fwAD
 
 from shardwise.sharding.layout import Layout
 from shardwise.sharding.shapes import local_bounds, local_shape, split_bounds
 
-__all__ = ["Node", "assemble_recipe", "rep_indices", "run_node", "source_splits",
-           "tiling_view"]
+__all__ = ["Node", "assemble_recipe", "recording", "rep_indices", "run_node",
+           "source_splits", "tiling_view"]
 
 Node: TypeAlias = "tuple[Any, ...]"
+
+_requires_grad = operator.attrgetter("requires_grad")
+
+
+def recording(parts: Sequence[torch.Tensor]) -> bool:
+    """True when autograd (reverse or forward mode) may need ``parts`` as separate inputs
+    (so they must not be replaced by a view of one buffer or written through ``out=``).
+
+    >>> recording([torch.ones(2)]), recording([torch.ones(2, requires_grad=True)])
+    (False, True)
+    """
+    return fwAD._current_level >= 0 or (
+        torch.is_grad_enabled() and any(map(_requires_grad, parts)))
 
 
 def rep_indices(layout: Layout) -> tuple[int, ...]:

@@ -71,7 +71,7 @@ import torch.autograd.forward_ad as fwAD
 from shardwise.planner import Plan, backward_steps, diverge_step, make_plan
 from shardwise.runtime import backend_for
 from shardwise.runtime import observe as comm
-from shardwise.runtime.blocks import tiling_view
+from shardwise.runtime.blocks import recording, tiling_view
 from shardwise.runtime.owner import GradOwner
 from shardwise.sharding.layout import Layout
 
@@ -457,7 +457,7 @@ def _derive(shards: tuple[torch.Tensor, ...], uniq: tuple[int, ...], layout: Lay
     first = shards[uniq[0]]
     if len(uniq) == 1 and tuple(first.shape) == shape:
         return first, False  # Replicated: the one buffer is the whole
-    if not _recording([shards[k] for k in uniq]):
+    if not recording([shards[k] for k in uniq]):
         view = tiling_view(shards, layout, shape)
         if view is not None:
             return view, False
@@ -465,12 +465,6 @@ def _derive(shards: tuple[torch.Tensor, ...], uniq: tuple[int, ...], layout: Lay
         return None, False
     full = Layout.replicated(layout.mesh, len(shape))
     return backend_for(layout.mesh).assemble(shards, layout, full, shape)[0], True
-
-
-def _recording(parts: list[torch.Tensor]) -> bool:
-    """Whether autograd (reverse or forward mode) may need ``parts`` as separate inputs."""
-    return fwAD._current_level >= 0 or (
-        torch.is_grad_enabled() and any(p.requires_grad for p in parts))
 
 
 def aliases_copy(x: Operand, result: torch.Tensor) -> bool:

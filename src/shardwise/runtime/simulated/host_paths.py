@@ -7,15 +7,13 @@ from __future__ import annotations
 
 import functools
 import math
-import operator
 from collections.abc import Sequence
 from typing import Any, TypeAlias
 
 import torch
-import torch.autograd.forward_ad as fwAD
 
 from shardwise.runtime import blocks, buffers
-from shardwise.runtime.blocks import Node
+from shardwise.runtime.blocks import Node, recording
 from shardwise.sharding.layout import Layout
 from shardwise.sharding.mesh import DeviceMesh
 
@@ -150,15 +148,6 @@ def routes(src: Layout, dst: Layout, shape: tuple[int, ...]) -> tuple[_Prog, Any
         return direct, None
     gather, cut = _program(src, whole, shape), _program(whole, dst, shape)
     return direct, (gather, cut) if gather[3] + cut[3] < direct[3] else None
-
-
-_requires_grad = operator.attrgetter("requires_grad")
-
-
-def recording(parts: Sequence[torch.Tensor]) -> bool:
-    """True when autograd (reverse or forward mode) may need ``parts`` as separate inputs."""
-    return fwAD._current_level >= 0 or (
-        torch.is_grad_enabled() and any(map(_requires_grad, parts)))
 
 
 def _adjacent_view(parts: Sequence[torch.Tensor], dim: int) -> torch.Tensor | None:
