@@ -126,8 +126,7 @@ class _Decided:
                  shaped: bool) -> None:
         self.factors, self.dec = factors, dec
         self.size = torch.Size(factors.out_shape)
-        self.same = tuple(have is not None and req == have
-                          for have, req in zip(layouts, dec.required))
+        self.same = _in_place(layouts, dec)
         # every operand a Tensor that serves as it is (a diverge only where autograd
         # records: ``diverges``), and fn takes the blocks alone: _run_plain
         self.plain = all(self.same) and not shaped
@@ -218,15 +217,8 @@ def apply(op: str, operands: Sequence[Any], fn: Callable[..., torch.Tensor], *pa
         out = _run_whole(op, fn, args, dec.required, dec, hit.factors, shaped, views)
         if out is not None:
             return out
-    cols: list[Sequence[torch.Tensor | None] | None] = []
-    for x, req, div, same in zip(args, dec.required, dec.diverge, hit.same):
-        if req is None:
-            cols.append(None)
-        elif same and (not div or not records(x)):
-            cols.append(x._shards)
-        else:
-            cols.append(cache.blocks(x, req, div))
-    return _run_local(op, fn, args, cols, dec, hit.factors, shaped, hit.size)
+    return _run_local(op, fn, args, _columns(args, dec, hit.same), dec, hit.factors, shaped,
+                      hit.size)
 
 
 def decision_of(op: str, operands: Sequence[Any], *params: Any) -> Decision | None:
@@ -333,17 +325,29 @@ def _apply(op: str, operands: Sequence[Any], fn: Callable[..., torch.Tensor],
         out = _run_whole(op, fn, args, layouts, dec, factors, shaped, views)
         if out is not None:
             return out
+    return _run_local(op, fn, args, _columns(args, dec, _in_place(layouts, dec)), dec,
+                      factors, shaped, size)
+
+
+def _in_place(layouts: Sequence[Layout | None], dec: Decision) -> tuple[bool, ...]:
+    """Per operand, whether it already has the layout ``dec`` requires (a Tensor)."""
+    return tuple(have is not None and req == have for have, req in zip(layouts, dec.required))
+
+
+def _columns(args: Sequence[Any], dec: Decision, same: Sequence[bool]
+             ) -> list[Sequence[torch.Tensor | None] | None]:
+    """Each operand's blocks in the layout ``dec`` requires (None for a constant):
+    its own where it is already there (``same``) and needs no diverge, or a diverge
+    nothing records through (the identity); else from the operand cache."""
     cols: list[Sequence[torch.Tensor | None] | None] = []
-    for x, have, req, div in zip(args, layouts, dec.required, dec.diverge):
-        if have is None:
+    for x, req, div, sm in zip(args, dec.required, dec.diverge, same):
+        if req is None:
             cols.append(None)
-            continue
-        assert req is not None
-        if not div or records(x) or req != have:
-            cols.append(cache.blocks(x, req, div))
-        else:  # a diverge nothing records through is the identity
+        elif sm and (not div or not records(x)):
             cols.append(x._shards)
-    return _run_local(op, fn, args, cols, dec, factors, shaped, size)
+        else:
+            cols.append(cache.blocks(x, req, div))
+    return cols
 
 
 def _sums_exactly(dtype: torch.dtype) -> bool:
