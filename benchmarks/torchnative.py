@@ -23,8 +23,10 @@ and the minimum over rounds; ``ratio`` is the medians', ``ratio_min`` the minima
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -109,31 +111,11 @@ def _row(case: str, ours: Any, theirs: Any, repeat: int, inner: int) -> dict[str
 
 
 def _gpt(dim: int, repeat: int, inner: int) -> dict[str, Any]:
+    """The GPT sharded by hand (examples/gpt.py's ``megatron_by_hand``) on dp=2 x tp=4."""
     gpt = example_gpt()
-    c = gpt.Config(dim=dim)
-    torch.manual_seed(0)
-    ref = gpt.GPT(c)
     mesh = DeviceMesh.cpu((2, 4), ("dp", "tp"))
-    model = gpt.megatron_by_hand(copy.deepcopy(ref), mesh)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    ropt = torch.optim.AdamW(ref.parameters(), lr=1e-3)
-    x, y = gpt.batch(c, 8, 0)
-    data = PlacementMapping(mesh, (Sharded(0), Replicated()))
-    xs, ys = sw.tensor(x, sharding=data), sw.tensor(y, sharding=data)
-
-    def step_sw() -> None:
-        model(xs, ys).backward()
-        opt.step()
-        opt.zero_grad()
-
-    def step_torch() -> None:
-        ref(x, y).backward()
-        ropt.step()
-        ropt.zero_grad()
-
-    case = (f"GPT V={c.vocab} T={c.seq} D={c.dim} H={c.heads} L={c.layers}, Megatron TP, "
-            "AdamW, DeviceMesh(dp=2, tp=4), batch 8")
-    return {"dim": dim, **_row(case, step_sw, step_torch, repeat, inner)}
+    return _gpt_row(dim, mesh, lambda ref: gpt.megatron_by_hand(ref, mesh), False,
+                    "Megatron TP", repeat, inner)
 
 
 PLANNED_MESH = (2, 2)  # dp x tp, as the issue measured (issue 22)
@@ -143,22 +125,33 @@ def _gpt_planned(dim: int, repeat: int, inner: int) -> dict[str, Any]:
     """The GPT as users build it: a plain nn.Module, ``parallelize_module`` with
     examples/gpt.py's Megatron plan on tp, ``fully_shard`` per block and on the root
     over dp (``gpt.parallelize``), the loss under ``loss_parallel``."""
+    gpt = example_gpt()
+    mesh = DeviceMesh.cpu(PLANNED_MESH, ("dp", "tp"))
+    return _gpt_row(dim, mesh, lambda ref: gpt.parallelize(ref, mesh), True,
+                    "plan TP x fully_shard", repeat, inner)
+
+
+def _gpt_row(dim: int, mesh: DeviceMesh, build: Callable[[Any], Any], in_loss_parallel: bool,
+             how: str, repeat: int, inner: int) -> dict[str, Any]:
+    """A training step (AdamW, batch 8) of ``build(copy of the GPT)`` on ``mesh`` beside
+    the single-device GPT; ``in_loss_parallel``: forward and backward under
+    ``loss_parallel``."""
     from shardwise.parallel import loss_parallel
 
     gpt = example_gpt()
     c = gpt.Config(dim=dim)
     torch.manual_seed(0)
     ref = gpt.GPT(c)
-    mesh = DeviceMesh.cpu(PLANNED_MESH, ("dp", "tp"))
-    model = gpt.parallelize(copy.deepcopy(ref), mesh)
+    model = build(copy.deepcopy(ref))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     ropt = torch.optim.AdamW(ref.parameters(), lr=1e-3)
     x, y = gpt.batch(c, 8, 0)
     data = PlacementMapping(mesh, (Sharded(0), Replicated()))
     xs, ys = sw.tensor(x, sharding=data), sw.tensor(y, sharding=data)
+    scope = loss_parallel if in_loss_parallel else contextlib.nullcontext
 
     def step_sw() -> None:
-        with loss_parallel():
+        with scope():
             model(xs, ys).backward()
         opt.step()
         opt.zero_grad()
@@ -168,9 +161,9 @@ def _gpt_planned(dim: int, repeat: int, inner: int) -> dict[str, Any]:
         ropt.step()
         ropt.zero_grad()
 
-    dp, tp = PLANNED_MESH
-    case = (f"GPT V={c.vocab} T={c.seq} D={c.dim} H={c.heads} L={c.layers}, plan TP x "
-            f"fully_shard, AdamW, DeviceMesh(dp={dp}, tp={tp}), batch 8")
+    dp, tp = mesh.shape
+    case = (f"GPT V={c.vocab} T={c.seq} D={c.dim} H={c.heads} L={c.layers}, {how}, AdamW, "
+            f"DeviceMesh(dp={dp}, tp={tp}), batch 8")
     return {"dim": dim, **_row(case, step_sw, step_torch, repeat, inner)}
 
 
