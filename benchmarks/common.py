@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import importlib.util
 import json
@@ -27,7 +28,8 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-__all__ = ["dist_time", "example_gpt", "fmt", "free_port", "launch", "ratio", "write_json"]
+__all__ = ["dist_time", "example_gpt", "fmt", "free_port", "launch", "options_of", "ratio",
+           "write_json"]
 
 
 def free_port() -> int:
@@ -93,6 +95,22 @@ def _worker(rank: int, world: int, port: int, body: Callable[[Any], Any], args: 
     finally:
         with contextlib.suppress(Exception):  # best effort at teardown
             sd.shutdown()
+
+
+def options_of(parser: argparse.ArgumentParser, options: dict[str, Any]) -> argparse.Namespace:
+    """A section's command-line defaults with ``options`` (its flags, as keywords) set:
+    what its ``run(**options)`` runs with; an unknown option is a TypeError.
+
+    >>> p = argparse.ArgumentParser(); _ = p.add_argument("--world", type=int, default=2)
+    >>> options_of(p, {"world": 4}).world
+    4
+    """
+    args = parser.parse_args([])
+    for k, v in options.items():
+        if not hasattr(args, k):
+            raise TypeError(f"run() got an unknown option {k!r}")
+        setattr(args, k, v)
+    return args
 
 
 def launch(body: Callable[[Any], Any], args: Any, world: int, *, limit_s: float,

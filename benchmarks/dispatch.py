@@ -21,11 +21,9 @@ floor's. ``profile``: an op name to cProfile (shardwise only, in CPU time) on ra
 from __future__ import annotations
 
 import argparse
-import cProfile
 import functools
 import logging
 import os
-import pstats
 import statistics
 import sys
 import time
@@ -189,24 +187,11 @@ def _met(row: dict[str, Any]) -> bool | None:
     return (dt is not None and sw <= 0.75 * dt) or (fl is not None and sw <= fl + 1.5)
 
 
-def _profile(fn: Callable[[], Any], calls: int, top: int = 14) -> dict[str, Any]:
-    from benchmarks.profiling import where
+def _profile(fn: Callable[[], Any], calls: int) -> dict[str, Any]:
+    from benchmarks.profiling import profile_calls
 
-    for _ in range(200):
-        fn()
-    p = cProfile.Profile(time.process_time)  # CPU time: robust to a loaded machine
-    p.enable()
-    for _ in range(calls):
-        fn()
-    p.disable()
-    stats = pstats.Stats(p)
-    raw: dict[Any, Any] = stats.stats  # type: ignore[attr-defined]
-    rows = sorted(raw.items(), key=lambda kv: kv[1][2], reverse=True)[:top]
-    return {"calls": calls, "profiled_us_per_op": stats.total_tt / calls * 1e6,  # type: ignore[attr-defined]
-            "functions_per_op": sum(v[1] for v in raw.values()) / calls,
-            "top": [{"function": where(k), "ncalls_per_op": v[1] / calls,
-                     "tottime_us": v[2] / calls * 1e6, "cumtime_us": v[3] / calls * 1e6}
-                    for k, v in rows]}
+    # CPU time: robust to a loaded machine
+    return profile_calls(fn, calls, 14, warmup=200, timer=time.process_time)
 
 
 def tables(res: dict[str, Any]) -> list[str]:
@@ -256,13 +241,9 @@ def parser() -> argparse.ArgumentParser:
 
 def run(**options: Any) -> dict[str, Any] | None:
     """The section with ``options`` (the command-line flags, as keywords)."""
-    from benchmarks.common import launch
+    from benchmarks.common import launch, options_of
 
-    args = parser().parse_args([])
-    for k, v in options.items():
-        if not hasattr(args, k):
-            raise TypeError(f"run() got an unknown option {k!r}")
-        setattr(args, k, v)
+    args = options_of(parser(), options)
     res: dict[str, Any] | None = launch(rank_body, args, args.world, limit_s=args.limit_s,
                                         timeout_s=args.timeout_s)
     if res is not None:

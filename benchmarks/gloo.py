@@ -39,7 +39,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, init_device_mesh
 from torch.distributed.tensor import Partial as DPartial
 
 import shardwise as sw
-from benchmarks.common import dist_time, launch, ratio, write_json
+from benchmarks.common import dist_time, launch, options_of, ratio, write_json
 from benchmarks.report import gloo_tables
 from shardwise.runtime import position
 from shardwise.sharding import DeviceMesh, Partial, PlacementMapping, Replicated, Sharded
@@ -534,11 +534,7 @@ def parser() -> argparse.ArgumentParser:
 def run(**options: Any) -> dict[str, Any] | None:
     """The Gloo suite with ``options`` (the command-line flags, as keywords); rank 0's
     result, or None on the other ranks under torchrun."""
-    args = parser().parse_args([])
-    for k, v in options.items():
-        if not hasattr(args, k):
-            raise TypeError(f"run() got an unknown option {k!r}")
-        setattr(args, k, v)
+    args = options_of(parser(), options)
     args.spawned = "RANK" not in os.environ
     res: dict[str, Any] | None = launch(rank_body, args, args.world, limit_s=args.limit_s,
                                         timeout_s=args.timeout_s)

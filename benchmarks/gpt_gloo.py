@@ -32,7 +32,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from benchmarks.common import dist_time, example_gpt, launch, ratio, write_json
+from benchmarks.common import dist_time, example_gpt, launch, options_of, ratio, write_json
 
 __all__ = ["main", "parser", "run"]
 
@@ -209,11 +209,7 @@ def parser() -> argparse.ArgumentParser:
 
 def run(**options: Any) -> dict[str, Any] | None:
     """Rank 0's result of the GPT step comparison with ``options`` (the flags)."""
-    args = parser().parse_args([])
-    for k, v in options.items():
-        if not hasattr(args, k):
-            raise TypeError(f"run() got an unknown option {k!r}")
-        setattr(args, k, v)
+    args = options_of(parser(), options)
     res: dict[str, Any] | None = launch(rank_body, args, args.world, limit_s=args.limit_s,
                                         timeout_s=args.timeout_s)
     return res

@@ -14,7 +14,7 @@ import pstats
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["profile_small", "where"]
+__all__ = ["profile_calls", "profile_small", "where"]
 
 
 def where(key: tuple[str, int, str]) -> str:
@@ -32,10 +32,14 @@ def where(key: tuple[str, int, str]) -> str:
     return f"{path}:{line}({func})"
 
 
-def _profile(fn: Callable[[], Any], calls: int, top: int) -> dict[str, Any]:
-    for _ in range(max(10, calls // 10)):
+def profile_calls(fn: Callable[[], Any], calls: int, top: int, warmup: int | None = None,
+                  timer: Callable[[], float] | None = None) -> dict[str, Any]:
+    """cProfile of ``calls`` calls of ``fn`` (after ``warmup``, default a tenth of them,
+    at least 10), in ``timer``'s time (default wall time): per call the profiled
+    microseconds and function calls, and the ``top`` functions by own time."""
+    for _ in range(max(10, calls // 10) if warmup is None else warmup):
         fn()
-    prof = cProfile.Profile()
+    prof = cProfile.Profile() if timer is None else cProfile.Profile(timer)
     prof.enable()
     for _ in range(calls):
         fn()
@@ -46,6 +50,7 @@ def _profile(fn: Callable[[], Any], calls: int, top: int) -> dict[str, Any]:
     return {
         "calls": calls,
         "profiled_us_per_op": stats.total_tt / calls * 1e6,  # type: ignore[attr-defined]
+        "functions_per_op": sum(v[1] for v in raw.values()) / calls,
         "top": [{"function": where(k), "ncalls_per_op": v[1] / calls,
                  "tottime_us": v[2] / calls * 1e6, "cumtime_us": v[3] / calls * 1e6}
                 for k, v in rows],
@@ -61,4 +66,4 @@ def profile_small(n: int = 8, size: int = 8, calls: int = 2000, top: int = 8
     cases = inputs.cases()
     ops = ("S(0)->R", "S(0)->S(1)", "P->R", "P->S(0)", "R->S(0)", "ppermute")
     return {"devices": n, "shape": [size, size], "sort": "tottime",
-            "ops": {op: _profile(cases[op], calls, top) for op in ops}}
+            "ops": {op: profile_calls(cases[op], calls, top) for op in ops}}
