@@ -196,11 +196,10 @@ class _GatherWhole(torch.autograd.Function):
     def backward(ctx: Any, *grads: torch.Tensor | None) -> Any:
         call: _Call = ctx.call
         unit = call.unit
-        if unit.reshard and not call.freed and observe.active():
+        if unit.reshard and not call.freed:
             # gathered views of the parameters hold no memory of their own, so none
             # was freed and autograd kept them: count the re-gather it stands for
-            for plan in unit.gather_plans():
-                _record(plan)
+            unit.record_gathers()
         call.regathered = None
         return (None, *unit.reduce_wholes(grads))
 
@@ -243,10 +242,21 @@ class Unit:
         self.groups = [(idx, Flat(mesh, axis, [
             (tuple(params[i].sharded.shape), params[i].sharded.dist_layout,
              params[i].gathered, params[i].dim) for i in idx])) for idx in by_dtype.values()]
-        self.wholes = self.local and all(fp.sharded._whole is not None for fp in params)
+        self.wholes = self._all_whole()
 
-    def gather_plans(self) -> list[Plan]:
-        """The all_gathers of one gather (counted where the whole-value path runs none)."""
+    def _all_whole(self) -> bool:
+        """Whether every parameter holds its global value on a mesh held here wholly
+        (checked per forward too: ``x.data = ...`` may swap a whole for blocks)."""
+        return self.local and all(fp.sharded._whole is not None for fp in self.params)
+
+    def record_gathers(self) -> None:
+        """Count one gather's all_gathers for CommCounter, where the whole-value path
+        runs none."""
+        if observe.active():
+            for plan in self._gather_plans():
+                _record(plan)
+
+    def _gather_plans(self) -> list[Plan]:
         out = [flat.gather_plan(self.dtype(idx[0]).itemsize) for idx, flat in self.groups]
         for i in self.alone:
             fp = self.params[i]
@@ -260,9 +270,7 @@ class Unit:
         counted as the unit's all_gathers."""
         if wholes is None:
             wholes = [fp.sharded._whole for fp in self.params]
-        if observe.active():
-            for plan in self.gather_plans():
-                _record(plan)
+        self.record_gathers()
         out = []
         for i, w in enumerate(wholes):
             dtype = self.dtype(i)
@@ -331,8 +339,7 @@ class Unit:
     def unshard(self) -> None:
         self.refresh()
         call = self.call = _Call(self)
-        # (checked per forward: x.data = ... may have swapped a whole for blocks)
-        self.wholes = self.local and all(fp.sharded._whole is not None for fp in self.params)
+        self.wholes = self._all_whole()
         if self.wholes:
             self._unshard_wholes(call)
             return
