@@ -36,7 +36,7 @@ from shardwise.sharding.shapes import local_bounds
 from shardwise.tensors import cache
 from shardwise.tensors.tensor import Tensor, place
 
-__all__ = ["blockwise", "pick_classes", "vocab_embedding"]
+__all__ = ["blockwise", "check_targets", "pick_classes", "vocab_embedding"]
 
 
 def blockwise(fn: Callable[..., torch.Tensor], operands: Sequence[Tensor], layout: Layout,
@@ -135,6 +135,25 @@ def vocab_embedding(ids: torch.Tensor, weight: Tensor, padding_idx: int | None =
                      rows, whole=(0, wshape[0]))
 
 
+def check_targets(target: torch.Tensor, classes: int, ignore_index: int | None) -> None:
+    """Raise torch's IndexError, naming the class count and the rule, unless every
+    entry of ``target`` is a class index in ``[0, classes)`` or ``ignore_index``.
+
+    >>> check_targets(torch.tensor([0, 2, -100]), 3, -100)
+    >>> check_targets(torch.tensor([3]), 3, -100)
+    Traceback (most recent call last):
+    ...
+    IndexError: cross_entropy: target 3 is out of bounds for 3 classes. ...
+    """
+    bad = (target < 0) | (target >= classes)
+    if ignore_index is not None:
+        bad &= target != ignore_index
+    if bool(bad.any()):
+        raise IndexError(f"cross_entropy: target {int(target[bad][0])} is out of bounds for "
+                         f"{classes} classes. Targets are class indices in "
+                         f"[0, {classes}) or ignore_index ({ignore_index}).")
+
+
 def pick_classes(logits: Tensor, target: torch.Tensor, ignore_index: int | None = None
                  ) -> Tensor:
     """``logits[i, target[i]]`` per row of (N, C) ``logits`` whose classes may be
@@ -167,13 +186,7 @@ def pick_classes(logits: Tensor, target: torch.Tensor, ignore_index: int | None 
 
     def pick(cols: tuple[int, int], z: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
         lo, hi = cols
-        bad = (t < 0) | (t >= shape[1])
-        if ignore_index is not None:
-            bad &= t != ignore_index
-        if bool(bad.any()):
-            raise IndexError(f"cross_entropy: target {int(t[bad][0])} is out of bounds for "
-                             f"{shape[1]} classes. Targets are class indices in "
-                             f"[0, {shape[1]}) or ignore_index ({ignore_index}).")
+        check_targets(t, shape[1], ignore_index)
         if hi == lo:  # an empty block of classes picks nothing
             return z.new_zeros(z.shape[:1])
         local = t - lo

@@ -38,7 +38,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from shardwise.parallel.blocks import pick_classes
+from shardwise.parallel.blocks import check_targets, pick_classes
 from shardwise.parallel.placing import relayout
 from shardwise.planner import make_plan
 from shardwise.runtime import observe
@@ -103,12 +103,7 @@ def _per_row_whole(x: Tensor, target: Tensor, ignore_index: int, label_smoothing
     as the block computation (the row max's all_reduce MAX, the parts' all_reduce SUM)."""
     t, shape = target._whole, tuple(x.shape)
     assert t is not None and x._whole is not None
-    bad = (t < 0) | (t >= shape[1])
-    bad &= t != ignore_index
-    if bool(bad.any()):  # (as pick_classes says it)
-        raise IndexError(f"cross_entropy: target {int(t[bad][0])} is out of bounds for "
-                         f"{shape[1]} classes. Targets are class indices in "
-                         f"[0, {shape[1]}) or ignore_index ({ignore_index}).")
+    check_targets(t, shape[1], ignore_index)
     mesh, (rows, classes) = x.mesh, x.dist_layout.dims
     none = (None,) * mesh.ndim
     if observe.active():
