@@ -187,6 +187,45 @@ class DeviceMesh:
     def axis_size(self, axis: str | int) -> int:
         return self.mesh_shape[self.axis_index(axis)]
 
+    def submesh(self, **coords: int) -> DeviceMesh:
+        """The mesh of the devices at the given coordinates of some axes, over the
+        other axes (in order): a pipeline stage's ``(dp, tp)`` slice of a 3-D mesh.
+
+        >>> mesh = DeviceMesh.cpu((2, 2, 2), ("pp", "dp", "tp"))
+        >>> stage = mesh.submesh(pp=1)
+        >>> stage, stage.devices[0]
+        (DeviceMesh(dp=2, tp=2), CPU(4))
+        """
+        fixed: dict[int, int] = {}
+        for name, c in coords.items():
+            a = self.axis_index(name)
+            if isinstance(c, bool) or not isinstance(c, int) or not 0 <= c < self.mesh_shape[a]:
+                raise ShardingError(
+                    f"submesh({name}={c!r}): {self!r} has {self.mesh_shape[a]} devices along "
+                    f"{name!r}, so the coordinate must be an int in [0, {self.mesh_shape[a]})."
+                )
+            fixed[a] = c
+        if not fixed:
+            raise ShardingError(
+                f"submesh() needs at least one axis=coordinate, e.g. submesh(pp=0); {self!r} "
+                f"has axes {list(self.axis_names)}."
+            )
+        if len(fixed) == self.ndim:
+            raise ShardingError(
+                f"submesh({coords}) fixes every axis of {self!r}: leave at least one axis "
+                "free (a mesh needs one axis).")
+        rest = [a for a in range(self.ndim) if a not in fixed]
+        devices = []
+        for k in range(math.prod(self.mesh_shape[a] for a in rest)):
+            coord = [0] * self.ndim
+            for a, c in fixed.items():
+                coord[a] = c
+            for a, c in zip(rest, _unravel(k, [self.mesh_shape[a] for a in rest]), strict=True):
+                coord[a] = c
+            devices.append(self.devices[self.index_of(coord)])
+        return DeviceMesh(tuple(devices), tuple(self.mesh_shape[a] for a in rest),
+                          tuple(self.axis_names[a] for a in rest))
+
     def device_index(self, device: Any) -> int:
         """The row-major position of ``device`` in the mesh."""
         try:

@@ -1,0 +1,8 @@
+"""Pipeline parallelism: stages on a mesh axis, torch's schedules, a simulator.
+
+Work in progress (issue 23); the modules below fill in as they land.
+"""
+
+from shardwise.pipelining.actions import Action, Kind, parse_table, read_csv, write_csv
+
+__all__ = ["Action", "Kind", "parse_table", "read_csv", "write_csv"]
