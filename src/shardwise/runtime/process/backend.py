@@ -11,7 +11,9 @@ Invariants:
 - A step's spec is computed once per (step, shape, device) and cached on the world
   (it holds the world's groups): per op, one dict lookup and one collective.
 - Every process takes part in creating a group it may not be a member of (group
-  creation is collective over the world).
+  creation is collective over the world), except on a pipeline stage's mesh: its
+  groups exist already (``groups.prepare_stage_groups``), its processes alone run its
+  ops and read its values, and another process that reaches one is refused.
 """
 
 from __future__ import annotations
@@ -146,6 +148,7 @@ def run_step(step: Step, shards: Sequence[torch.Tensor | None], shape: tuple[int
         assert x is not None, "a process must hold its own shard"
         out[k] = F.run(_spec(step, shape, k), x)
     else:  # not in this mesh, but group creation is collective: take part in it
+        D.refuse_outsider(mesh, f"{step.kind.value} over axes {step.axes}")
         D.group(mesh, step.axes)
     return out
 
@@ -220,6 +223,7 @@ def permute(shards: Sequence[torch.Tensor | None], layout: Layout, source: Seque
     k = D.my_index(mesh)
     out: list[torch.Tensor | None] = [None] * mesh.num_devices
     if k is None:
+        D.refuse_outsider(mesh, "a permutation")
         return out
     x = shards[k]
     assert x is not None
@@ -248,9 +252,11 @@ def global_value(shards: Sequence[torch.Tensor | None], layout: Layout, shape: t
     k = D.my_index(mesh)
     owners = {d.id for d in mesh.devices}
     world = D.world_group()
-    if len(owners) == world.size:
+    if len(owners) == world.size or (k is not None and mesh in WORLD.stages):
+        # a pipeline stage's processes hold the value; the others never ask for it
         assert k is not None
         return shards[k]  # type: ignore[return-value]
+    D.refuse_outsider(mesh, "reading the global value (to_torch)")
     src = mesh.devices[0].id
     if k is not None and mesh.devices[k].id == src:
         x = shards[k]

@@ -31,8 +31,10 @@ from shardwise.runtime.process.groups import (  # re-exported: the runtime reach
     group,
     is_process_mesh,
     my_index,
+    prepare_stage_groups,
     process_mesh,
     rank,
+    refuse_outsider,
     reset_groups,
     sizes_along,
     world_group,
@@ -41,8 +43,9 @@ from shardwise.runtime.process.world import WORLD
 from shardwise.sharding.placements import ReduceOp
 
 __all__ = ["Group", "agree_permute", "all_gather", "all_reduce", "all_to_all", "broadcast",
-           "group", "is_process_mesh", "my_index", "permute", "process_mesh", "rank",
-           "reduce_scatter", "reset_groups", "sizes_along", "world_group"]
+           "group", "is_process_mesh", "my_index", "permute", "prepare_stage_groups",
+           "process_mesh", "rank", "reduce_scatter", "refuse_outsider", "reset_groups",
+           "sizes_along", "world_group"]
 
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor

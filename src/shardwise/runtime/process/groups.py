@@ -6,12 +6,20 @@ Invariants:
 - Process groups are created once per (mesh, sorted axes), collectively, every process
   in the same order, after agreeing over the world on which group it creates
   (torch pairs ``new_group`` calls by order); axes in another order reuse them.
+- A torch process group is keyed by its member ranks (``WORLD.pgs``): a mesh whose
+  groups all have members that an earlier creation made (a pipeline stage's submesh
+  after its parent's) builds them locally, with no collective call, on every process
+  alike (``WORLD.pgs`` is the same everywhere: only collective creations fill it). So
+  a stage's ranks use their submesh alone once :func:`prepare_stage_groups` ran on
+  every process; a process outside a stage mesh that reaches one of its collectives
+  gets an error, never a wait.
 - Every group is created with the run's timeout (torch's default for new groups is
   30 minutes).
 """
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from typing import Any
 
@@ -24,8 +32,8 @@ from shardwise.sharding.layout import Layout
 from shardwise.sharding.mesh import DeviceMesh
 from shardwise.sharding.shapes import local_shape
 
-__all__ = ["Group", "group", "is_process_mesh", "my_index", "process_mesh", "reset_groups",
-           "world_group"]
+__all__ = ["Group", "group", "is_process_mesh", "my_index", "prepare_stage_groups",
+           "process_mesh", "refuse_outsider", "reset_groups", "world_group"]
 
 
 class Group:
@@ -137,26 +145,83 @@ def group(mesh: DeviceMesh, axes: tuple[int, ...]) -> Group:
             result = Group(base.pg, tuple(members), ranks, members.index(me), label)
         WORLD.groups[key] = result
         return result
+    found = _known(mesh, axes, me, label)
+    if found is not None:  # every member set has a group already: nothing to create
+        WORLD.groups[key] = found
+        return found
     world = world_group()
     # Creating groups is collective over the world, matched by call order: processes
     # creating different groups would pair them up silently, so they agree first.
     A.agree(world.pg, world.ranks, world.label,
             A.fingerprint("create process groups", None, label, (), None))
-    found: Group | None = None
+    for members in mesh.groups(axes):
+        ranks = tuple(sorted(mesh.devices[k].id for k in members))
+        if 1 < len(ranks) < world.size and ranks not in WORLD.pgs:
+            # every process calls this, member or not
+            WORLD.pgs[ranks] = A.run("creating process groups", world.label, world.ranks,
+                                     lambda r=ranks: dist.new_group(list(r),
+                                                                    timeout=A.timeout()))
+    made = _known(mesh, axes, me, label)
+    assert made is not None, "every member set was just given a group"
+    WORLD.groups[key] = made
+    return made
+
+
+def _known(mesh: DeviceMesh, axes: tuple[int, ...], me: int | None, label: str
+           ) -> Group | None:
+    """This process's group over ``axes`` from the groups made so far (by member ranks),
+    or None when some member set has none yet (the same answer on every process)."""
+    world = dist.get_world_size()
+    found = Group(None, (), (), -1, label)
     for members in mesh.groups(axes):
         ranks = tuple(mesh.devices[k].id for k in members)
-        if ranks == world.ranks:
+        key = tuple(sorted(ranks))
+        if len(ranks) == world:
             pg: Any = dist.group.WORLD
         elif len(ranks) == 1:
             pg = None
-        else:  # every process calls this, member or not
-            pg = A.run("creating process groups", world.label, world.ranks, lambda r=ranks:
-                       dist.new_group(list(r), timeout=A.timeout()))
+        elif key in WORLD.pgs:
+            pg = WORLD.pgs[key]
+        else:
+            return None
         if me is not None and me in members:
             found = Group(pg, tuple(members), ranks, members.index(me), label)
-    result = found or Group(None, (), (), -1, label)
-    WORLD.groups[key] = result
-    return result
+    return found
+
+
+def prepare_stage_groups(mesh: DeviceMesh, axis: str) -> list[DeviceMesh]:
+    """Create, on every process in one order, the groups of ``mesh`` over every sorted
+    subset of its axes; then each stage submesh's (``mesh.submesh(axis=i)``) groups
+    are the same torch groups, found by member ranks with no collective call, so a
+    stage's processes run their stage's ops alone. Call it on every process (it is
+    collective over the world), before any stage runs an op. Returns the stage meshes,
+    which refuse a process outside them (:func:`refuse_outsider`).
+
+    >>> prepare_stage_groups(DeviceMesh.cpu((2, 2), ("pp", "tp")), "pp")  # doctest: +SKIP
+    [DeviceMesh(tp=2), DeviceMesh(tp=2)]
+    """
+    pp = mesh.axis_index(axis)
+    for n in range(1, mesh.ndim + 1):
+        for axes in itertools.combinations(range(mesh.ndim), n):
+            group(mesh, axes)
+    stages = [mesh.submesh(**{axis: i}) for i in range(mesh.mesh_shape[pp])]
+    for sub in stages:
+        WORLD.stages.add(sub)
+        for n in range(1, sub.ndim + 1):
+            for axes in itertools.combinations(range(sub.ndim), n):
+                group(sub, axes)  # found by ranks: local
+    return stages
+
+
+def refuse_outsider(mesh: DeviceMesh, what: str) -> None:
+    """Raise when this process is outside a pipeline stage's mesh and reaches one of
+    its collectives (only the stage's processes run them: waiting would never end)."""
+    if mesh in WORLD.stages and my_index(mesh) is None:
+        raise ShardingError(
+            f"{what} on {mesh!r} (devices {[d.id for d in mesh.devices]}) reached rank "
+            f"{rank()}, which holds no device of this pipeline stage: only the stage's "
+            "processes run its ops. Run the op on the stage's ranks only (check "
+            "`stage.mesh` / `pipe.local_stages`), or use the parent mesh.")
 
 
 def world_group() -> Group:

@@ -1,8 +1,9 @@
 """This process's torch.distributed world: one object holds what is valid for one world.
 
 Invariants:
-- Everything cached per world lives on :data:`WORLD`: process groups by (mesh, axes),
-  the mesh -> process index, meshes checked against the world size, the agreement
+- Everything cached per world lives on :data:`WORLD`: process groups by (mesh, axes)
+  and torch process groups by member ranks, the mesh -> process index, the pipeline
+  stage meshes, meshes checked against the world size, the agreement
   channels, groups that failed, and the multi-process step specs (which hold groups).
   ``WORLD.reset()`` (``shutdown()`` and ``initialize()``) clears them all at once,
   so nothing of an old world survives into a new one.
@@ -38,6 +39,8 @@ class World:
     agreement: bool = True          # the default-on collective agreement check
     check_collectives: bool = field(default_factory=_env_check)  # the heavy debug check
     groups: dict[Any, Any] = field(default_factory=dict)
+    pgs: dict[tuple[int, ...], Any] = field(default_factory=dict)  # sorted ranks -> group
+    stages: set[Any] = field(default_factory=set)        # pipeline stage meshes
     index: dict[Any, int | None] = field(default_factory=dict)
     checked: set[Any] = field(default_factory=set)      # meshes that fit the world
     channels: dict[Any, Any] = field(default_factory=dict)
@@ -46,8 +49,8 @@ class World:
 
     def reset(self) -> None:
         """Forget every cache of this world (settings stay)."""
-        for cache in (self.groups, self.index, self.checked, self.channels, self.broken,
-                      self.specs):
+        for cache in (self.groups, self.pgs, self.stages, self.index, self.checked,
+                      self.channels, self.broken, self.specs):
             cache.clear()
 
 

@@ -1,0 +1,257 @@
+"""Point-to-point transfers between two processes: a pytree of torch tensors (a pipeline
+stage's activations or gradients) sent to one peer rank, received whole by it.
+
+A transfer is two Gloo messages on the stream of its key: a fixed header (magic, the
+fingerprint of the key, the payload's sizes) and one payload (a JSON description of
+the tree: its structure, every leaf's shape and dtype or its value, the sender's key;
+then every tensor's bytes, 16-byte aligned). The receiver learns the shapes from the
+payload, so they may change from one transfer to the next (dynamic shapes).
+
+Invariants:
+- A stream is one Gloo tag between two ranks (:func:`stream_tag`: one per pair of
+  pipeline stages and direction), so transfers of different streams never pair up,
+  and the transfers of one stream pair in the order they were sent.
+- Sends never block (``isend``: a schedule cannot deadlock on buffering); a sent
+  buffer is kept until its transfer completes, and :func:`flush` waits for them all.
+- Every wait is bounded by the run's timeout, never shorter (Gloo closes the
+  connection when a point-to-point wait times out). A peer that died, stalled past
+  the timeout or sent another key (another tag, stage or microbatch) raises
+  :class:`CollectiveError` naming the peer rank, both keys and the stream; the first
+  failure is recorded in the store and quoted by every later error. A stream that
+  failed refuses every later transfer (its pairing is lost).
+- The received tensors are new (never views of the sender's memory), contiguous and
+  never require grad; the caller decides.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import math
+import time
+import zlib
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.utils import _pytree as pytree
+
+from shardwise.runtime.process import diagnose
+from shardwise.runtime.process.world import WORLD
+from shardwise.sharding.errors import CollectiveError
+
+__all__ = ["flush", "pending", "recv", "send", "stream_tag"]
+
+_MAGIC = 0x5357_5050      # "SWPP"
+_HEADER = 6               # int64: magic, key code, description bytes, data bytes, seq, 0
+_ALIGN = 16
+_TAG_BASE = 1 << 20       # clear of tag 0, which the collectives' exchanges use
+_LEAF_VALUES = (type(None), bool, int, float, str)
+
+
+@dataclass
+class _Stream:
+    """One direction between this process and a peer: the transfers sent or received."""
+
+    seq: int = 0
+    failed: str = ""
+    sends: list[tuple[Any, tuple[torch.Tensor, ...], str]] = field(default_factory=list)
+
+
+_STREAMS: dict[tuple[int, int, str], _Stream] = {}   # (peer, tag, "send"/"recv")
+_WORLD_ID: list[int] = [0]
+
+
+def _stream(peer: int, tag: int, way: str) -> _Stream:
+    if _WORLD_ID[0] != id(WORLD.channels):  # a new world: forget the old streams
+        _STREAMS.clear()
+        _WORLD_ID[0] = id(WORLD.channels)
+    key = (peer, tag, way)
+    s = _STREAMS.get(key)
+    if s is None:
+        s = _STREAMS[key] = _Stream()
+    return s
+
+
+def stream_tag(src: int, dst: int) -> int:
+    """The Gloo tag of the stream from pipeline stage ``src`` to stage ``dst``.
+
+    >>> stream_tag(0, 1) != stream_tag(1, 0)
+    True
+    """
+    return _TAG_BASE + (src << 10) + dst
+
+
+def _code(key: str) -> int:
+    return zlib.crc32(key.encode()) & 0x7FFF_FFFF
+
+
+def _describe(tree: Any, key: str) -> tuple[bytes, list[torch.Tensor]]:
+    """The payload's description (JSON: the key, the tree's structure, each leaf) and
+    the tensor leaves it names, in order."""
+    leaves, spec = pytree.tree_flatten(tree)
+    items: list[Any] = []
+    tensors: list[torch.Tensor] = []
+    for x in leaves:
+        if isinstance(x, torch.Tensor):
+            if type(x) is not torch.Tensor and not isinstance(x, torch.nn.Parameter):
+                raise CollectiveError(
+                    f"point-to-point send: a leaf of type {type(x).__name__} is not a plain "
+                    "torch tensor; send its local block (the pipeline transport does this "
+                    "for shardwise Tensors).")
+            tensors.append(x.detach().contiguous())
+            items.append(["t", str(x.dtype).removeprefix("torch."), list(x.shape)])
+        elif isinstance(x, _LEAF_VALUES):
+            items.append(["v", x])
+        else:
+            raise CollectiveError(
+                f"point-to-point send: cannot send a leaf of type {type(x).__name__} "
+                f"({x!r:.60}); a value must be a tree (tuple, list, dict) of tensors, None, "
+                "bool, int, float or str.")
+    return json.dumps([key, pytree.treespec_dumps(spec), items]).encode(), tensors
+
+
+def _fail(stream: _Stream, text: str, err: BaseException | None = None) -> CollectiveError:
+    """Record the failure (the stream refuses from now on; the store keeps the first)."""
+    first = diagnose.record(text)
+    stream.failed = text
+    quote = (f" The first failure of this run: {first}." if first and
+             not first.startswith(f"rank {dist.get_rank()}: ") else "")
+    under = f" Underlying error: {str(err)[:300]}" if err is not None else ""
+    return CollectiveError(text + quote + under)
+
+
+def _refuse(stream: _Stream, what: str) -> None:
+    if stream.failed:
+        raise CollectiveError(
+            f"{what} refused on rank {dist.get_rank()}: this stream failed earlier and its "
+            f"transfers no longer pair up. Stop the program (or shutdown() and initialize() "
+            f"again). The earlier error: {stream.failed[:400]}")
+
+
+def send(tree: Any, peer: int, tag: int, key: str, pg: Any = None) -> None:
+    """Send ``tree`` (a pytree of torch tensors, None and scalars) to rank ``peer`` on
+    stream ``tag``; ``key`` (e.g. "stage 0 -> stage 1, F3") must equal the receiver's.
+    Returns at once; :func:`flush` waits for the transfers (bounded)."""
+    stream = _stream(peer, tag, "send")
+    what = f"point-to-point send of {key} to rank {peer}"
+    _refuse(stream, what)
+    _reap(stream)
+    desc, tensors = _describe(tree, key)
+    start = -(-len(desc) // _ALIGN) * _ALIGN
+    offsets, at = [], start
+    for t in tensors:
+        offsets.append(at)
+        at += -(-t.numel() * t.element_size() // _ALIGN) * _ALIGN
+    payload = torch.zeros(at, dtype=torch.uint8)
+    payload[:len(desc)] = torch.frombuffer(bytearray(desc), dtype=torch.uint8)
+    for t, off in zip(tensors, offsets):
+        if t.numel():
+            payload[off:off + t.numel() * t.element_size()].copy_(
+                t.cpu().reshape(-1).view(torch.uint8))
+    stream.seq += 1
+    header = torch.tensor([_MAGIC, _code(key), len(desc), at, stream.seq, 0],
+                          dtype=torch.int64)
+    try:
+        works = (dist.isend(header, peer, group=pg, tag=tag),
+                 dist.isend(payload, peer, group=pg, tag=tag))
+    except RuntimeError as err:  # the connection is gone already (the peer died)
+        raise _fail(stream, f"{what} failed on rank {dist.get_rank()}: the peer died or "
+                    "closed its connection.", err) from err
+    stream.sends.append((works, (header, payload), key))
+
+
+def _reap(stream: _Stream) -> None:
+    """Drop the transfers that completed (their buffers are free again)."""
+    stream.sends = [s for s in stream.sends if not all(w.is_completed() for w in s[0])]
+
+
+def pending() -> int:
+    """Transfers sent by this process that the peers have not taken yet."""
+    for s in _STREAMS.values():
+        _reap(s)
+    return sum(len(s.sends) for s in _STREAMS.values())
+
+
+def flush() -> None:
+    """Wait until every transfer this process sent was received (each wait bounded by
+    the run's timeout); raises :class:`CollectiveError` naming the peer that did not
+    take one."""
+    deadline = time.monotonic() + WORLD.timeout_s
+    for (peer, _, way), stream in list(_STREAMS.items()):
+        if way != "send":
+            continue
+        for works, _, key in stream.sends:
+            for w in works:
+                _wait(w, deadline, stream, f"point-to-point send of {key} to rank {peer}")
+        stream.sends.clear()
+
+
+def _wait(work: Any, deadline: float, stream: _Stream, what: str) -> None:
+    left = max(deadline - time.monotonic(), 0.01)
+    start = time.monotonic()
+    try:
+        work.wait(timeout=datetime.timedelta(seconds=left))
+    except RuntimeError as err:
+        took = time.monotonic() - start
+        timed_out = "timed out" in str(err).lower() or "timeout" in str(err).lower()
+        why = (f"timed out after {took:.1f} s (timeout_s={WORLD.timeout_s:g}): the peer "
+               "stalled, waits elsewhere, or its program sends or receives something else"
+               if timed_out else "failed: the peer died or closed its connection")
+        raise _fail(stream, f"{what} {why} on rank {dist.get_rank()}.", err) from err
+
+
+def recv(peer: int, tag: int, key: str, pg: Any = None) -> Any:
+    """Receive the next transfer of stream ``tag`` from rank ``peer`` and check that it
+    is ``key`` (the sender's key): returns the tree with new tensors. Raises
+    :class:`CollectiveError` when the peer sent another key, died, or sent nothing
+    within the run's timeout."""
+    stream = _stream(peer, tag, "recv")
+    what = f"point-to-point receive of {key} from rank {peer}"
+    _refuse(stream, what)
+    deadline = time.monotonic() + WORLD.timeout_s
+    header = torch.zeros(_HEADER, dtype=torch.int64)
+    try:
+        work = dist.irecv(header, peer, group=pg, tag=tag)
+    except RuntimeError as err:
+        raise _fail(stream, f"{what} failed on rank {dist.get_rank()}: the peer died or "
+                    "closed its connection.", err) from err
+    _wait(work, deadline, stream, what)
+    magic, code, n_desc, n_all, seq, _ = header.tolist()
+    if magic != _MAGIC or not 0 <= n_desc <= n_all:
+        raise _fail(stream, f"{what} on rank {dist.get_rank()}: the peer sent something that "
+                    f"is not a transfer (header {header.tolist()}): its program sends other "
+                    "data on this stream.")
+    payload = torch.empty(n_all, dtype=torch.uint8)
+    _wait(dist.irecv(payload, peer, group=pg, tag=tag), deadline, stream, what)
+    stream.seq += 1
+    sent_key, spec_text, items = json.loads(bytes(payload[:n_desc].numpy()).decode())
+    if code != _code(key) or sent_key != key:
+        raise _fail(stream, (
+            f"Pipeline transfer mismatch on rank {dist.get_rank()}: it expected {key} from "
+            f"rank {peer} (transfer #{stream.seq} of this stream) but rank {peer} sent "
+            f"{sent_key} (its transfer #{seq}). Every stage must send and receive the same "
+            "microbatches in the same order (check the schedule table and rank-dependent "
+            "code)."))
+    return _unpack(payload, n_desc, spec_text, items)
+
+
+def _unpack(payload: torch.Tensor, n_desc: int, spec_text: str, items: list[Any]) -> Any:
+    at = -(-n_desc // _ALIGN) * _ALIGN
+    # tensors of one payload share its version counter: copies when there are several
+    # (an in-place write to one must not fail another's backward check)
+    several = sum(item[0] == "t" for item in items) > 1
+    leaves: list[Any] = []
+    for item in items:
+        if item[0] == "v":
+            leaves.append(item[1])
+            continue
+        dtype = getattr(torch, item[1])
+        shape = tuple(item[2])
+        nbytes = math.prod(shape) * dtype.itemsize
+        raw = payload[at:at + nbytes]
+        x = raw.view(dtype).view(shape) if nbytes else torch.empty(shape, dtype=dtype)
+        leaves.append(x.clone() if several and nbytes else x)
+        at += -(-nbytes // _ALIGN) * _ALIGN
+    return pytree.tree_unflatten(leaves, pytree.treespec_loads(spec_text))

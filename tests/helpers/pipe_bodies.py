@@ -1,0 +1,218 @@
+"""Bodies for the pipeline transport on Gloo ranks: point-to-point transfers of pytrees,
+shardwise Tensors crossing stages with their layouts, stage submeshes used by their own
+ranks alone, and the faults (a mismatched tag, a dead or stalled peer)."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import torch
+import torch.distributed as dist
+
+import shardwise as sw
+from shardwise import DeviceMesh, PlacementMapping, Sharded
+from shardwise.distributed import CollectiveError
+from shardwise.pipelining.transport_process import ProcessTransport
+from shardwise.runtime.process import p2p
+from shardwise.runtime.process.groups import prepare_stage_groups
+from shardwise.sharding.errors import ShardingError
+
+FAULT_TIMEOUT_S = 3.0   # the timeout the fault launches pass to the harness
+FAULT_SLACK_S = 9.0     # naming the culprit through the store, a loaded machine
+TIMES = "shardwise-test/pp-fault/"
+
+
+def _tree(i: int) -> dict[str, object]:
+    g = torch.Generator().manual_seed(i)
+    return {"a": torch.randn(2 + i, 3, generator=g),
+            "b": [None, 3, 2.5, "s", torch.arange(i + 1)],
+            "c": (torch.tensor([True, False]), torch.empty(0, 4, dtype=torch.float64)),
+            "d": torch.randn(5, generator=g).to(torch.bfloat16)}
+
+
+def _same(x: object, y: object) -> None:
+    if isinstance(x, torch.Tensor):
+        assert isinstance(y, torch.Tensor) and type(y) is torch.Tensor, type(y)
+        assert x.dtype == y.dtype and x.shape == y.shape, (x, y)
+        assert torch.equal(x, y), (x, y)
+        assert not y.requires_grad
+    elif isinstance(x, dict):
+        assert isinstance(y, dict) and list(x) == list(y), (x, y)
+        for k in x:
+            _same(x[k], y[k])
+    elif isinstance(x, (list, tuple)):
+        assert type(x) is type(y) and len(x) == len(y), (x, y)
+        for a, b in zip(x, y):
+            _same(a, b)
+    else:
+        assert x == y and type(x) is type(y), (x, y)
+
+
+def body_p2p_round_trip(n: int) -> None:
+    """Ranks 2i -> 2i+1 send three trees whose shapes change each time, then the
+    receiver sends each back on the reverse stream: equal values, dtypes, shapes."""
+    me = dist.get_rank()
+    peer = me ^ 1
+    up, down = p2p.stream_tag(0, 1), p2p.stream_tag(1, 0)
+    for i in range(3):
+        if me % 2 == 0:
+            p2p.send(_tree(i), peer, up, f"F{i}")
+            _same(_tree(i), p2p.recv(peer, down, f"B{i}"))
+        else:
+            got = p2p.recv(peer, up, f"F{i}")
+            _same(_tree(i), got)
+            p2p.send(got, peer, down, f"B{i}")
+    p2p.flush()
+    assert p2p.pending() == 0
+
+
+def _pp_mesh(n: int) -> DeviceMesh:
+    return DeviceMesh.cpu((2, n // 2), ("pp", "tp"))
+
+
+def body_stage_groups_and_transport(n: int) -> None:
+    """pp=2 x tp=2: each stage's ranks run tp collectives on their submesh alone (no
+    world collective), an activation sharded over tp crosses from stage 0 to stage 1
+    with its layout, and a Partial gradient comes back; a rank outside a stage mesh
+    that reaches its collective is refused, not left waiting."""
+    mesh = _pp_mesh(n)
+    stages = prepare_stage_groups(mesh, "pp")
+    assert stages == [mesh.submesh(pp=0), mesh.submesh(pp=1)]
+    me = dist.get_rank()
+    stage = me // (n // 2)
+    sub = stages[stage]
+    full = torch.arange(24.0).reshape(4, 6) + 100 * stage
+    x = sw.tensor(full, sharding=PlacementMapping(sub, [Sharded(0)]))
+    # a stage alone: gathers and reductions on its own tp group
+    assert torch.equal(x.to_torch(), full)
+    assert torch.equal(sw.all_gather(x).to_torch(), full)
+    t = ProcessTransport(stages)
+    for mb in range(2):
+        if stage == 0:
+            act = sw.tensor(full[:, : 4 + mb], sharding=PlacementMapping(
+                sub, [Sharded(1)]), requires_grad=True) * 2
+            t.send((act, None, {"n": mb, "plain": torch.ones(mb + 1)}), 0, 1, f"F{mb}")
+            grad = t.recv(1, 0, f"B{mb}")
+            assert isinstance(grad, sw.Tensor) and grad.mesh == sub
+            assert grad.placements == (sw.Partial(),), grad.placements
+            want = torch.ones(4, 4 + mb)  # a Partial made from a global value keeps it
+            assert torch.equal(grad.to_torch(), want), grad.to_torch()
+        else:
+            act, none, extra = t.recv(0, 1, f"F{mb}")
+            assert none is None and extra["n"] == mb
+            assert torch.equal(extra["plain"], torch.ones(mb + 1))
+            assert isinstance(act, sw.Tensor) and act.mesh == sub, act
+            assert act.placements == (Sharded(1),), act.placements
+            assert act.requires_grad and act.is_leaf
+            assert torch.equal(act.to_torch(), 2 * torch.arange(24.0).reshape(4, 6)[:, :4 + mb])
+            loss = (act * 2).sum()
+            loss.backward()
+            assert act.grad is not None
+            grad = sw.tensor(torch.ones(4, 4 + mb),
+                             sharding=PlacementMapping(sub, [sw.Partial()]))
+            t.send(grad, 1, 0, f"B{mb}")
+    t.flush()
+    other = stages[1 - stage]
+    y = sw.tensor(torch.ones(4, 2), sharding=PlacementMapping(other, [Sharded(0)]))
+    try:
+        sw.all_gather(y)
+    except ShardingError as err:
+        assert "holds no device of this pipeline stage" in str(err), err
+    else:
+        raise AssertionError("a collective on another stage's mesh ran on an outsider")
+    try:
+        t.send(torch.ones(1), 1 - stage, stage, "F9")
+    except ShardingError as err:
+        assert f"holds no device of stage {1 - stage}" in str(err), err
+    else:
+        raise AssertionError("sent from a stage this rank does not hold")
+
+
+# --- faults: each rank records the error's text and how long it took --------------------
+def _timed(fn) -> tuple[str, float]:  # type: ignore[no-untyped-def]
+    start = time.monotonic()
+    try:
+        fn()
+    except CollectiveError as err:
+        took = time.monotonic() - start
+        assert took < FAULT_TIMEOUT_S + FAULT_SLACK_S, f"after {took:.1f} s: {err}"
+        return str(err), took
+    raise AssertionError("the transfer returned although its peer failed")
+
+
+def _report(name: str, text: str, took: float) -> None:
+    print(f"FAULT|{name}|rank {dist.get_rank()}|{took:.2f}|{text[:300]}", flush=True)
+
+
+def _pair(n: int) -> tuple[ProcessTransport, int]:
+    mesh = DeviceMesh.cpu((n, 1), ("pp", "x"))
+    stages = [mesh.submesh(pp=i) for i in range(n)]
+    return ProcessTransport(stages), dist.get_rank()
+
+
+def body_mismatched_tag(n: int) -> None:
+    """Stage 0 sends F1 where stage 1 expects F0: stage 1 raises at once naming rank 0,
+    both tags and the stages; stage 0 raises when it waits for its gradient."""
+    t, me = _pair(n)
+    x = torch.ones(3)
+    if me == 0:
+        t.send(x, 0, 1, "F0")
+        t.send(x, 0, 1, "F1")
+        text, took = _timed(lambda: t.recv(1, 0, "B0"))
+    else:
+        assert torch.equal(t.recv(0, 1, "F0"), x)
+        text, took = _timed(lambda: t.recv(0, 1, "F0"))
+        assert "expected F0 from stage 0 to stage 1 from rank 0" in text, text
+        assert "rank 0 sent F1 from stage 0 to stage 1" in text, text
+    assert "rank" in text
+    _report("mismatched tag", text, took)
+
+
+def body_dead_peer(n: int) -> None:
+    """Stage 1's process dies before receiving: stage 0's wait for its gradient raises
+    (the connection closed), naming rank 1, the stages and the tag."""
+    t, me = _pair(n)
+    t.send(torch.ones(2), 0, 1, "F0") if me == 0 else t.recv(0, 1, "F0")
+    if me == 1:
+        time.sleep(0.2)
+        os._exit(17)
+    t.send(torch.ones(2), 0, 1, "F1")
+    text, took = _timed(lambda: t.recv(1, 0, "B0"))
+    assert "rank 1" in text and "B0 from stage 1 to stage 0" in text, text
+    _report("dead peer", text, took)
+
+
+def body_stalled_peer(n: int) -> None:
+    """Stage 1 stalls past the timeout: stage 0's receive raises after the timeout,
+    naming rank 1 and the tag; stage 1, waking, finds its stream refused."""
+    t, me = _pair(n)
+    if me == 1:
+        time.sleep(FAULT_TIMEOUT_S + 2.0)
+        text, took = _timed(lambda: t.recv(0, 1, "F0"))
+        _report("stalled peer (the staller)", text, took)
+        return
+    text, took = _timed(lambda: t.recv(1, 0, "B0"))
+    assert "timed out" in text and "rank 1" in text and "B0" in text, text
+    _report("stalled peer", text, took)
+
+
+def body_shape_disagrees(n: int) -> None:
+    """A block whose shape its layout does not give on the receiver: a clear error."""
+    mesh = DeviceMesh.cpu((2, n // 2), ("pp", "tp"))
+    stages = prepare_stage_groups(mesh, "pp")
+    me = dist.get_rank()
+    stage = me // (n // 2)
+    t = ProcessTransport(stages)
+    if stage == 0:
+        x = sw.tensor(torch.ones(4, 4), sharding=PlacementMapping(stages[0], [Sharded(0)]))
+        x._shards = tuple(None if s is None else torch.ones(3, 4) for s in x._shards)
+        t.send(x, 0, 1, "F0")
+        t.flush()
+    else:
+        try:
+            t.recv(0, 1, "F0")
+        except CollectiveError as err:
+            assert "puts shape (2, 4) here" in str(err), err
+        else:
+            raise AssertionError("a block of the wrong shape was taken")
