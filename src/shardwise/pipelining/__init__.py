@@ -18,12 +18,14 @@ from shardwise.pipelining.schedule import (
     ScheduleInterleavedZeroBubble,
     ScheduleZBVZeroBubble,
 )
+from shardwise.pipelining.schedules import SCHEDULES, compute_table, lower, stage_ranks, validate
 from shardwise.pipelining.stage import Pipe, Stage, pipeline
 from shardwise.pipelining.transport import SimTransport, Transport
 
 __all__ = [
     "Action",
     "Kind",
+    "SCHEDULES",
     "Pipe",
     "PipelineSchedule",
     "Schedule1F1B",
@@ -36,8 +38,12 @@ __all__ = [
     "Stage",
     "Transport",
     "clip_grad_norm_",
+    "compute_table",
+    "lower",
     "parse_table",
     "pipeline",
     "read_csv",
+    "stage_ranks",
+    "validate",
     "write_csv",
 ]
