@@ -57,8 +57,8 @@ from shardwise.runtime import backend_for
 from shardwise.runtime.position import HERE
 from shardwise.sharding.errors import ShardingError
 from shardwise.sharding.layout import Layout
-from shardwise.sharding.mesh import DeviceMesh
 from shardwise.sharding.mappings import ShardingSpec
+from shardwise.sharding.mesh import DeviceMesh
 from shardwise.sharding.types import dtype_name
 from shardwise.tensors import cache, chunks, dtensor
 from shardwise.tensors.grad import GradMixin
