@@ -216,3 +216,93 @@ def body_shape_disagrees(n: int) -> None:
             assert "puts shape (2, 4) here" in str(err), err
         else:
             raise AssertionError("a block of the wrong shape was taken")
+
+
+# --- the executor on processes: every schedule equals single-device torch -------------
+def _schedules() -> dict[str, tuple[object, int, str]]:
+    from shardwise import pipelining as P
+
+    return {"GPipe": (P.ScheduleGPipe, 1, "loop"), "1F1B": (P.Schedule1F1B, 1, "loop"),
+            "Interleaved1F1B": (P.ScheduleInterleaved1F1B, 2, "loop"),
+            "InterleavedZeroBubble": (P.ScheduleInterleavedZeroBubble, 2, "loop"),
+            "ZBVZeroBubble": (P.ScheduleZBVZeroBubble, 2, "v")}
+
+
+def _check_step(pipe, sched, ref, x, t, m, loss, what) -> None:  # type: ignore[no-untyped-def]
+    from shardwise.pipelining.transport import transport_for
+    from tests.helpers import pp_models as pm
+
+    transport = transport_for([s.mesh for s in pipe.stages])
+    assert type(transport).__name__ == "ProcessTransport", transport
+    x0, t0 = x.clone(), t.clone()
+    losses: list[object] = []
+    out = sched.step(x, target=t, losses=losses)
+    assert torch.equal(x, x0) and torch.equal(t, t0), what
+    want_losses, want_out = pm.reference(ref, x, t, m, loss)
+    if pipe.stages[-1].is_local:
+        assert len(losses) == m, (what, losses)
+        for i, (a, b) in enumerate(zip(losses, want_losses, strict=True)):
+            assert abs(float(pm.values(a)) - b) <= 1e-5 * abs(b), f"{what} mb {i}: {a} vs {b}"
+        pm.assert_close(out, want_out, f"{what} output")
+    else:
+        assert losses == [] and out is None, what
+    want = dict(ref.named_parameters())
+    got = dict(pipe.named_parameters())
+    assert got and set(got) <= set(want), (what, sorted(got))
+    for name, p in got.items():
+        assert p.grad is not None, f"{what}: {name} has no gradient"
+        pm.assert_close(p.grad, want[name].grad, f"{what} grad of {name}")
+
+
+def body_every_schedule_pp4(n: int) -> None:
+    """pp=4 (one device per stage; interleaved and ZBV: two stages per rank), every
+    schedule, m in {1, p, 2p, 4p}: losses, output and gradients equal torch's."""
+    import copy
+
+    import torch.nn as nn
+    import torch.nn.functional as F
+
+    from shardwise.pipelining import pipeline
+
+    p = n
+    for name, (cls, v, style) in _schedules().items():
+        stages = p * v
+        for m in (1, p, 2 * p, 4 * p):
+            torch.manual_seed(0)
+            mods: list[nn.Module] = []
+            for _ in range(stages):
+                mods += [nn.Linear(8, 8), nn.Tanh()]
+            ref = nn.Sequential(*mods)
+            pipe = pipeline(copy.deepcopy(ref), DeviceMesh.cpu(p, "pp"),
+                            split_points=[str(2 * k) for k in range(1, stages)],
+                            stages_per_rank=v, style=style)
+            sched = cls(pipe, n_microbatches=m, loss_fn=F.mse_loss)  # type: ignore[operator]
+            g = torch.Generator().manual_seed(m)
+            x, t = torch.randn(m + 1, 8, generator=g), torch.randn(m + 1, 8, generator=g)
+            _check_step(pipe, sched, ref, x, t, m, F.mse_loss, f"{name} p={p} m={m}")
+
+
+def body_every_schedule_pp2_tp2(n: int) -> None:
+    """pp=2 x tp=2: a GPT whose stages are tensor-parallel on their stage mesh (the
+    activations cross as tp-laid-out Tensors), every schedule, m in {1, p, 2p, 4p}."""
+    import copy
+
+    from shardwise.parallel import parallelize_module
+    from shardwise.pipelining import pipeline
+    from tests.helpers import pp_models as pm
+
+    assert n == 4
+    p = 2
+    mesh = DeviceMesh.cpu((2, 2), ("pp", "tp"))
+    for name, (cls, v, style) in _schedules().items():
+        layers = p * v
+        for m in (1, p, 2 * p, 4 * p):
+            ref = pm.make(layers)
+            pipe = pipeline(copy.deepcopy(ref), mesh,
+                            split_points=[f"layers.{k}" for k in range(1, layers)],
+                            stages_per_rank=v, style=style)
+            for st in pipe.local_stages:
+                parallelize_module(st.module, st.mesh, pm.plan_for(st.module))
+            x, t = pm.batch(pm.config(layers), m)
+            sched = cls(pipe, n_microbatches=m, loss_fn=pm.loss_fn)  # type: ignore[operator]
+            _check_step(pipe, sched, ref, x, t, m, pm.loss_fn, f"{name} pp2xtp2 m={m}")

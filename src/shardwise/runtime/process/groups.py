@@ -189,13 +189,15 @@ def _known(mesh: DeviceMesh, axes: tuple[int, ...], me: int | None, label: str
     return found
 
 
-def prepare_stage_groups(mesh: DeviceMesh, axis: str) -> list[DeviceMesh]:
+def prepare_stage_groups(mesh: DeviceMesh, axis: str,
+                         stages: Sequence[DeviceMesh] | None = None) -> list[DeviceMesh]:
     """Create, on every process in one order, the groups of ``mesh`` over every sorted
-    subset of its axes; then each stage submesh's (``mesh.submesh(axis=i)``) groups
-    are the same torch groups, found by member ranks with no collective call, so a
-    stage's processes run their stage's ops alone. Call it on every process (it is
-    collective over the world), before any stage runs an op. Returns the stage meshes,
-    which refuse a process outside them (:func:`refuse_outsider`).
+    subset of its axes; then each stage mesh's groups (``stages``, by default
+    ``mesh.submesh(axis=i)`` for each ``i``) are the same torch groups, found by member
+    ranks with no collective call, so a stage's processes run their stage's ops alone.
+    Call it on every process (it is collective over the world), before any stage runs
+    an op (``pipeline()`` does). Returns the stage meshes, which refuse a process
+    outside them (:func:`refuse_outsider`).
 
     >>> prepare_stage_groups(DeviceMesh.cpu((2, 2), ("pp", "tp")), "pp")  # doctest: +SKIP
     [DeviceMesh(tp=2), DeviceMesh(tp=2)]
@@ -204,13 +206,14 @@ def prepare_stage_groups(mesh: DeviceMesh, axis: str) -> list[DeviceMesh]:
     for n in range(1, mesh.ndim + 1):
         for axes in itertools.combinations(range(mesh.ndim), n):
             group(mesh, axes)
-    stages = [mesh.submesh(**{axis: i}) for i in range(mesh.mesh_shape[pp])]
-    for sub in stages:
+    subs = (list(stages) if stages is not None else
+            [mesh.submesh(**{axis: i}) for i in range(mesh.mesh_shape[pp])])
+    for sub in subs:
         WORLD.stages.add(sub)
         for n in range(1, sub.ndim + 1):
             for axes in itertools.combinations(range(sub.ndim), n):
-                group(sub, axes)  # found by ranks: local
-    return stages
+                group(sub, axes)  # found by ranks when a submesh of ``mesh``: local
+    return subs
 
 
 def refuse_outsider(mesh: DeviceMesh, what: str) -> None:
