@@ -93,6 +93,6 @@ def transport_for(meshes: list[DeviceMesh]) -> Transport:
     process backend's point-to-point transport."""
     if all(len(backend_for(m).owned(m)) == m.num_devices for m in meshes):
         return SimTransport(meshes)
-    from shardwise.pipelining import transport_process  # type: ignore[attr-defined]
+    from shardwise.pipelining import transport_process
 
-    return transport_process.ProcessTransport(meshes)  # type: ignore[no-any-return]
+    return transport_process.ProcessTransport(meshes)
