@@ -28,7 +28,9 @@ def _tree(i: int) -> dict[str, object]:
     return {"a": torch.randn(2 + i, 3, generator=g),
             "b": [None, 3, 2.5, "s", torch.arange(i + 1)],
             "c": (torch.tensor([True, False]), torch.empty(0, 4, dtype=torch.float64)),
-            "d": torch.randn(5, generator=g).to(torch.bfloat16)}
+            "d": torch.randn(5, generator=g).to(torch.bfloat16),
+            # larger than the stream's last transfer (a second message), then smaller
+            "e": torch.randn((0, 1000, 2000, 100)[i], generator=g)}
 
 
 def _same(x: object, y: object) -> None:
@@ -50,12 +52,13 @@ def _same(x: object, y: object) -> None:
 
 
 def body_p2p_round_trip(n: int) -> None:
-    """Ranks 2i -> 2i+1 send three trees whose shapes change each time, then the
-    receiver sends each back on the reverse stream: equal values, dtypes, shapes."""
+    """Ranks 2i -> 2i+1 send four trees whose shapes change each time (growing past
+    the last transfer's size, then shrinking), then the receiver sends each back on
+    the reverse stream: equal values, dtypes, shapes."""
     me = dist.get_rank()
     peer = me ^ 1
     up, down = p2p.stream_tag(0, 1), p2p.stream_tag(1, 0)
-    for i in range(3):
+    for i in range(4):
         if me % 2 == 0:
             p2p.send(_tree(i), peer, up, f"F{i}")
             _same(_tree(i), p2p.recv(peer, down, f"B{i}"))

@@ -1,18 +1,24 @@
 """Point-to-point transfers between two processes: a pytree of torch tensors (a pipeline
 stage's activations or gradients) sent to one peer rank, received whole by it.
 
-A transfer is two Gloo messages on the stream of its key: a fixed header (magic, the
-fingerprint of the key, the payload's sizes) and one payload (a JSON description of
-the tree: its structure, every leaf's shape and dtype or its value, the sender's key;
-then every tensor's bytes, 16-byte aligned). The receiver learns the shapes from the
-payload, so they may change from one transfer to the next (dynamic shapes).
+A transfer is one Gloo message on the stream of its key: a fixed header (magic, the
+fingerprint of the key, the payload's sizes, a sequence number) and the payload (a
+JSON description of the tree: its structure, every leaf's shape and dtype or its
+value, the sender's key; then every tensor's bytes, 16-byte aligned). The message's
+size is what both ends know: the last transfer's (a stream's first: 4 KiB); a payload
+that does not fit follows in a second message of its own size. So shapes may change
+from one transfer to the next (dynamic shapes), and a step whose shapes repeat sends
+one message per transfer, as many as torch's stages (whose shapes are fixed).
 
 Invariants:
 - A stream is one Gloo tag between two ranks (:func:`stream_tag`: one per pair of
   pipeline stages and direction), so transfers of different streams never pair up,
   and the transfers of one stream pair in the order they were sent.
+- Both ends size every message from the stream's history alone (:func:`_next_cap`),
+  so Gloo never pairs buffers of different sizes while the stream is healthy.
 - Sends never block (``isend``: a schedule cannot deadlock on buffering); a sent
-  buffer is kept until its transfer completes, and :func:`flush` waits for them all.
+  buffer is kept until :func:`flush` waits for its transfer (Gloo completes a send
+  only in its wait; the executor flushes once per step).
 - Every wait is bounded by the run's timeout, never shorter (Gloo closes the
   connection when a point-to-point wait times out). A peer that died, stalled past
   the timeout or sent another key (another tag, stage or microbatch) raises
@@ -44,7 +50,9 @@ from shardwise.sharding.errors import CollectiveError
 __all__ = ["flush", "pending", "recv", "send", "stream_tag"]
 
 _MAGIC = 0x5357_5050      # "SWPP"
-_HEADER = 6               # int64: magic, key code, description bytes, data bytes, seq, 0
+_HEAD = 48                # header bytes (6 int64): magic, key code, description bytes,
+                          # payload bytes, sequence number, 0
+_MIN_CAP = 4096           # the smallest message: a stream's first, and small transfers
 _ALIGN = 16
 _TAG_BASE = 1 << 20       # clear of tag 0, which the collectives' exchanges use
 _LEAF_VALUES = (type(None), bool, int, float, str)
@@ -55,6 +63,7 @@ class _Stream:
     """One direction between this process and a peer: the transfers sent or received."""
 
     seq: int = 0
+    cap: int = _MIN_CAP   # the next message's bytes: the same on both ends (the history)
     failed: str = ""
     sends: list[tuple[Any, tuple[torch.Tensor, ...], str]] = field(default_factory=list)
 
@@ -125,7 +134,7 @@ def _fail(stream: _Stream, text: str, err: BaseException | None = None) -> Colle
 def _refuse(stream: _Stream, what: str) -> None:
     if stream.failed:
         raise CollectiveError(
-            f"{what} refused on rank {dist.get_rank()}: this stream failed earlier and its "
+            f"{what} refused: this stream failed earlier and its "
             f"transfers no longer pair up. Stop the program (or shutdown() and initialize() "
             f"again). The earlier error: {stream.failed[:400]}")
 
@@ -135,42 +144,49 @@ def send(tree: Any, peer: int, tag: int, key: str, pg: Any = None) -> None:
     stream ``tag``; ``key`` (e.g. "stage 0 -> stage 1, F3") must equal the receiver's.
     Returns at once; :func:`flush` waits for the transfers (bounded)."""
     stream = _stream(peer, tag, "send")
-    what = f"point-to-point send of {key} to rank {peer}"
+    what = f"Pipeline transfer: rank {dist.get_rank()}'s send of {key} to rank {peer}"
     _refuse(stream, what)
-    _reap(stream)
     desc, tensors = _describe(tree, key)
-    start = -(-len(desc) // _ALIGN) * _ALIGN
-    offsets, at = [], start
+    offsets, at = [], _up(len(desc))
     for t in tensors:
         offsets.append(at)
-        at += -(-t.numel() * t.element_size() // _ALIGN) * _ALIGN
-    payload = torch.zeros(at, dtype=torch.uint8)
+        at += _up(t.numel() * t.element_size())
+    cap = stream.cap
+    inline = _HEAD + at <= cap
+    message = torch.zeros(cap, dtype=torch.uint8)
+    payload = message[_HEAD:_HEAD + at] if inline else torch.empty(at, dtype=torch.uint8)
     payload[:len(desc)] = torch.frombuffer(bytearray(desc), dtype=torch.uint8)
     for t, off in zip(tensors, offsets):
         if t.numel():
             payload[off:off + t.numel() * t.element_size()].copy_(
                 t.cpu().reshape(-1).view(torch.uint8))
     stream.seq += 1
-    header = torch.tensor([_MAGIC, _code(key), len(desc), at, stream.seq, 0],
-                          dtype=torch.int64)
+    message[:_HEAD].view(torch.int64).copy_(torch.tensor(
+        [_MAGIC, _code(key), len(desc), at, stream.seq, 0], dtype=torch.int64))
+    stream.cap = _next_cap(at)
     try:
-        works = (dist.isend(header, peer, group=pg, tag=tag),
-                 dist.isend(payload, peer, group=pg, tag=tag))
+        works = (dist.isend(message, peer, group=pg, tag=tag),) + (
+            () if inline else (dist.isend(payload, peer, group=pg, tag=tag),))
     except RuntimeError as err:  # the connection is gone already (the peer died)
-        raise _fail(stream, f"{what} failed on rank {dist.get_rank()}: the peer died or "
-                    "closed its connection.", err) from err
-    stream.sends.append((works, (header, payload), key))
+        raise _fail(stream, f"{what} failed: the peer died or closed its connection.",
+                    err) from err
+    # Gloo's send completes only in its wait: the buffers stay until flush()
+    stream.sends.append((works, (message, payload), key))
 
 
-def _reap(stream: _Stream) -> None:
-    """Drop the transfers that completed (their buffers are free again)."""
-    stream.sends = [s for s in stream.sends if not all(w.is_completed() for w in s[0])]
+def _up(n: int) -> int:
+    return -(-n // _ALIGN) * _ALIGN
+
+
+def _next_cap(payload: int) -> int:
+    """The size of a stream's next message, from the last transfer alone (both ends
+    know it): room for a payload as large as the last one, so a step whose shapes
+    repeat sends one message per transfer."""
+    return max(_MIN_CAP, _HEAD + payload)
 
 
 def pending() -> int:
-    """Transfers sent by this process that the peers have not taken yet."""
-    for s in _STREAMS.values():
-        _reap(s)
+    """Transfers sent by this process and not yet waited for (by :func:`flush`)."""
     return sum(len(s.sends) for s in _STREAMS.values())
 
 
@@ -184,7 +200,8 @@ def flush() -> None:
             continue
         for works, _, key in stream.sends:
             for w in works:
-                _wait(w, deadline, stream, f"point-to-point send of {key} to rank {peer}")
+                _wait(w, deadline, stream, f"Pipeline transfer: rank {dist.get_rank()}'s "
+                                            f"send of {key} to rank {peer}")
         stream.sends.clear()
 
 
@@ -199,7 +216,7 @@ def _wait(work: Any, deadline: float, stream: _Stream, what: str) -> None:
         why = (f"timed out after {took:.1f} s (timeout_s={WORLD.timeout_s:g}): the peer "
                "stalled, waits elsewhere, or its program sends or receives something else"
                if timed_out else "failed: the peer died or closed its connection")
-        raise _fail(stream, f"{what} {why} on rank {dist.get_rank()}.", err) from err
+        raise _fail(stream, f"{what} {why}.", err) from err
 
 
 def recv(peer: int, tag: int, key: str, pg: Any = None) -> Any:
@@ -208,24 +225,30 @@ def recv(peer: int, tag: int, key: str, pg: Any = None) -> Any:
     :class:`CollectiveError` when the peer sent another key, died, or sent nothing
     within the run's timeout."""
     stream = _stream(peer, tag, "recv")
-    what = f"point-to-point receive of {key} from rank {peer}"
+    what = (f"Pipeline transfer: rank {dist.get_rank()}'s receive of {key} from rank "
+            f"{peer}")
     _refuse(stream, what)
     deadline = time.monotonic() + WORLD.timeout_s
-    header = torch.zeros(_HEADER, dtype=torch.int64)
+    message = torch.empty(stream.cap, dtype=torch.uint8)
     try:
-        work = dist.irecv(header, peer, group=pg, tag=tag)
+        work = dist.irecv(message, peer, group=pg, tag=tag)
     except RuntimeError as err:
-        raise _fail(stream, f"{what} failed on rank {dist.get_rank()}: the peer died or "
-                    "closed its connection.", err) from err
+        raise _fail(stream, f"{what} failed: the peer died or closed its connection.",
+                    err) from err
     _wait(work, deadline, stream, what)
-    magic, code, n_desc, n_all, seq, _ = header.tolist()
+    header = message[:_HEAD].view(torch.int64).tolist()
+    magic, code, n_desc, n_all, seq, _ = header
     if magic != _MAGIC or not 0 <= n_desc <= n_all:
-        raise _fail(stream, f"{what} on rank {dist.get_rank()}: the peer sent something that "
-                    f"is not a transfer (header {header.tolist()}): its program sends other "
-                    "data on this stream.")
-    payload = torch.empty(n_all, dtype=torch.uint8)
-    _wait(dist.irecv(payload, peer, group=pg, tag=tag), deadline, stream, what)
+        raise _fail(stream, f"{what}: the peer sent something that "
+                    f"is not a transfer (header {header}): its program sends other data on "
+                    "this stream.")
+    if _HEAD + n_all <= stream.cap:
+        payload = message[_HEAD:_HEAD + n_all]
+    else:
+        payload = torch.empty(n_all, dtype=torch.uint8)
+        _wait(dist.irecv(payload, peer, group=pg, tag=tag), deadline, stream, what)
     stream.seq += 1
+    stream.cap = _next_cap(n_all)
     sent_key, spec_text, items = json.loads(bytes(payload[:n_desc].numpy()).decode())
     if code != _code(key) or sent_key != key:
         raise _fail(stream, (
