@@ -46,6 +46,10 @@ TARGETS = {
                 "sdpa): <= 0.75x DTensor's or within 1.5 us of the floor (issue 22)",
     "entry_point": "simulated: <= 10 us over plain torch for 8x8 gelu/add on 4 devices, for "
                    "Tensors made by sw.tensor, sw.shard and from_local alike (issue 22)",
+    "pipeline_sim": "Gloo, 4 processes, every pipeline schedule: measured step time within "
+                    "15% of simulate()'s prediction (stages of calibrated cost; issue 23)",
+    "pipeline_torch": "Gloo, 4 processes, every pipeline schedule: no slower than "
+                      "torch.distributed.pipelining on the same model, m and pp (issue 23)",
 }
 
 
@@ -123,6 +127,13 @@ def check_targets(res: dict[str, Any]) -> list[dict[str, Any]]:
         out.append(_t("agreement", o["case"], o["overhead"], o["limit"], "overhead (on/off - 1)"))
     for g in res.get("gpt_gloo") or []:
         out.append(_t("gpt_dtensor", g["case"], g["x_dtensor"], 1.0, "x DTensor step time"))
+    pipe = res.get("pipeline") or {}
+    for r in pipe.get("rows", []):
+        case = f"{r['schedule']}, {r['stages']} stages, m={r['microbatches']}"
+        err = None if r["x_predicted"] is None else abs(r["x_predicted"] - 1.0)
+        out.append(_t("pipeline_sim", case, err, 0.15, "relative error (|measured/predicted"
+                      " - 1|)"))
+        out.append(_t("pipeline_torch", case, r["x_torch"], 1.0, "x torch step time"))
     for r in (res.get("dispatch") or {}).get("rows", []):
         # met by either bound; the value shown is the ratio to DTensor's overhead
         t = _t("dispatch", r["op"], r["sw_over_dt"], 0.75, "x DTensor's overhead")
@@ -250,6 +261,10 @@ def tables(res: dict[str, Any]) -> str:
 
         for g in res["gpt_gloo"]:
             lines += ["", *gpt_tables(g)]
+    if res.get("pipeline"):
+        from benchmarks.pipeline import tables as pipeline_tables
+
+        lines += ["", *pipeline_tables(res["pipeline"])]
     elif res.get("gloo_skipped"):
         lines.append(f"\nGloo: {res['gloo_skipped']}")
     lines.append("\ntargets (issue 7):")

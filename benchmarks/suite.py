@@ -22,6 +22,9 @@ Sections (each documented in its module):
   floor) (:mod:`benchmarks.dispatch`);
 - ``gpt_gloo``: a GPT training step, TP x FSDP on 4 Gloo ranks, shardwise beside
   DTensor TP + FSDP2 (:mod:`benchmarks.gpt_gloo`);
+- ``pipeline``: every pipeline schedule on 4 Gloo processes with stages of calibrated
+  cost, measured beside ``simulate()``'s prediction and beside
+  ``torch.distributed.pipelining`` (:mod:`benchmarks.pipeline`; ``quick``: 1F1B alone);
 - ``checkpoint``: DCP and safetensors throughput of a sharded state beside plain
   tensors, and the peak memory of a sharded safetensors load
   (:mod:`benchmarks.checkpoint`, fresh processes).
@@ -50,14 +53,17 @@ PRESETS: dict[str, dict[str, Any]] = {
              "ckpt": {"tensors": 8, "repeat": 3, "shape": (2048, 4096)},
              "gpt": {"repeat": 10, "dims": (32, 256)},
              "dispatch": {"repeat": 21, "inner": 200},
-             "spread": {"processes": 5, "repeat": 5}},
+             "spread": {"processes": 5, "repeat": 5},
+             "pipeline": {"repeat": 7}},
     "quick": {"size": 1024, "small": 8, "repeat": 3, "small_repeat": 6, "small_inner": 50,
               "profile_calls": 300, "gloo": {"size": 1024, "repeat": 3, "small_repeat": 20,
                                              "choices": False},
               "ckpt": {"tensors": 2, "repeat": 1, "shape": (1024, 1024)},
               "gpt": {"repeat": 3, "dims": (32,)},
               "dispatch": {"repeat": 7, "inner": 50},
-              "spread": {"processes": 2, "repeat": 3}},
+              "spread": {"processes": 2, "repeat": 3},
+              "pipeline": {"repeat": 3, "schedules": ["1F1B"], "forward_ms": 4.0,
+                           "backward_ms": 8.0, "weight_ms": 4.0}},
 }
 
 
@@ -152,6 +158,11 @@ def run_suite(preset: str = "full", *, devices: tuple[int, ...] = (4, 8), gloo: 
             say(f"GPT step, TP x FSDP on {world} Gloo ranks (dim {dim}) beside DTensor ...")
             res["gpt_gloo"].append(gpt_gloo.run(world=world, dim=dim,
                                                 repeat=cfg["gpt"]["repeat"]))
+        from benchmarks import pipeline
+
+        say(f"pipeline schedules on {world} Gloo ranks beside simulate() and torch's "
+            "pipelining ...")
+        res["pipeline"] = pipeline.run(world=world, **cfg["pipeline"])
     else:
         res["gloo_skipped"] = "skipped (--no-gloo)"
     res["meta"]["loadavg_end"] = _loadavg()
