@@ -16,6 +16,9 @@ Invariants:
   and the transfers of one stream pair in the order they were sent.
 - Both ends size every message from the stream's history alone (:func:`_next_cap`),
   so Gloo never pairs buffers of different sizes while the stream is healthy.
+- A receiver posts the receive of a stream's next message as soon as it has taken
+  one (its size is known): data flows while the stage computes. A stream ends with
+  one such receive posted; the next step's first transfer fills it.
 - Sends never block (``isend``: a schedule cannot deadlock on buffering); a sent
   buffer is kept until :func:`flush` waits for its transfer (Gloo completes a send
   only in its wait; the executor flushes once per step).
@@ -64,6 +67,7 @@ class _Stream:
 
     seq: int = 0
     cap: int = _MIN_CAP   # the next message's bytes: the same on both ends (the history)
+    ahead: tuple[Any, torch.Tensor] | None = None   # the next message's posted receive
     failed: str = ""
     sends: list[tuple[Any, tuple[torch.Tensor, ...], str]] = field(default_factory=list)
 
@@ -229,12 +233,8 @@ def recv(peer: int, tag: int, key: str, pg: Any = None) -> Any:
             f"{peer}")
     _refuse(stream, what)
     deadline = time.monotonic() + WORLD.timeout_s
-    message = torch.empty(stream.cap, dtype=torch.uint8)
-    try:
-        work = dist.irecv(message, peer, group=pg, tag=tag)
-    except RuntimeError as err:
-        raise _fail(stream, f"{what} failed: the peer died or closed its connection.",
-                    err) from err
+    work, message = stream.ahead or _post(stream, peer, tag, pg, what)
+    stream.ahead = None
     _wait(work, deadline, stream, what)
     header = message[:_HEAD].view(torch.int64).tolist()
     magic, code, n_desc, n_all, seq, _ = header
@@ -257,7 +257,21 @@ def recv(peer: int, tag: int, key: str, pg: Any = None) -> Any:
             f"{sent_key} (its transfer #{seq}). Every stage must send and receive the same "
             "microbatches in the same order (check the schedule table and rank-dependent "
             "code)."))
+    # the next transfer's message, posted now (its size is known): the sender's data
+    # then flows while this stage computes, instead of after a handshake at the next recv
+    stream.ahead = _post(stream, peer, tag, pg, what)
     return _unpack(payload, n_desc, spec_text, items)
+
+
+def _post(stream: _Stream, peer: int, tag: int, pg: Any, what: str
+          ) -> tuple[Any, torch.Tensor]:
+    """Post the receive of the stream's next message (``stream.cap`` bytes)."""
+    message = torch.empty(stream.cap, dtype=torch.uint8)
+    try:
+        return dist.irecv(message, peer, group=pg, tag=tag), message
+    except RuntimeError as err:
+        raise _fail(stream, f"{what} failed: the peer died or closed its connection.",
+                    err) from err
 
 
 def _unpack(payload: torch.Tensor, n_desc: int, spec_text: str, items: list[Any]) -> Any:
