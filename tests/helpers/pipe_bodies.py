@@ -15,7 +15,8 @@ from shardwise import DeviceMesh, PlacementMapping, Sharded
 from shardwise.distributed import CollectiveError
 from shardwise.pipelining.transport_process import ProcessTransport
 from shardwise.runtime.process import p2p
-from shardwise.runtime.process.groups import prepare_stage_groups
+from shardwise.runtime.process.groups import group, prepare_stage_groups
+from shardwise.runtime.process.world import WORLD
 from shardwise.sharding.errors import ShardingError
 
 FAULT_TIMEOUT_S = 3.0   # the timeout the fault launches pass to the harness
@@ -77,14 +78,19 @@ def _pp_mesh(n: int) -> DeviceMesh:
 def body_stage_groups_and_transport(n: int) -> None:
     """pp=2 x tp=2: each stage's ranks run tp collectives on their submesh alone (no
     world collective), an activation sharded over tp crosses from stage 0 to stage 1
-    with its layout, and a Partial gradient comes back; a rank outside a stage mesh
-    that reaches its collective is refused, not left waiting."""
+    with its layout, and a Partial gradient comes back, with no collective over the
+    world; a rank outside a stage mesh that reaches its collective is refused, not
+    left waiting."""
     mesh = _pp_mesh(n)
     stages = prepare_stage_groups(mesh, "pp")
     assert stages == [mesh.submesh(pp=0), mesh.submesh(pp=1)]
     me = dist.get_rank()
     stage = me // (n // 2)
     sub = stages[stage]
+    # the stage's tp group IS the parent's (found by member ranks, created once)
+    assert group(sub, (0,)).pg is group(mesh, (1,)).pg is not None
+    world = WORLD.channels.get((id(dist.group.WORLD), "cpu"))
+    world_seq = world.seq if world is not None else 0
     full = torch.arange(24.0).reshape(4, 6) + 100 * stage
     x = sw.tensor(full, sharding=PlacementMapping(sub, [Sharded(0)]))
     # a stage alone: gathers and reductions on its own tp group
@@ -116,6 +122,8 @@ def body_stage_groups_and_transport(n: int) -> None:
                              sharding=PlacementMapping(sub, [sw.Partial()]))
             t.send(grad, 1, 0, f"B{mb}")
     t.flush()
+    world = WORLD.channels.get((id(dist.group.WORLD), "cpu"))
+    assert (world.seq if world is not None else 0) == world_seq, "a world collective ran"
     other = stages[1 - stage]
     y = sw.tensor(torch.ones(4, 2), sharding=PlacementMapping(other, [Sharded(0)]))
     try:
@@ -231,7 +239,8 @@ def _schedules() -> dict[str, tuple[object, int, str]]:
             "ZBVZeroBubble": (P.ScheduleZBVZeroBubble, 2, "v")}
 
 
-def _check_step(pipe, sched, ref, x, t, m, loss, what) -> None:  # type: ignore[no-untyped-def]
+def _check_step(pipe, sched, ref, x, t, m, loss, what,  # type: ignore[no-untyped-def]
+                clip: bool = False) -> None:
     from shardwise.pipelining.transport import transport_for
     from tests.helpers import pp_models as pm
 
@@ -255,6 +264,14 @@ def _check_step(pipe, sched, ref, x, t, m, loss, what) -> None:  # type: ignore[
     for name, p in got.items():
         assert p.grad is not None, f"{what}: {name} has no gradient"
         pm.assert_close(p.grad, want[name].grad, f"{what} grad of {name}")
+    if clip:  # the global norm over every stage (reduced over pp), then clipped grads
+        from shardwise.pipelining import clip_grad_norm_
+
+        norm = clip_grad_norm_(list(pipe.parameters()), 0.05, pipe=pipe)
+        want_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.05)
+        pm.assert_close(norm, want_norm.float(), f"{what} global grad norm")
+        for name, p in got.items():
+            pm.assert_close(p.grad, want[name].grad, f"{what} clipped grad of {name}")
 
 
 def body_every_schedule_pp4(n: int) -> None:
@@ -287,7 +304,8 @@ def body_every_schedule_pp4(n: int) -> None:
 
 def body_every_schedule_pp2_tp2(n: int) -> None:
     """pp=2 x tp=2: a GPT whose stages are tensor-parallel on their stage mesh (the
-    activations cross as tp-laid-out Tensors), every schedule, m in {1, p, 2p, 4p}."""
+    activations cross as tp-laid-out Tensors), every schedule, m in {1, p, 2p, 4p};
+    at m = 2p also clip_grad_norm_ over every stage equals torch's."""
     import copy
 
     from shardwise.parallel import parallelize_module
@@ -308,4 +326,5 @@ def body_every_schedule_pp2_tp2(n: int) -> None:
                 parallelize_module(st.module, st.mesh, pm.plan_for(st.module))
             x, t = pm.batch(pm.config(layers), m)
             sched = cls(pipe, n_microbatches=m, loss_fn=pm.loss_fn)  # type: ignore[operator]
-            _check_step(pipe, sched, ref, x, t, m, pm.loss_fn, f"{name} pp2xtp2 m={m}")
+            _check_step(pipe, sched, ref, x, t, m, pm.loss_fn, f"{name} pp2xtp2 m={m}",
+                        clip=m == 2 * p)
