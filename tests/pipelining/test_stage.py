@@ -70,7 +70,7 @@ def test_meta_model_materializes_local_stages() -> None:
 
 def test_errors_name_the_fix() -> None:
     model = pm.make(2)
-    with pytest.raises(ShardingError, match="'layers.9' is not a module.*'layers.1'"):
+    with pytest.raises(ShardingError, match=r"'layers.9' is not a module.*'layers.1'"):
         pipeline(model, MESH, split_points=["layers.9"])
     with pytest.raises(ShardingError, match="model order"):
         pipeline(model, MESH, split_points=["head", "layers.1"])

@@ -19,6 +19,7 @@ Invariants:
 
 from __future__ import annotations
 
+import importlib
 from typing import Any, Protocol
 
 import torch
@@ -45,6 +46,7 @@ def detached(value: Any, mesh: DeviceMesh | None = None) -> Any:
     shardwise Tensors), and made a leaf that requires grad where it required grad."""
 
     def one(x: Any) -> Any:
+        y: torch.Tensor
         if isinstance(x, Tensor):
             y = rehome(x, mesh) if mesh is not None and x.mesh != mesh else x.detach()
         elif isinstance(x, torch.Tensor):
@@ -93,6 +95,6 @@ def transport_for(meshes: list[DeviceMesh]) -> Transport:
     process backend's point-to-point transport."""
     if all(len(backend_for(m).owned(m)) == m.num_devices for m in meshes):
         return SimTransport(meshes)
-    from shardwise.pipelining import transport_process  # type: ignore[attr-defined]
-
-    return transport_process.ProcessTransport(meshes)  # type: ignore[no-any-return]
+    # by name: the process transport is the process runtime's (loaded only under torchrun)
+    process = importlib.import_module("shardwise.pipelining.transport_process")
+    return process.ProcessTransport(meshes)
