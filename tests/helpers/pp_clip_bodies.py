@@ -49,7 +49,7 @@ def clip_pp_only_inf(world: int) -> None:
 
 
 def clip_needs_the_pipe(world: int) -> None:
-    ref, model = _models(world)
+    _, model = _models(world)
     with pytest.raises(ShardingError, match="pipe=pipe"):
         clip_grad_norm_(model.parameters(), 0.1)
 
