@@ -18,6 +18,7 @@ from shardwise.parallel import fully_shard, parallelize_module
 from shardwise.pipelining import (
     Schedule1F1B,
     ScheduleInterleavedZeroBubble,
+    ScheduleZBVZeroBubble,
     clip_grad_norm_,
     pipeline,
 )
@@ -27,8 +28,8 @@ MESH3 = DeviceMesh.cpu((2, 2, 2), ("pp", "dp", "tp"))
 
 
 def build(model: torch.nn.Module, mesh: DeviceMesh, splits: list[str], v: int = 1,
-          fsdp: bool = True) -> Any:
-    pipe = pipeline(model, mesh, split_points=splits, stages_per_rank=v)
+          fsdp: bool = True, style: str = "loop") -> Any:
+    pipe = pipeline(model, mesh, split_points=splits, stages_per_rank=v, style=style)
     for st in pipe.stages:
         parallelize_module(st.module, st.mesh, pm.plan_for(st.module), axis="tp")
         if fsdp:
@@ -45,11 +46,14 @@ def data(pipe: Any, x: torch.Tensor, t: torch.Tensor) -> tuple[sw.Tensor, sw.Ten
     return on(pipe.stages[0].mesh, x), on(pipe.stages[-1].mesh, t)
 
 
-@pytest.mark.parametrize("cls,v", [(Schedule1F1B, 1), (ScheduleInterleavedZeroBubble, 2)])
-def test_pp_dp_tp_adamw_clip(cls: Any, v: int) -> None:
+@pytest.mark.parametrize("cls,v,style", [(Schedule1F1B, 1, "loop"),
+                                         (ScheduleInterleavedZeroBubble, 2, "loop"),
+                                         (ScheduleZBVZeroBubble, 2, "v")])
+def test_pp_dp_tp_adamw_clip(cls: Any, v: int, style: str) -> None:
     layers = 2 * v
     ref = pm.make(layers)
-    pipe = build(copy.deepcopy(ref), MESH3, [f"layers.{k}" for k in range(1, 2 * v)], v)
+    pipe = build(copy.deepcopy(ref), MESH3, [f"layers.{k}" for k in range(1, 2 * v)], v,
+                 style=style)
     m = 4
     sched = cls(pipe, n_microbatches=m, loss_fn=pm.loss_fn)
     opt = torch.optim.AdamW(pipe.parameters(), lr=1e-2, weight_decay=0.1)
@@ -57,7 +61,8 @@ def test_pp_dp_tp_adamw_clip(cls: Any, v: int) -> None:
     for step in range(2):
         x, t = pm.batch(pm.config(layers), 8, step)
         losses: list[Any] = []
-        sched.step(*data(pipe, x, t)[:1], target=data(pipe, x, t)[1], losses=losses)
+        xs, ts = data(pipe, x, t)
+        sched.step(xs, target=ts, losses=losses)
         want, _ = pm.reference(ref, x, t, m)
         for a, b in zip(losses, want, strict=True):
             assert abs(float(pm.values(a)) - b) <= 1e-5 * abs(b)
