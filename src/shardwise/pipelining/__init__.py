@@ -19,6 +19,7 @@ from shardwise.pipelining.schedule import (
     ScheduleZBVZeroBubble,
 )
 from shardwise.pipelining.schedules import SCHEDULES, compute_table, lower, stage_ranks, validate
+from shardwise.pipelining.simulate import Simulation, Span, simulate
 from shardwise.pipelining.stage import Pipe, Stage, pipeline
 from shardwise.pipelining.transport import SimTransport, Transport
 
@@ -35,6 +36,8 @@ __all__ = [
     "ScheduleInterleavedZeroBubble",
     "ScheduleZBVZeroBubble",
     "SimTransport",
+    "Simulation",
+    "Span",
     "Stage",
     "Transport",
     "clip_grad_norm_",
@@ -43,6 +46,7 @@ __all__ = [
     "parse_table",
     "pipeline",
     "read_csv",
+    "simulate",
     "stage_ranks",
     "validate",
     "write_csv",
