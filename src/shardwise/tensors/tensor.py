@@ -58,13 +58,14 @@ from shardwise.runtime.position import HERE
 from shardwise.sharding.errors import ShardingError
 from shardwise.sharding.layout import Layout
 from shardwise.sharding.mappings import ShardingSpec
+from shardwise.sharding.mesh import DeviceMesh
 from shardwise.sharding.types import dtype_name
 from shardwise.tensors import cache, chunks, dtensor
 from shardwise.tensors.grad import GradMixin
 from shardwise.tensors.meta import MetaMixin
 from shardwise.tensors.relayout import RelayoutMixin, _cut
 
-__all__ = ["Tensor"]
+__all__ = ["Tensor", "rehome"]
 
 
 #: torch function -> handler, filled by :mod:`shardwise.ops` (the op registry).
@@ -499,6 +500,36 @@ def to_layout(x: Tensor, layout: Layout) -> Tensor:
     if layout.mesh == x.mesh:
         return x.relayout(layout)
     return place(x._global(), layout)
+
+
+def rehome(x: Tensor, mesh: DeviceMesh, blocks: Sequence[torch.Tensor | None] | None = None
+           ) -> Tensor:
+    """``x``'s value, detached, with the same layout on ``mesh``, another mesh of the same
+    shape: device ``k`` of ``mesh`` takes device ``k``'s block (the same coordinates), so
+    a TP-sharded activation stays sharded on the receiving pipeline stage's tp group.
+    Nothing is copied where the devices share memory. ``blocks`` (one per device of
+    ``mesh``, None where another process holds it) replace ``x``'s own, for a transport
+    that received them.
+
+    >>> mesh = DeviceMesh.cpu((2, 2), ("pp", "tp"))
+    >>> x = place(torch.arange(4.), Layout(mesh.submesh(pp=0), ((0,),), (None,)))
+    >>> y = rehome(x, mesh.submesh(pp=1))
+    >>> y.placements, y.mesh.devices, y.to_torch().tolist()
+    ((Sharded(axis=0),), (CPU(2), CPU(3)), [0.0, 1.0, 2.0, 3.0])
+    """
+    if mesh.mesh_shape != x.mesh.mesh_shape:
+        raise ShardingError(
+            f"Cannot move {x!r} onto {mesh!r}: the layout keeps each block at the same mesh "
+            f"coordinates, so the meshes need the same shape ({x.mesh.mesh_shape} vs "
+            f"{mesh.mesh_shape}). Relayout it first (shardwise.shard).")
+    layout = Layout(mesh, x._layout.dims, x._layout.partial)
+    if blocks is not None:
+        return Tensor(blocks, layout, x._shape, x._dtype, open_dims=x._open)
+    whole = x._whole
+    if whole is not None and cache.local_mesh(mesh, whole.device):
+        return Tensor.from_whole(whole.detach(), layout, x._open)
+    return Tensor([None if s is None else s.detach() for s in x._shards], layout, x._shape,
+                  x._dtype, open_dims=x._open)
 
 
 def as_layout_of(value: Any, like: Tensor) -> Tensor:
