@@ -184,7 +184,7 @@ def main(argv: list[str] | None = None) -> int:
         say(sim.timeline())
     data = PlacementMapping(first.mesh, (Sharded(0), Replicated()))
     labels = PlacementMapping(last.mesh, (Sharded(0), Replicated()))
-    rows, worst = [], 0.0
+    rows: list[tuple[int, float, float]] = []
     for step in range(args.steps):
         ids, targets = gpt.batch(cfg, args.batch, step)
         losses: list[Any] = []
@@ -200,16 +200,9 @@ def main(argv: list[str] | None = None) -> int:
         ref_opt.step()
         ref_opt.zero_grad()
         if losses:
-            got = sum(float(v) for v in losses) / len(losses)
-            want = float(ref_loss.detach())
-            diff = abs(got - want) / max(abs(want), 1e-12)
-            worst = max(worst, diff)
-            rows.append((step, got, want, diff))
-    say(f"{'step':>5} {'shardwise':>10} {'torch':>10} {'rel. diff':>10}")
-    for step, got, want, diff in rows[:1] + rows[1:][-1:]:
-        say(f"{step:5d} {got:10.6f} {want:10.6f} {diff:10.2e}")
-    ok = worst <= args.rtol
-    say("parity OK" if ok else f"parity FAILED: worst relative difference {worst:.2e}")
+            got = sum(float(v.detach()) for v in losses) / len(losses)
+            rows.append((step, got, float(ref_loss.detach())))
+    ok = gpt.parity(rows, args.rtol, say=say)
     if multi:
         shutdown()
     return 0 if ok else 1

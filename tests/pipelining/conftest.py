@@ -1,16 +1,5 @@
-"""Tiny blocks on a loaded 2-core machine: torch's thread pool only adds waits."""
+"""Tiny stages on a loaded 2-core machine: one torch thread."""
 
-from __future__ import annotations
+from tests.helpers.threads import one_thread
 
-from collections.abc import Iterator
-
-import pytest
-import torch
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread() -> Iterator[None]:
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+__all__ = ["one_thread"]
