@@ -139,6 +139,30 @@ def parallelize(model: GPT, mesh: Any, *, tp: bool = True, fsdp: bool = True) ->
     return model
 
 
+def parity(rows: list[tuple[int, float, float]], rtol: float,
+           say: Any = None) -> bool:
+    """Print the first and last (step, shardwise loss, torch loss) rows and the verdict;
+    True when every step's relative difference is within ``rtol``.
+
+    >>> parity([(0, 1.0, 1.0), (1, 0.5, 0.5)], 1e-4, say=print)
+     step  shardwise      torch  rel. diff
+        0   1.000000   1.000000   0.00e+00
+        1   0.500000   0.500000   0.00e+00
+    parity OK
+    True
+    """
+    say = say or _say
+    diffs = [abs(got - want) / max(abs(want), 1e-12) for _, got, want in rows]
+    say(f"{'step':>5} {'shardwise':>10} {'torch':>10} {'rel. diff':>10}")
+    shown = list(zip(rows, diffs, strict=True))
+    for (step, got, want), diff in shown[:1] + shown[1:][-1:]:
+        say(f"{step:5d} {got:10.6f} {want:10.6f} {diff:10.2e}")
+    worst = max(diffs, default=0.0)
+    ok = worst <= rtol
+    say("parity OK" if ok else f"parity FAILED: worst relative difference {worst:.2e}")
+    return ok
+
+
 def _say(*args: object) -> None:
     from shardwise.distributed import process_index
 
@@ -222,7 +246,8 @@ def main(argv: list[str] | None = None) -> int:
         for step in range(start):  # bring the single-device reference to the same step
             reference_step(step)
         _say(f"resumed from {args.resume} at step {start}")
-    rows, worst, comm = [], 0.0, None
+    rows: list[tuple[int, float, float]] = []
+    comm = None
     bar, advance = _progress(args.steps - start)
     if bar is not None:
         bar.start()
@@ -235,9 +260,7 @@ def main(argv: list[str] | None = None) -> int:
             opt.step()
             opt.zero_grad()
             got, want = loss.item(), reference_step(step)
-            diff = abs(got - want) / max(abs(want), 1e-12)
-            worst = max(worst, diff)
-            rows.append((step, got, want, diff))
+            rows.append((step, got, want))
             comm = counter
             advance(got)
     finally:
@@ -248,14 +271,10 @@ def main(argv: list[str] | None = None) -> int:
              f"({sum(comm.bytes.values()) / 1024:.1f} KiB/device), backward "
              f"{dict(comm.backward_counts)} ({sum(comm.backward_bytes.values()) / 1024:.1f} "
              "KiB/device)")
-    _say(f"{'step':>5} {'shardwise':>10} {'torch':>10} {'rel. diff':>10}")
-    for step, got, want, diff in rows[:1] + rows[1:][-1:]:
-        _say(f"{step:5d} {got:10.6f} {want:10.6f} {diff:10.2e}")
     if args.save:
         sw.checkpoint.save_train_state(args.save, model, opt, step=args.steps)
         _say(f"saved step {args.steps} to {args.save}")
-    ok = worst <= args.rtol
-    _say("parity OK" if ok else f"parity FAILED: worst relative difference {worst:.2e}")
+    ok = parity(rows, args.rtol)
     if multi:
         shutdown()
     return 0 if ok else 1

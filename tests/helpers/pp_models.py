@@ -1,50 +1,21 @@
-"""Models for the pipeline tests: examples/gpt.py's blocks in a GPT whose forward is a
-sequence of top-level children (so ``pipeline(model, split_points=...)`` can cut it),
-its TP plan per stage, and a single-device oracle of one pipelined step."""
+"""Models for the pipeline tests: examples/gpt_pp.py's GPT (a forward that chains its
+children, so ``pipeline(model, split_points=...)`` can cut it) and its TP plan per stage,
+at a tiny size, and a single-device oracle of one pipelined step."""
 
 from __future__ import annotations
 
-import fnmatch
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
-from benchmarks.common import example_gpt
-from shardwise.parallel import ColwiseParallel, RowwiseParallel
+from examples.gpt_pp import Embed, PipeGPT, gpt, loss_fn, tp_plan
+from examples.gpt_pp import stage_plan as plan_for
 
-gpt = example_gpt()
+__all__ = ["Embed", "PipeGPT", "TP_PLAN", "config", "loss_fn", "make", "plan_for"]
 
-
-class Embed(nn.Module):
-    """Token plus position embedding: one child, so a stage holds both."""
-
-    def __init__(self, c: Any) -> None:
-        super().__init__()
-        self.tok = nn.Embedding(c.vocab, c.dim)
-        self.pos = nn.Embedding(c.seq, c.dim)
-
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        return self.tok(idx) + self.pos(torch.arange(idx.shape[1]))
-
-
-class PipeGPT(nn.Module):
-    """examples/gpt.py's GPT returning logits, its forward a chain of its children."""
-
-    def __init__(self, c: Any) -> None:
-        super().__init__()
-        self.embed = Embed(c)
-        self.layers = nn.ModuleList(gpt.Block(c) for _ in range(c.layers))
-        self.norm = nn.LayerNorm(c.dim)
-        self.head = nn.Linear(c.dim, c.vocab, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = self.embed(x)
-        for layer in self.layers:
-            x = layer(x)
-        return self.head(self.norm(x))
+TP_PLAN = tp_plan()
 
 
 def config(layers: int = 4) -> Any:
@@ -58,23 +29,6 @@ def make(layers: int = 4, seed: int = 0) -> PipeGPT:
 
 def batch(c: Any, size: int, step: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     return gpt.batch(c, size, step)
-
-
-def loss_fn(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    return F.cross_entropy(logits.flatten(0, 1), target.flatten(0, 1))
-
-
-TP_PLAN = {"layers.*.attn.w[qkv]": ColwiseParallel(), "layers.*.attn.wo": RowwiseParallel(),
-           "layers.*.mlp.w1": ColwiseParallel(), "layers.*.mlp.w2": RowwiseParallel(),
-           "head": ColwiseParallel()}
-
-
-def plan_for(module: nn.Module, plan: dict[str, Any] | None = None) -> dict[str, Any]:
-    """The entries of ``plan`` (default: TP_PLAN) that match a submodule of ``module``
-    (a stage holds only some of the model's modules)."""
-    names = [n for n, m in module.named_modules() if n and not isinstance(m, nn.Identity)]
-    return {k: v for k, v in (plan or TP_PLAN).items()
-            if any(fnmatch.fnmatchcase(n, k) for n in names)}
 
 
 def reference(model: nn.Module, inputs: torch.Tensor, target: torch.Tensor, m: int,

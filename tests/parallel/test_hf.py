@@ -26,6 +26,7 @@ from shardwise.parallel import (
     parallelize_module,
 )
 from shardwise.parallel.hf import ShardParameters
+from tests.helpers.threads import one_thread  # noqa: F401  (autouse: one torch thread)
 
 MESH = sw.DeviceMesh.cpu((2, 2), ("dp", "tp"))
 DATA = PlacementMapping(MESH, [Sharded(0), Replicated()])
@@ -34,13 +35,6 @@ GPT2_PLAN = {"transformer.wte": "embedding_rowwise", "transformer.h.*.attn.c_att
              "transformer.h.*.mlp.c_proj": "rowwise", "lm_head": "colwise_gather_output"}
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread() -> Iterator[None]:
-    """Tiny models on a loaded 2-core machine: torch's thread pool only adds waits."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.fixture(autouse=True)

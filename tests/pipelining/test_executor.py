@@ -14,7 +14,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import shardwise as sw
-from shardwise import DeviceMesh, PlacementMapping, Replicated, Sharded, ShardingError
+from shardwise import DeviceMesh, PlacementMapping, Sharded, ShardingError
 from shardwise.parallel import parallelize_module
 from shardwise.pipelining import (
     Schedule1F1B,

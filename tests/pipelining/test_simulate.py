@@ -221,6 +221,9 @@ def test_png_picture(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     with pytest.raises(ImportError, match="needs matplotlib"):
         sim.save_png(tmp_path / "t.png")
     monkeypatch.undo()
-    pytest.importorskip("matplotlib")
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:  # the refusal above is what a machine without it gets
+        return
     sim.save_png(tmp_path / "t.png")
     assert (tmp_path / "t.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

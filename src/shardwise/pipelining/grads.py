@@ -21,7 +21,7 @@ import torch
 from shardwise.pipelining.stage import Pipe
 from shardwise.sharding.errors import ShardingError
 from shardwise.sharding.mappings import PlacementMapping
-from shardwise.sharding.placements import Partial, ReduceOp, Replicated
+from shardwise.sharding.placements import Partial, Placement, ReduceOp, Replicated
 from shardwise.tensors.tensor import Tensor
 
 __all__ = ["clip_grad_norm_"]
@@ -37,8 +37,9 @@ def clip_grad_norm_(parameters: Iterable[torch.Tensor] | torch.Tensor, max_norm:
         parameters: the parameters (of every local stage: ``pipe.parameters()``).
         max_norm: the largest norm the gradients keep.
         norm_type: the p of the p-norm (``float('inf')`` for the max norm).
-        pipe: the pipeline; needed under torchrun, where each process holds only its
-            stages' gradients and the norm is reduced over ``pipe.mesh``'s pp axis.
+        pipe: the pipeline; required under torchrun (an error without it), where each
+            process holds only its stages' gradients and the norm is reduced over
+            ``pipe.mesh``'s pp axis by every process (a collective: call it on all).
         error_if_nonfinite: raise if the norm is nan or inf, as torch's.
 
     Returns:
@@ -67,6 +68,12 @@ def clip_grad_norm_(parameters: Iterable[torch.Tensor] | torch.Tensor, max_norm:
         total = torch.nn.utils.get_total_norm(norms, norm_type).to(torch.float32)
     else:
         total = torch.tensor(0.0)
+    if pipe is None and torch.distributed.is_available() and \
+            torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
+        raise ShardingError(
+            "clip_grad_norm_ in a multi-process run needs the pipeline: each process holds "
+            "only its stages' gradients, so the norm is reduced over the pp axis. Pass "
+            "pipe=pipe (the Pipe from shardwise.pipelining.pipeline).")
     if pipe is not None and len(pipe.local_stages) < pipe.n_stages:
         total = _over_pp(total, pipe, norm_type)
     if error_if_nonfinite and not bool(torch.isfinite(total)):
@@ -89,12 +96,12 @@ def _over_pp(total: torch.Tensor, pipe: Pipe, norm_type: float) -> torch.Tensor:
     a = mesh.axis_names.index(pipe.axis)
     inf = norm_type == float("inf")
     share = total if inf else total ** norm_type
-    place = [Replicated()] * mesh.ndim
+    place: list[Placement] = [Replicated()] * mesh.ndim
     place[a] = Partial(ReduceOp.MAX if inf else ReduceOp.SUM)
     # every device of this process's stage holds the share; the Partial axis sums them
     owned = set(_owned(mesh))
     shares = [share.reshape(1) if k in owned else None for k in range(mesh.num_devices)]
-    reduced = from_local(shares, PlacementMapping(mesh, place), shape=(1,)).to_torch()[0]
+    reduced = from_local(shares, PlacementMapping(mesh, tuple(place)), shape=(1,)).to_torch()[0]
     return reduced if inf else reduced ** (1.0 / norm_type)
 
 

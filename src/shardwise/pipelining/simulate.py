@@ -174,18 +174,26 @@ class Simulation:
         fig = figure_mod.Figure(figsize=(width, 0.5 * len(self.spans) + 1))
         ax = fig.add_subplot()
         ranks = list(self.spans)
+        # points per time unit (the axes take ~80% of the figure): label what fits
+        pt = 0.8 * 72 * width / self.step_time if self.step_time > 0 else 0.0
         for i, r in enumerate(ranks):
             for s in self.spans[r]:
                 if s.action.kind.is_compute and s.end > s.start:
                     ax.broken_barh([(s.start, s.end - s.start)], (i - 0.4, 0.8),
                                    facecolors=_COLOURS[s.action.kind], edgecolor="white")
-                    ax.text((s.start + s.end) / 2, i, str(s.action), ha="center",
-                            va="center", fontsize=7, color="white")
+                    if (s.end - s.start) * pt >= 4.5 * len(str(s.action)) + 2:
+                        ax.text((s.start + s.end) / 2, i, str(s.action), ha="center",
+                                va="center", fontsize=7, color="white")
+        patches: Any = importlib.import_module("matplotlib.patches")
+        kinds = [k for k in _COLOURS if any(s.action.kind is k for row in self.spans.values()
+                                            for s in row)]
+        ax.legend(handles=[patches.Patch(color=_COLOURS[k], label=k.value) for k in kinds],
+                  loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8)
         ax.set_yticks(range(len(ranks)), [f"rank {r}" for r in ranks])
         ax.invert_yaxis()
         ax.set_xlabel("time")
         ax.set_title(f"step {self.step_time:g}, bubble {self.bubble:.3f}")
-        fig.savefig(path)
+        fig.savefig(path, bbox_inches="tight")
 
 
 def _label(a: Action, n: int) -> str:

@@ -45,6 +45,7 @@ def detached(value: Any, mesh: DeviceMesh | None = None) -> Any:
     shardwise Tensors), and made a leaf that requires grad where it required grad."""
 
     def one(x: Any) -> Any:
+        y: torch.Tensor
         if isinstance(x, Tensor):
             y = rehome(x, mesh) if mesh is not None and x.mesh != mesh else x.detach()
         elif isinstance(x, torch.Tensor):
