@@ -7,7 +7,8 @@ tiny autograd Functions, so a zero-bubble ``I`` runs only the first and ``W`` on
 second; a full ``B`` runs both). Sleeping stages keep the prediction honest on a
 shared machine: ranks do not compete for the cores while they "compute". The costs
 fed to ``simulate()`` are calibrated in-process (a stage's forward, input-gradient and
-weight-gradient times measured alone, medians) and ``p2p`` is half a measured round
+weight-gradient times measured alone on each rank, the median over runs, then over
+ranks) and ``p2p`` is half a measured round
 trip of one activation between two ranks. The executor's own work (splitting
 microbatches, the transport, autograd bookkeeping) is what the measured time adds.
 
@@ -191,8 +192,11 @@ def rank_body(args: argparse.Namespace) -> dict[str, Any]:
     torch.set_num_threads(1)
     p = dist.get_world_size()
     costs = calibrate(args)
-    t = torch.tensor([costs[k] for k in ("forward", "input", "weight")], dtype=torch.float64)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)  # one cost table on every rank
+    mine = torch.tensor([costs[k] for k in ("forward", "input", "weight")],
+                        dtype=torch.float64)
+    every = [torch.empty_like(mine) for _ in range(p)]
+    dist.all_gather(every, mine)  # one cost table on every rank: the median over ranks
+    t = torch.stack(every).median(dim=0).values
     costs = {"forward": float(t[0]), "input": float(t[1]), "weight": float(t[2]),
              "backward": float(t[1] + t[2])}
     lat = p2p_latency_ms(args)
@@ -210,7 +214,7 @@ def rank_body(args: argparse.Namespace) -> dict[str, Any]:
         theirs(x, tgt, ls_theirs)
         if ls_ours or ls_theirs:  # the last stage's rank: the same losses
             a = [float(v) for v in ls_ours]
-            b = [float(v) for v in ls_theirs]
+            b = [float(v.detach()) for v in ls_theirs]
             if len(a) != len(b) or any(abs(u - w) > 1e-5 * max(abs(w), 1e-6)
                                        for u, w in zip(a, b)):
                 raise AssertionError(f"{name}: losses differ: shardwise {a}, torch {b}")
