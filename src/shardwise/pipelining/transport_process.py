@@ -89,7 +89,7 @@ class ProcessTransport:
         leaves, spec = pytree.tree_flatten(value)
         metas = [_meta(x, self.meshes[src_stage]) for x in leaves]
         blocks = [_block(x, self.meshes[src_stage]) for x in leaves]
-        p2p.send((pytree.treespec_dumps(spec), metas, blocks), peer,
+        p2p.send((p2p.spec_text(spec), metas, blocks), peer,
                  p2p.stream_tag(src_stage, dst_stage), _key(src_stage, dst_stage, tag))
 
     def recv(self, src_stage: int, dst_stage: int, tag: str) -> Any:
@@ -107,7 +107,7 @@ class ProcessTransport:
         spec_text, metas, blocks = p2p.recv(peer, p2p.stream_tag(src_stage, dst_stage), key)
         mesh = self.meshes[dst_stage]
         leaves = [_rebuild(m, b, mesh, key, peer) for m, b in zip(metas, blocks)]
-        return pytree.tree_unflatten(leaves, pytree.treespec_loads(spec_text))
+        return pytree.tree_unflatten(leaves, p2p.spec_of(spec_text))
 
     def flush(self) -> None:
         """Wait until every value this process sent was received (bounded)."""
