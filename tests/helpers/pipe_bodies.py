@@ -328,3 +328,37 @@ def body_every_schedule_pp2_tp2(n: int) -> None:
             sched = cls(pipe, n_microbatches=m, loss_fn=pm.loss_fn)  # type: ignore[operator]
             _check_step(pipe, sched, ref, x, t, m, pm.loss_fn, f"{name} pp2xtp2 m={m}",
                         clip=m == 2 * p)
+
+
+class _DiesAt(torch.nn.Module):
+    """A stage that kills its process at the forward of microbatch ``at`` when ``armed``."""
+
+    def __init__(self, armed: bool, at: int) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4)
+        self.armed, self.at, self.calls = armed, at, 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.armed and self.calls == self.at:
+            os._exit(17)
+        self.calls += 1
+        return self.lin(x)
+
+
+def body_stage_dies_mid_step(n: int) -> None:
+    """pp=n, 1F1B, 2n microbatches: the last stage's process dies at its second forward;
+    every other rank's step raises CollectiveError within the timeout (+ slack), naming
+    a peer rank, the stages and the tag it waited for."""
+    import torch.nn.functional as F
+
+    from shardwise.pipelining import Schedule1F1B, pipeline
+
+    me = dist.get_rank()
+    torch.manual_seed(0)
+    stages = [_DiesAt(s == n - 1 and me == n - 1, 1) for s in range(n)]
+    pipe = pipeline(stages, DeviceMesh.cpu(n, "pp"))
+    sched = Schedule1F1B(pipe, n_microbatches=2 * n, loss_fn=F.mse_loss)
+    x, t = torch.randn(2 * n, 4), torch.randn(2 * n, 4)
+    text, took = _timed(lambda: sched.step(x, target=t))
+    assert "from stage" in text and "to stage" in text and "rank" in text, text
+    _report("stage dies mid-step", text, took)

@@ -35,3 +35,15 @@ def test_a_dead_peer_makes_the_other_stage_raise() -> None:
     assert results[1] == {"<exit>": "exit code 17"}, results.get(1)
     assert results[0].get("<setup>") is None, results[0]
     assert results[0]["body_dead_peer"] is None, results[0]["body_dead_peer"]
+
+
+def test_a_stage_dying_mid_step_makes_every_other_rank_raise() -> None:
+    """pp=4: the last stage dies in its second forward; ranks 0-2 raise CollectiveError
+    (the failure travels up the pipeline: each rank's wait on its dead or failed
+    neighbour ends), none hangs."""
+    results = _run("body_stage_dies_mid_step", world=4)
+    assert results[3] == {"<exit>": "exit code 17"}, results.get(3)
+    for r in (0, 1, 2):
+        assert results[r].get("<setup>") is None, results[r]
+        assert results[r]["body_stage_dies_mid_step"] is None, \
+            results[r]["body_stage_dies_mid_step"]
