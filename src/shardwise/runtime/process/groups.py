@@ -6,13 +6,14 @@ Invariants:
 - Process groups are created once per (mesh, sorted axes), collectively, every process
   in the same order, after agreeing over the world on which group it creates
   (torch pairs ``new_group`` calls by order); axes in another order reuse them.
-- A torch process group is keyed by its member ranks (``WORLD.pgs``): a mesh whose
-  groups all have members that an earlier creation made (a pipeline stage's submesh
-  after its parent's) builds them locally, with no collective call, on every process
-  alike (``WORLD.pgs`` is the same everywhere: only collective creations fill it). So
-  a stage's ranks use their submesh alone once :func:`prepare_stage_groups` ran on
-  every process; a process outside a stage mesh that reaches one of its collectives
-  gets an error, never a wait.
+- A torch process group is keyed by its member ranks (``WORLD.pgs``, the same on
+  every process: only collective creations fill it), so a member set gets one group
+  whatever mesh names it. A pipeline stage's mesh (registered by
+  :func:`prepare_stage_groups`, which every process runs, in one order) takes its
+  groups from there with no collective call, so a stage's processes use their mesh
+  alone; a process outside a stage mesh that reaches one of its collectives gets an
+  error, never a wait. Every other mesh still agrees over the world before its first
+  group (the agreement catches a divergent program there, with its position).
 - Every group is created with the run's timeout (torch's default for new groups is
   30 minutes).
 """
@@ -145,8 +146,10 @@ def group(mesh: DeviceMesh, axes: tuple[int, ...]) -> Group:
             result = Group(base.pg, tuple(members), ranks, members.index(me), label)
         WORLD.groups[key] = result
         return result
-    found = _known(mesh, axes, me, label)
-    if found is not None:  # every member set has a group already: nothing to create
+    # a pipeline stage's mesh: every member set has its group already (made on every
+    # process by prepare_stage_groups), so its processes take them with no collective
+    found = _known(mesh, axes, me, label) if mesh in WORLD.stages else None
+    if found is not None:
         WORLD.groups[key] = found
         return found
     world = world_group()
