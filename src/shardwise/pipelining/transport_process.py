@@ -18,6 +18,7 @@ Invariants:
   receiving stage's backward stays its own, as torch's stages do).
 - A received block must have the shape its global shape and layout give on the
   receiving process (shapes may change between microbatches, never disagree).
+- Gloo only (CPU tensors): another backend is refused when the transport is built.
 """
 
 from __future__ import annotations
@@ -60,6 +61,12 @@ class ProcessTransport:
             raise ShardingError(
                 f"ProcessTransport needs stage meshes of one shape (submeshes of one mesh "
                 f"along the pipeline axis). Got {self.meshes}.")
+        backend = dist.get_backend()
+        if backend != "gloo":  # p2p packs CPU bytes: NCCL would refuse them mid-step
+            raise ShardingError(
+                f"The pipeline transport between processes runs on Gloo (CPU tensors) so "
+                f"far; this run's backend is {backend!r}. Initialize with backend='gloo', "
+                "or keep every stage in one process (the simulated mesh).")
         self._local: dict[tuple[int, int, str], Any] = {}  # both stages in this process
 
     def _peer(self, here: int, there: int, what: str, tag: str) -> int | None:
