@@ -498,35 +498,86 @@ def test_the_benchmarks_switch_writes_no_checksums(tmp_path: Path) -> None:
     check(t, 4)
 
 
-@pytest.mark.parametrize("small", [1, 1 << 30])
-def test_large_chunks_are_checked_ahead_on_a_thread_small_ones_in_line(
-        saved: Path, saved_st: Path, monkeypatch: pytest.MonkeyPatch, small: int) -> None:
-    """Chunks of at least ``_SMALL`` bytes are checked on the look-ahead thread from a
-    memory map, smaller ones on the reading thread with a read: both catch a flip."""
+def _chunks(saved: Path) -> list[tuple[str, str, int, int]]:
+    """``(key, file, first byte, end)`` of every chunk of the DCP checkpoint ``saved``."""
+    md = pickle.loads((saved / ".metadata").read_bytes())
+    return sorted((i.fqn, info.relative_path, info.offset, info.offset + info.length)
+                  for i, info in md.storage_data.items())
+
+
+def _st_chunks(saved_st: Path) -> list[tuple[str, str, int, int]]:
+    from shardwise.checkpoint import safetensors_io
+
+    return sorted((name, saved_st.name, b, e)
+                  for name, (b, e, _, _) in safetensors_io._checks(saved_st).items())
+
+
+def _same_layout() -> dict[str, Any]:
+    s = state(0)
+    return {k: sw.zeros_like(v) if isinstance(v, sw.Tensor) else
+            (torch.zeros_like(v) if isinstance(v, torch.Tensor) else -1) for k, v in s.items()}
+
+
+@pytest.mark.parametrize("where", ["first", "middle", "last"])
+@pytest.mark.parametrize("into", ["same layout", "resharded", "one key"])
+def test_a_flip_in_each_chunk_names_its_key_file_and_bytes(
+        saved: Path, saved_st: Path, where: str, into: str) -> None:
+    """The chunks are checked on a thread while they load: a flipped byte at either
+    end or inside any chunk still raises naming its key, file and byte range, whatever
+    the target's layout; a load that does not read the chunk is not affected."""
+    def targets() -> dict[str, Any]:
+        t = {"same layout": _same_layout, "resharded": target,
+             "one key": lambda: {"w": target()["w"]}}[into]()
+        return t
+
+    for fmt, chunks in (("dcp", _chunks(saved)), ("st", _st_chunks(saved_st))):
+        for key, file, begin, end in chunks:
+            at = {"first": begin, "middle": (begin + end) // 2, "last": end - 1}[where]
+            t = targets()
+            with tempfile.TemporaryDirectory() as d:
+                path = Path(d) / (saved.name if fmt == "dcp" else saved_st.name)
+                if fmt == "dcp":
+                    shutil.copytree(saved, path)
+                    _flip(path / file, at, b"\x10")
+                else:
+                    shutil.copy(saved_st, path)
+                    _flip(path, at, b"\x10")
+                load = (sw.checkpoint.load if fmt == "dcp" else
+                        lambda t, p: sw.checkpoint.load_safetensors(p, t, strict=False))
+                if key not in t:  # not read: loads, and the values read are right
+                    load(t, path)
+                    assert torch.equal(t["w"].to_torch(), G + 3)
+                    continue
+                with pytest.raises(CheckpointError) as err:
+                    load(t, path)
+            message = str(err.value)
+            assert (f"Key {key!r}" in message and file in message and "corrupt" in message
+                    and f"bytes {begin}..{end}" in message), (fmt, key, where, message)
+
+
+def test_the_chunks_are_checked_on_a_thread_once_per_file(
+        saved: Path, saved_st: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """One check per file a load reads, on the checker thread, each chunk once (a
+    resharded DCP load reads a chunk once per target block it overlaps)."""
     import threading
 
     from shardwise.checkpoint import integrity
 
-    monkeypatch.setattr(integrity, "_SMALL", small)
-    where: set[str] = set()
-    check_chunk = integrity.check_chunk
+    calls: list[tuple[str, str, int]] = []
+    check_chunks = integrity.check_chunks
 
-    def spy(*args: Any) -> None:
-        where.add(threading.current_thread().name.split("_")[0])
-        check_chunk(*args)
+    def spy(path: Path, chunks: Any, *rest: Any) -> Any:
+        chunks = list(chunks)
+        offsets = [b for b, _, _ in chunks]
+        assert len(offsets) == len(set(offsets)), offsets
+        calls.append((threading.current_thread().name.split("_")[0], path.name, len(chunks)))
+        return check_chunks(path, chunks, *rest)
 
-    monkeypatch.setattr(integrity, "check_chunk", spy)
+    monkeypatch.setattr(integrity, "check_chunks", spy)
     check(_load_copy(saved, lambda p: None), 3)
     t = _load_st(saved_st, lambda p: None)
     t["step"] = 3
     check(t, 3)
-    assert where == ({"shardwise-check"} if small == 1 else {"MainThread"}), where
-
-    def flip_w(p: Path) -> None:  # 8 bytes of w's values (row 1, [5., 6.] + 3)
-        f = p / "__0_0.distcp" if p.is_dir() else p
-        _flip(f, f.read_bytes().index((G[1, :2] + 3).numpy().tobytes()), b"\x01" * 8)
-
-    with pytest.raises(CheckpointError, match=r"Key 'w'.*bytes \d+\.\.\d+ is corrupt"):
-        _load_copy(saved, flip_w)
-    with pytest.raises(CheckpointError, match=r"Key 'w'.*bytes \d+\.\.\d+ is corrupt"):
-        _load_st(saved_st, flip_w)
+    dcp_chunks = [c for c in _chunks(saved) if c[0] in target()]
+    assert calls == [("shardwise-check", "__0_0.distcp", len(dcp_chunks)),
+                     ("shardwise-check", saved_st.name, 3)], calls

@@ -24,9 +24,11 @@ Invariants:
 - :func:`check_chunk` passes a chunk only if its bytes are all there and match their
   CRC-32 (chunks without one, written by plain ``dcp.save``, only if they are all
   there and are not all zero bytes); otherwise it raises :class:`Corrupt`, which the
-  reader turns into a ``CheckpointError`` naming the key, file and byte range. The
-  reader checks a chunk right before it deserialises it (a file changed between the
-  two is outside what this guards: damage at rest).
+  reader turns into a ``CheckpointError`` naming the key, file and byte range.
+  :func:`check_chunks` checks a file's chunks through one memory map: the readers run
+  it on a thread while they read the same bytes, and return only once it has passed
+  every chunk they read (a file changed between the two reads is outside what this
+  guards: damage at rest).
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ import io
 import mmap
 import os
 import zlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import IO, Any
@@ -50,7 +52,7 @@ from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
 __all__ = ["ALGORITHM", "ALGORITHMS", "ALGORITHM_ATTR", "ATTR", "ChecksummedWriter", "Corrupt",
-           "check_chunk", "check_info", "crc32", "split_trailer"]
+           "check_chunk", "check_chunks", "check_info", "crc32", "split_trailer"]
 
 ATTR = "shardwise_crc32"  # the _StorageInfo attribute (namespaced: DCP owns the class)
 ALGORITHM_ATTR = "shardwise_checksum"  # the Metadata attribute naming the algorithm
@@ -304,6 +306,36 @@ def check_chunk(path: Path, begin: int, end: int, expected: int | None,
         with (mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm,
               memoryview(mm) as whole, whole[begin:end] as view):
             _judge(path, begin, end, view, expected, algorithm)
+
+
+def check_chunks(path: Path, chunks: Iterable[tuple[int, int, int | None]],
+                 algorithm: str = ALGORITHM) -> dict[int, Corrupt]:
+    """:func:`check_chunk` of each ``(begin, end, expected)`` of ``path``, in that order,
+    through one open and one memory map of the file (no setup per chunk): the
+    failures, by position in ``chunks`` (empty: every chunk passed). Loaders run it on a thread
+    while they read (zlib-ng releases the GIL), and look a chunk up when its data
+    fails to load or before they return."""
+    failed: dict[int, Corrupt] = {}
+    with open(path, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) if size else None
+        whole = memoryview(mm if mm is not None else b"")
+        try:
+            for n, (begin, end, expected) in enumerate(chunks):
+                if size < end:
+                    failed[n] = Corrupt(path, begin, end, "the file ends after "
+                                            f"{max(size - begin, 0)} of them (truncated)")
+                    continue
+                with whole[begin:end] as view:
+                    try:
+                        _judge(path, begin, end, view, expected, algorithm)
+                    except Corrupt as err:
+                        failed[n] = err
+        finally:
+            whole.release()
+            if mm is not None:
+                mm.close()
+    return failed
 
 
 def _judge(path: Path, begin: int, end: int, view: memoryview, expected: int | None,

@@ -19,9 +19,12 @@ Invariants:
   the checkpoint (unless ``strict=False``), shapes and dtypes agree, no target is
   Partial, and every file holds the bytes its metadata promises (a truncated or
   missing file names the key it holds). While reading, each chunk's bytes are checked
-  against their CRC-32 before they are deserialised, so a damaged file is an error,
-  never a wrong value; checksums of an algorithm this version does not know are an
-  error before any data is read (``verify=False`` skips them). Errors are
+  against their CRC-32 on a thread beside the reading one, and ``load`` returns only
+  once every chunk it read has passed (a chunk whose data fails to deserialise is
+  judged by its bytes first), so a damaged file is an error, never a wrong value; on
+  an error the targets may hold some of the values read, as after any failed load.
+  Checksums of an algorithm this version does not know are an error before any data
+  is read (``verify=False`` skips them). Errors are
   :class:`CheckpointError`, naming the key (and, for damage, the file, the byte range
   and the word "corrupt"). Then DCP fills ``state``
   in place, resharding by global offsets.
@@ -44,7 +47,7 @@ import warnings
 from collections.abc import Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import IO, Any, Literal
+from typing import Any, Literal
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -101,39 +104,69 @@ class _MetadataUnpickler(pickle.Unpickler):
 
 class _SafeReader(dcp.FileSystemReader):
     """DCP's file reader with a safe metadata unpickler, every chunk checked against
-    its CRC-32 (``integrity``), and errors that name the key."""
+    its CRC-32 (``integrity``), and errors that name the key.
+
+    The chunks a load reads are checked on one thread, one pass over each file's
+    memory map, while this one deserialises and copies them (zlib-ng releases the
+    GIL: on a free core the checks cost no time); a chunk whose data fails to load
+    is judged by its bytes first, and ``read_data`` returns only once every chunk
+    has passed. Reading a chunk twice (a resharded load) checks it once."""
 
     def __init__(self, path: str | os.PathLike[str], *, verify: bool = True) -> None:
         super().__init__(path)
         self._verify = verify
         self._algorithm = integrity.ALGORITHM  # read_metadata sets the checkpoint's
-        self._verified: set[tuple[str, int]] = set()  # (file, offset) checked in this load
-        self._pending: dict[tuple[str, int], concurrent.futures.Future[None]] = {}
+        # per file: the failures of its chunks, by position (integrity.check_chunks),
+        # and the position of each chunk, by offset
+        self._checks: dict[str, concurrent.futures.Future[dict[int, integrity.Corrupt]]] = {}
+        self._positions: dict[str, dict[int, int]] = {}
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
-        # the next chunk's CRC is computed (zlib releases the GIL) while DCP
-        # deserialises this one
-        ahead = ThreadPoolExecutor(1, thread_name_prefix="shardwise-check")
+        checker = ThreadPoolExecutor(1, thread_name_prefix="shardwise-check")
         try:
-            for n, item in enumerate(plan.items):
-                for nxt in plan.items[n:n + 2]:
-                    self._check_soon(ahead, nxt)
+            if self._verify:
+                self._check_soon(checker, plan)
+            for item in plan.items:
                 self._read_one(plan, planner, item)
+            for item in plan.items:  # nothing is returned before its bytes have passed
+                self._raise_if_corrupt(item)
         finally:
-            ahead.shutdown(wait=True, cancel_futures=True)
-            self._pending.clear()
+            checker.shutdown(wait=True, cancel_futures=True)
+            self._checks.clear()
+            self._positions.clear()
         done: Future[None] = Future()
         done.set_result(None)
         return done
 
-    def _check_soon(self, ahead: ThreadPoolExecutor, item: ReadItem) -> None:
+    def _check_soon(self, checker: ThreadPoolExecutor, plan: LoadPlan) -> None:
+        """Submit the check of every chunk ``plan`` reads, in the order it reads them,
+        one task per file."""
+        chunks: dict[str, dict[int, tuple[int, int, int | None]]] = {}
+        for item in plan.items:
+            info = self.storage_data[item.storage_index]
+            chunks.setdefault(info.relative_path, {})[info.offset] = (
+                info.offset, info.offset + info.length, getattr(info, integrity.ATTR, None))
+        for file, spans in chunks.items():
+            self._positions[file] = {offset: n for n, offset in enumerate(spans)}
+            self._checks[file] = checker.submit(integrity.check_chunks, Path(self.path) / file,
+                                                list(spans.values()), self._algorithm)
+
+    def _corrupt(self, item: ReadItem) -> integrity.Corrupt | None:
+        """The verdict on the bytes of ``item``'s chunk (``None``: they passed, or are
+        not checked)."""
         info = self.storage_data[item.storage_index]
-        key = (info.relative_path, info.offset)
-        if (self._verify and key not in self._verified and key not in self._pending
-                and info.length >= integrity._SMALL):  # a small one: _slice_file, no hand-over
-            self._pending[key] = ahead.submit(
-                integrity.check_info, Path(self.path) / info.relative_path, info,
-                self._algorithm)
+        checks = self._checks.get(info.relative_path)
+        if checks is None:
+            return None
+        return checks.result().get(self._positions[info.relative_path][info.offset])
+
+    def _raise_if_corrupt(self, item: ReadItem) -> None:
+        err = self._corrupt(item)
+        if err is not None:
+            raise CheckpointError(
+                f"Key {item.storage_index.fqn!r}: its data in {err.file} bytes "
+                f"{err.begin}..{err.end} is corrupt ({err.why}). Restore the checkpoint "
+                "or load an older one.")
 
     def _read_one(self, plan: LoadPlan, planner: LoadPlanner, item: ReadItem) -> None:
         # one item at a time, so that damaged data names the key it belongs to
@@ -144,14 +177,10 @@ class _SafeReader(dcp.FileSystemReader):
             super().read_data(dataclasses.replace(plan, items=[item]), planner).wait()
         except CheckpointError:
             raise
-        except integrity.Corrupt as err:
-            raise CheckpointError(
-                f"Key {item.storage_index.fqn!r}: its data in {span} is corrupt "
-                f"({err.why}). Restore the checkpoint or load an older one."
-            ) from None
         except Exception as err:
+            self._raise_if_corrupt(item)  # damaged bytes are the cause: say so
             first = (str(err).strip().splitlines() or [""])[0]
-            checked = ((info.relative_path, info.offset) in self._verified
+            checked = (info.relative_path in self._checks
                        and getattr(info, integrity.ATTR, None) is not None)
             if not checked and "weights_only" in first:  # torch's advice: not ours
                 first = "not a torch.save record that weights_only=True accepts"
@@ -164,19 +193,6 @@ class _SafeReader(dcp.FileSystemReader):
                    "loaded safely; no checksum was checked to tell): restore it or "
                    "load an older one.")
             ) from err
-
-    def _slice_file(self, file: Any, sinfo: Any) -> IO[bytes]:
-        # check the chunk, then DCP's own lazy view of it; DCP reads a chunk once per
-        # target block it overlaps: its CRC is computed once per load
-        key = (sinfo.relative_path, sinfo.offset)
-        pending = self._pending.pop(key, None)
-        if pending is not None:
-            pending.result()  # raises integrity.Corrupt
-            self._verified.add(key)
-        elif self._verify and key not in self._verified:
-            integrity.check_info(Path(self.path) / sinfo.relative_path, sinfo, self._algorithm)
-            self._verified.add(key)
-        return super()._slice_file(file, sinfo)
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         path = Path(self.path) / ".metadata"
