@@ -555,10 +555,35 @@ def test_a_flip_in_each_chunk_names_its_key_file_and_bytes(
                     and f"bytes {begin}..{end}" in message), (fmt, key, where, message)
 
 
-def test_the_chunks_are_checked_on_a_thread_once_per_file(
-        saved: Path, saved_st: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """One check per file a load reads, on the checker thread, each chunk once (a
-    resharded DCP load reads a chunk once per target block it overlaps)."""
+def test_dcp_chunks_are_summed_as_they_are_read_once_per_load(
+        saved: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each chunk a load reads is checked once, a resharded load included (DCP reads a
+    chunk once per target block it overlaps), from the bytes torch.load read: the
+    check itself reads only what torch.load skipped (headers, the zip directory)."""
+    from shardwise.checkpoint import integrity
+
+    monkeypatch.setattr(integrity, "_FUSE", 16)  # the test's records are small
+    left: list[tuple[int, int]] = []
+    view_check = integrity.SummingView.check
+
+    def spy(self: integrity.SummingView) -> None:
+        left.append((self.begin, self.end - self.begin - self.upto))
+        view_check(self)
+
+    monkeypatch.setattr(integrity.SummingView, "check", spy)
+    monkeypatch.setattr(integrity, "check_chunk", None)  # no second pass over a chunk
+    t = target()
+    sw.checkpoint.load(t, saved)
+    check(t, 3)
+    read = [c for c in _chunks(saved) if c[0] in t]
+    assert sorted(b for b, _ in left) == sorted(b for _, _, b, _ in read), left
+    assert all(n < 1024 for _, n in left), left  # the record's bytes were summed as read
+
+
+def test_safetensors_tensors_are_checked_on_a_thread_once(
+        saved_st: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """One check of the file's tensors (one memory map) on the checker thread, while
+    the loading thread copies them."""
     import threading
 
     from shardwise.checkpoint import integrity
@@ -568,16 +593,65 @@ def test_the_chunks_are_checked_on_a_thread_once_per_file(
 
     def spy(path: Path, chunks: Any, *rest: Any) -> Any:
         chunks = list(chunks)
-        offsets = [b for b, _, _ in chunks]
-        assert len(offsets) == len(set(offsets)), offsets
         calls.append((threading.current_thread().name.split("_")[0], path.name, len(chunks)))
         return check_chunks(path, chunks, *rest)
 
     monkeypatch.setattr(integrity, "check_chunks", spy)
-    check(_load_copy(saved, lambda p: None), 3)
     t = _load_st(saved_st, lambda p: None)
     t["step"] = 3
     check(t, 3)
-    dcp_chunks = [c for c in _chunks(saved) if c[0] in target()]
-    assert calls == [("shardwise-check", "__0_0.distcp", len(dcp_chunks)),
-                     ("shardwise-check", saved_st.name, 3)], calls
+    assert calls == [("shardwise-check", saved_st.name, 3)], calls
+
+
+@settings(max_examples=60, deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(reads=st.lists(st.tuples(st.integers(0, 700), st.integers(0, 400)), max_size=8),
+       flip=st.one_of(st.none(), st.integers(0, 599)))
+def test_a_summing_view_reads_like_the_file_and_checks_what_it_did_not_read(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        reads: list[tuple[int, int]], flip: int | None) -> None:
+    """Whatever a reader seeks and reads (in any order, past the end too), the view
+    returns the chunk's bytes, and ``check`` passes exactly when they are intact."""
+    from shardwise.checkpoint import integrity
+
+    monkeypatch.setattr(integrity, "_FUSE", 64)
+    monkeypatch.setattr(integrity, "_STEP", 50)  # fused reads in several pieces
+    data = bytes(range(256)) * 4
+    f = tmp_path / "chunk"
+    f.write_bytes(data)
+    begin, end = 100, 700
+    expected = zlib.crc32(data[begin:end])
+    if flip is not None:
+        _flip(f, begin + flip, b"\x04")
+    disk = f.read_bytes()
+    fd = os.open(f, os.O_RDONLY)
+    try:
+        view = integrity.SummingView(fd, f, begin, end, expected)
+        for at, n in reads:
+            view.seek(at)
+            buf = bytearray(n)
+            got = view.readinto(buf)
+            assert bytes(buf[:got]) == disk[begin:end][at:at + n]
+        assert view.seek(0) == 0 and view.read() == disk[begin:end]
+        if flip is None:
+            view.check()
+        else:
+            with pytest.raises(integrity.Corrupt, match=f"bytes {begin}..{end}: their CRC-32"):
+                view.check()
+    finally:
+        os.close(fd)
+
+
+def test_a_summing_view_of_a_truncated_file_is_corrupt(tmp_path: Path) -> None:
+    from shardwise.checkpoint import integrity
+
+    f = tmp_path / "chunk"
+    f.write_bytes(b"x" * 50)
+    fd = os.open(f, os.O_RDONLY)
+    try:
+        view = integrity.SummingView(fd, f, 10, 90, 0)
+        assert len(view.read()) == 40
+        with pytest.raises(integrity.Corrupt, match="truncated"):
+            view.check()
+    finally:
+        os.close(fd)

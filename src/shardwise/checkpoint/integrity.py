@@ -25,10 +25,11 @@ Invariants:
   CRC-32 (chunks without one, written by plain ``dcp.save``, only if they are all
   there and are not all zero bytes); otherwise it raises :class:`Corrupt`, which the
   reader turns into a ``CheckpointError`` naming the key, file and byte range.
-  :func:`check_chunks` checks a file's chunks through one memory map: the readers run
-  it on a thread while they read the same bytes, and return only once it has passed
-  every chunk they read (a file changed between the two reads is outside what this
-  guards: damage at rest).
+  :class:`SummingView` sums a chunk as DCP's reader reads it (the store checks it
+  before any of its values reaches a target); :func:`check_chunks` checks a file's
+  chunks through one memory map (the safetensors loader runs it on a thread while it
+  copies the same bytes, and returns only once every tensor has passed). A file
+  changed between a check and a read is outside what this guards: damage at rest.
 """
 
 from __future__ import annotations
@@ -52,7 +53,8 @@ from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
 __all__ = ["ALGORITHM", "ALGORITHMS", "ALGORITHM_ATTR", "ATTR", "ChecksummedWriter", "Corrupt",
-           "check_chunk", "check_chunks", "check_info", "crc32", "split_trailer"]
+           "SummingView", "check_chunk", "check_chunks", "check_info", "crc32",
+           "split_trailer"]
 
 ATTR = "shardwise_crc32"  # the _StorageInfo attribute (namespaced: DCP owns the class)
 ALGORITHM_ATTR = "shardwise_checksum"  # the Metadata attribute naming the algorithm
@@ -350,6 +352,105 @@ def _judge(path: Path, begin: int, end: int, view: memoryview, expected: int | N
                           f"metadata recorded {expected:08x}")
     elif not any(view[:4096]) and not any(view):
         raise Corrupt(path, begin, end, "they are all zero bytes")
+
+
+_FUSE = 64 << 10  # a read at least this long is summed as it lands
+_GAP = 1 << 20  # unsummed bytes before such a read that are read to sum them first
+_STEP = 1 << 20  # a fused read goes in pieces, each summed while the core's cache holds it
+
+
+def _pread_into(fd: int, view: memoryview, offset: int) -> int:
+    """Fill ``view`` from byte ``offset`` of ``fd`` (short only at the file's end)."""
+    done = 0
+    while done < len(view):
+        n = os.preadv(fd, [view[done:]], offset + done)
+        if n == 0:
+            break
+        done += n
+    return done
+
+
+class SummingView(io.RawIOBase):
+    """Bytes ``begin..end`` of the open file ``fd`` as a seekable stream, read with
+    ``pread`` (the descriptor's own position is never used), that sums the bytes as
+    they land: a long read (the chunk's data record) is read in pieces, each summed
+    while the core's cache still holds it, after summing the few bytes before it
+    (zip headers, the pickle) once; :meth:`check` sums what the reader skipped and
+    compares. So a chunk is checked with no second pass over its bytes (half the
+    cost of one). ``expected=None`` (a chunk without a checksum) or another
+    algorithm: :meth:`check` is :func:`check_chunk`; ``summing=False``: a plain view."""
+
+    def __init__(self, fd: int, path: Path, begin: int, end: int, expected: int | None,
+                 algorithm: str = ALGORITHM, *, summing: bool = True) -> None:
+        super().__init__()
+        self.fd, self.path, self.begin, self.end = fd, path, begin, end
+        self.expected, self.algorithm = expected, algorithm
+        self.summing = summing and expected is not None and algorithm == "crc32"
+        self.pos = self.upto = self.crc = 0  # upto: the chunk's bytes summed so far
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def seek(self, offset: int, whence: int = os.SEEK_SET) -> int:
+        base = {os.SEEK_SET: 0, os.SEEK_CUR: self.pos, os.SEEK_END: self.end - self.begin}
+        self.pos = max(base[whence] + offset, 0)
+        return self.pos
+
+    def tell(self) -> int:
+        return self.pos
+
+    def readinto(self, b: Any) -> int:
+        view = memoryview(b).cast("B")
+        p = self.pos
+        view = view[:max(min(len(view), self.end - self.begin - p), 0)]
+        if self.summing and len(view) >= _FUSE and self.upto <= p <= self.upto + _GAP:
+            self._sum_to(p)
+            n = 0
+            for i in range(0, len(view), _STEP):
+                with view[i:i + _STEP] as piece:
+                    got = _pread_into(self.fd, piece, self.begin + p + i)
+                    self.crc = crc32(piece[:got], self.crc)
+                    short = got < len(piece)
+                n += got
+                if short:
+                    break
+            self.upto = p + n
+        else:
+            n = _pread_into(self.fd, view, self.begin + p)
+        self.pos = p + n
+        return n
+
+    def readall(self) -> bytes:
+        out = bytearray(max(self.end - self.begin - self.pos, 0))
+        return bytes(out[:self.readinto(out)])
+
+    def _sum_to(self, stop: int) -> None:
+        """Sum the chunk's bytes ``upto..stop`` (read here: the reader skipped them)."""
+        if self.upto >= stop:
+            return
+        scratch = bytearray(min(_STEP, stop - self.upto))
+        while self.upto < stop:
+            with memoryview(scratch)[:min(_STEP, stop - self.upto)] as piece:
+                got = _pread_into(self.fd, piece, self.begin + self.upto)
+                self.crc = crc32(piece[:got], self.crc)
+                short = got < len(piece)
+            self.upto += got
+            if short:
+                raise Corrupt(self.path, self.begin, self.end, "the file ends after "
+                              f"{self.upto} of them (truncated)")
+
+    def check(self) -> None:
+        """Raise :class:`Corrupt` unless the chunk's bytes match their checksum."""
+        if not self.summing:
+            check_chunk(self.path, self.begin, self.end, self.expected, self.algorithm)
+            return
+        self._sum_to(self.end - self.begin)
+        if self.crc != self.expected:
+            raise Corrupt(self.path, self.begin, self.end, f"their CRC-32 is {self.crc:08x}, "
+                          f"the metadata recorded {self.expected:08x}")
 
 
 def check_info(path: Path, info: Any, algorithm: str = ALGORITHM) -> None:

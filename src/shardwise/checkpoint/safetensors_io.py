@@ -19,14 +19,19 @@ Invariants:
   digits in place: the header's length, hence every offset, never changes (a process
   alone reads its tensors back while it fsyncs them). Other readers see ordinary
   metadata strings.
-- Reading fills the targets in place: each process reads, with ``get_slice``, only the
-  slices its own blocks cover (one slice in memory at a time); shapes and dtypes
-  must agree (``cast=True`` converts dtypes), a missing name raises naming it.
-  Before that, the header and every tensor it loads are checked against their CRC-32
-  (files without ours are read unchecked); damage, and a header that safetensors
-  cannot parse, are a ``CheckpointError`` saying "corrupt", naming the file, the
-  byte range and the key. An algorithm this version does not know is an error too
-  (``verify=False`` skips the tensors' checksums).
+- Reading fills the targets in place: each process copies only the slices its own
+  blocks cover, straight from a memory map of the file (tensors viewing its pages:
+  no buffer between; a tensor whose bytes are misaligned for its dtype, or of a
+  dtype torch lacks, through safetensors' ``get_slice``); shapes and dtypes must
+  agree (``cast=True`` converts dtypes), a missing name raises naming it.
+- The header is checked against its CRC-32 before any data is read, and every
+  tensor loaded against its own on a thread while the copies run (files without
+  ours are read unchecked): the load returns only once every tensor has passed.
+  Damage, and a header that safetensors cannot parse, are a ``CheckpointError``
+  saying "corrupt", naming the file, the byte range and the key (after it the
+  targets may hold damaged values, as any failed load leaves them unusable). An
+  algorithm this version does not know is an error too (``verify=False`` skips
+  the tensors' checksums).
 """
 
 from __future__ import annotations
@@ -288,12 +293,14 @@ def load_safetensors(path: str | os.PathLike[str], state_dict: Mapping[str, Any]
                      strict: bool = True, cast: bool = False, verify: bool = True
                      ) -> list[str]:
     """Fill the tensors of ``state_dict`` in place from the safetensors file at
-    ``path``: each process reads only the slices its blocks hold (``get_slice``), so
-    pretrained weights load straight into a sharded model. Returns the names the file
-    lacked (an error unless ``strict=False``); ``cast=True`` converts dtypes.
-    Each tensor loaded is first checked against the CRC-32 ``save_safetensors``
-    recorded (a damaged file raises :class:`CheckpointError`); ``verify=False`` skips
-    that (the header's own checksum is still checked).
+    ``path``: each process copies only the slices its blocks hold, from a memory map
+    of the file, so pretrained weights load straight into a sharded model. Returns
+    the names the file lacked (an error unless ``strict=False``); ``cast=True``
+    converts dtypes. Each tensor loaded is checked against the CRC-32
+    ``save_safetensors`` recorded, on a thread while it is copied, before the load
+    returns (a damaged file raises :class:`CheckpointError`; the targets' values are
+    then not to be used); ``verify=False`` skips that (the header's own checksum is
+    still checked).
 
     >>> import tempfile, safetensors.torch
     >>> f = tempfile.mkdtemp() + "/w.safetensors"

@@ -18,13 +18,12 @@ Invariants:
 - ``load`` checks before reading any data: every key of ``state`` is in
   the checkpoint (unless ``strict=False``), shapes and dtypes agree, no target is
   Partial, and every file holds the bytes its metadata promises (a truncated or
-  missing file names the key it holds). While reading, each chunk's bytes are checked
-  against their CRC-32 on a thread beside the reading one, and ``load`` returns only
-  once every chunk it read has passed (a chunk whose data fails to deserialise is
-  judged by its bytes first), so a damaged file is an error, never a wrong value; on
-  an error the targets may hold some of the values read, as after any failed load.
-  Checksums of an algorithm this version does not know are an error before any data
-  is read (``verify=False`` skips them). Errors are
+  missing file names the key it holds). While reading, each chunk's bytes are summed
+  as ``torch.load`` reads them and checked against their CRC-32 before any of its
+  values reaches a target (a chunk that fails to deserialise is judged by its bytes
+  first), so a damaged file is an error, never a wrong value. Checksums of an
+  algorithm this version does not know are an error before any data is read
+  (``verify=False`` skips them). Errors are
   :class:`CheckpointError`, naming the key (and, for damage, the file, the byte range
   and the word "corrupt"). Then DCP fills ``state``
   in place, resharding by global offsets.
@@ -36,7 +35,6 @@ Invariants:
 
 from __future__ import annotations
 
-import concurrent.futures
 import contextlib
 import dataclasses
 import io
@@ -44,10 +42,9 @@ import os
 import pickle
 import shutil
 import warnings
-from collections.abc import Iterator, Mapping
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
-from typing import Any, Literal
+from typing import IO, Any, Literal, cast
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -106,67 +103,34 @@ class _SafeReader(dcp.FileSystemReader):
     """DCP's file reader with a safe metadata unpickler, every chunk checked against
     its CRC-32 (``integrity``), and errors that name the key.
 
-    The chunks a load reads are checked on one thread, one pass over each file's
-    memory map, while this one deserialises and copies them (zlib-ng releases the
-    GIL: on a free core the checks cost no time); a chunk whose data fails to load
-    is judged by its bytes first, and ``read_data`` returns only once every chunk
-    has passed. Reading a chunk twice (a resharded load) checks it once."""
+    A chunk is read through an ``integrity.SummingView``, which sums its bytes as
+    ``torch.load`` reads them (each piece of the data record while the core's cache
+    holds it: no second pass over the bytes), and is checked before any of its values
+    reaches a target (:class:`_CheckFirst`); a chunk that fails to deserialise is
+    judged by its bytes first. Reading a chunk twice (a resharded load) checks it once."""
 
     def __init__(self, path: str | os.PathLike[str], *, verify: bool = True) -> None:
         super().__init__(path)
         self._verify = verify
         self._algorithm = integrity.ALGORITHM  # read_metadata sets the checkpoint's
-        # per file: the failures of its chunks, by position (integrity.check_chunks),
-        # and the position of each chunk, by offset
-        self._checks: dict[str, concurrent.futures.Future[dict[int, integrity.Corrupt]]] = {}
-        self._positions: dict[str, dict[int, int]] = {}
+        self._verified: set[tuple[str, int]] = set()  # (file, offset) checked in this load
+        # the chunk being read and its view, until it is checked
+        self._current: tuple[tuple[str, int], integrity.SummingView] | None = None
+        self._fds: dict[str, int] = {}  # the files being read, by relative path
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
-        checker = ThreadPoolExecutor(1, thread_name_prefix="shardwise-check")
+        checked = cast(LoadPlanner, _CheckFirst(planner, self._check_current))
         try:
-            if self._verify:
-                self._check_soon(checker, plan)
             for item in plan.items:
-                self._read_one(plan, planner, item)
-            for item in plan.items:  # nothing is returned before its bytes have passed
-                self._raise_if_corrupt(item)
+                self._read_one(plan, checked, item)
         finally:
-            checker.shutdown(wait=True, cancel_futures=True)
-            self._checks.clear()
-            self._positions.clear()
+            self._current = None
+            for fd in self._fds.values():
+                os.close(fd)
+            self._fds.clear()
         done: Future[None] = Future()
         done.set_result(None)
         return done
-
-    def _check_soon(self, checker: ThreadPoolExecutor, plan: LoadPlan) -> None:
-        """Submit the check of every chunk ``plan`` reads, in the order it reads them,
-        one task per file."""
-        chunks: dict[str, dict[int, tuple[int, int, int | None]]] = {}
-        for item in plan.items:
-            info = self.storage_data[item.storage_index]
-            chunks.setdefault(info.relative_path, {})[info.offset] = (
-                info.offset, info.offset + info.length, getattr(info, integrity.ATTR, None))
-        for file, spans in chunks.items():
-            self._positions[file] = {offset: n for n, offset in enumerate(spans)}
-            self._checks[file] = checker.submit(integrity.check_chunks, Path(self.path) / file,
-                                                list(spans.values()), self._algorithm)
-
-    def _corrupt(self, item: ReadItem) -> integrity.Corrupt | None:
-        """The verdict on the bytes of ``item``'s chunk (``None``: they passed, or are
-        not checked)."""
-        info = self.storage_data[item.storage_index]
-        checks = self._checks.get(info.relative_path)
-        if checks is None:
-            return None
-        return checks.result().get(self._positions[info.relative_path][info.offset])
-
-    def _raise_if_corrupt(self, item: ReadItem) -> None:
-        err = self._corrupt(item)
-        if err is not None:
-            raise CheckpointError(
-                f"Key {item.storage_index.fqn!r}: its data in {err.file} bytes "
-                f"{err.begin}..{err.end} is corrupt ({err.why}). Restore the checkpoint "
-                "or load an older one.")
 
     def _read_one(self, plan: LoadPlan, planner: LoadPlanner, item: ReadItem) -> None:
         # one item at a time, so that damaged data names the key it belongs to
@@ -174,13 +138,22 @@ class _SafeReader(dcp.FileSystemReader):
         span = (f"{Path(self.path) / info.relative_path} bytes "
                 f"{info.offset}..{info.offset + info.length}")
         try:
-            super().read_data(dataclasses.replace(plan, items=[item]), planner).wait()
+            try:
+                super().read_data(dataclasses.replace(plan, items=[item]), planner).wait()
+            except Exception:
+                self._check_current()  # damaged bytes are the cause: say so
+                raise
+            self._check_current()
         except CheckpointError:
             raise
+        except integrity.Corrupt as err:
+            raise CheckpointError(
+                f"Key {item.storage_index.fqn!r}: its data in {span} is corrupt "
+                f"({err.why}). Restore the checkpoint or load an older one."
+            ) from None
         except Exception as err:
-            self._raise_if_corrupt(item)  # damaged bytes are the cause: say so
             first = (str(err).strip().splitlines() or [""])[0]
-            checked = (info.relative_path in self._checks
+            checked = ((info.relative_path, info.offset) in self._verified
                        and getattr(info, integrity.ATTR, None) is not None)
             if not checked and "weights_only" in first:  # torch's advice: not ours
                 first = "not a torch.save record that weights_only=True accepts"
@@ -193,6 +166,27 @@ class _SafeReader(dcp.FileSystemReader):
                    "loaded safely; no checksum was checked to tell): restore it or "
                    "load an older one.")
             ) from err
+
+    def _slice_file(self, file: Any, sinfo: Any) -> IO[bytes]:
+        # the chunk, read with pread from our own descriptor (DCP closes its stream
+        # when a read fails; the bytes are judged after that), summed as it is read
+        key = (sinfo.relative_path, sinfo.offset)
+        path = Path(self.path) / sinfo.relative_path
+        if sinfo.relative_path not in self._fds:
+            self._fds[sinfo.relative_path] = os.open(path, os.O_RDONLY)
+        check = self._verify and key not in self._verified
+        view = integrity.SummingView(
+            self._fds[sinfo.relative_path], path, sinfo.offset, sinfo.offset + sinfo.length,
+            getattr(sinfo, integrity.ATTR, None), self._algorithm, summing=check)
+        self._current = (key, view) if check else None
+        return cast(IO[bytes], view)
+
+    def _check_current(self) -> None:
+        """Check the chunk being read (raises ``integrity.Corrupt``); once per load."""
+        current, self._current = self._current, None
+        if current is not None:
+            current[1].check()
+            self._verified.add(current[0])
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         path = Path(self.path) / ".metadata"
@@ -245,6 +239,25 @@ class _SafeReader(dcp.FileSystemReader):
         meta.load_id = self.load_id
         md.storage_meta = meta
         return md
+
+
+class _CheckFirst:
+    """A load planner that calls ``check`` before DCP hands it a value to store (a
+    tensor to copy into its target, bytes to unpickle): nothing unchecked lands."""
+
+    def __init__(self, planner: LoadPlanner, check: Callable[[], None]) -> None:
+        self._planner, self._check = planner, check
+
+    def resolve_tensor(self, read_item: ReadItem) -> torch.Tensor:
+        self._check()
+        return self._planner.resolve_tensor(read_item)
+
+    def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
+        self._check()
+        self._planner.load_bytes(read_item, value)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._planner, name)
 
 
 class _SafeLoadPlanner(DefaultLoadPlanner):
