@@ -311,17 +311,19 @@ def check_chunk(path: Path, begin: int, end: int, expected: int | None,
 
 
 def check_chunks(path: Path, chunks: Iterable[tuple[int, int, int | None]],
-                 algorithm: str = ALGORITHM) -> dict[int, Corrupt]:
+                 algorithm: str = ALGORITHM, mapped: memoryview | None = None
+                 ) -> dict[int, Corrupt]:
     """:func:`check_chunk` of each ``(begin, end, expected)`` of ``path``, in that order,
-    through one open and one memory map of the file (no setup per chunk): the
-    failures, by position in ``chunks`` (empty: every chunk passed). Loaders run it on a thread
-    while they read (zlib-ng releases the GIL), and look a chunk up when its data
-    fails to load or before they return."""
+    through one memory map of the file (no setup per chunk; ``mapped``: the caller's
+    map of the whole file, whose pages it reads too: mapped once): the failures, by
+    position in ``chunks`` (empty: every chunk passed)."""
     failed: dict[int, Corrupt] = {}
     with open(path, "rb") as f:
         size = os.fstat(f.fileno()).st_size
-        mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) if size else None
-        whole = memoryview(mm if mm is not None else b"")
+        own = mapped is None and size
+        mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) if own else None
+        whole = memoryview(mm if mm is not None else b"") if mapped is None else mapped
+        size = min(size, len(whole))
         try:
             for n, (begin, end, expected) in enumerate(chunks):
                 if size < end:
@@ -334,7 +336,8 @@ def check_chunks(path: Path, chunks: Iterable[tuple[int, int, int | None]],
                     except Corrupt as err:
                         failed[n] = err
         finally:
-            whole.release()
+            if mapped is None:
+                whole.release()
             if mm is not None:
                 mm.close()
     return failed

@@ -326,16 +326,18 @@ def load_safetensors(path: str | os.PathLike[str], state_dict: Mapping[str, Any]
             "file."
         ) from err
     wanted = [n for n, t in flat.items() if isinstance(t, torch.Tensor) and n in checks]
-    checker = ThreadPoolExecutor(1, thread_name_prefix="shardwise-check")
-    # the tensors' CRC-32s are computed on a thread (zlib-ng releases the GIL) while
-    # this one copies them: both read the same file pages, the copy needs no check first
-    verdict = (checker.submit(_verify, Path(path), [(n, *checks[n]) for n in wanted])
-               if verify and wanted else None)
     with (opened as f, open(path, "rb") as raw, torch.no_grad(),
           contextlib.ExitStack() as stack):
-        stack.callback(checker.shutdown, wait=True, cancel_futures=True)
         mapped = _Mapped(raw)
-        stack.callback(mapped.close)
+        stack.callback(mapped.close)  # after the checker is done (callbacks run last first)
+        checker = ThreadPoolExecutor(1, thread_name_prefix="shardwise-check")
+        stack.callback(checker.shutdown, wait=True, cancel_futures=True)
+        # the tensors' CRC-32s are computed on a thread (zlib-ng releases the GIL) from
+        # the map this one copies them from (its pages faulted in once); the copy needs
+        # no check first: the load returns once every tensor has passed
+        verdict = (checker.submit(_verify, Path(path), [(n, *checks[n]) for n in wanted],
+                                  mapped.view)
+                   if verify and wanted else None)
         names = set(f.keys())
         for name, target in flat.items():
             if not isinstance(target, torch.Tensor):
@@ -366,6 +368,7 @@ class _Mapped:
     def __init__(self, raw: Any) -> None:
         size = os.fstat(raw.fileno()).st_size
         self.mm = mmap.mmap(raw.fileno(), 0, access=mmap.ACCESS_COPY) if size else None
+        self.view = memoryview(self.mm if self.mm is not None else b"")
 
     def tensor(self, kind: str, shape: tuple[int, ...], begin: int, end: int
                ) -> torch.Tensor | None:
@@ -381,6 +384,7 @@ class _Mapped:
         return raw.view(dtype).view(shape)
 
     def close(self) -> None:
+        self.view.release()
         if self.mm is not None:
             with contextlib.suppress(BufferError):  # a view still alive: closed when freed
                 self.mm.close()
@@ -469,13 +473,14 @@ def _parse(path: Path, verify: bool = True
     return checks, entries
 
 
-def _verify(path: Path, tensors: list[tuple[str, int, int, int, str]]) -> None:
-    """Check each ``(name, first byte, end, checksum, algorithm)`` of ``path`` (one
-    memory map); the first that fails raises, naming it."""
+def _verify(path: Path, tensors: list[tuple[str, int, int, int, str]],
+            mapped: memoryview | None = None) -> None:
+    """Check each ``(name, first byte, end, checksum, algorithm)`` of ``path`` (through
+    ``mapped``, a map of the file, else its own); the first that fails raises, naming it."""
     if not tensors:
         return
     failed = integrity.check_chunks(path, [(b, e, c) for _, b, e, c, _ in tensors],
-                                    tensors[0][4])
+                                    tensors[0][4], mapped)
     for n, (name, begin, end, _, _) in enumerate(tensors):
         err = failed.get(n)
         if err is not None:
