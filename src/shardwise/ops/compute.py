@@ -137,7 +137,8 @@ def _reducer(op: str, fn: Callable[[torch.Tensor, tuple[int, ...], bool], torch.
              doc: str) -> Callable[..., Tensor]:
     def run(x: Tensor, dim: Any = None, keepdim: bool = False) -> Tensor:
         t = x if type(x) is Tensor else _need(x, op)
-        dims = _dims(t, dim, op)
+        n = len(t._shape)  # (one dim in range, the common call: _dims's first case)
+        dims = (dim % n,) if type(dim) is int and -n <= dim < n else _dims(t, dim, op)
         # a 0-d value reduces over no dim, still in torch's result dtype (bool sums to int64)
         return apply(op, (t,), lambda s: fn(s, dims, keepdim), dims, keepdim)
 

@@ -107,6 +107,8 @@ def _operands(op: str, operands: Sequence[Any]) -> list[Any]:
     return out
 
 
+#: ``Tensor._wrap``, bound once (a classmethod looked up on the class binds anew each call)
+_wrap = Tensor._wrap
 _CONSTS = (int, float, bool, complex)  # Python numbers: broadcast constants, as _is_const
 
 #: the decision cache: (op, shaped, params, per operand its (layout, shape, open dims,
@@ -233,8 +235,8 @@ def _hit(op: str, operands: Sequence[Any], fn: Callable[..., torch.Tensor],
         return None
     if first is None:  # no device of this mesh here: the dtype from meta
         return _run_plain(op, fn, operands, hit.dec, hit.factors, hit.size)
-    return Tensor._wrap(tuple(out), None, hit.output, hit.size, first.dtype, first.device,
-                        hit.out_open, hit.shape)
+    return _wrap(tuple(out), None, hit.output, hit.size, first.dtype, first.device,
+                 hit.out_open, hit.shape)
 
 
 def apply(op: str, operands: Sequence[Any], fn: Callable[..., torch.Tensor], *params: Any,
@@ -247,9 +249,11 @@ def apply(op: str, operands: Sequence[Any], fn: Callable[..., torch.Tensor], *pa
     The decision (bound rule, layouts, local shapes) is a cache hit for operands
     already seen in the same layouts, shapes, open dims, dtypes and kept layouts, with
     the same ``params``: the per-op path then binds and decides nothing."""
-    out = _hit(op, operands, fn, params, shaped)
-    if out is not None:
-        return out
+    x = operands[0] if operands else None
+    if type(x) is Tensor and x._whole is None:  # (values held whole never hit there)
+        out = _hit(op, operands, fn, params, shaped)
+        if out is not None:
+            return out
     key: list[Any] = [op, shaped, params]
     wholes = True
     kept = False
@@ -459,10 +463,11 @@ def apply_elementwise(op: str, operands: Sequence[Any], fn: Callable[..., torch.
     has a derived one (``cache.whole_of``), ``fn`` runs once on the whole values (one
     autograd node) and the result keeps its whole: one torch call instead of one per
     distinct block."""
-    hit = _hit(op, operands, fn, (), False)
-    if hit is not None:
-        return hit
     x0 = operands[0] if operands else None
+    if type(x0) is Tensor and x0._whole is None:  # (values held whole never hit there)
+        hit = _hit(op, operands, fn, (), False)
+        if hit is not None:
+            return hit
     if isinstance(x0, Tensor) and x0._whole is None and _NONE in map(id, x0._blocks):  # type: ignore[arg-type]
         return apply(op, operands, fn)  # another process holds a device: the cached path
     first: Tensor | None = None
