@@ -13,7 +13,9 @@ Invariants:
   any keeps one): everything ``bind`` and ``decide`` read, so a hit is the decision
   the uncached path would make. Plain torch operands (converted per call) and integer
   Partial operands (reduced first on blocks) never hit; a hit binds, decides and
-  allocates nothing but the result.
+  allocates nothing but the result. The process runtime's commonest hits (one or two
+  Tensors held as blocks, another process holding some devices) run in :func:`_hit`,
+  one frame from the handler to the wrap; the others in ``runners._run_plain``.
 - Running the decided op (on blocks or wholes) and wrapping its result is
   :mod:`shardwise.ops.runners`' (see its invariants: one torch call per distinct
   tuple of input blocks, so replicas share one buffer and simulated gradients are
@@ -165,15 +167,15 @@ def _hit(op: str, operands: Sequence[Any], fn: Callable[..., torch.Tensor],
          params: tuple[Any, ...], shaped: bool) -> Tensor | None:
     """The commonest hit, run; else None (the caller takes the general path). One or
     two Tensors held as blocks of which another process holds some (so no derived
-    whole: ``whole_of`` is None), keeping nothing, each in its required layout with no
+    whole: ``whole_of`` is None; the caller checked it of operand 0, so values held
+    whole or wholly here pay no call), keeping nothing, each in its required layout with no
     diverge that records, ``fn`` taking the blocks alone: the key is built without a
     loop and the rows run here, one ``fn`` call per distinct row (as ``_run_plain``,
     whose general loop the other hits take). The per-op path of the process runtime:
     every line here is paid by every op."""
     if len(operands) == 1:
         x = operands[0]
-        if (type(x) is not Tensor or x._whole is not None or x._cache is not None
-                or _NONE not in map(id, x._blocks)):  # type: ignore[arg-type]
+        if x._cache is not None:
             return None
         hit = _DECISIONS.get((op, shaped, params, x._layout, x._shape, x._open,
                               x._dtype))
@@ -181,7 +183,7 @@ def _hit(op: str, operands: Sequence[Any], fn: Callable[..., torch.Tensor],
             return None
         out: list[torch.Tensor | None] = []
         first = b0 = None
-        for b in x._blocks:  # type: ignore[union-attr]
+        for b in x._blocks:
             if b is None:
                 out.append(None)
             elif first is None:  # the first block here
@@ -200,9 +202,8 @@ def _hit(op: str, operands: Sequence[Any], fn: Callable[..., torch.Tensor],
                                   {(id(b0),): first})
     elif len(operands) == 2:
         x, y = operands
-        if (type(x) is not Tensor or type(y) is not Tensor or x._whole is not None
-                or y._whole is not None or x._cache is not None or y._cache is not None
-                or _NONE not in map(id, x._blocks)):  # type: ignore[arg-type]
+        if (type(y) is not Tensor or y._whole is not None or x._cache is not None
+                or y._cache is not None):
             return None
         hit = _DECISIONS.get((op, shaped, params, x._layout, x._shape, x._open,
                               x._dtype, y._layout, y._shape, y._open, y._dtype))
@@ -212,7 +213,7 @@ def _hit(op: str, operands: Sequence[Any], fn: Callable[..., torch.Tensor],
         out = []
         first = b0 = c0 = None
         c1 = y._blocks
-        for k, b in enumerate(x._blocks):  # type: ignore[arg-type]
+        for k, b in enumerate(x._blocks):
             if b is None:
                 out.append(None)
                 continue
@@ -250,7 +251,8 @@ def apply(op: str, operands: Sequence[Any], fn: Callable[..., torch.Tensor], *pa
     already seen in the same layouts, shapes, open dims, dtypes and kept layouts, with
     the same ``params``: the per-op path then binds and decides nothing."""
     x = operands[0] if operands else None
-    if type(x) is Tensor and x._whole is None:  # (values held whole never hit there)
+    if (type(x) is Tensor and x._whole is None
+            and _NONE in map(id, x._blocks)):  # type: ignore[arg-type]
         out = _hit(op, operands, fn, params, shaped)
         if out is not None:
             return out
@@ -464,12 +466,11 @@ def apply_elementwise(op: str, operands: Sequence[Any], fn: Callable[..., torch.
     autograd node) and the result keeps its whole: one torch call instead of one per
     distinct block."""
     x0 = operands[0] if operands else None
-    if type(x0) is Tensor and x0._whole is None:  # (values held whole never hit there)
+    if (type(x0) is Tensor and x0._whole is None
+            and _NONE in map(id, x0._blocks)):  # type: ignore[arg-type]
+        # another process holds a device: the cached path
         hit = _hit(op, operands, fn, (), False)
-        if hit is not None:
-            return hit
-    if isinstance(x0, Tensor) and x0._whole is None and _NONE in map(id, x0._blocks):  # type: ignore[arg-type]
-        return apply(op, operands, fn)  # another process holds a device: the cached path
+        return apply(op, operands, fn) if hit is None else hit
     first: Tensor | None = None
     for x in operands:
         if isinstance(x, Tensor):
