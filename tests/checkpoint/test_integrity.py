@@ -498,35 +498,160 @@ def test_the_benchmarks_switch_writes_no_checksums(tmp_path: Path) -> None:
     check(t, 4)
 
 
-@pytest.mark.parametrize("small", [1, 1 << 30])
-def test_large_chunks_are_checked_ahead_on_a_thread_small_ones_in_line(
-        saved: Path, saved_st: Path, monkeypatch: pytest.MonkeyPatch, small: int) -> None:
-    """Chunks of at least ``_SMALL`` bytes are checked on the look-ahead thread from a
-    memory map, smaller ones on the reading thread with a read: both catch a flip."""
+def _chunks(saved: Path) -> list[tuple[str, str, int, int]]:
+    """``(key, file, first byte, end)`` of every chunk of the DCP checkpoint ``saved``."""
+    md = pickle.loads((saved / ".metadata").read_bytes())
+    return sorted((i.fqn, info.relative_path, info.offset, info.offset + info.length)
+                  for i, info in md.storage_data.items())
+
+
+def _st_chunks(saved_st: Path) -> list[tuple[str, str, int, int]]:
+    from shardwise.checkpoint import safetensors_io
+
+    return sorted((name, saved_st.name, b, e)
+                  for name, (b, e, _, _) in safetensors_io._checks(saved_st).items())
+
+
+def _same_layout() -> dict[str, Any]:
+    s = state(0)
+    return {k: sw.zeros_like(v) if isinstance(v, sw.Tensor) else
+            (torch.zeros_like(v) if isinstance(v, torch.Tensor) else -1) for k, v in s.items()}
+
+
+@pytest.mark.parametrize("where", ["first", "middle", "last"])
+@pytest.mark.parametrize("into", ["same layout", "resharded", "one key"])
+def test_a_flip_in_each_chunk_names_its_key_file_and_bytes(
+        saved: Path, saved_st: Path, where: str, into: str) -> None:
+    """The chunks are checked on a thread while they load: a flipped byte at either
+    end or inside any chunk still raises naming its key, file and byte range, whatever
+    the target's layout; a load that does not read the chunk is not affected."""
+    def targets() -> dict[str, Any]:
+        t = {"same layout": _same_layout, "resharded": target,
+             "one key": lambda: {"w": target()["w"]}}[into]()
+        return t
+
+    for fmt, chunks in (("dcp", _chunks(saved)), ("st", _st_chunks(saved_st))):
+        for key, file, begin, end in chunks:
+            at = {"first": begin, "middle": (begin + end) // 2, "last": end - 1}[where]
+            t = targets()
+            with tempfile.TemporaryDirectory() as d:
+                path = Path(d) / (saved.name if fmt == "dcp" else saved_st.name)
+                if fmt == "dcp":
+                    shutil.copytree(saved, path)
+                    _flip(path / file, at, b"\x10")
+                else:
+                    shutil.copy(saved_st, path)
+                    _flip(path, at, b"\x10")
+                load = (sw.checkpoint.load if fmt == "dcp" else
+                        lambda t, p: sw.checkpoint.load_safetensors(p, t, strict=False))
+                if key not in t:  # not read: loads, and the values read are right
+                    load(t, path)
+                    assert torch.equal(t["w"].to_torch(), G + 3)
+                    continue
+                with pytest.raises(CheckpointError) as err:
+                    load(t, path)
+            message = str(err.value)
+            assert (f"Key {key!r}" in message and file in message and "corrupt" in message
+                    and f"bytes {begin}..{end}" in message), (fmt, key, where, message)
+
+
+def test_dcp_chunks_are_summed_as_they_are_read_once_per_load(
+        saved: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each chunk a load reads is checked once, a resharded load included (DCP reads a
+    chunk once per target block it overlaps), from the bytes torch.load read: the
+    check itself reads only what torch.load skipped (headers, the zip directory)."""
+    from shardwise.checkpoint import integrity
+
+    monkeypatch.setattr(integrity, "_FUSE", 16)  # the test's records are small
+    left: list[tuple[int, int]] = []
+    view_check = integrity.SummingView.check
+
+    def spy(self: integrity.SummingView) -> None:
+        left.append((self.begin, self.end - self.begin - self.upto))
+        view_check(self)
+
+    monkeypatch.setattr(integrity.SummingView, "check", spy)
+    monkeypatch.setattr(integrity, "check_chunk", None)  # no second pass over a chunk
+    t = target()
+    sw.checkpoint.load(t, saved)
+    check(t, 3)
+    read = [c for c in _chunks(saved) if c[0] in t]
+    assert sorted(b for b, _ in left) == sorted(b for _, _, b, _ in read), left
+    assert all(n < 1024 for _, n in left), left  # the record's bytes were summed as read
+
+
+def test_safetensors_tensors_are_checked_on_a_thread_once(
+        saved_st: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """One check of the file's tensors (one memory map) on the checker thread, while
+    the loading thread copies them."""
     import threading
 
     from shardwise.checkpoint import integrity
 
-    monkeypatch.setattr(integrity, "_SMALL", small)
-    where: set[str] = set()
-    check_chunk = integrity.check_chunk
+    calls: list[tuple[str, str, int]] = []
+    check_chunks = integrity.check_chunks
 
-    def spy(*args: Any) -> None:
-        where.add(threading.current_thread().name.split("_")[0])
-        check_chunk(*args)
+    def spy(path: Path, chunks: Any, *rest: Any) -> Any:
+        chunks = list(chunks)
+        calls.append((threading.current_thread().name.split("_")[0], path.name, len(chunks)))
+        return check_chunks(path, chunks, *rest)
 
-    monkeypatch.setattr(integrity, "check_chunk", spy)
-    check(_load_copy(saved, lambda p: None), 3)
+    monkeypatch.setattr(integrity, "check_chunks", spy)
     t = _load_st(saved_st, lambda p: None)
     t["step"] = 3
     check(t, 3)
-    assert where == ({"shardwise-check"} if small == 1 else {"MainThread"}), where
+    assert calls == [("shardwise-check", saved_st.name, 3)], calls
 
-    def flip_w(p: Path) -> None:  # 8 bytes of w's values (row 1, [5., 6.] + 3)
-        f = p / "__0_0.distcp" if p.is_dir() else p
-        _flip(f, f.read_bytes().index((G[1, :2] + 3).numpy().tobytes()), b"\x01" * 8)
 
-    with pytest.raises(CheckpointError, match=r"Key 'w'.*bytes \d+\.\.\d+ is corrupt"):
-        _load_copy(saved, flip_w)
-    with pytest.raises(CheckpointError, match=r"Key 'w'.*bytes \d+\.\.\d+ is corrupt"):
-        _load_st(saved_st, flip_w)
+@settings(max_examples=60, deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(reads=st.lists(st.tuples(st.integers(0, 700), st.integers(0, 400)), max_size=8),
+       flip=st.one_of(st.none(), st.integers(0, 599)))
+def test_a_summing_view_reads_like_the_file_and_checks_what_it_did_not_read(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        reads: list[tuple[int, int]], flip: int | None) -> None:
+    """Whatever a reader seeks and reads (in any order, past the end too), the view
+    returns the chunk's bytes, and ``check`` passes exactly when they are intact."""
+    from shardwise.checkpoint import integrity
+
+    monkeypatch.setattr(integrity, "_FUSE", 64)
+    monkeypatch.setattr(integrity, "_STEP", 50)  # fused reads in several pieces
+    data = bytes(range(256)) * 4
+    f = tmp_path / "chunk"
+    f.write_bytes(data)
+    begin, end = 100, 700
+    expected = zlib.crc32(data[begin:end])
+    if flip is not None:
+        _flip(f, begin + flip, b"\x04")
+    disk = f.read_bytes()
+    fd = os.open(f, os.O_RDONLY)
+    try:
+        view = integrity.SummingView(fd, f, begin, end, expected)
+        for at, n in reads:
+            view.seek(at)
+            buf = bytearray(n)
+            got = view.readinto(buf)
+            assert bytes(buf[:got]) == disk[begin:end][at:at + n]
+        assert view.seek(0) == 0 and view.read() == disk[begin:end]
+        if flip is None:
+            view.check()
+        else:
+            with pytest.raises(integrity.Corrupt, match=f"bytes {begin}..{end}: their CRC-32"):
+                view.check()
+    finally:
+        os.close(fd)
+
+
+def test_a_summing_view_of_a_truncated_file_is_corrupt(tmp_path: Path) -> None:
+    from shardwise.checkpoint import integrity
+
+    f = tmp_path / "chunk"
+    f.write_bytes(b"x" * 50)
+    fd = os.open(f, os.O_RDONLY)
+    try:
+        view = integrity.SummingView(fd, f, 10, 90, 0)
+        assert len(view.read()) == 40
+        with pytest.raises(integrity.Corrupt, match="truncated"):
+            view.check()
+    finally:
+        os.close(fd)

@@ -86,51 +86,56 @@ def test_load_fills_sharded_targets_in_place(tmp_path: Path, mesh: DeviceMesh,
 
 def test_load_reads_only_each_blocks_slice(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
                                            ) -> None:
+    """Each block is copied from its own slice of the memory-mapped file: no buffer
+    of the whole tensor, nothing copied twice."""
+    from shardwise.checkpoint import safetensors_io
+
     f = tmp_path / "w.safetensors"
     safetensors.torch.save_file({"a": VALUES["a"]}, f)
     read: list[tuple[int, ...]] = []
-    from safetensors import safe_open
+    cut = safetensors_io._slice
 
-    class Spy:
-        def __init__(self, *args: Any, **kwargs: Any) -> None:
-            self.inner = safe_open(*args, **kwargs)
+    def spy(source: torch.Tensor, offsets: Any, sizes: Any) -> torch.Tensor:
+        assert tuple(source.shape) == (7, 5)  # the file's tensor, viewed in place
+        out = cut(source, offsets, sizes)
+        read.append(tuple(out.shape))
+        return out
 
-        def __enter__(self) -> Any:
-            inner = self.inner.__enter__()
-
-            class Handle:
-                def keys(self) -> Any:
-                    return inner.keys()
-
-                def get_tensor(self, name: str) -> Any:
-                    raise AssertionError("the whole tensor was read")
-
-                def get_slice(self, name: str) -> Any:
-                    part = inner.get_slice(name)
-
-                    class Slice:
-                        def get_shape(self) -> Any:
-                            return part.get_shape()
-
-                        def get_dtype(self) -> Any:
-                            return part.get_dtype()
-
-                        def __getitem__(self, index: Any) -> Any:
-                            out = part[index]
-                            read.append(tuple(out.shape))
-                            return out
-                    return Slice()
-            return Handle()
-
-        def __exit__(self, *exc: Any) -> Any:
-            return self.inner.__exit__(*exc)
-
-    monkeypatch.setattr("safetensors.safe_open", Spy)
+    monkeypatch.setattr(safetensors_io, "_slice", spy)
     t = sw.zeros((7, 5), sharding=PlacementMapping(M24, [Sharded(0), Sharded(1)]))
     sw.checkpoint.load_safetensors(f, {"a": t})
     assert sorted(read) == sorted([(4, 2), (4, 1), (4, 1), (4, 1), (3, 2), (3, 1), (3, 1),
                                    (3, 1)])
     assert torch.equal(t.to_torch(), VALUES["a"])
+
+
+def test_a_misaligned_tensor_loads_through_safetensors(tmp_path: Path,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """A tensor whose bytes do not start at a multiple of its element size (legal in
+    the format) is read through safetensors' slices instead of a view."""
+    from shardwise.checkpoint import safetensors_io
+
+    through: list[str] = []
+    load_one = safetensors_io._load_one
+
+    def spy(f: Any, name: str, *rest: Any) -> None:
+        through.append(name)
+        load_one(f, name, *rest)
+
+    monkeypatch.setattr(safetensors_io, "_load_one", spy)
+    a, b = torch.arange(3, dtype=torch.float16), torch.arange(10.).reshape(2, 5)
+    head = {"a": {"dtype": "F16", "shape": [3], "data_offsets": [0, 6]},
+            "b": {"dtype": "F32", "shape": [2, 5], "data_offsets": [6, 46]}}
+    text = json.dumps(head).encode()
+    text += b" " * (-len(text) % 8)
+    f = tmp_path / "odd.safetensors"
+    f.write_bytes(struct.pack("<Q", len(text)) + text + a.numpy().tobytes()
+                  + b.numpy().tobytes())
+    t = {"a": torch.zeros(3, dtype=torch.float16),
+         "b": sw.zeros((2, 5), sharding=PlacementMapping(M3, [Sharded(1)]))}
+    assert sw.checkpoint.load_safetensors(f, t) == []
+    assert torch.equal(t["a"], a) and torch.equal(t["b"].to_torch(), b)
+    assert through == ["b"]
 
 
 def test_errors_name_the_key(tmp_path: Path) -> None:

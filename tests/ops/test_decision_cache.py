@@ -200,3 +200,150 @@ def test_linear_gives_the_same_bits_on_every_call() -> None:
     outs = [F.linear(blocks_of(x, lay(LINE, "x", None)), blocks_of(w, lay(LINE, None, None)),
                      blocks_of(b, lay(LINE, None))).to_torch() for _ in range(3)]
     assert all(torch.equal(o, outs[0]) for o in outs)
+
+
+# --- the hit path of the process runtime (execute._hit) ---------------------------------
+# Values of which this process holds only some devices' blocks (None for the others,
+# as another process's devices are): the one- and two-operand hits run their rows in
+# execute._hit. Built here in one process, each value fresh (a value held as blocks
+# keeps its derived-whole check in its operand cache after its first op), with no
+# mesh held wholly, as in a process world (no derived whole even where every distinct
+# block is here).
+@pytest.fixture
+def process_world(monkeypatch: pytest.MonkeyPatch) -> None:
+    from shardwise.tensors import cache
+
+    monkeypatch.setattr(cache, "local_mesh", lambda mesh, device: False)
+
+
+def held_here(value: torch.Tensor, layout: Layout, mine: set[int]) -> sw.Tensor:
+    """``value`` laid out as ``layout``, with the blocks of the devices in ``mine``
+    (replicas sharing one buffer, as everywhere) and None for the others."""
+    from shardwise.tensors.tensor import Tensor
+
+    mesh = layout.mesh
+    reps = layout.representatives()
+    made = {r: value[block(mesh, layout, value.shape, r)].clone()
+            for r in {reps[k] for k in mine}}
+    return Tensor([made[reps[k]] if k in mine else None for k in range(mesh.num_devices)],
+                  layout, value.shape, value.dtype)
+
+
+def check_here(got: sw.Tensor, want: torch.Tensor, mine: set[int]) -> None:
+    """The blocks of ``mine`` are ``want``'s, bit for bit; the others are None."""
+    layout = got.dist_layout
+    assert got.dtype == want.dtype and tuple(got.shape) == tuple(want.shape)
+    for k, s in enumerate(got.shards):
+        if k not in mine:
+            assert s is None
+            continue
+        assert s is not None
+        expect = want[block(layout.mesh, layout, want.shape, k)]
+        assert s.dtype == expect.dtype and s.shape == expect.shape
+        assert torch.equal(s, expect)
+
+
+@pytest.mark.parametrize("mine", [{0}, {3}, {1, 2}, set()])
+def test_the_process_hit_path_runs_each_block_here(mine: set[int], process_world: None
+                                                   ) -> None:
+    """One and two operands, one or two devices of a 4-device line here: the first call
+    decides, the second is a hit (nothing decided) and gives the same blocks."""
+    from shardwise.propagation.decide import decide
+
+    x, y = values(8, 8, seed=1), values(8, 8, seed=2)
+    s0 = lay(LINE, "x", None)
+    calls = [(lambda a, b: a + b, x + y), (lambda a, b: a * b, x * y),
+             (lambda a, b: a.sum(1), x.sum(1)), (lambda a, b: torch.softmax(a, -1),
+                                                 torch.softmax(x, -1)),
+             (lambda a, b: F.gelu(a), F.gelu(x)), (lambda a, b: a.float(), x.float())]
+    for f, want in calls:
+        check_here(f(held_here(x, s0, mine), held_here(y, s0, mine)), want, mine)
+    entries, before = execute.decision_cache_info()[0], decide.cache_info()
+    for f, want in calls:
+        check_here(f(held_here(x, s0, mine), held_here(y, s0, mine)), want, mine)
+    assert decide.cache_info() == before and execute.decision_cache_info()[0] == entries
+
+
+def test_the_process_hit_path_calls_once_per_distinct_block(process_world: None) -> None:
+    """Replicas this process holds share one result buffer (one call); distinct blocks
+    here each get their own call, the first kept when the rest goes to the general loop."""
+    x, y = values(8, 8, seed=1), values(8, 8, seed=2)
+    calls: list[int] = []
+
+    def add(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        calls.append(id(a))
+        return a + b
+
+    def neg(a: torch.Tensor) -> torch.Tensor:
+        calls.append(id(a))
+        return -a
+
+    # MESH is dp=2 x tp=4: devices 0-3 hold dp row 0, device k tp column k % 4
+    for layout, mine, distinct in [(lay(MESH, "dp", None), {0, 1}, 1),    # replicas
+                                   (lay(MESH, "dp", None), {0, 1, 4}, 2),
+                                   (lay(MESH, "tp", None), {1, 5}, 1),
+                                   (lay(MESH, "tp", None), {0, 1, 4}, 2),
+                                   (lay(LINE, "x", None), {0, 1}, 2)]:
+        for _ in range(2):  # the decision, then the hit
+            calls.clear()
+            out = execute.apply("add", (held_here(x, layout, mine),
+                                        held_here(y, layout, mine)), add)
+            assert len(calls) == distinct
+            check_here(out, x + y, mine)
+            calls.clear()
+            out = execute.apply("neg", (held_here(x, layout, mine),), neg)
+            assert len(calls) == distinct
+            check_here(out, -x, mine)
+            reps = layout.representatives()
+            for j in mine:
+                for k in mine:
+                    if reps[j] == reps[k]:
+                        assert out.shards[j] is out.shards[k]
+
+
+def test_the_process_hit_path_reports_a_failing_block(process_world: None) -> None:
+    """A local call that fails, or gives a block of another shape, on a hit: the same
+    error as the general path (op, blocks, global shapes, rule)."""
+    from shardwise.sharding.errors import ShardingError
+
+    x, y = values(8, 8, seed=1), values(8, 8, seed=2)
+    s0 = lay(LINE, "x", None)
+
+    def add(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        return a + b
+
+    def broken(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        raise RuntimeError("no kernel")
+
+    def short(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        return (a + b)[:1]
+
+    execute.apply("add", (held_here(x, s0, {1}), held_here(y, s0, {1})), add)
+    for one in (False, True):
+        ops = (held_here(x, s0, {1}),) if one else (held_here(x, s0, {1}),
+                                                   held_here(y, s0, {1}))
+        if one:
+            execute.apply("neg", ops, lambda a: -a)
+            ops = (held_here(x, s0, {1}),)
+        with pytest.raises(ShardingError, match=r"failed on the local blocks .* no kernel"):
+            execute.apply("neg" if one else "add", ops,
+                          (lambda a: broken(a, a)) if one else broken)
+        ops = (held_here(x, s0, {1}),) if one else (held_here(x, s0, {1}),
+                                                   held_here(y, s0, {1}))
+        with pytest.raises(AssertionError, match="computed a block of shape"):
+            execute.apply("neg" if one else "add", ops,
+                          (lambda a: short(a, a)) if one else short)
+
+
+def test_the_process_hit_path_leaves_recording_diverges_to_the_general_path(
+        process_world: None) -> None:
+    """``x[S] + b[R]`` with b requiring grad: b's diverge records, so the hit path
+    hands the op to the general one (which sums b's gradient shares); without grad
+    the diverge is the identity and the hit runs it."""
+    x, b = values(8, 8, seed=1), values(8, seed=2)
+    for grad in (False, True, True, False):
+        bs = held_here(b, lay(LINE, None), {1})
+        if grad:
+            bs = sw.Tensor([None, bs.shards[1].requires_grad_(), None, None],
+                           bs.dist_layout, bs.shape)
+        check_here(held_here(x, lay(LINE, "x", None), {1}) + bs, x + b, {1})

@@ -24,9 +24,12 @@ Invariants:
 - :func:`check_chunk` passes a chunk only if its bytes are all there and match their
   CRC-32 (chunks without one, written by plain ``dcp.save``, only if they are all
   there and are not all zero bytes); otherwise it raises :class:`Corrupt`, which the
-  reader turns into a ``CheckpointError`` naming the key, file and byte range. The
-  reader checks a chunk right before it deserialises it (a file changed between the
-  two is outside what this guards: damage at rest).
+  reader turns into a ``CheckpointError`` naming the key, file and byte range.
+  :class:`SummingView` sums a chunk as DCP's reader reads it (the store checks it
+  before any of its values reaches a target); :func:`check_chunks` checks a file's
+  chunks through one memory map (the safetensors loader runs it on a thread while it
+  copies the same bytes, and returns only once every tensor has passed). A file
+  changed between a check and a read is outside what this guards: damage at rest.
 """
 
 from __future__ import annotations
@@ -36,7 +39,7 @@ import io
 import mmap
 import os
 import zlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import IO, Any
@@ -50,7 +53,8 @@ from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
 __all__ = ["ALGORITHM", "ALGORITHMS", "ALGORITHM_ATTR", "ATTR", "ChecksummedWriter", "Corrupt",
-           "check_chunk", "check_info", "crc32", "split_trailer"]
+           "SummingView", "check_chunk", "check_chunks", "check_info", "crc32",
+           "split_trailer"]
 
 ATTR = "shardwise_crc32"  # the _StorageInfo attribute (namespaced: DCP owns the class)
 ALGORITHM_ATTR = "shardwise_checksum"  # the Metadata attribute naming the algorithm
@@ -306,6 +310,39 @@ def check_chunk(path: Path, begin: int, end: int, expected: int | None,
             _judge(path, begin, end, view, expected, algorithm)
 
 
+def check_chunks(path: Path, chunks: Iterable[tuple[int, int, int | None]],
+                 algorithm: str = ALGORITHM, mapped: memoryview | None = None
+                 ) -> dict[int, Corrupt]:
+    """:func:`check_chunk` of each ``(begin, end, expected)`` of ``path``, in that order,
+    through one memory map of the file (no setup per chunk; ``mapped``: the caller's
+    map of the whole file, whose pages it reads too: mapped once): the failures, by
+    position in ``chunks`` (empty: every chunk passed)."""
+    failed: dict[int, Corrupt] = {}
+    with open(path, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        own = mapped is None and size
+        mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) if own else None
+        whole = memoryview(mm if mm is not None else b"") if mapped is None else mapped
+        size = min(size, len(whole))
+        try:
+            for n, (begin, end, expected) in enumerate(chunks):
+                if size < end:
+                    failed[n] = Corrupt(path, begin, end, "the file ends after "
+                                            f"{max(size - begin, 0)} of them (truncated)")
+                    continue
+                with whole[begin:end] as view:
+                    try:
+                        _judge(path, begin, end, view, expected, algorithm)
+                    except Corrupt as err:
+                        failed[n] = err
+        finally:
+            if mapped is None:
+                whole.release()
+            if mm is not None:
+                mm.close()
+    return failed
+
+
 def _judge(path: Path, begin: int, end: int, view: memoryview, expected: int | None,
            algorithm: str) -> None:
     if len(view) != end - begin:  # the file shrank since its size was read
@@ -318,6 +355,105 @@ def _judge(path: Path, begin: int, end: int, view: memoryview, expected: int | N
                           f"metadata recorded {expected:08x}")
     elif not any(view[:4096]) and not any(view):
         raise Corrupt(path, begin, end, "they are all zero bytes")
+
+
+_FUSE = 64 << 10  # a read at least this long is summed as it lands
+_GAP = 1 << 20  # unsummed bytes before such a read that are read to sum them first
+_STEP = 1 << 20  # a fused read goes in pieces, each summed while the core's cache holds it
+
+
+def _pread_into(fd: int, view: memoryview, offset: int) -> int:
+    """Fill ``view`` from byte ``offset`` of ``fd`` (short only at the file's end)."""
+    done = 0
+    while done < len(view):
+        n = os.preadv(fd, [view[done:]], offset + done)
+        if n == 0:
+            break
+        done += n
+    return done
+
+
+class SummingView(io.RawIOBase):
+    """Bytes ``begin..end`` of the open file ``fd`` as a seekable stream, read with
+    ``pread`` (the descriptor's own position is never used), that sums the bytes as
+    they land: a long read (the chunk's data record) is read in pieces, each summed
+    while the core's cache still holds it, after summing the few bytes before it
+    (zip headers, the pickle) once; :meth:`check` sums what the reader skipped and
+    compares. So a chunk is checked with no second pass over its bytes (half the
+    cost of one). ``expected=None`` (a chunk without a checksum) or another
+    algorithm: :meth:`check` is :func:`check_chunk`; ``summing=False``: a plain view."""
+
+    def __init__(self, fd: int, path: Path, begin: int, end: int, expected: int | None,
+                 algorithm: str = ALGORITHM, *, summing: bool = True) -> None:
+        super().__init__()
+        self.fd, self.path, self.begin, self.end = fd, path, begin, end
+        self.expected, self.algorithm = expected, algorithm
+        self.summing = summing and expected is not None and algorithm == "crc32"
+        self.pos = self.upto = self.crc = 0  # upto: the chunk's bytes summed so far
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def seek(self, offset: int, whence: int = os.SEEK_SET) -> int:
+        base = {os.SEEK_SET: 0, os.SEEK_CUR: self.pos, os.SEEK_END: self.end - self.begin}
+        self.pos = max(base[whence] + offset, 0)
+        return self.pos
+
+    def tell(self) -> int:
+        return self.pos
+
+    def readinto(self, b: Any) -> int:
+        view = memoryview(b).cast("B")
+        p = self.pos
+        view = view[:max(min(len(view), self.end - self.begin - p), 0)]
+        if self.summing and len(view) >= _FUSE and self.upto <= p <= self.upto + _GAP:
+            self._sum_to(p)
+            n = 0
+            for i in range(0, len(view), _STEP):
+                with view[i:i + _STEP] as piece:
+                    got = _pread_into(self.fd, piece, self.begin + p + i)
+                    self.crc = crc32(piece[:got], self.crc)
+                    short = got < len(piece)
+                n += got
+                if short:
+                    break
+            self.upto = p + n
+        else:
+            n = _pread_into(self.fd, view, self.begin + p)
+        self.pos = p + n
+        return n
+
+    def readall(self) -> bytes:
+        out = bytearray(max(self.end - self.begin - self.pos, 0))
+        return bytes(out[:self.readinto(out)])
+
+    def _sum_to(self, stop: int) -> None:
+        """Sum the chunk's bytes ``upto..stop`` (read here: the reader skipped them)."""
+        if self.upto >= stop:
+            return
+        scratch = bytearray(min(_STEP, stop - self.upto))
+        while self.upto < stop:
+            with memoryview(scratch)[:min(_STEP, stop - self.upto)] as piece:
+                got = _pread_into(self.fd, piece, self.begin + self.upto)
+                self.crc = crc32(piece[:got], self.crc)
+                short = got < len(piece)
+            self.upto += got
+            if short:
+                raise Corrupt(self.path, self.begin, self.end, "the file ends after "
+                              f"{self.upto} of them (truncated)")
+
+    def check(self) -> None:
+        """Raise :class:`Corrupt` unless the chunk's bytes match their checksum."""
+        if not self.summing:
+            check_chunk(self.path, self.begin, self.end, self.expected, self.algorithm)
+            return
+        self._sum_to(self.end - self.begin)
+        if self.crc != self.expected:
+            raise Corrupt(self.path, self.begin, self.end, f"their CRC-32 is {self.crc:08x}, "
+                          f"the metadata recorded {self.expected:08x}")
 
 
 def check_info(path: Path, info: Any, algorithm: str = ALGORITHM) -> None:

@@ -19,14 +19,19 @@ Invariants:
   digits in place: the header's length, hence every offset, never changes (a process
   alone reads its tensors back while it fsyncs them). Other readers see ordinary
   metadata strings.
-- Reading fills the targets in place: each process reads, with ``get_slice``, only the
-  slices its own blocks cover (one slice in memory at a time); shapes and dtypes
-  must agree (``cast=True`` converts dtypes), a missing name raises naming it.
-  Before that, the header and every tensor it loads are checked against their CRC-32
-  (files without ours are read unchecked); damage, and a header that safetensors
-  cannot parse, are a ``CheckpointError`` saying "corrupt", naming the file, the
-  byte range and the key. An algorithm this version does not know is an error too
-  (``verify=False`` skips the tensors' checksums).
+- Reading fills the targets in place: each process copies only the slices its own
+  blocks cover, straight from a memory map of the file (tensors viewing its pages:
+  no buffer between; a tensor whose bytes are misaligned for its dtype, or of a
+  dtype torch lacks, through safetensors' ``get_slice``); shapes and dtypes must
+  agree (``cast=True`` converts dtypes), a missing name raises naming it.
+- The header is checked against its CRC-32 before any data is read, and every
+  tensor loaded against its own on a thread while the copies run (files without
+  ours are read unchecked): the load returns only once every tensor has passed.
+  Damage, and a header that safetensors cannot parse, are a ``CheckpointError``
+  saying "corrupt", naming the file, the byte range and the key (after it the
+  targets may hold damaged values, as any failed load leaves them unusable). An
+  algorithm this version does not know is an error too (``verify=False`` skips
+  the tensors' checksums).
 """
 
 from __future__ import annotations
@@ -38,6 +43,7 @@ import math
 import mmap
 import os
 import struct
+import sys
 from collections.abc import Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -287,12 +293,14 @@ def load_safetensors(path: str | os.PathLike[str], state_dict: Mapping[str, Any]
                      strict: bool = True, cast: bool = False, verify: bool = True
                      ) -> list[str]:
     """Fill the tensors of ``state_dict`` in place from the safetensors file at
-    ``path``: each process reads only the slices its blocks hold (``get_slice``), so
-    pretrained weights load straight into a sharded model. Returns the names the file
-    lacked (an error unless ``strict=False``); ``cast=True`` converts dtypes.
-    Each tensor loaded is first checked against the CRC-32 ``save_safetensors``
-    recorded (a damaged file raises :class:`CheckpointError`); ``verify=False`` skips
-    that (the header's own checksum is still checked).
+    ``path``: each process copies only the slices its blocks hold, from a memory map
+    of the file, so pretrained weights load straight into a sharded model. Returns
+    the names the file lacked (an error unless ``strict=False``); ``cast=True``
+    converts dtypes. Each tensor loaded is checked against the CRC-32
+    ``save_safetensors`` recorded, on a thread while it is copied, before the load
+    returns (a damaged file raises :class:`CheckpointError`; the targets' values are
+    then not to be used); ``verify=False`` skips that (the header's own checksum is
+    still checked).
 
     >>> import tempfile, safetensors.torch
     >>> f = tempfile.mkdtemp() + "/w.safetensors"
@@ -309,24 +317,27 @@ def load_safetensors(path: str | os.PathLike[str], state_dict: Mapping[str, Any]
     missing: list[str] = []
     if not Path(path).exists():
         raise CheckpointError(f"No safetensors file at {path}. Check the path.")
-    checks = _checks(Path(path), verify)
+    checks, entries = _parse(Path(path), verify)
     try:
-        opened = safe_open(str(path), framework="pt")
+        opened = safe_open(str(path), framework="pt")  # its checks of the header
     except Exception as err:  # safetensors' own error type varies across versions
         raise CheckpointError(
             f"{path} is corrupt: safetensors cannot read its header ({err}). Restore the "
             "file."
         ) from err
-    # the next large tensor's CRC-32 is computed on a thread (it releases the GIL) while
-    # this one is read (a small one's, here: cheaper than the hand-over); a tensor is
-    # filled only once its own has matched
-    ahead = ThreadPoolExecutor(1, thread_name_prefix="shardwise-check")
-    order = [n for n, t in flat.items() if isinstance(t, torch.Tensor) and verify
-             and n in checks and checks[n][1] - checks[n][0] >= integrity._SMALL]
-    position = {n: i for i, n in enumerate(order)}
-    pending = {n: ahead.submit(_verify, Path(path), n, *checks[n]) for n in order[:1]}
-    with opened as f, torch.no_grad(), contextlib.ExitStack() as stack:
-        stack.callback(ahead.shutdown, wait=True, cancel_futures=True)
+    wanted = [n for n, t in flat.items() if isinstance(t, torch.Tensor) and n in checks]
+    with (opened as f, open(path, "rb") as raw, torch.no_grad(),
+          contextlib.ExitStack() as stack):
+        mapped = _Mapped(raw)
+        stack.callback(mapped.close)  # after the checker is done (callbacks run last first)
+        checker = ThreadPoolExecutor(1, thread_name_prefix="shardwise-check")
+        stack.callback(checker.shutdown, wait=True, cancel_futures=True)
+        # the tensors' CRC-32s are computed on a thread (zlib-ng releases the GIL) from
+        # the map this one copies them from (its pages faulted in once); the copy needs
+        # no check first: the load returns once every tensor has passed
+        verdict = (checker.submit(_verify, Path(path), [(n, *checks[n]) for n in wanted],
+                                  mapped.view)
+                   if verify and wanted else None)
         names = set(f.keys())
         for name, target in flat.items():
             if not isinstance(target, torch.Tensor):
@@ -339,22 +350,92 @@ def load_safetensors(path: str | os.PathLike[str], state_dict: Mapping[str, Any]
                     )
                 missing.append(name)
                 continue
-            if name in pending:
-                nxt = position[name] + 1
-                if nxt < len(order):
-                    pending[order[nxt]] = ahead.submit(_verify, Path(path), order[nxt],
-                                                       *checks[order[nxt]])
-                pending.pop(name).result()  # raises CheckpointError
-            elif verify and name in checks and name not in position:
-                _verify(Path(path), name, *checks[name])
-            _load_one(f, name, target, cast)
+            source = mapped.tensor(*entries[name])
+            if source is None:  # a dtype or an alignment a view cannot take
+                _load_one(f, name, target, cast)
+            else:
+                _fill(name, source, entries[name][0], target, cast)
+        if verdict is not None:
+            verdict.result()  # raises CheckpointError: nothing returns unchecked
     return missing
+
+
+class _Mapped:
+    """The file's bytes, memory-mapped once (copy-on-write, never written: torch wants
+    a writable buffer), as tensors viewing them: a block is copied straight from the
+    page cache, with no buffer between."""
+
+    def __init__(self, raw: Any) -> None:
+        size = os.fstat(raw.fileno()).st_size
+        self.mm = mmap.mmap(raw.fileno(), 0, access=mmap.ACCESS_COPY) if size else None
+        self.view = memoryview(self.mm if self.mm is not None else b"")
+
+    def tensor(self, kind: str, shape: tuple[int, ...], begin: int, end: int
+               ) -> torch.Tensor | None:
+        """Bytes ``begin..end`` as a tensor of safetensors dtype ``kind`` and ``shape``
+        (``None``: a dtype torch lacks here, a misaligned start, or a big-endian host)."""
+        dtype = _BY_NAME.get(kind)
+        if (dtype is None or self.mm is None or begin % dtype.itemsize
+                or sys.byteorder != "little"):
+            return None
+        if not 0 <= begin <= end <= len(self.mm) or end - begin != (
+                math.prod(shape) * dtype.itemsize) or min(shape, default=0) < 0:
+            return None  # not what safetensors checked: let it read (and judge) the bytes
+        if end == begin:
+            return torch.empty(shape, dtype=dtype)
+        raw = torch.frombuffer(self.mm, dtype=torch.uint8, count=end - begin, offset=begin)
+        return raw.view(dtype).view(shape)
+
+    def close(self) -> None:
+        self.view.release()
+        if self.mm is not None:
+            with contextlib.suppress(BufferError):  # a view still alive: closed when freed
+                self.mm.close()
+
+
+def _fill(name: str, source: torch.Tensor, kind: str, target: torch.Tensor, cast: bool
+          ) -> None:
+    """Copy the file's tensor ``source`` into ``target``'s blocks (each its slice)."""
+    shape = tuple(source.shape)
+    if shape != tuple(target.shape) or (source.dtype != target.dtype and not cast):
+        raise CheckpointError(
+            f"Key {name!r}: the file holds shape {shape} {kind} but the target "
+            f"has shape {tuple(target.shape)} {target.dtype}. Build the target with the "
+            "file's shape (cast=True converts dtypes)."
+        )
+    if not isinstance(target, Tensor):
+        target.copy_(source)
+        return
+    if target.dist_layout.is_partial:
+        raise CheckpointError(
+            f"Key {name!r}: the target {target!r} is Partial (its blocks are addends); "
+            "load into a Replicated or Sharded tensor."
+        )
+    for offsets, sizes, block in owned_chunks(target.shards, target.dist_layout, shape,
+                                              by_buffer=True):
+        block.copy_(_slice(source, offsets, sizes))
+
+
+def _slice(source: torch.Tensor, offsets: tuple[int, ...], sizes: tuple[int, ...]
+           ) -> torch.Tensor:
+    """The block at ``offsets`` of ``sizes`` of ``source`` (a view: nothing is read)."""
+    return source[tuple(slice(o, o + n) for o, n in zip(offsets, sizes, strict=True))]
 
 
 def _checks(path: Path, verify: bool = True) -> dict[str, tuple[int, int, int, str]]:
     """``{name: (first byte, end, checksum, algorithm)}`` of the file's checksummed
+    tensors (see :func:`_parse`)."""
+    return _parse(path, verify)[0]
+
+
+def _parse(path: Path, verify: bool = True
+           ) -> tuple[dict[str, tuple[int, int, int, str]],
+                      dict[str, tuple[str, tuple[int, ...], int, int]]]:
+    """``{name: (first byte, end, checksum, algorithm)}`` of the file's checksummed
     tensors, once its header matches its own CRC-32 (``{}`` for a file written without
-    them) and their algorithm is one this version knows (unless ``verify=False``)."""
+    them) and their algorithm is one this version knows (unless ``verify=False``); and
+    ``{name: (dtype, shape, first byte, end)}`` of every tensor (safetensors checks
+    those against the file)."""
     with open(path, "rb") as f:
         prefix = f.read(8)
         n = struct.unpack("<Q", prefix)[0] if len(prefix) == 8 else -1
@@ -363,16 +444,19 @@ def _checks(path: Path, verify: bool = True) -> dict[str, tuple[int, int, int, s
         if len(text) != n:
             raise ValueError(f"the header should be {n} bytes; the file has {len(text)}")
         head = json.loads(text)
+        start = 8 + n
+        entries = {name: (str(e["dtype"]), tuple(int(d) for d in e["shape"]),
+                          start + int(e["data_offsets"][0]), start + int(e["data_offsets"][1]))
+                   for name, e in head.items() if name != "__metadata__"}
         meta = head.get("__metadata__") or {}
         if _CRC not in meta:
-            return {}
+            return {}, entries
         digits = [_digits_at(text, key) for key in meta if key.startswith(_CRC)]
         expected = int(meta[_CRC], 16)
         got = _header_crc(prefix + text, digits)
         if got != expected:
             raise ValueError(f"its CRC-32 is {got:08x}, the header recorded {expected:08x}")
         algorithm = str(meta.get(_ALGORITHM, "crc32"))  # written before the key existed: CRC-32
-        start = 8 + n
         checks = {name: (start + entry["data_offsets"][0], start + entry["data_offsets"][1],
                        int(meta[f"{_CRC}.{name}"], 16), algorithm)
                   for name, entry in head.items() if f"{_CRC}.{name}" in meta}
@@ -389,18 +473,24 @@ def _checks(path: Path, verify: bool = True) -> dict[str, tuple[int, int, int, s
             f"knows {known}). Load it with the shardwise that wrote it, or pass "
             "verify=False to load it without checking the tensors."
         )
-    return checks
+    return checks, entries
 
 
-def _verify(path: Path, name: str, begin: int, end: int, expected: int, algorithm: str
-            ) -> None:
-    try:
-        integrity.check_chunk(path, begin, end, expected, algorithm)
-    except integrity.Corrupt as err:
-        raise CheckpointError(
-            f"Key {name!r}: its data in {path} bytes {begin}..{end} is corrupt "
-            f"({err.why.replace('metadata', 'header')}). Restore the file."
-        ) from None
+def _verify(path: Path, tensors: list[tuple[str, int, int, int, str]],
+            mapped: memoryview | None = None) -> None:
+    """Check each ``(name, first byte, end, checksum, algorithm)`` of ``path`` (through
+    ``mapped``, a map of the file, else its own); the first that fails raises, naming it."""
+    if not tensors:
+        return
+    failed = integrity.check_chunks(path, [(b, e, c) for _, b, e, c, _ in tensors],
+                                    tensors[0][4], mapped)
+    for n, (name, begin, end, _, _) in enumerate(tensors):
+        err = failed.get(n)
+        if err is not None:
+            raise CheckpointError(
+                f"Key {name!r}: its data in {path} bytes {begin}..{end} is corrupt "
+                f"({err.why.replace('metadata', 'header')}). Restore the file."
+            )
 
 
 def _load_one(f: Any, name: str, target: torch.Tensor, cast: bool) -> None:

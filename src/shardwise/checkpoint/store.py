@@ -18,10 +18,12 @@ Invariants:
 - ``load`` checks before reading any data: every key of ``state`` is in
   the checkpoint (unless ``strict=False``), shapes and dtypes agree, no target is
   Partial, and every file holds the bytes its metadata promises (a truncated or
-  missing file names the key it holds). While reading, each chunk's bytes are checked
-  against their CRC-32 before they are deserialised, so a damaged file is an error,
-  never a wrong value; checksums of an algorithm this version does not know are an
-  error before any data is read (``verify=False`` skips them). Errors are
+  missing file names the key it holds). While reading, each chunk's bytes are summed
+  as ``torch.load`` reads them and checked against their CRC-32 before any of its
+  values reaches a target (a chunk that fails to deserialise is judged by its bytes
+  first), so a damaged file is an error, never a wrong value. Checksums of an
+  algorithm this version does not know are an error before any data is read
+  (``verify=False`` skips them). Errors are
   :class:`CheckpointError`, naming the key (and, for damage, the file, the byte range
   and the word "corrupt"). Then DCP fills ``state``
   in place, resharding by global offsets.
@@ -33,7 +35,6 @@ Invariants:
 
 from __future__ import annotations
 
-import concurrent.futures
 import contextlib
 import dataclasses
 import io
@@ -41,10 +42,9 @@ import os
 import pickle
 import shutil
 import warnings
-from collections.abc import Iterator, Mapping
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
-from typing import IO, Any, Literal
+from typing import IO, Any, Literal, cast
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -101,39 +101,36 @@ class _MetadataUnpickler(pickle.Unpickler):
 
 class _SafeReader(dcp.FileSystemReader):
     """DCP's file reader with a safe metadata unpickler, every chunk checked against
-    its CRC-32 (``integrity``), and errors that name the key."""
+    its CRC-32 (``integrity``), and errors that name the key.
+
+    A chunk is read through an ``integrity.SummingView``, which sums its bytes as
+    ``torch.load`` reads them (each piece of the data record while the core's cache
+    holds it: no second pass over the bytes), and is checked before any of its values
+    reaches a target (:class:`_CheckFirst`); a chunk that fails to deserialise is
+    judged by its bytes first. Reading a chunk twice (a resharded load) checks it once."""
 
     def __init__(self, path: str | os.PathLike[str], *, verify: bool = True) -> None:
         super().__init__(path)
         self._verify = verify
         self._algorithm = integrity.ALGORITHM  # read_metadata sets the checkpoint's
         self._verified: set[tuple[str, int]] = set()  # (file, offset) checked in this load
-        self._pending: dict[tuple[str, int], concurrent.futures.Future[None]] = {}
+        # the chunk being read and its view, until it is checked
+        self._current: tuple[tuple[str, int], integrity.SummingView] | None = None
+        self._fds: dict[str, int] = {}  # the files being read, by relative path
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
-        # the next chunk's CRC is computed (zlib releases the GIL) while DCP
-        # deserialises this one
-        ahead = ThreadPoolExecutor(1, thread_name_prefix="shardwise-check")
+        checked = cast(LoadPlanner, _CheckFirst(planner, self._check_current))
         try:
-            for n, item in enumerate(plan.items):
-                for nxt in plan.items[n:n + 2]:
-                    self._check_soon(ahead, nxt)
-                self._read_one(plan, planner, item)
+            for item in plan.items:
+                self._read_one(plan, checked, item)
         finally:
-            ahead.shutdown(wait=True, cancel_futures=True)
-            self._pending.clear()
+            self._current = None
+            for fd in self._fds.values():
+                os.close(fd)
+            self._fds.clear()
         done: Future[None] = Future()
         done.set_result(None)
         return done
-
-    def _check_soon(self, ahead: ThreadPoolExecutor, item: ReadItem) -> None:
-        info = self.storage_data[item.storage_index]
-        key = (info.relative_path, info.offset)
-        if (self._verify and key not in self._verified and key not in self._pending
-                and info.length >= integrity._SMALL):  # a small one: _slice_file, no hand-over
-            self._pending[key] = ahead.submit(
-                integrity.check_info, Path(self.path) / info.relative_path, info,
-                self._algorithm)
 
     def _read_one(self, plan: LoadPlan, planner: LoadPlanner, item: ReadItem) -> None:
         # one item at a time, so that damaged data names the key it belongs to
@@ -141,7 +138,12 @@ class _SafeReader(dcp.FileSystemReader):
         span = (f"{Path(self.path) / info.relative_path} bytes "
                 f"{info.offset}..{info.offset + info.length}")
         try:
-            super().read_data(dataclasses.replace(plan, items=[item]), planner).wait()
+            try:
+                super().read_data(dataclasses.replace(plan, items=[item]), planner).wait()
+            except Exception:
+                self._check_current()  # damaged bytes are the cause: say so
+                raise
+            self._check_current()
         except CheckpointError:
             raise
         except integrity.Corrupt as err:
@@ -166,17 +168,25 @@ class _SafeReader(dcp.FileSystemReader):
             ) from err
 
     def _slice_file(self, file: Any, sinfo: Any) -> IO[bytes]:
-        # check the chunk, then DCP's own lazy view of it; DCP reads a chunk once per
-        # target block it overlaps: its CRC is computed once per load
+        # the chunk, read with pread from our own descriptor (DCP closes its stream
+        # when a read fails; the bytes are judged after that), summed as it is read
         key = (sinfo.relative_path, sinfo.offset)
-        pending = self._pending.pop(key, None)
-        if pending is not None:
-            pending.result()  # raises integrity.Corrupt
-            self._verified.add(key)
-        elif self._verify and key not in self._verified:
-            integrity.check_info(Path(self.path) / sinfo.relative_path, sinfo, self._algorithm)
-            self._verified.add(key)
-        return super()._slice_file(file, sinfo)
+        path = Path(self.path) / sinfo.relative_path
+        if sinfo.relative_path not in self._fds:
+            self._fds[sinfo.relative_path] = os.open(path, os.O_RDONLY)
+        check = self._verify and key not in self._verified
+        view = integrity.SummingView(
+            self._fds[sinfo.relative_path], path, sinfo.offset, sinfo.offset + sinfo.length,
+            getattr(sinfo, integrity.ATTR, None), self._algorithm, summing=check)
+        self._current = (key, view) if check else None
+        return cast(IO[bytes], view)
+
+    def _check_current(self) -> None:
+        """Check the chunk being read (raises ``integrity.Corrupt``); once per load."""
+        current, self._current = self._current, None
+        if current is not None:
+            current[1].check()
+            self._verified.add(current[0])
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         path = Path(self.path) / ".metadata"
@@ -229,6 +239,25 @@ class _SafeReader(dcp.FileSystemReader):
         meta.load_id = self.load_id
         md.storage_meta = meta
         return md
+
+
+class _CheckFirst:
+    """A load planner that calls ``check`` before DCP hands it a value to store (a
+    tensor to copy into its target, bytes to unpickle): nothing unchecked lands."""
+
+    def __init__(self, planner: LoadPlanner, check: Callable[[], None]) -> None:
+        self._planner, self._check = planner, check
+
+    def resolve_tensor(self, read_item: ReadItem) -> torch.Tensor:
+        self._check()
+        return self._planner.resolve_tensor(read_item)
+
+    def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
+        self._check()
+        self._planner.load_bytes(read_item, value)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._planner, name)
 
 
 class _SafeLoadPlanner(DefaultLoadPlanner):

@@ -136,8 +136,9 @@ def _dims(x: Tensor, dim: Any, op: str) -> tuple[int, ...]:
 def _reducer(op: str, fn: Callable[[torch.Tensor, tuple[int, ...], bool], torch.Tensor],
              doc: str) -> Callable[..., Tensor]:
     def run(x: Tensor, dim: Any = None, keepdim: bool = False) -> Tensor:
-        t = _need(x, op)
-        dims = _dims(t, dim, op)
+        t = x if type(x) is Tensor else _need(x, op)
+        n = len(t._shape)  # (one dim in range, the common call: _dims's first case)
+        dims = (dim % n,) if type(dim) is int and -n <= dim < n else _dims(t, dim, op)
         # a 0-d value reduces over no dim, still in torch's result dtype (bool sums to int64)
         return apply(op, (t,), lambda s: fn(s, dims, keepdim), dims, keepdim)
 
@@ -146,7 +147,7 @@ def _reducer(op: str, fn: Callable[[torch.Tensor, tuple[int, ...], bool], torch.
     return run
 
 
-sum = _reducer("sum", lambda s, d, k: torch.sum(s, d, keepdim=k), """Sum over ``dim``
+sum = _reducer("sum", torch.sum, """Sum over ``dim``
 (all dims if None). A sharded reduced dim gives Partial(SUM), no communication::
 
     x[S(0)] on DeviceMesh(x=2):   CPU(0) x[:2].sum(0)   CPU(1) x[2:].sum(0)   Partial(sum)""")

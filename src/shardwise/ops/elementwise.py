@@ -26,8 +26,12 @@ import torch.nn.functional as F
 
 from shardwise.ops.execute import apply, apply_elementwise
 from shardwise.ops.registry import TensorMethod, register
+from shardwise.tensors.tensor import Tensor
 
 __all__ = ["LINEAR", "NONLINEAR", "OPERATORS"]
+
+
+_NUMERIC = (torch.Tensor, int, float)  # what a handler passes to its op as an operand
 
 
 def _is_operand(a: Any) -> bool:
@@ -57,9 +61,9 @@ def _elementwise(rule: str, func: Any, flags: bool = False) -> Callable[..., Any
 
     def handler(*args: Any, **kwargs: Any) -> Any:
         if not kwargs:
-            for a in args:
-                if not isinstance(a, (torch.Tensor, int, float)) or (
-                        flags and isinstance(a, bool)):
+            for a in args:  # (a shardwise Tensor, the common argument, tested first)
+                if type(a) is not Tensor and (not isinstance(a, _NUMERIC) or (
+                        flags and isinstance(a, bool))):
                     break
             else:
                 return apply_elementwise(rule, args, func)  # every argument is an operand

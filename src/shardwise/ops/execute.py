@@ -13,7 +13,9 @@ Invariants:
   any keeps one): everything ``bind`` and ``decide`` read, so a hit is the decision
   the uncached path would make. Plain torch operands (converted per call) and integer
   Partial operands (reduced first on blocks) never hit; a hit binds, decides and
-  allocates nothing but the result.
+  allocates nothing but the result. The process runtime's commonest hits (one or two
+  Tensors held as blocks, another process holding some devices) run in :func:`_hit`,
+  one frame from the handler to the wrap; the others in ``runners._run_plain``.
 - Running the decided op (on blocks or wholes) and wrapping its result is
   :mod:`shardwise.ops.runners`' (see its invariants: one torch call per distinct
   tuple of input blocks, so replicas share one buffer and simulated gradients are
@@ -47,6 +49,8 @@ import torch.autograd.forward_ad as fwAD
 from shardwise.ops.runners import (
     _NONE,
     _aliases_copy,
+    _failed,
+    _misshapen,
     _run_local,
     _run_plain,
     _run_whole,
@@ -105,6 +109,8 @@ def _operands(op: str, operands: Sequence[Any]) -> list[Any]:
     return out
 
 
+#: ``Tensor._wrap``, bound once (a classmethod looked up on the class binds anew each call)
+_wrap = Tensor._wrap
 _CONSTS = (int, float, bool, complex)  # Python numbers: broadcast constants, as _is_const
 
 #: the decision cache: (op, shaped, params, per operand its (layout, shape, open dims,
@@ -120,7 +126,8 @@ class _Decided:
     output's torch size, and per operand whether its blocks serve as they are (its
     required layout is its own)."""
 
-    __slots__ = ("dec", "diverges", "factors", "plain", "same", "size")
+    __slots__ = ("bare", "dec", "diverges", "expect", "factors", "out_open",
+                 "output", "plain", "same", "shape", "size")
 
     def __init__(self, factors: Factors, dec: Decision, layouts: Sequence[Layout | None],
                  shaped: bool) -> None:
@@ -131,6 +138,10 @@ class _Decided:
         # records: ``diverges``), and fn takes the blocks alone: _run_plain
         self.plain = all(self.same) and not shaped
         self.diverges = tuple(i for i, d in enumerate(dec.diverge) if d)
+        self.bare = self.plain and not self.diverges  # no diverge at all
+        # read by _hit on every op: one attribute each
+        self.expect, self.output, self.out_open = dec.local_shapes, dec.output, dec.out_open
+        self.shape = factors.out_shape
 
 
 def decision_cache_info() -> tuple[int, int]:
@@ -152,6 +163,83 @@ def clear_decisions() -> None:
     _DECISIONS.clear()
 
 
+def _hit(op: str, operands: Sequence[Any], fn: Callable[..., torch.Tensor],
+         params: tuple[Any, ...], shaped: bool) -> Tensor | None:
+    """The commonest hit, run; else None (the caller takes the general path). One or
+    two Tensors held as blocks of which another process holds some (so no derived
+    whole: ``whole_of`` is None; the caller checked it of operand 0, so values held
+    whole or wholly here pay no call), keeping nothing, each in its required layout with no
+    diverge that records, ``fn`` taking the blocks alone: the key is built without a
+    loop and the rows run here, one ``fn`` call per distinct row (as ``_run_plain``,
+    whose general loop the other hits take). The per-op path of the process runtime:
+    every line here is paid by every op."""
+    if len(operands) == 1:
+        x = operands[0]
+        if x._cache is not None:
+            return None
+        hit = _DECISIONS.get((op, shaped, params, x._layout, x._shape, x._open,
+                              x._dtype))
+        if hit is None or not hit.bare:
+            return None
+        out: list[torch.Tensor | None] = []
+        first = b0 = None
+        for b in x._blocks:
+            if b is None:
+                out.append(None)
+            elif first is None:  # the first block here
+                try:
+                    first = fn(b)
+                except (RuntimeError, TypeError, ValueError, IndexError) as err:
+                    raise _failed(op, operands, len(out), hit.factors, err) from err
+                if first.shape != hit.expect[len(out)]:
+                    raise AssertionError(_misshapen(op, len(out), first, hit.dec))
+                b0 = b
+                out.append(first)
+            elif b is b0:  # a replica of it: the same result
+                out.append(first)
+            else:  # another block here: the general loop runs the rest
+                return _run_plain(op, fn, operands, hit.dec, hit.factors, hit.size, out,
+                                  {(id(b0),): first})
+    elif len(operands) == 2:
+        x, y = operands
+        if (type(y) is not Tensor or y._whole is not None or x._cache is not None
+                or y._cache is not None):
+            return None
+        hit = _DECISIONS.get((op, shaped, params, x._layout, x._shape, x._open,
+                              x._dtype, y._layout, y._shape, y._open, y._dtype))
+        if hit is None or not hit.plain or (hit.diverges and any(
+                records(operands[i]) for i in hit.diverges)):
+            return None
+        out = []
+        first = b0 = c0 = None
+        c1 = y._blocks
+        for k, b in enumerate(x._blocks):
+            if b is None:
+                out.append(None)
+                continue
+            c = c1[k]  # type: ignore[index]
+            if first is None:
+                try:
+                    first = fn(b, c)
+                except (RuntimeError, TypeError, ValueError, IndexError) as err:
+                    raise _failed(op, operands, k, hit.factors, err) from err
+                if first.shape != hit.expect[k]:
+                    raise AssertionError(_misshapen(op, k, first, hit.dec))
+                b0, c0 = b, c
+                out.append(first)
+            elif b is b0 and c is c0:
+                out.append(first)
+            else:
+                return _run_plain(op, fn, operands, hit.dec, hit.factors, hit.size, out,
+                                  {(id(b0), id(c0)): first})
+    else:
+        return None
+    if first is None:  # no device of this mesh here: the dtype from meta
+        return _run_plain(op, fn, operands, hit.dec, hit.factors, hit.size)
+    return _wrap(tuple(out), None, hit.output, hit.size, first.dtype, first.device,
+                 hit.out_open, hit.shape)
+
+
 def apply(op: str, operands: Sequence[Any], fn: Callable[..., torch.Tensor], *params: Any,
           shaped: bool = False, views: dict[int, torch.Tensor] | None = None) -> Tensor:
     """Run ``op`` (rule ``RULES[op]`` with ``params``) as ``fn`` on the local shards;
@@ -162,27 +250,12 @@ def apply(op: str, operands: Sequence[Any], fn: Callable[..., torch.Tensor], *pa
     The decision (bound rule, layouts, local shapes) is a cache hit for operands
     already seen in the same layouts, shapes, open dims, dtypes and kept layouts, with
     the same ``params``: the per-op path then binds and decides nothing."""
-    # the commonest hits, keyed as below without the loop: one or two Tensors held as
-    # blocks of which another process holds some (so no derived whole: whole_of is
-    # None), keeping nothing, in place, no diverge that records
-    n = len(operands)
-    if n == 1:
-        x = operands[0]
-        if (type(x) is Tensor and x._whole is None and x._cache is None
-                and _NONE in map(id, x._blocks)):  # type: ignore[arg-type]
-            hit = _DECISIONS.get((op, shaped, params, x._layout, x._shape, x._open, x._dtype))
-            if hit is not None and hit.plain and not hit.diverges:
-                return _run_plain(op, fn, operands, hit.dec, hit.factors, hit.size)
-    elif n == 2:
-        x, y = operands
-        if (type(x) is Tensor and type(y) is Tensor and x._whole is None
-                and y._whole is None and x._cache is None and y._cache is None
-                and _NONE in map(id, x._blocks)):  # type: ignore[arg-type]
-            hit = _DECISIONS.get((op, shaped, params, x._layout, x._shape, x._open, x._dtype,
-                                  y._layout, y._shape, y._open, y._dtype))
-            if hit is not None and hit.plain and not any(
-                    records(operands[i]) for i in hit.diverges):
-                return _run_plain(op, fn, operands, hit.dec, hit.factors, hit.size)
+    x = operands[0] if operands else None
+    if (type(x) is Tensor and x._whole is None
+            and _NONE in map(id, x._blocks)):  # type: ignore[arg-type]
+        out = _hit(op, operands, fn, params, shaped)
+        if out is not None:
+            return out
     key: list[Any] = [op, shaped, params]
     wholes = True
     kept = False
@@ -393,8 +466,11 @@ def apply_elementwise(op: str, operands: Sequence[Any], fn: Callable[..., torch.
     autograd node) and the result keeps its whole: one torch call instead of one per
     distinct block."""
     x0 = operands[0] if operands else None
-    if isinstance(x0, Tensor) and x0._whole is None and _NONE in map(id, x0._blocks):  # type: ignore[arg-type]
-        return apply(op, operands, fn)  # another process holds a device: the cached path
+    if (type(x0) is Tensor and x0._whole is None
+            and _NONE in map(id, x0._blocks)):  # type: ignore[arg-type]
+        # another process holds a device: the cached path
+        hit = _hit(op, operands, fn, (), False)
+        return apply(op, operands, fn) if hit is None else hit
     first: Tensor | None = None
     for x in operands:
         if isinstance(x, Tensor):

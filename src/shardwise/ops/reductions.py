@@ -262,12 +262,13 @@ def _along(name: str, fn: Any) -> Callable[..., Any]:
     def handler(x: Any, dim: Any = None, *args: Any, **kwargs: Any) -> Any:
         if dim is None:
             raise ShardingError(f"{name} needs dim= (torch's implicit dim is deprecated).")
-        n = max(x.ndim, 1)
+        n = (len(x._shape) if type(x) is Tensor else x.ndim) or 1
         # a dim in range, the common call, skips building the error's text
         d = dim % n if type(dim) is int and -n <= dim < n else normalize_dim(
             dim, n, f"{name} dim")
-        dtype = (kwargs.get("dtype", args[0] if args else None) if kwargs or args
-                 else None)
+        if not (kwargs or args):  # no dtype: the local call passes none (torch's default)
+            return apply(name, (x,), lambda s: fn(s, d), d)
+        dtype = kwargs.get("dtype", args[0] if args else None)
         return apply(name, (x,), lambda s: fn(s, d, dtype=dtype), d)
 
     return handler

@@ -34,73 +34,50 @@ _NONE = id(None)
 
 
 def _run_plain(op: str, fn: Callable[..., torch.Tensor], operands: Sequence[Tensor],
-               dec: Decision, factors: Factors, size: torch.Size) -> Tensor:
+               dec: Decision, factors: Factors, size: torch.Size,
+               out: list[torch.Tensor | None] | None = None,
+               memo: dict[tuple[int, ...], torch.Tensor] | None = None) -> Tensor:
     """:func:`_run_local` where every operand is a Tensor in its required layout and
     ``fn`` takes the blocks alone: one call per distinct row of blocks (a device
-    another process holds has None in every operand: one mesh)."""
+    another process holds has None in every operand: one mesh). ``out`` and ``memo``:
+    the first rows, already run (by the decision cache's hit path), and their results
+    by row (the blocks' ids)."""
     expect = dec.local_shapes
-    memo: dict[Any, torch.Tensor] = {}
-    out: list[torch.Tensor | None] = []
-    append = out.append
-    first: torch.Tensor | None = None
-    k = 0
-    try:
-        if len(operands) == 1:
-            x = operands[0]
-            for b in (x._blocks if x._whole is None else x._shards):  # type: ignore[union-attr]
-                if b is None:
-                    append(None)
-                else:
-                    r = memo.get(id(b))
-                    if r is None:
-                        r = memo[id(b)] = fn(b)
-                        assert r.shape == expect[k], _misshapen(op, k, r, dec)
-                        if first is None:
-                            first = r
-                    append(r)
-                k += 1
-        elif len(operands) == 2:
-            x, y = operands
-            c1 = y._blocks if y._whole is None else y._shards
-            for k, b0 in enumerate(x._blocks if x._whole is None else x._shards):  # type: ignore[arg-type]
-                if b0 is None:
-                    append(None)
-                    continue
-                b1 = c1[k]  # type: ignore[index]
-                key: Any = (id(b0), id(b1))
-                r = memo.get(key)
-                if r is None:
-                    r = memo[key] = fn(b0, b1)
-                    assert r.shape == expect[k], _misshapen(op, k, r, dec)
-                    if first is None:
-                        first = r
-                append(r)
-        else:
-            for row in zip(*[x._blocks if x._whole is None else x._shards for x in operands]):
-                key = tuple(map(id, row))
-                r = memo.get(key)
-                if r is None:
-                    if _NONE in key:
-                        append(None)
-                        k += 1
-                        continue
-                    r = memo[key] = fn(*row)
-                    assert r.shape == expect[k], _misshapen(op, k, r, dec)
-                    if first is None:
-                        first = r
-                append(r)
-                k += 1
-    except (RuntimeError, TypeError, ValueError, IndexError) as err:
-        blocks = [tuple(x.shards[k].shape) for x in operands]
-        raise ShardingError(
-            f"{op} failed on the local blocks {blocks} of operands with global "
-            f"shapes {_shapes(list(operands))} (rule '{factors.text}'): {err}"
-        ) from err
-    if first is None:  # no device of this mesh here: the dtype from meta
+    out = [] if out is None else out
+    memo = {} if memo is None else memo
+    start = len(out)
+    rows = zip(*[x._blocks if x._whole is None else x._shards for x in operands])
+    for k, row in enumerate(rows):
+        if k < start:
+            continue
+        if row[0] is None:  # (None in every operand: one mesh)
+            out.append(None)
+            continue
+        key = tuple(map(id, row))
+        r = memo.get(key)
+        if r is None:
+            try:
+                r = memo[key] = fn(*row)
+            except (RuntimeError, TypeError, ValueError, IndexError) as err:
+                raise _failed(op, operands, k, factors, err) from err
+            if r.shape != expect[k]:
+                raise AssertionError(_misshapen(op, k, r, dec))
+        out.append(r)
+    if not memo:  # no device of this mesh here: the dtype from meta
         return Tensor(out, dec.output, factors.out_shape,
                       _meta_dtype(fn, list(operands), dec, False), open_dims=dec.out_open)
+    first = next(iter(memo.values()))
     return Tensor._wrap(tuple(out), None, dec.output, size, first.dtype, first.device,
-                        dec.out_open)
+                        dec.out_open, factors.out_shape)
+
+
+def _failed(op: str, operands: Sequence[Tensor], k: int, factors: Factors,
+            err: Exception) -> ShardingError:
+    """The error of ``op`` failing on device ``k``'s blocks (raise it from ``err``)."""
+    blocks = [tuple(x.shards[k].shape) for x in operands]
+    return ShardingError(
+        f"{op} failed on the local blocks {blocks} of operands with global "
+        f"shapes {_shapes(list(operands))} (rule '{factors.text}'): {err}")
 
 
 def _misshapen(op: str, k: int, r: torch.Tensor, dec: Decision) -> str:

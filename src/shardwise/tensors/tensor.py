@@ -106,7 +106,21 @@ def _route_eager(func: Any, args: Any, kwargs: Any) -> Any:
 #: :func:`_route_eager` for torch.compile: Dynamo runs it eagerly (a graph break), as
 #: the layout logic is Python. Eager calls skip the disabling wrapper (~3 us a call).
 _route = torch.compiler.disable(_route_eager)
-_compiling = torch.compiler.is_compiling
+
+
+class _CompilingFlag:
+    """``torch.compiler.is_compiling()`` read as an attribute, where torch has no
+    ``_is_compiling_flag`` (the flag it returns; TorchScript never runs this code)."""
+
+    @property
+    def _is_compiling_flag(self) -> bool:
+        return torch.compiler.is_compiling()
+
+
+#: read as ``_COMPILER._is_compiling_flag`` on every op: a module attribute, where
+#: calling ``is_compiling()`` costs two Python frames (~0.1 us an op)
+_COMPILER: Any = (torch.compiler if hasattr(torch.compiler, "_is_compiling_flag")
+                  else _CompilingFlag())
 
 
 def _skip_in_dynamo() -> None:
@@ -178,14 +192,16 @@ class Tensor(GradMixin, RelayoutMixin, MetaMixin,  # type: ignore[misc,override]
     def _wrap(cls, blocks: tuple[torch.Tensor | None, ...] | None,
               whole: torch.Tensor | None, layout: Layout, size: torch.Size,
               dtype: torch.dtype, device: torch.device,
-              open_dims: tuple[bool, ...] | None) -> Tensor:
+              open_dims: tuple[bool, ...] | None, shape: tuple[int, ...] | None = None
+              ) -> Tensor:
         # The wrapper holds no data (its C-level requires_grad stays False): values and
         # autograd live on the shards, and every torch function is routed to the registry.
+        # ``shape``: ``tuple(size)`` when the caller has it (the decision cache's hits).
         self = torch.Tensor._make_wrapper_subclass(cls, size, dtype=dtype, device=device)
         self._blocks = blocks  # type: ignore[assignment]
         self._cut_at = 0  # read only while the whole records gradients
         self._layout = layout
-        self._shape = tuple(size)
+        self._shape = tuple(size) if shape is None else shape
         self._size = size
         self._dtype = dtype
         self._open = open_dims
@@ -229,9 +245,22 @@ class Tensor(GradMixin, RelayoutMixin, MetaMixin,  # type: ignore[misc,override]
     @classmethod
     def __torch_function__(cls, func: Any, types: Any, args: Any = (),
                            kwargs: Any = None) -> Any:
-        if _compiling():
+        if _COMPILER._is_compiling_flag:
             return _route(func, args, kwargs)
-        return _route_eager(func, args, kwargs)
+        if kwargs:
+            return _route_eager(func, args, kwargs)
+        # _route_eager's commonest call inlined (one frame less on every op): no
+        # keywords, a registered handler, run as the program position's op
+        handler = HANDLERS.get(func)
+        if handler is None:
+            return _route_eager(func, args, kwargs)
+        here = HERE
+        before = here.op
+        here.op = func
+        try:
+            return handler(*args)
+        finally:
+            here.op = before
 
     @classmethod
     def __torch_dispatch__(cls, func: Any, types: Any, args: Any = (),  # type: ignore[override]
