@@ -215,3 +215,22 @@ def example_gpt() -> ModuleType:
         sys.modules[name] = mod  # its dataclasses look their module up here
         spec.loader.exec_module(mod)
     return mod
+
+
+def run_launched(parser: Any, rank_body: Any, options: dict[str, Any]) -> dict[str, Any] | None:
+    """Rank 0's result of a section that runs ``rank_body`` on ``--world`` Gloo
+    processes, with ``options`` (the flags of ``parser``, as ``run()`` takes them)."""
+    args = options_of(parser(), options)
+    res: dict[str, Any] | None = launch(rank_body, args, args.world, limit_s=args.limit_s,
+                                        timeout_s=args.timeout_s)
+    return res
+
+
+def main_launched(parser: Any, run: Any, tables: Any, argv: list[str] | None) -> int:
+    """``python -m benchmarks.<section>``: run, write the JSON to ``--out``, print."""
+    args = parser().parse_args(argv)
+    res = run(**{k: v for k, v in vars(args).items() if k != "out"})
+    if res is not None:
+        path = write_json(args.out, res)
+        print("\n".join(tables(res)) + f"\nJSON: {path}")
+    return 0

@@ -241,13 +241,11 @@ def parser() -> argparse.ArgumentParser:
 
 def run(**options: Any) -> dict[str, Any] | None:
     """The section with ``options`` (the command-line flags, as keywords)."""
-    from benchmarks.common import launch, options_of
+    from benchmarks.common import options_of, run_launched
 
-    args = options_of(parser(), options)
-    res: dict[str, Any] | None = launch(rank_body, args, args.world, limit_s=args.limit_s,
-                                        timeout_s=args.timeout_s)
+    res = run_launched(parser, rank_body, options)
     if res is not None:
-        res["profiled_op"] = args.profile
+        res["profiled_op"] = options_of(parser(), options).profile
     return res
 
 

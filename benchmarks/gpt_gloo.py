@@ -32,7 +32,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from benchmarks.common import dist_time, example_gpt, launch, options_of, ratio, write_json
+from benchmarks.common import dist_time, example_gpt, main_launched, ratio, run_launched
 
 __all__ = ["main", "parser", "run"]
 
@@ -209,19 +209,11 @@ def parser() -> argparse.ArgumentParser:
 
 def run(**options: Any) -> dict[str, Any] | None:
     """Rank 0's result of the GPT step comparison with ``options`` (the flags)."""
-    args = options_of(parser(), options)
-    res: dict[str, Any] | None = launch(rank_body, args, args.world, limit_s=args.limit_s,
-                                        timeout_s=args.timeout_s)
-    return res
+    return run_launched(parser, rank_body, options)
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parser().parse_args(argv)
-    res = run(**{k: v for k, v in vars(args).items() if k != "out"})
-    if res is not None:
-        path = write_json(args.out, res)
-        print("\n".join(tables(res)) + f"\nJSON: {path}")
-    return 0
+    return main_launched(parser, run, tables, argv)
 
 
 if __name__ == "__main__":

@@ -39,7 +39,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from benchmarks.common import dist_time, launch, options_of, ratio, write_json
+from benchmarks.common import dist_time, main_launched, ratio, run_launched
 
 __all__ = ["SCHEDULES", "main", "parser", "run", "tables"]
 
@@ -292,19 +292,11 @@ def parser() -> argparse.ArgumentParser:
 
 def run(**options: Any) -> dict[str, Any] | None:
     """Rank 0's result of the pipeline rows with ``options`` (the flags)."""
-    args = options_of(parser(), options)
-    res: dict[str, Any] | None = launch(rank_body, args, args.world, limit_s=args.limit_s,
-                                        timeout_s=args.timeout_s)
-    return res
+    return run_launched(parser, rank_body, options)
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parser().parse_args(argv)
-    res = run(**{k: v for k, v in vars(args).items() if k != "out"})
-    if res is not None:
-        path = write_json(args.out, res)
-        print("\n".join(tables(res)) + f"\nJSON: {path}")
-    return 0
+    return main_launched(parser, run, tables, argv)
 
 
 if __name__ == "__main__":

@@ -393,24 +393,34 @@ class _Mapped:
                 self.mm.close()
 
 
-def _fill(name: str, source: torch.Tensor, kind: str, target: torch.Tensor, cast: bool
-          ) -> None:
-    """Copy the file's tensor ``source`` into ``target``'s blocks (each its slice)."""
-    shape = tuple(source.shape)
-    if shape != tuple(target.shape) or (source.dtype != target.dtype and not cast):
+def _plain_target(name: str, shape: tuple[int, ...], dtype: torch.dtype | None, kind: str,
+                  target: torch.Tensor, cast: bool) -> bool:
+    """Check that the file's tensor (``shape``, ``dtype``, named ``kind`` in the file)
+    fits ``target``; True when the target is a plain torch tensor (copied whole)."""
+    if shape != tuple(target.shape) or (dtype != target.dtype and not cast):
         raise CheckpointError(
             f"Key {name!r}: the file holds shape {shape} {kind} but the target "
             f"has shape {tuple(target.shape)} {target.dtype}. Build the target with the "
             "file's shape (cast=True converts dtypes)."
         )
     if not isinstance(target, Tensor):
-        target.copy_(source)
-        return
+        return True
     if target.dist_layout.is_partial:
         raise CheckpointError(
             f"Key {name!r}: the target {target!r} is Partial (its blocks are addends); "
             "load into a Replicated or Sharded tensor."
         )
+    return False
+
+
+def _fill(name: str, source: torch.Tensor, kind: str, target: torch.Tensor, cast: bool
+          ) -> None:
+    """Copy the file's tensor ``source`` into ``target``'s blocks (each its slice)."""
+    shape = tuple(source.shape)
+    if _plain_target(name, shape, source.dtype, kind, target, cast):
+        target.copy_(source)
+        return
+    assert isinstance(target, Tensor)
     for offsets, sizes, block in owned_chunks(target.shards, target.dist_layout, shape,
                                               by_buffer=True):
         block.copy_(_slice(source, offsets, sizes))
@@ -496,20 +506,10 @@ def _verify(path: Path, tensors: list[tuple[str, int, int, int, str]],
 def _load_one(f: Any, name: str, target: torch.Tensor, cast: bool) -> None:
     part = f.get_slice(name)
     shape, dtype = tuple(part.get_shape()), _BY_NAME.get(part.get_dtype())
-    if shape != tuple(target.shape) or (dtype != target.dtype and not cast):
-        raise CheckpointError(
-            f"Key {name!r}: the file holds shape {shape} {part.get_dtype()} but the target "
-            f"has shape {tuple(target.shape)} {target.dtype}. Build the target with the "
-            "file's shape (cast=True converts dtypes)."
-        )
-    if not isinstance(target, Tensor):
+    if _plain_target(name, shape, dtype, part.get_dtype(), target, cast):
         target.copy_(f.get_tensor(name))
         return
-    if target.dist_layout.is_partial:
-        raise CheckpointError(
-            f"Key {name!r}: the target {target!r} is Partial (its blocks are addends); "
-            "load into a Replicated or Sharded tensor."
-        )
+    assert isinstance(target, Tensor)
     for offsets, sizes, block in owned_chunks(target.shards, target.dist_layout, shape,
                                               by_buffer=True):
         index = tuple(slice(o, o + n) for o, n in zip(offsets, sizes))
