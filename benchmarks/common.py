@@ -217,6 +217,17 @@ def example_gpt() -> ModuleType:
     return mod
 
 
+def launch_flags(p: argparse.ArgumentParser, world: int) -> argparse.ArgumentParser:
+    """Add the flags every Gloo-launched section takes: ``--world``, ``--limit-s``,
+    ``--timeout-s``."""
+    p.add_argument("--world", type=int, default=world, help="ranks to spawn (not torchrun)")
+    p.add_argument("--limit-s", type=float, default=600.0,
+                   help="wall-clock limit of the spawned run; stragglers are killed")
+    p.add_argument("--timeout-s", type=float, default=120.0,
+                   help="Gloo collective timeout (a dead rank errors instead of hanging)")
+    return p
+
+
 def run_launched(parser: Any, rank_body: Any, options: dict[str, Any]) -> dict[str, Any] | None:
     """Rank 0's result of a section that runs ``rank_body`` on ``--world`` Gloo
     processes, with ``options`` (the flags of ``parser``, as ``run()`` takes them)."""

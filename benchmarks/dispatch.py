@@ -227,14 +227,14 @@ def tables(res: dict[str, Any]) -> list[str]:
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--world", type=int, default=2)
+    from benchmarks.common import launch_flags
+
+    launch_flags(p, world=2)
     p.add_argument("--repeat", type=int, default=21, help="rounds")
     p.add_argument("--inner", type=int, default=200, help="calls per way per round")
     p.add_argument("--ops", nargs="*", default=[], help=f"a subset of {', '.join(OPS)}")
     p.add_argument("--profile", default=None, help="cProfile this op (shardwise)")
     p.add_argument("--profile-calls", type=int, default=3000)
-    p.add_argument("--limit-s", type=float, default=600.0)
-    p.add_argument("--timeout-s", type=float, default=120.0)
     p.add_argument("--out", default=None, help="write the JSON here")
     return p
 

@@ -39,7 +39,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, init_device_mesh
 from torch.distributed.tensor import Partial as DPartial
 
 import shardwise as sw
-from benchmarks.common import dist_time, launch, options_of, ratio, write_json
+from benchmarks.common import dist_time, launch, launch_flags, options_of, ratio, write_json
 from benchmarks.report import gloo_tables
 from shardwise.runtime import position
 from shardwise.sharding import DeviceMesh, Partial, PlacementMapping, Replicated, Sharded
@@ -520,11 +520,7 @@ def parser() -> argparse.ArgumentParser:
                    help="untimed calls of each before timing (large; +1 validation call)")
     p.add_argument("--small", type=int, default=8, help="size of the overhead tensor")
     p.add_argument("--small-repeat", type=int, default=200)
-    p.add_argument("--world", type=int, default=4, help="ranks to spawn (not torchrun)")
-    p.add_argument("--limit-s", type=float, default=600.0,
-                   help="wall-clock limit of the spawned run; stragglers are killed")
-    p.add_argument("--timeout-s", type=float, default=120.0,
-                   help="Gloo collective timeout (a dead rank errors instead of hanging)")
+    launch_flags(p, world=4)
     p.add_argument("--no-choices", dest="choices", action="store_false",
                    help="skip the primitive_choice comparison")
     p.add_argument("--out", default="benchmarks/results/gloo.json")

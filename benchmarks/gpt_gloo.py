@@ -32,7 +32,14 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from benchmarks.common import dist_time, example_gpt, main_launched, ratio, run_launched
+from benchmarks.common import (
+    dist_time,
+    example_gpt,
+    launch_flags,
+    main_launched,
+    ratio,
+    run_launched,
+)
 
 __all__ = ["main", "parser", "run"]
 
@@ -200,9 +207,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--check", type=int, default=3, help="steps whose losses must agree")
     p.add_argument("--repeat", type=int, default=10)
     p.add_argument("--warmup", type=int, default=2)
-    p.add_argument("--world", type=int, default=4)
-    p.add_argument("--limit-s", type=float, default=600.0)
-    p.add_argument("--timeout-s", type=float, default=120.0)
+    launch_flags(p, world=4)
     p.add_argument("--out", default="benchmarks/results/gpt_gloo.json")
     return p
 

@@ -39,7 +39,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from benchmarks.common import dist_time, main_launched, ratio, run_launched
+from benchmarks.common import dist_time, launch_flags, main_launched, ratio, run_launched
 
 __all__ = ["SCHEDULES", "main", "parser", "run", "tables"]
 
@@ -283,9 +283,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--weight-ms", type=float, default=10.0)
     p.add_argument("--repeat", type=int, default=7)
     p.add_argument("--warmup", type=int, default=2)
-    p.add_argument("--world", type=int, default=4)
-    p.add_argument("--limit-s", type=float, default=600.0)
-    p.add_argument("--timeout-s", type=float, default=120.0)
+    launch_flags(p, world=4)
     p.add_argument("--out", default="benchmarks/results/pipeline.json")
     return p
 
