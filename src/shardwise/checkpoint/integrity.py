@@ -54,7 +54,7 @@ from torch.futures import Future
 
 __all__ = ["ALGORITHM", "ALGORITHMS", "ALGORITHM_ATTR", "ATTR", "ChecksummedWriter", "Corrupt",
            "SummingView", "check_chunk", "check_chunks", "check_info", "crc32",
-           "split_trailer"]
+           "split_trailer", "unknown_algorithm"]
 
 ATTR = "shardwise_crc32"  # the _StorageInfo attribute (namespaced: DCP owns the class)
 ALGORITHM_ATTR = "shardwise_checksum"  # the Metadata attribute naming the algorithm
@@ -132,6 +132,28 @@ def crc32(data: bytes | memoryview, value: int = 0) -> int:
 
 
 ALGORITHMS: dict[str, Callable[[memoryview], int]] = {"crc32": crc32}
+
+
+def unknown_algorithm(algorithm: object, whose: str, recorded_in: str, of: str, items: str
+                      ) -> str | None:
+    """None when this version checks ``algorithm``, else the error saying so and naming
+    the two ways out (both formats' loaders raise it as a ``CheckpointError``).
+
+    >>> unknown_algorithm("crc32", "x", "y", "chunk", "chunks") is None
+    True
+    >>> why = unknown_algorithm("xxh3", "f.safetensors", "header metadata 'k'", "tensors'",
+    ...                         "tensors")
+    >>> (why.startswith("f.safetensors records its tensors' checksums as 'xxh3'"),
+    ...  "(it knows 'crc32')" in why, why.endswith("without checking the tensors."))
+    (True, True, True)
+    """
+    if isinstance(algorithm, str) and algorithm in ALGORITHMS:
+        return None
+    known = ", ".join(repr(a) for a in ALGORITHMS)
+    return (f"{whose} records its {of} checksums as {algorithm!r} ({recorded_in}), an "
+            f"algorithm this version of shardwise cannot check (it knows {known}). Load it "
+            "with the shardwise that wrote it, or pass verify=False to load it without "
+            f"checking the {items}.")
 
 
 class Corrupt(Exception):

@@ -475,14 +475,10 @@ def _parse(path: Path, verify: bool = True
             f"The header of {path} (bytes 0..{8 + max(n, 0)}) is corrupt ({err}). Restore "
             "the file."
         ) from None
-    if verify and algorithm not in integrity.ALGORITHMS:
-        known = ", ".join(repr(a) for a in integrity.ALGORITHMS)
-        raise CheckpointError(
-            f"{path} records its tensors' checksums as {algorithm!r} (header metadata "
-            f"{_ALGORITHM!r}), an algorithm this version of shardwise cannot check (it "
-            f"knows {known}). Load it with the shardwise that wrote it, or pass "
-            "verify=False to load it without checking the tensors."
-        )
+    unknown = verify and integrity.unknown_algorithm(
+        algorithm, str(path), f"header metadata {_ALGORITHM!r}", "tensors'", "tensors")
+    if unknown:
+        raise CheckpointError(unknown)
     return checks, entries
 
 

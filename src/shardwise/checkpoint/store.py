@@ -224,16 +224,11 @@ class _SafeReader(dcp.FileSystemReader):
             )
         # metadata written before the algorithm was recorded holds CRC-32s
         algorithm = getattr(md, integrity.ALGORITHM_ATTR, integrity.ALGORITHM)
-        if self._verify and (not isinstance(algorithm, str)
-                             or algorithm not in integrity.ALGORITHMS):
-            known = ", ".join(repr(a) for a in integrity.ALGORITHMS)
-            raise CheckpointError(
-                f"The checkpoint {self.path} records its chunk checksums as "
-                f"{algorithm!r} (metadata attribute {integrity.ALGORITHM_ATTR}), an "
-                f"algorithm this version of shardwise cannot check (it knows {known}). "
-                "Load it with the shardwise that wrote it, or pass verify=False to load it "
-                "without checking the chunks."
-            )
+        unknown = self._verify and integrity.unknown_algorithm(
+            algorithm, f"The checkpoint {self.path}",
+            f"metadata attribute {integrity.ALGORITHM_ATTR}", "chunk", "chunks")
+        if unknown:
+            raise CheckpointError(unknown)
         self._algorithm = algorithm
         meta = getattr(md, "storage_meta", None) or StorageMeta()
         meta.load_id = self.load_id
