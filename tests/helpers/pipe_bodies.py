@@ -158,7 +158,7 @@ def _report(name: str, text: str, took: float) -> None:
 
 def _pair(n: int) -> tuple[ProcessTransport, int]:
     mesh = DeviceMesh.cpu((n, 1), ("pp", "x"))
-    stages = [mesh.submesh(pp=i) for i in range(n)]
+    stages = prepare_stage_groups(mesh, "pp")  # NCCL's layout: a group per stream
     return ProcessTransport(stages), dist.get_rank()
 
 
@@ -277,6 +277,10 @@ def _check_step(pipe, sched, ref, x, t, m, loss, what,  # type: ignore[no-untype
 def body_every_schedule_pp4(n: int) -> None:
     """pp=4 (one device per stage; interleaved and ZBV: two stages per rank), every
     schedule, m in {1, p, 2p, 4p}: losses, output and gradients equal torch's."""
+    _schedules_pp4(n, list(_schedules()), (1, n, 2 * n, 4 * n))
+
+
+def _schedules_pp4(n: int, names: list[str], ms: tuple[int, ...]) -> None:
     import copy
 
     import torch.nn as nn
@@ -285,9 +289,10 @@ def body_every_schedule_pp4(n: int) -> None:
     from shardwise.pipelining import pipeline
 
     p = n
-    for name, (cls, v, style) in _schedules().items():
+    for name in names:
+        cls, v, style = _schedules()[name]
         stages = p * v
-        for m in (1, p, 2 * p, 4 * p):
+        for m in ms:
             torch.manual_seed(0)
             mods: list[nn.Module] = []
             for _ in range(stages):
@@ -296,6 +301,7 @@ def body_every_schedule_pp4(n: int) -> None:
             pipe = pipeline(copy.deepcopy(ref), DeviceMesh.cpu(p, "pp"),
                             split_points=[str(2 * k) for k in range(1, stages)],
                             stages_per_rank=v, style=style)
+            _check_stream_groups(pipe)
             sched = cls(pipe, n_microbatches=m, loss_fn=F.mse_loss)  # type: ignore[operator]
             g = torch.Generator().manual_seed(m)
             x, t = torch.randn(m + 1, 8, generator=g), torch.randn(m + 1, 8, generator=g)
@@ -306,6 +312,10 @@ def body_every_schedule_pp2_tp2(n: int) -> None:
     """pp=2 x tp=2: a GPT whose stages are tensor-parallel on their stage mesh (the
     activations cross as tp-laid-out Tensors), every schedule, m in {1, p, 2p, 4p};
     at m = 2p also clip_grad_norm_ over every stage equals torch's."""
+    _schedules_pp2_tp2(n, list(_schedules()), (1, 2, 4, 8))
+
+
+def _schedules_pp2_tp2(n: int, names: list[str], ms: tuple[int, ...]) -> None:
     import copy
 
     from shardwise.parallel import parallelize_module
@@ -315,19 +325,55 @@ def body_every_schedule_pp2_tp2(n: int) -> None:
     assert n == 4
     p = 2
     mesh = DeviceMesh.cpu((2, 2), ("pp", "tp"))
-    for name, (cls, v, style) in _schedules().items():
+    for name in names:
+        cls, v, style = _schedules()[name]
         layers = p * v
-        for m in (1, p, 2 * p, 4 * p):
+        for m in ms:
             ref = pm.make(layers)
             pipe = pipeline(copy.deepcopy(ref), mesh,
                             split_points=[f"layers.{k}" for k in range(1, layers)],
                             stages_per_rank=v, style=style)
+            _check_stream_groups(pipe)
             for st in pipe.local_stages:
                 parallelize_module(st.module, st.mesh, pm.plan_for(st.module))
             x, t = pm.batch(pm.config(layers), m)
             sched = cls(pipe, n_microbatches=m, loss_fn=pm.loss_fn)  # type: ignore[operator]
             _check_step(pipe, sched, ref, x, t, m, pm.loss_fn, f"{name} pp2xtp2 m={m}",
                         clip=m == 2 * p)
+
+
+def _check_stream_groups(pipe) -> None:  # type: ignore[no-untyped-def]
+    """With the stream-group hook (NCCL's layout), every stream of the pipe has its own
+    two-rank group and the transport uses them; without it, no stream group exists."""
+    from shardwise.pipelining.transport import transport_for
+    from shardwise.runtime.process.groups import stream_pairs
+
+    transport = transport_for([s.mesh for s in pipe.stages])
+    if not WORLD.force_stream_groups:
+        assert not WORLD.streams and transport._streams is None  # type: ignore[attr-defined]
+        return
+    assert transport._streams is WORLD.streams  # type: ignore[attr-defined]
+    pairs = stream_pairs([s.mesh for s in pipe.stages])
+    assert pairs, "a pipeline over processes has streams"
+    me = dist.get_rank()
+    mine = [WORLD.streams[k] for k in pairs if me in k[:2]]  # others: NON_GROUP_MEMBER
+    assert len({id(g) for g in mine}) == len(mine), "two streams share a group"
+    for g in mine:
+        assert dist.get_world_size(g) == 2 and g is not dist.group.WORLD
+
+
+def body_stream_groups_pp4(n: int) -> None:
+    """NCCL's stream layout on Gloo (SHARDWISE_P2P_STREAM_GROUPS=1), pp=4: 1F1B,
+    interleaved and ZBV (two stages of one rank side by side) equal torch's."""
+    assert WORLD.force_stream_groups, "launch with SHARDWISE_P2P_STREAM_GROUPS=1"
+    _schedules_pp4(n, ["1F1B", "Interleaved1F1B", "ZBVZeroBubble"], (2 * n,))
+
+
+def body_stream_groups_pp2_tp2(n: int) -> None:
+    """NCCL's stream layout on Gloo, pp=2 x tp=2 (tp-sharded activations, Partial
+    gradients): 1F1B and interleaved 1F1B equal torch's (and the clipped norm)."""
+    assert WORLD.force_stream_groups, "launch with SHARDWISE_P2P_STREAM_GROUPS=1"
+    _schedules_pp2_tp2(n, ["1F1B", "Interleaved1F1B"], (1, 4))
 
 
 class _DiesAt(torch.nn.Module):

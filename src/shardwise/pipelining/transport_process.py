@@ -1,5 +1,5 @@
-"""The pipeline transport between processes (torchrun, Gloo): a stage's activations and
-gradients cross to the next stage's processes with their layouts.
+"""The pipeline transport between processes (torchrun, Gloo or NCCL): a stage's
+activations and gradients cross to the next stage's processes with their layouts.
 
 The process at (dp, tp) coordinate ``c`` of stage ``src``'s mesh sends its local block
 of every shardwise Tensor to the process at the same coordinate ``c`` of stage
@@ -17,8 +17,14 @@ Invariants:
 - A received tensor is a new leaf; it records gradients when the sent one did (the
   receiving stage's backward stays its own, as torch's stages do).
 - A received block must have the shape its global shape and layout give on the
-  receiving process (shapes may change between microbatches, never disagree).
-- Gloo only (CPU tensors): another backend is refused when the transport is built.
+  receiving process (shapes may change between microbatches, never disagree), and
+  lands on the device the receiving mesh gives it (``backend.device_of``); a plain
+  torch tensor arrives on the transport's device (the GPU on NCCL, the CPU on Gloo).
+- On Gloo the streams share the world group (tags separate them); on NCCL (or with
+  the test hook ``SHARDWISE_P2P_STREAM_GROUPS=1``) each stream runs on its own group,
+  made by ``prepare_stage_groups`` (``pipeline()``): a missing one is refused.
+- Gloo or NCCL: another backend, NCCL without a GPU or a torch without NCCL is
+  refused when the transport is built.
 """
 
 from __future__ import annotations
@@ -32,6 +38,8 @@ from torch.utils import _pytree as pytree
 
 from shardwise.runtime.process import collectives as D
 from shardwise.runtime.process import p2p
+from shardwise.runtime.process.backend import device_of
+from shardwise.runtime.process.world import WORLD
 from shardwise.sharding.errors import CollectiveError, ShardingError
 from shardwise.sharding.layout import Layout
 from shardwise.sharding.mesh import DeviceMesh
@@ -61,12 +69,10 @@ class ProcessTransport:
             raise ShardingError(
                 f"ProcessTransport needs stage meshes of one shape (submeshes of one mesh "
                 f"along the pipeline axis). Got {self.meshes}.")
-        backend = dist.get_backend()
-        if backend != "gloo":  # p2p packs CPU bytes: NCCL would refuse them mid-step
-            raise ShardingError(
-                f"The pipeline transport between processes runs on Gloo (CPU tensors) so "
-                f"far; this run's backend is {backend!r}. Initialize with backend='gloo', "
-                "or keep every stage in one process (the simulated mesh).")
+        p2p.check_backend("The pipeline transport between processes")
+        # NCCL: each stream on its own group (WORLD.streams, by (sender, receiver, tag));
+        # Gloo: None, the world group and its tags (one dict lookup less per transfer)
+        self._streams = WORLD.streams if p2p.needs_stream_groups() else None
         self._local: dict[tuple[int, int, str], Any] = {}  # both stages in this process
 
     def _peer(self, here: int, there: int, what: str, tag: str) -> int | None:
@@ -96,8 +102,11 @@ class ProcessTransport:
         leaves, spec = pytree.tree_flatten(value)
         metas = [_meta(x, self.meshes[src_stage]) for x in leaves]
         blocks = [_block(x, self.meshes[src_stage]) for x in leaves]
-        p2p.send((p2p.spec_text(spec), metas, blocks), peer,
-                 p2p.stream_tag(src_stage, dst_stage), _key(src_stage, dst_stage, tag))
+        stream = p2p.stream_tag(src_stage, dst_stage)
+        p2p.send((p2p.spec_text(spec), metas, blocks), peer, stream,
+                 _key(src_stage, dst_stage, tag),
+                 None if self._streams is None else self._group(dist.get_rank(), peer,
+                                                                stream, src_stage, dst_stage))
 
     def recv(self, src_stage: int, dst_stage: int, tag: str) -> Any:
         """The value stage ``src_stage`` sent to ``dst_stage`` (held here) under ``tag``,
@@ -111,10 +120,27 @@ class ProcessTransport:
                     f"Pipeline receive of {tag} from stage {src_stage} to stage {dst_stage}: "
                     "nothing was sent (both stages are on this process).") from None
         key = _key(src_stage, dst_stage, tag)
-        spec_text, metas, blocks = p2p.recv(peer, p2p.stream_tag(src_stage, dst_stage), key)
+        stream = p2p.stream_tag(src_stage, dst_stage)
+        spec_text, metas, blocks = p2p.recv(
+            peer, stream, key,
+            None if self._streams is None else self._group(peer, dist.get_rank(), stream,
+                                                           src_stage, dst_stage))
         mesh = self.meshes[dst_stage]
         leaves = [_rebuild(m, b, mesh, key, peer) for m, b in zip(metas, blocks)]
         return pytree.tree_unflatten(leaves, p2p.spec_of(spec_text))
+
+    def _group(self, sender: int, receiver: int, stream: int, src: int, dst: int) -> Any:
+        """The process group of the stream from ``sender`` to ``receiver`` (NCCL)."""
+        assert self._streams is not None
+        pg = self._streams.get((sender, receiver, stream))
+        if pg is None:
+            raise ShardingError(
+                f"Pipeline transfer from stage {src} (rank {sender}) to stage {dst} (rank "
+                f"{receiver}): this backend ({dist.get_backend()!r}) needs a process group "
+                "per stream and this one has none. Build the stages with pipeline(), or "
+                "call shardwise.runtime.process.groups.prepare_stage_groups(mesh, axis, "
+                "stage_meshes) on every process before the first transfer.")
+        return pg
 
     def flush(self) -> None:
         """Wait until every value this process sent was received (bounded)."""
@@ -170,6 +196,9 @@ def _rebuild(meta: Any, block: Any, mesh: DeviceMesh, key: str, peer: int) -> An
             f"Pipeline receive of {key} on rank {dist.get_rank()}: rank {peer} sent a block of "
             f"shape {tuple(block.shape)}, but global shape {tuple(shape)} laid out as {layout} "
             f"puts shape {want} here: the stages' meshes or layouts disagree.")
+    dev = device_of(mesh, k)
+    if block.device != dev:  # e.g. NCCL's GPU message for a CPU mesh
+        block = block.to(dev)
     if grad and _grads(block):
         block.requires_grad_(True)
     shards: list[torch.Tensor | None] = [None] * mesh.num_devices

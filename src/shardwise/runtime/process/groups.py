@@ -14,12 +14,21 @@ Invariants:
   alone; a process outside a stage mesh that reaches one of its collectives gets an
   error, never a wait. Every other mesh still agrees over the world before its first
   group (the agreement catches a divergent program there, with its position).
+- Where point-to-point streams need their own groups (NCCL, or the Gloo test hook:
+  :func:`~shardwise.runtime.process.p2p.needs_stream_groups`),
+  :func:`prepare_stage_groups` also creates one two-rank group per stream: per pair of
+  adjacent stages, each direction, at each coordinate of the stage meshes whose two
+  ranks differ. ``WORLD.streams`` keys them by (sender rank, receiver rank, stream
+  tag), the same on every process; a stream's group is never shared, even by
+  streams between the same two ranks (NCCL would pair their transfers).
 - Every group is created with the run's timeout (torch's default for new groups is
-  30 minutes).
+  30 minutes). An NCCL stream group then gets a week (its receive waits, posted ahead,
+  through the pause between steps; p2p bounds every wait by the run's timeout).
 """
 
 from __future__ import annotations
 
+import datetime
 import itertools
 from collections.abc import Sequence
 from typing import Any
@@ -27,6 +36,7 @@ from typing import Any
 import torch.distributed as dist
 
 from shardwise.runtime.process import agreement as A
+from shardwise.runtime.process import p2p
 from shardwise.runtime.process.world import WORLD
 from shardwise.sharding.errors import ShardingError
 from shardwise.sharding.layout import Layout
@@ -34,7 +44,10 @@ from shardwise.sharding.mesh import DeviceMesh
 from shardwise.sharding.shapes import local_shape
 
 __all__ = ["Group", "group", "is_process_mesh", "my_index", "prepare_stage_groups",
-           "process_mesh", "refuse_outsider", "reset_groups", "world_group"]
+           "process_mesh", "refuse_outsider", "reset_groups", "stream_groups", "stream_pairs",
+           "world_group"]
+
+_STREAM_IDLE = datetime.timedelta(days=7)  # NCCL stream groups' watchdog (see stream_groups)
 
 
 class Group:
@@ -199,8 +212,9 @@ def prepare_stage_groups(mesh: DeviceMesh, axis: str,
     ``mesh.submesh(axis=i)`` for each ``i``) are the same torch groups, found by member
     ranks with no collective call, so a stage's processes run their stage's ops alone.
     Call it on every process (it is collective over the world), before any stage runs
-    an op (``pipeline()`` does). Returns the stage meshes, which refuse a process
-    outside them (:func:`refuse_outsider`).
+    an op (``pipeline()`` does). Where streams need their own groups (NCCL), it then
+    creates those of the adjacent stages' streams (:func:`stream_groups`). Returns the
+    stage meshes, which refuse a process outside them (:func:`refuse_outsider`).
 
     >>> prepare_stage_groups(DeviceMesh.cpu((2, 2), ("pp", "tp")), "pp")  # doctest: +SKIP
     [DeviceMesh(tp=2), DeviceMesh(tp=2)]
@@ -216,7 +230,55 @@ def prepare_stage_groups(mesh: DeviceMesh, axis: str,
         for n in range(1, sub.ndim + 1):
             for axes in itertools.combinations(range(sub.ndim), n):
                 group(sub, axes)  # found by ranks when a submesh of ``mesh``: local
+    if p2p.needs_stream_groups():
+        stream_groups(subs)
     return subs
+
+
+def stream_pairs(stages: Sequence[DeviceMesh]) -> list[tuple[int, int, int]]:
+    """The point-to-point streams between adjacent stages (the executor's only
+    transfers: activations forward, gradients back), as (sender rank, receiver rank,
+    tag), in one order: per pair of stages, each direction, each mesh coordinate whose
+    two ranks differ.
+
+    >>> stream_pairs([DeviceMesh.cpu(2, "tp"), DeviceMesh.cpu(2, "tp")])
+    []
+    """
+    out: list[tuple[int, int, int]] = []
+    for s in range(len(stages) - 1):
+        for a, b in ((s, s + 1), (s + 1, s)):
+            src, dst = stages[a].devices, stages[b].devices
+            if len(src) != len(dst):  # the transport refuses stages of two shapes
+                continue
+            tag = p2p.stream_tag(a, b)
+            out.extend((x.id, y.id, tag) for x, y in zip(src, dst) if x.id != y.id)
+    return out
+
+
+def stream_groups(stages: Sequence[DeviceMesh]) -> None:
+    """Give every stream between adjacent ``stages`` its own two-rank process group
+    (``WORLD.streams``), collectively on every process in one order (the streams are
+    the same list everywhere; those made before are kept)."""
+    todo = [k for k in dict.fromkeys(stream_pairs(stages)) if k not in WORLD.streams]
+    if not todo:
+        return
+    world = world_group()
+    A.agree(world.pg, world.ranks, world.label,
+            A.fingerprint("create process groups", None, f"point-to-point streams {todo}",
+                          (), None))
+    nccl = dist.get_backend() == "nccl"
+    for key in todo:
+        ranks = sorted(key[:2])
+        pg = WORLD.streams[key] = A.run(
+            "creating process groups", world.label, world.ranks,
+            lambda r=ranks: dist.new_group(r, timeout=A.timeout()))
+        if nccl and rank() in ranks:
+            # NCCL's watchdog times every work from its enqueue and takes the process
+            # down at the group's timeout; a stream's next receive is posted ahead and
+            # may wait through the pause between two steps (optimizer, checkpoint,
+            # eval). p2p bounds each wait itself (from the wait's start), so the
+            # watchdog of a stream's group only catches what nothing waits for.
+            dist.distributed_c10d._set_pg_timeout(_STREAM_IDLE, pg)
 
 
 def refuse_outsider(mesh: DeviceMesh, what: str) -> None:

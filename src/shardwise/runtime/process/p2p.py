@@ -1,7 +1,8 @@
 """Point-to-point transfers between two processes: a pytree of torch tensors (a pipeline
-stage's activations or gradients) sent to one peer rank, received whole by it.
+stage's activations or gradients) sent to one peer rank, received whole by it, on Gloo
+or NCCL.
 
-A transfer is one Gloo message on the stream of its key: a fixed header (magic, the
+A transfer is one message on the stream of its key: a fixed header (magic, the
 fingerprint of the key, the payload's sizes, a sequence number) and the payload (a
 JSON description of the tree: its structure, every leaf's shape and dtype or its
 value, the sender's key; then every tensor's bytes, 16-byte aligned). The message's
@@ -11,25 +12,34 @@ from one transfer to the next (dynamic shapes), and a step whose shapes repeat s
 one message per transfer, as many as torch's stages (whose shapes are fixed).
 
 Invariants:
-- A stream is one Gloo tag between two ranks (:func:`stream_tag`: one per pair of
-  pipeline stages and direction), so transfers of different streams never pair up,
-  and the transfers of one stream pair in the order they were sent.
+- A message is a uint8 tensor on the stream's device (:func:`message_device`: this
+  process's GPU on NCCL, the CPU on Gloo). Tensor bytes are packed and unpacked with
+  device copies (never a host round trip); only the header and the description are
+  read on the host.
+- A stream (one direction between two ranks, one pair of pipeline stages:
+  :func:`stream_tag`) pairs its transfers in the order they were sent, and never with
+  another stream's: on Gloo by its tag; where tags do not separate streams (NCCL
+  matches a pair's sends and receives in posting order whatever the tag, and opposite
+  directions on one communicator can deadlock) every stream runs on its own process
+  group (``pg=``; :func:`needs_stream_groups`; the pipeline's are made by
+  ``groups.prepare_stage_groups``).
 - Both ends size every message from the stream's history alone (:func:`_next_cap`),
-  so Gloo never pairs buffers of different sizes while the stream is healthy.
+  so a healthy stream never pairs buffers of different sizes.
 - A receiver posts the receive of a stream's next message as soon as it has taken
   one (its size is known): data flows while the stage computes. A stream ends with
   one such receive posted; the next step's first transfer fills it.
 - Sends never block (``isend``: a schedule cannot deadlock on buffering); a sent
   buffer is kept until :func:`flush` waits for its transfer (Gloo completes a send
   only in its wait; the executor flushes once per step).
-- Every wait is bounded by the run's timeout, never shorter (Gloo closes the
-  connection when a point-to-point wait times out). A peer that died, stalled past
-  the timeout or sent another key (another tag, stage or microbatch) raises
+- Every wait is bounded by the run's timeout, counted from the wait's start, never
+  shorter (Gloo closes the connection when a point-to-point wait times out; on NCCL
+  the host polls the work, see :func:`_wait`). A peer that died, stalled past the
+  timeout or sent another key (another tag, stage or microbatch) raises
   :class:`CollectiveError` naming the peer rank, both keys and the stream; the first
   failure is recorded in the store and quoted by every later error. A stream that
   failed refuses every later transfer (its pairing is lost).
-- The received tensors are new (never views of the sender's memory), contiguous and
-  never require grad; the caller decides.
+- The received tensors are new (never views of the sender's memory), contiguous, on
+  the stream's device, and never require grad; the caller decides.
 """
 
 from __future__ import annotations
@@ -49,9 +59,10 @@ from torch.utils import _pytree as pytree
 
 from shardwise.runtime.process import diagnose
 from shardwise.runtime.process.world import WORLD
-from shardwise.sharding.errors import CollectiveError
+from shardwise.sharding.errors import CollectiveError, ShardingError
 
-__all__ = ["flush", "pending", "recv", "send", "spec_of", "spec_text", "stream_tag"]
+__all__ = ["check_backend", "flush", "message_device", "needs_stream_groups", "pending",
+           "recv", "send", "spec_of", "spec_text", "stream_tag"]
 
 _MAGIC = 0x5357_5050      # "SWPP"
 _HEAD = 48                # header bytes (6 int64): magic, key code, description bytes,
@@ -60,12 +71,15 @@ _MIN_CAP = 4096           # the smallest message: a stream's first, and small tr
 _ALIGN = 16
 _TAG_BASE = 1 << 20       # clear of tag 0, which the collectives' exchanges use
 _LEAF_VALUES = (type(None), bool, int, float, str)
+_BACKENDS = ("gloo", "nccl")
+_POLL_MAX_S = 1e-3        # the longest sleep between two polls of an NCCL work
 
 
 @dataclass
 class _Stream:
     """One direction between this process and a peer: the transfers sent or received."""
 
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     seq: int = 0
     cap: int = _MIN_CAP   # the next message's bytes: the same on both ends (the history)
     ahead: tuple[Any, torch.Tensor] | None = None   # the next message's posted receive
@@ -77,19 +91,69 @@ _STREAMS: dict[tuple[int, int, str], _Stream] = {}   # (peer, tag, "send"/"recv"
 _WORLD_ID: list[int] = [0]
 
 
-def _stream(peer: int, tag: int, way: str) -> _Stream:
+def _stream(peer: int, tag: int, way: str, pg: Any) -> _Stream:
     if _WORLD_ID[0] != id(WORLD.channels):  # a new world: forget the old streams
         _STREAMS.clear()
         _WORLD_ID[0] = id(WORLD.channels)
     key = (peer, tag, way)
     s = _STREAMS.get(key)
     if s is None:
-        s = _STREAMS[key] = _Stream()
+        s = _STREAMS[key] = _Stream(message_device(pg))
     return s
 
 
+def check_backend(what: str, pg: Any = None) -> str:
+    """The backend of ``pg`` (default: the world's) when point-to-point transfers can
+    run on it; else a :class:`ShardingError` naming it and the fix. ``what`` names the
+    caller (e.g. "The pipeline transport between processes")."""
+    backend = str(dist.get_backend(pg))
+    if backend not in _BACKENDS:
+        raise ShardingError(
+            f"{what} runs on Gloo or NCCL; this run's backend is {backend!r}. Initialize "
+            "with backend='gloo' (CPU) or 'nccl' (one GPU per process), or keep every "
+            "stage in one process (the simulated mesh).")
+    if backend == "nccl" and not dist.is_nccl_available():
+        raise ShardingError(
+            f"{what}: this run's backend is 'nccl' but this torch build has no NCCL "
+            f"(torch {torch.__version__}, torch.distributed.is_nccl_available() is False). "
+            "Install a CUDA build of torch with NCCL, or initialize with backend='gloo'.")
+    if backend == "nccl" and not torch.cuda.is_available():
+        raise ShardingError(
+            f"{what}: this run's backend is 'nccl', whose messages live on this process's "
+            "GPU, but torch.cuda.is_available() is False here. Run where every process "
+            "has a GPU (torchrun --nproc-per-node <GPUs>), or initialize with "
+            "backend='gloo'.")
+    return backend
+
+
+def message_device(pg: Any = None) -> torch.device:
+    """Where the messages over ``pg`` (default: the world's group) live: this process's
+    current GPU on NCCL (which sends device memory only), the CPU on Gloo.
+
+    >>> message_device()  # doctest: +SKIP
+    device(type='cpu')
+    """
+    if dist.get_backend(pg) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def needs_stream_groups(pg: Any = None) -> bool:
+    """Whether every stream needs its own process group: on NCCL (tags do not separate
+    streams: a pair's transfers match in posting order, and two opposite directions on
+    one communicator can deadlock), or where the test hook
+    ``WORLD.force_stream_groups`` (``SHARDWISE_P2P_STREAM_GROUPS=1``) asks for NCCL's
+    layout on Gloo. Gloo keeps one group and separates streams by tag (cheaper).
+
+    >>> needs_stream_groups()  # doctest: +SKIP
+    False
+    """
+    return WORLD.force_stream_groups or dist.get_backend(pg) != "gloo"
+
+
 def stream_tag(src: int, dst: int) -> int:
-    """The Gloo tag of the stream from pipeline stage ``src`` to stage ``dst``.
+    """The tag of the stream from pipeline stage ``src`` to stage ``dst`` (Gloo pairs
+    by it; on NCCL it keys the stream's own group).
 
     >>> stream_tag(0, 1) != stream_tag(1, 0)
     True
@@ -167,7 +231,7 @@ def send(tree: Any, peer: int, tag: int, key: str, pg: Any = None) -> None:
     """Send ``tree`` (a pytree of torch tensors, None and scalars) to rank ``peer`` on
     stream ``tag``; ``key`` (e.g. "stage 0 -> stage 1, F3") must equal the receiver's.
     Returns at once; :func:`flush` waits for the transfers (bounded)."""
-    stream = _stream(peer, tag, "send")
+    stream = _stream(peer, tag, "send", pg)
     what = f"Pipeline transfer: rank {dist.get_rank()}'s send of {key} to rank {peer}"
     _refuse(stream, what)
     desc, tensors = _describe(tree, key)
@@ -177,13 +241,16 @@ def send(tree: Any, peer: int, tag: int, key: str, pg: Any = None) -> None:
         at += _up(t.numel() * t.element_size())
     cap = stream.cap
     inline = _HEAD + at <= cap
-    message = torch.zeros(cap, dtype=torch.uint8)
-    payload = message[_HEAD:_HEAD + at] if inline else torch.empty(at, dtype=torch.uint8)
-    payload[:len(desc)] = torch.frombuffer(bytearray(desc), dtype=torch.uint8)
+    dev = stream.device
+    message = torch.zeros(cap, dtype=torch.uint8, device=dev)
+    payload = (message[_HEAD:_HEAD + at] if inline else
+               torch.empty(at, dtype=torch.uint8, device=dev))
+    # the description comes from the host (small); the tensors' bytes are device copies
+    payload[:len(desc)].copy_(torch.frombuffer(bytearray(desc), dtype=torch.uint8))
     for t, off in zip(tensors, offsets):
         if t.numel():
             payload[off:off + t.numel() * t.element_size()].copy_(
-                t.cpu().reshape(-1).view(torch.uint8))
+                t.reshape(-1).view(torch.uint8))
     stream.seq += 1
     message[:_HEAD].view(torch.int64).copy_(torch.tensor(
         [_MAGIC, _code(key), len(desc), at, stream.seq, 0], dtype=torch.int64))
@@ -194,7 +261,8 @@ def send(tree: Any, peer: int, tag: int, key: str, pg: Any = None) -> None:
     except RuntimeError as err:  # the connection is gone already (the peer died)
         raise _fail(stream, f"{what} failed: the peer died or closed its connection.",
                     err) from err
-    # Gloo's send completes only in its wait: the buffers stay until flush()
+    # Gloo's send completes only in its wait (NCCL's when the peer took it): the
+    # buffers stay until flush()
     stream.sends.append((works, (message, payload), key))
 
 
@@ -233,7 +301,10 @@ def _wait(work: Any, deadline: float, stream: _Stream, what: str) -> None:
     left = max(deadline - time.monotonic(), 0.01)
     start = time.monotonic()
     try:
-        work.wait(timeout=datetime.timedelta(seconds=left))
+        if stream.device.type == "cpu":
+            work.wait(timeout=datetime.timedelta(seconds=left))
+        else:
+            _poll(work, start + left)
     except RuntimeError as err:
         took = time.monotonic() - start
         timed_out = "timed out" in str(err).lower() or "timeout" in str(err).lower()
@@ -243,12 +314,32 @@ def _wait(work: Any, deadline: float, stream: _Stream, what: str) -> None:
         raise _fail(stream, f"{what} {why}.", err) from err
 
 
+def _poll(work: Any, deadline: float) -> None:
+    """Wait for an NCCL work until ``deadline`` (monotonic), polling it from the host.
+
+    Why not ``work.wait(timeout=...)`` (torch 2.13, ``ProcessGroupNCCL::WorkNCCL::wait``):
+    with a timeout it does block the host, polling ``isCompleted()``, but it measures
+    the timeout from the work's ENQUEUE (``workStartTime_``), not from the wait; a
+    receive pre-posted in the previous step would time out at once after a long pause
+    between steps. On expiry it also aborts the communicator. So the host polls
+    ``is_completed()`` against a deadline counted from this wait's start (as Gloo's
+    wait counts it), then ``wait()`` without a timeout only orders the current CUDA
+    stream after the transfer (and raises the work's error, e.g. a peer's NCCL error)."""
+    pause = 0.0
+    while not work.is_completed():
+        if time.monotonic() >= deadline:
+            raise RuntimeError("point-to-point wait timed out (polled from the host)")
+        time.sleep(pause)
+        pause = min(2 * pause + 1e-5, _POLL_MAX_S)
+    work.wait()
+
+
 def recv(peer: int, tag: int, key: str, pg: Any = None) -> Any:
     """Receive the next transfer of stream ``tag`` from rank ``peer`` and check that it
     is ``key`` (the sender's key): returns the tree with new tensors. Raises
     :class:`CollectiveError` when the peer sent another key, died, or sent nothing
     within the run's timeout."""
-    stream = _stream(peer, tag, "recv")
+    stream = _stream(peer, tag, "recv", pg)
     what = (f"Pipeline transfer: rank {dist.get_rank()}'s receive of {key} from rank "
             f"{peer}")
     _refuse(stream, what)
@@ -265,11 +356,13 @@ def recv(peer: int, tag: int, key: str, pg: Any = None) -> Any:
     if _HEAD + n_all <= stream.cap:
         payload = message[_HEAD:_HEAD + n_all]
     else:
-        payload = torch.empty(n_all, dtype=torch.uint8)
+        payload = torch.empty(n_all, dtype=torch.uint8, device=stream.device)
         _wait(dist.irecv(payload, peer, group=pg, tag=tag), deadline, stream, what)
     stream.seq += 1
     stream.cap = _next_cap(n_all)
-    sent_key, spec_text, items = json.loads(bytes(payload[:n_desc].numpy()).decode())
+    # the description is read on the host (.cpu(): a no-op on Gloo)
+    sent_key, spec_text, items = json.loads(
+        bytes(payload[:n_desc].cpu().numpy()).decode())
     if code != _code(key) or sent_key != key:
         raise _fail(stream, (
             f"Pipeline transfer mismatch on rank {dist.get_rank()}: it expected {key} from "
@@ -286,7 +379,7 @@ def recv(peer: int, tag: int, key: str, pg: Any = None) -> Any:
 def _post(stream: _Stream, peer: int, tag: int, pg: Any, what: str
           ) -> tuple[Any, torch.Tensor]:
     """Post the receive of the stream's next message (``stream.cap`` bytes)."""
-    message = torch.empty(stream.cap, dtype=torch.uint8)
+    message = torch.empty(stream.cap, dtype=torch.uint8, device=stream.device)
     try:
         return dist.irecv(message, peer, group=pg, tag=tag), message
     except RuntimeError as err:
@@ -308,7 +401,8 @@ def _unpack(payload: torch.Tensor, n_desc: int, spec_text: str, items: list[Any]
         shape = tuple(item[2])
         nbytes = math.prod(shape) * dtype.itemsize
         raw = payload[at:at + nbytes]
-        x = raw.view(dtype).view(shape) if nbytes else torch.empty(shape, dtype=dtype)
+        x = (raw.view(dtype).view(shape) if nbytes else
+             torch.empty(shape, dtype=dtype, device=payload.device))
         leaves.append(x.clone() if several and nbytes else x)
         at += -(-nbytes // _ALIGN) * _ALIGN
     return pytree.tree_unflatten(leaves, spec_of(spec_text))

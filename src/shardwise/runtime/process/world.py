@@ -2,13 +2,16 @@
 
 Invariants:
 - Everything cached per world lives on :data:`WORLD`: process groups by (mesh, axes)
-  and torch process groups by member ranks, the mesh -> process index, the pipeline
-  stage meshes, meshes checked against the world size, the agreement
-  channels, groups that failed, and the multi-process step specs (which hold groups).
+  and torch process groups by member ranks, the point-to-point streams' own groups
+  (by sender, receiver and tag), the mesh -> process index, the pipeline stage
+  meshes, meshes checked against the world size, the agreement channels, groups that
+  failed, and the multi-process step specs (which hold groups).
   ``WORLD.reset()`` (``shutdown()`` and ``initialize()``) clears them all at once,
   so nothing of an old world survives into a new one.
 - The settings of the run live here too: the collective timeout, the default
-  agreement check, the opt-in debug check (``SHARDWISE_CHECK_COLLECTIVES=1``).
+  agreement check, the opt-in debug check (``SHARDWISE_CHECK_COLLECTIVES=1``), and
+  a test hook that gives every point-to-point stream its own group on Gloo too, as
+  NCCL needs (``SHARDWISE_P2P_STREAM_GROUPS=1``, read once when this module loads).
 - Bookkeeping only: no torch.distributed call is made here.
 """
 
@@ -25,6 +28,10 @@ def _env_check() -> bool:
     return os.environ.get("SHARDWISE_CHECK_COLLECTIVES", "") == "1"
 
 
+def _env_stream_groups() -> bool:
+    return os.environ.get("SHARDWISE_P2P_STREAM_GROUPS", "") == "1"
+
+
 @dataclass
 class World:
     """The world's settings and caches (see the module invariants).
@@ -38,8 +45,12 @@ class World:
     timeout_s: float = 60.0         # every bounded wait of a collective
     agreement: bool = True          # the default-on collective agreement check
     check_collectives: bool = field(default_factory=_env_check)  # the heavy debug check
+    # test hook: NCCL's stream layout (one process group per stream) on Gloo as well,
+    # so the Gloo tests run the code path NCCL runs (Gloo itself separates streams by tag)
+    force_stream_groups: bool = field(default_factory=_env_stream_groups)
     groups: dict[Any, Any] = field(default_factory=dict)
     pgs: dict[tuple[int, ...], Any] = field(default_factory=dict)  # sorted ranks -> group
+    streams: dict[tuple[int, int, int], Any] = field(default_factory=dict)  # (src, dst, tag)
     stages: set[Any] = field(default_factory=set)        # pipeline stage meshes
     index: dict[Any, int | None] = field(default_factory=dict)
     checked: set[Any] = field(default_factory=set)      # meshes that fit the world
@@ -49,7 +60,7 @@ class World:
 
     def reset(self) -> None:
         """Forget every cache of this world (settings stay)."""
-        for cache in (self.groups, self.pgs, self.stages, self.index, self.checked,
+        for cache in (self.groups, self.pgs, self.streams, self.stages, self.index, self.checked,
                       self.channels, self.broken, self.specs):
             cache.clear()
 

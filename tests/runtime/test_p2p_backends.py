@@ -1,0 +1,184 @@
+"""The point-to-point layer's backend choices, without processes or a GPU (torch's
+calls faked): where messages live, when every stream needs its own process group and
+how many (NCCL ignores tags), the refusals of backends it cannot run on, and the
+bounded host-side wait of an NCCL work."""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from shardwise import DeviceMesh
+from shardwise.pipelining import stage as S
+from shardwise.runtime.process import agreement as A
+from shardwise.runtime.process import diagnose, p2p
+from shardwise.runtime.process import groups as G
+from shardwise.runtime.process.world import WORLD
+from shardwise.sharding.errors import CollectiveError, ShardingError
+
+
+@pytest.fixture
+def world(monkeypatch: pytest.MonkeyPatch) -> Iterator[dict[str, Any]]:
+    """A fake world: rank 0 of ``state["size"]``, backend ``state["backend"]``; every
+    group created is recorded (sorted ranks) and is a new object."""
+    state: dict[str, Any] = {"backend": "gloo", "size": 8, "made": [], "timeouts": []}
+
+    def new_group(ranks: list[int], timeout: Any = None) -> object:
+        state["made"].append(tuple(ranks))
+        return object()
+
+    monkeypatch.setattr(dist, "get_backend", lambda group=None: state["backend"])
+    monkeypatch.setattr(dist, "get_rank", lambda group=None: 0)
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: state["size"])
+    monkeypatch.setattr(dist, "new_group", new_group)
+    monkeypatch.setattr(dist.distributed_c10d, "_set_pg_timeout",
+                        lambda timeout, pg: state["timeouts"].append((timeout, pg)))
+    monkeypatch.setattr(A, "agree", lambda *args, **kwargs: None)
+    force = WORLD.force_stream_groups
+    WORLD.reset()
+    WORLD.force_stream_groups = False
+    yield state
+    WORLD.reset()
+    WORLD.force_stream_groups = force
+
+
+def test_messages_live_on_this_gpu_with_nccl_and_on_the_cpu_with_gloo(
+        world: dict[str, Any], monkeypatch: pytest.MonkeyPatch) -> None:
+    assert p2p.message_device() == torch.device("cpu")
+    world["backend"] = "nccl"
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
+    assert p2p.message_device() == torch.device("cuda", 3)
+
+
+def test_streams_need_their_own_groups_on_nccl_or_with_the_hook(
+        world: dict[str, Any]) -> None:
+    assert not p2p.needs_stream_groups()
+    WORLD.force_stream_groups = True
+    assert p2p.needs_stream_groups()
+    WORLD.force_stream_groups = False
+    world["backend"] = "nccl"
+    assert p2p.needs_stream_groups()
+
+
+def test_backends_it_cannot_run_on_are_refused(world: dict[str, Any],
+                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    assert p2p.check_backend("X") == "gloo"
+    world["backend"] = "mpi"
+    with pytest.raises(ShardingError, match=r"X runs on Gloo or NCCL; this run's backend "
+                                            r"is 'mpi'. Initialize with backend='gloo'"):
+        p2p.check_backend("X")
+    world["backend"] = "nccl"
+    monkeypatch.setattr(dist, "is_nccl_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(ShardingError, match=r"'nccl'.*torch.cuda.is_available\(\) is False.*"
+                                            r"backend='gloo'"):
+        p2p.check_backend("X")
+    monkeypatch.setattr(dist, "is_nccl_available", lambda: False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    with pytest.raises(ShardingError, match=r"this torch build has no NCCL.*"
+                                            r"is_nccl_available\(\) is False"):
+        p2p.check_backend("X")
+    monkeypatch.setattr(dist, "is_nccl_available", lambda: True)
+    assert p2p.check_backend("X") == "nccl"
+
+
+def _stages(shape: tuple[int, ...], names: tuple[str, ...], v: int, style: str
+            ) -> tuple[DeviceMesh, list[DeviceMesh]]:
+    mesh = DeviceMesh.cpu(shape, names)
+    p = mesh.axis_size("pp")
+    return mesh, [S._stage_mesh(mesh, "pp", S._rank(s, p, style)) for s in range(p * v)]
+
+
+# (mesh, stages per rank, style) -> (groups prepare_stage_groups creates without and
+# with a group per stream); 2x2x2: the parent mesh's 18 groups (every sorted subset of
+# axes), then 2 directions x 4 coordinates per pair of adjacent stages on two ranks
+LAYOUTS = [((2, 2, 2), ("pp", "dp", "tp"), 1, "loop", 18, 26),   # 1F1B
+           ((2, 2, 2), ("pp", "dp", "tp"), 2, "loop", 18, 42),   # interleaved
+           ((2, 2, 2), ("pp", "dp", "tp"), 2, "v", 18, 34),      # ZBV: stages 1, 2 on rank 1
+           ((4,), ("pp",), 1, "loop", 0, 6),
+           ((4,), ("pp",), 2, "loop", 0, 14),
+           ((4,), ("pp",), 2, "v", 0, 12)]
+
+
+@pytest.mark.parametrize(("shape", "names", "v", "style", "without", "with_streams"),
+                         LAYOUTS)
+def test_one_group_per_stream_on_nccl_none_on_gloo(
+        world: dict[str, Any], shape: tuple[int, ...], names: tuple[str, ...], v: int,
+        style: str, without: int, with_streams: int) -> None:
+    world["size"] = math.prod(shape)
+    mesh, stages = _stages(shape, names, v, style)
+    G.prepare_stage_groups(mesh, "pp", stages)
+    assert len(world["made"]) == without and not WORLD.streams
+    WORLD.reset()
+    world["made"].clear()
+    world["backend"] = "nccl"
+    G.prepare_stage_groups(mesh, "pp", stages)
+    assert len(world["made"]) == with_streams
+    pairs = G.stream_pairs(stages)
+    assert list(WORLD.streams) == pairs and len(set(pairs)) == len(pairs)
+    assert world["made"][without:] == [tuple(sorted(k[:2])) for k in pairs]
+    # every stream its own group, even between the same two ranks (interleaved)
+    assert len({id(g) for g in WORLD.streams.values()}) == len(pairs)
+    # rank 0's groups (NCCL) wait through the pause between steps: the watchdog's long
+    # timeout; p2p bounds each wait itself
+    mine = [WORLD.streams[k] for k in pairs if 0 in k[:2]]
+    assert [pg for _, pg in world["timeouts"]] == mine
+    # a second pipeline on the same stages makes none
+    G.prepare_stage_groups(mesh, "pp", stages)
+    assert len(world["made"]) == with_streams
+
+
+def test_the_stream_layout_of_pp2_x_tp2() -> None:
+    mesh = DeviceMesh.cpu((2, 2), ("pp", "tp"))
+    stages = [mesh.submesh(pp=0), mesh.submesh(pp=1)]
+    up, down = p2p.stream_tag(0, 1), p2p.stream_tag(1, 0)
+    assert G.stream_pairs(stages) == [(0, 2, up), (1, 3, up), (2, 0, down), (3, 1, down)]
+    # interleaved: three streams from rank 0 to rank 2 (stages 0 -> 1, 2 -> 1, 2 -> 3)
+    inter = G.stream_pairs(stages * 2)
+    assert [k for k in inter if k[:2] == (0, 2)] == [
+        (0, 2, up), (0, 2, p2p.stream_tag(2, 1)), (0, 2, p2p.stream_tag(2, 3))]
+
+
+class _Work:
+    """An NCCL work that completes after ``polls`` polls (never when None)."""
+
+    def __init__(self, polls: int | None) -> None:
+        self.polls, self.waited = polls, False
+
+    def is_completed(self) -> bool:
+        if self.polls is None:
+            return False
+        self.polls -= 1
+        return self.polls < 0
+
+    def wait(self, timeout: Any = None) -> bool:
+        assert timeout is None, "an NCCL wait with a timeout counts from the enqueue"
+        self.waited = True
+        return True
+
+
+def test_an_nccl_wait_polls_then_orders_the_stream(monkeypatch: pytest.MonkeyPatch) -> None:
+    work = _Work(3)
+    stream = p2p._Stream(torch.device("cuda", 0))
+    p2p._wait(work, time.monotonic() + 5.0, stream, "w")
+    assert work.waited and work.polls == -1
+
+
+def test_an_nccl_wait_is_bounded_from_its_start(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(diagnose, "record", lambda text: "")
+    monkeypatch.setattr(WORLD, "timeout_s", 0.2)
+    stream = p2p._Stream(torch.device("cuda", 0))
+    start = time.monotonic()
+    with pytest.raises(CollectiveError, match=r"^w timed out after 0\.\d s "
+                                              r"\(timeout_s=0\.2\): the peer stalled"):
+        p2p._wait(_Work(None), start + 0.2, stream, "w")
+    assert 0.2 <= time.monotonic() - start < 1.0
+    assert stream.failed  # the stream refuses from now on
+    with pytest.raises(CollectiveError, match="this stream failed earlier"):
+        p2p._refuse(stream, "next")
