@@ -9,6 +9,7 @@ checked against single-device torch.
     python examples/gpt_pp.py --pp 2                       # simulated 2x2x2 mesh
     python examples/gpt_pp.py --pp 4 --mesh 4x1x1 --schedule ZBVZeroBubble
     torchrun --nproc-per-node 4 examples/gpt_pp.py --mesh 2x1x2
+    torchrun --nproc-per-node 2 examples/gpt_pp.py --backend nccl --mesh 2x1x1  # 2 GPUs
 """
 
 from __future__ import annotations
@@ -133,7 +134,7 @@ def main(argv: list[str] | None = None) -> int:
     import copy
 
     import shardwise as sw
-    from shardwise import DeviceMesh, PlacementMapping, Replicated, Sharded
+    from shardwise import PlacementMapping, Replicated, Sharded
     from shardwise import pipelining as pp
     from shardwise.distributed import maybe_initialize, process_count, shutdown
 
@@ -152,15 +153,21 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rtol", type=float, default=1e-4)
     p.add_argument("--timeline", action="store_true",
                    help="print the schedule's simulated timeline")
+    p.add_argument("--backend", choices=("gloo", "nccl"), default=None,
+                   help="under torchrun: the process backend (default: nccl where torch "
+                        "sees a GPU, else gloo); on nccl the mesh is the processes' GPUs")
     args = p.parse_args(argv)
-    multi = maybe_initialize()
+    multi = maybe_initialize(**({"backend": args.backend} if args.backend else {}))
+    if args.backend and not multi:
+        p.error(f"--backend {args.backend} needs torchrun (one process per device); "
+                "without it the mesh is simulated")
     if args.mesh:
         size = tuple(int(v) for v in args.mesh.split("x"))
     elif multi:
         size = (args.pp, 1, process_count() // args.pp)
     else:
         size = (args.pp, 2, 2)
-    mesh = DeviceMesh.cpu(size, ("pp", "dp", "tp"))
+    mesh = _mesh(size, multi)
     virtual = 1 if args.schedule in ("GPipe", "1F1B") else 2
     n_stages = size[0] * virtual
     m = args.microbatches or 2 * n_stages
@@ -216,6 +223,21 @@ def pipeline_of(model: PipeGPT, mesh: Any, layers: int, n_stages: int, schedule:
     v = n_stages // mesh.axis_size("pp")
     return pipeline(model, mesh, split_points=split_points(layers, n_stages),
                     stages_per_rank=v, style="v" if schedule == "ZBVZeroBubble" else "loop")
+
+
+def _mesh(size: tuple[int, ...], multi: bool) -> Any:
+    """The (pp, dp, tp) mesh: process i's GPU on NCCL (device i is process i), CPU
+    devices otherwise."""
+    import math
+
+    import torch.distributed as dist
+
+    from shardwise import Accelerator, DeviceMesh
+
+    names = ("pp", "dp", "tp")
+    if multi and dist.get_backend() == "nccl":
+        return DeviceMesh(tuple(Accelerator(i) for i in range(math.prod(size))), size, names)
+    return DeviceMesh.cpu(size, names)
 
 
 def _first_holder(stage: Any) -> bool:

@@ -17,6 +17,12 @@ def test_example_trains_at_parity(argv: list[str], capsys: pytest.CaptureFixture
     assert "bubble" in out
 
 
+def test_a_backend_needs_torchrun(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        gpt_pp.main(["--backend", "nccl"])
+    assert "--backend nccl needs torchrun" in capsys.readouterr().err
+
+
 def test_split_points_refuse_more_stages_than_layers() -> None:
     with pytest.raises(ValueError, match="--layers"):
         gpt_pp.split_points(2, 4)

@@ -5,13 +5,17 @@ mismatched key and a dead peer still raise the same errors."""
 
 from __future__ import annotations
 
+import sys
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
 from tests.helpers import pipe_bodies
-from tests.helpers.harness import run_on_ranks
+from tests.helpers.harness import free_port, run_bounded, run_on_ranks
+
+GPT_PP = Path(__file__).resolve().parents[2] / "examples" / "gpt_pp.py"
 
 BODIES = ["body_stream_groups_pp4", "body_stream_groups_pp2_tp2"]
 LIMIT_S = 60.0
@@ -58,3 +62,15 @@ def test_a_dead_peer_makes_the_other_stage_raise(forced: None) -> None:
     assert results[1] == {"<exit>": "exit code 17"}, results.get(1)
     assert results[0].get("<setup>") is None, results[0]
     assert results[0]["body_dead_peer"] is None, results[0]["body_dead_peer"]
+
+
+def test_the_gpt_example_under_torchrun_with_a_group_per_stream(forced: None) -> None:
+    """The command a GPU session runs with ``--backend nccl``, here on Gloo with NCCL's
+    stream layout: interleaved 1F1B on pp=2 x tp=2 at parity with torch."""
+    torchrun = str(Path(sys.executable).with_name("torchrun"))
+    out = run_bounded([torchrun, "--nproc-per-node", "4", "--master-port", str(free_port()),
+                       str(GPT_PP), "--backend", "gloo", "--mesh", "2x1x2", "--schedule",
+                       "Interleaved1F1B", "--steps", "2"], 240)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "(torch.distributed, 4 processes)" in out.stdout, out.stdout
+    assert out.stdout.rstrip().endswith("parity OK"), out.stdout

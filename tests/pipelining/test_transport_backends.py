@@ -97,11 +97,19 @@ def test_a_received_block_lands_on_the_meshs_device(fake: dict[str, Any],
     sub = STAGES[1]
     x = sw.tensor(torch.ones(4, 4), sharding=PlacementMapping(sub, [Sharded(0)]))
     meta = T._meta(x, sub)
-    monkeypatch.setattr(T, "device_of", lambda mesh, k: torch.device("meta"))
-    got = T._rebuild(meta, torch.ones(2, 4), STAGES[0], "F0", 2)
-    block = got._shards[0]
-    assert block is not None and block.device == torch.device("meta")
-    assert tuple(block.shape) == (2, 4) and got.shape == (4, 4)
-    monkeypatch.setattr(T, "device_of", lambda mesh, k: torch.device("cpu"))
+    asked: list[tuple[DeviceMesh, int]] = []
+    monkeypatch.setattr(T, "device_of", lambda mesh, k: asked.append((mesh, k)) or
+                        torch.device("meta"))
+    monkeypatch.setattr(p2p, "recv", lambda peer, tag, key, pg=None: (
+        p2p.spec_text(torch.utils._pytree.tree_flatten((0, 0))[1]), [meta, meta],
+        [torch.ones(2, 4), torch.ones(2, 4)]))
+    t = ProcessTransport(STAGES)
+    for _ in range(2):
+        got = t.recv(1, 0, "B0")
+        for y in got:
+            block = y._shards[0]
+            assert block is not None and block.device == torch.device("meta")
+            assert tuple(block.shape) == (2, 4) and y.shape == (4, 4)
+    assert asked == [(STAGES[0], 0)]  # once per stage and transport, not per transfer
     same = torch.ones(2, 4)
-    assert T._rebuild(meta, same, STAGES[0], "F0", 2)._shards[0] is same  # no copy
+    assert T._rebuild(meta, same, STAGES[0], "F0", 2, torch.device("cpu"))._shards[0] is same

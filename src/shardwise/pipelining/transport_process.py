@@ -74,6 +74,7 @@ class ProcessTransport:
         # Gloo: None, the world group and its tags (one dict lookup less per transfer)
         self._streams = WORLD.streams if p2p.needs_stream_groups() else None
         self._local: dict[tuple[int, int, str], Any] = {}  # both stages in this process
+        self._devices: dict[int, torch.device] = {}  # stage -> where its blocks live here
 
     def _peer(self, here: int, there: int, what: str, tag: str) -> int | None:
         """The rank at this process's coordinate of stage ``there`` (None: this one)."""
@@ -126,7 +127,12 @@ class ProcessTransport:
             None if self._streams is None else self._group(peer, dist.get_rank(), stream,
                                                            src_stage, dst_stage))
         mesh = self.meshes[dst_stage]
-        leaves = [_rebuild(m, b, mesh, key, peer) for m, b in zip(metas, blocks)]
+        dev = self._devices.get(dst_stage)
+        if dev is None:
+            k = D.my_index(mesh)
+            assert k is not None
+            dev = self._devices[dst_stage] = device_of(mesh, k)
+        leaves = [_rebuild(m, b, mesh, key, peer, dev) for m, b in zip(metas, blocks)]
         return pytree.tree_unflatten(leaves, p2p.spec_of(spec_text))
 
     def _group(self, sender: int, receiver: int, stream: int, src: int, dst: int) -> Any:
@@ -180,7 +186,8 @@ def _block(x: Any, mesh: DeviceMesh) -> Any:
     return x
 
 
-def _rebuild(meta: Any, block: Any, mesh: DeviceMesh, key: str, peer: int) -> Any:
+def _rebuild(meta: Any, block: Any, mesh: DeviceMesh, key: str, peer: int,
+             dev: torch.device) -> Any:
     if meta is None:
         return block
     if meta[0] == "t":
@@ -196,7 +203,6 @@ def _rebuild(meta: Any, block: Any, mesh: DeviceMesh, key: str, peer: int) -> An
             f"Pipeline receive of {key} on rank {dist.get_rank()}: rank {peer} sent a block of "
             f"shape {tuple(block.shape)}, but global shape {tuple(shape)} laid out as {layout} "
             f"puts shape {want} here: the stages' meshes or layouts disagree.")
-    dev = device_of(mesh, k)
     if block.device != dev:  # e.g. NCCL's GPU message for a CPU mesh
         block = block.to(dev)
     if grad and _grads(block):
