@@ -72,7 +72,8 @@ _ALIGN = 16
 _TAG_BASE = 1 << 20       # clear of tag 0, which the collectives' exchanges use
 _LEAF_VALUES = (type(None), bool, int, float, str)
 _BACKENDS = ("gloo", "nccl")
-_POLL_MAX_S = 1e-3        # the longest sleep between two polls of an NCCL work
+_POLL_MAX_S = 2e-4        # the longest sleep between two polls of an NCCL work (torch's
+                          # own blocking wait sleeps 1 ms: a microbatch would wait for it)
 
 
 @dataclass
