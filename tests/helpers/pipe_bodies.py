@@ -24,8 +24,8 @@ FAULT_SLACK_S = 9.0     # naming the culprit through the store, a loaded machine
 TIMES = "shardwise-test/pp-fault/"
 
 
-def _tree(i: int) -> dict[str, object]:
-    g = torch.Generator().manual_seed(i)
+def _tree(i: int, seed: int | None = None) -> dict[str, object]:
+    g = torch.Generator().manual_seed(i if seed is None else seed)
     return {"a": torch.randn(2 + i, 3, generator=g),
             "b": [None, 3, 2.5, "s", torch.arange(i + 1)],
             "c": (torch.tensor([True, False]), torch.empty(0, 4, dtype=torch.float64)),
@@ -53,20 +53,22 @@ def _same(x: object, y: object) -> None:
 
 
 def body_p2p_round_trip(n: int) -> None:
-    """Ranks 2i -> 2i+1 send four trees whose shapes change each time (growing past
-    the last transfer's size, then shrinking), then the receiver sends each back on
+    """Ranks 2i -> 2i+1 send trees whose shapes change (growing past the last
+    transfer's size, then shrinking) or repeat (a transfer that leaves out the
+    description it shares with the previous one), then the receiver sends each back on
     the reverse stream: equal values, dtypes, shapes."""
     me = dist.get_rank()
     peer = me ^ 1
     up, down = p2p.stream_tag(0, 1), p2p.stream_tag(1, 0)
-    for i in range(4):
+    for step, i in enumerate((0, 1, 1, 2, 2, 1, 3, 3, 0)):
+        sent = _tree(i, seed=step)
         if me % 2 == 0:
-            p2p.send(_tree(i), peer, up, f"F{i}")
-            _same(_tree(i), p2p.recv(peer, down, f"B{i}"))
+            p2p.send(sent, peer, up, f"F{step}")
+            _same(sent, p2p.recv(peer, down, f"B{step}"))
         else:
-            got = p2p.recv(peer, up, f"F{i}")
-            _same(_tree(i), got)
-            p2p.send(got, peer, down, f"B{i}")
+            got = p2p.recv(peer, up, f"F{step}")
+            _same(sent, got)
+            p2p.send(got, peer, down, f"B{step}")
     p2p.flush()
     assert p2p.pending() == 0
 

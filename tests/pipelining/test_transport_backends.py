@@ -33,14 +33,14 @@ def fake(monkeypatch: pytest.MonkeyPatch) -> Iterator[dict[str, Any]]:
     monkeypatch.setattr(dist, "get_world_size", lambda group=None: 4)
     monkeypatch.setattr(dist, "is_nccl_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(p2p, "send", lambda tree, peer, tag, key, pg=None:
+    monkeypatch.setattr(p2p, "send_parts", lambda info, tensors, peer, tag, key, pg=None:
                         state["sent"].append((peer, tag, key, pg)))
 
     def recv(peer: int, tag: int, key: str, pg: Any = None) -> Any:
         state["received"].append((peer, tag, key, pg))
-        return p2p.spec_text(torch.utils._pytree.tree_flatten(None)[1]), [None], [None]
+        return [p2p.spec_text(torch.utils._pytree.tree_flatten(None)[1]), [["v", None]]], []
 
-    monkeypatch.setattr(p2p, "recv", recv)
+    monkeypatch.setattr(p2p, "recv_parts", recv)
     force = WORLD.force_stream_groups
     WORLD.reset()
     WORLD.force_stream_groups = False
@@ -96,12 +96,12 @@ def test_a_received_block_lands_on_the_meshs_device(fake: dict[str, Any],
     block moves to ``device_of(mesh, k)`` (faked: the meta device)."""
     sub = STAGES[1]
     x = sw.tensor(torch.ones(4, 4), sharding=PlacementMapping(sub, [Sharded(0)]))
-    meta = T._meta(x, sub)
+    meta = T._layout_meta(x)
     asked: list[tuple[DeviceMesh, int]] = []
     monkeypatch.setattr(T, "device_of", lambda mesh, k: asked.append((mesh, k)) or
                         torch.device("meta"))
-    monkeypatch.setattr(p2p, "recv", lambda peer, tag, key, pg=None: (
-        p2p.spec_text(torch.utils._pytree.tree_flatten((0, 0))[1]), [meta, meta],
+    monkeypatch.setattr(p2p, "recv_parts", lambda peer, tag, key, pg=None: (
+        [p2p.spec_text(torch.utils._pytree.tree_flatten((0, 0))[1]), [meta, meta]],
         [torch.ones(2, 4), torch.ones(2, 4)]))
     t = ProcessTransport(STAGES)
     for _ in range(2):

@@ -166,7 +166,7 @@ class _Work:
 def test_an_nccl_wait_polls_then_orders_the_stream(monkeypatch: pytest.MonkeyPatch) -> None:
     work = _Work(3)
     stream = p2p._Stream(torch.device("cuda", 0))
-    p2p._wait(work, time.monotonic() + 5.0, stream, "w")
+    p2p._wait(work, time.monotonic() + 5.0, stream, lambda: "w")
     assert work.waited and work.polls == -1
 
 
@@ -177,8 +177,8 @@ def test_an_nccl_wait_is_bounded_from_its_start(monkeypatch: pytest.MonkeyPatch)
     start = time.monotonic()
     with pytest.raises(CollectiveError, match=r"^w timed out after 0\.\d s "
                                               r"\(timeout_s=0\.2\): the peer stalled"):
-        p2p._wait(_Work(None), start + 0.2, stream, "w")
+        p2p._wait(_Work(None), start + 0.2, stream, lambda: "w")
     assert 0.2 <= time.monotonic() - start < 1.0
     assert stream.failed  # the stream refuses from now on
     with pytest.raises(CollectiveError, match="this stream failed earlier"):
-        p2p._refuse(stream, "next")
+        p2p._refuse(stream, lambda: "next")

@@ -49,6 +49,8 @@ from shardwise.tensors.tensor import Tensor
 
 __all__ = ["ProcessTransport"]
 
+_VALUES = (type(None), bool, int, float, str)
+
 
 class ProcessTransport:
     """Send and receive pipeline values between stages held by other processes.
@@ -74,10 +76,14 @@ class ProcessTransport:
         # Gloo: None, the world group and its tags (one dict lookup less per transfer)
         self._streams = WORLD.streams if p2p.needs_stream_groups() else None
         self._local: dict[tuple[int, int, str], Any] = {}  # both stages in this process
+        self._peers: dict[tuple[int, int], int | None] = {}  # a hop's peer, once found
         self._devices: dict[int, torch.device] = {}  # stage -> where its blocks live here
 
     def _peer(self, here: int, there: int, what: str, tag: str) -> int | None:
         """The rank at this process's coordinate of stage ``there`` (None: this one)."""
+        got = self._peers.get((here, there), -1)
+        if got != -1:
+            return got
         for s in (here, there):
             if not 0 <= s < len(self.meshes):
                 raise ShardingError(
@@ -91,7 +97,8 @@ class ProcessTransport:
                 f"{self.meshes[here]!r} (devices {[d.id for d in self.meshes[here].devices]}): "
                 "only the stage's processes send and receive its values.")
         peer = self.meshes[there].devices[k].id
-        return None if peer == dist.get_rank() else peer
+        found = self._peers[(here, there)] = None if peer == dist.get_rank() else peer
+        return found
 
     def send(self, value: Any, src_stage: int, dst_stage: int, tag: str) -> None:
         """Send ``value`` (a pytree of shardwise Tensors, torch tensors, None, scalars)
@@ -101,13 +108,19 @@ class ProcessTransport:
             self._local[(src_stage, dst_stage, tag)] = _fresh(value)
             return
         leaves, spec = pytree.tree_flatten(value)
-        metas = [_meta(x, self.meshes[src_stage]) for x in leaves]
-        blocks = [_block(x, self.meshes[src_stage]) for x in leaves]
+        mesh = self.meshes[src_stage]
+        metas: list[Any] = []
+        blocks: list[torch.Tensor] = []
+        for x in leaves:
+            meta, block = _part(x, mesh)
+            metas.append(meta)
+            if block is not None:
+                blocks.append(block)
         stream = p2p.stream_tag(src_stage, dst_stage)
-        p2p.send((p2p.spec_text(spec), metas, blocks), peer, stream,
-                 _key(src_stage, dst_stage, tag),
-                 None if self._streams is None else self._group(dist.get_rank(), peer,
-                                                                stream, src_stage, dst_stage))
+        p2p.send_parts([p2p.spec_text(spec), metas], blocks, peer, stream,
+                       _key(src_stage, dst_stage, tag),
+                       None if self._streams is None else self._group(
+                           dist.get_rank(), peer, stream, src_stage, dst_stage))
 
     def recv(self, src_stage: int, dst_stage: int, tag: str) -> Any:
         """The value stage ``src_stage`` sent to ``dst_stage`` (held here) under ``tag``,
@@ -122,7 +135,7 @@ class ProcessTransport:
                     "nothing was sent (both stages are on this process).") from None
         key = _key(src_stage, dst_stage, tag)
         stream = p2p.stream_tag(src_stage, dst_stage)
-        spec_text, metas, blocks = p2p.recv(
+        (spec_text, metas), blocks = p2p.recv_parts(
             peer, stream, key,
             None if self._streams is None else self._group(peer, dist.get_rank(), stream,
                                                            src_stage, dst_stage))
@@ -132,7 +145,9 @@ class ProcessTransport:
             k = D.my_index(mesh)
             assert k is not None
             dev = self._devices[dst_stage] = device_of(mesh, k)
-        leaves = [_rebuild(m, b, mesh, key, peer, dev) for m, b in zip(metas, blocks)]
+        it = iter(blocks)
+        leaves = [_rebuild(m, next(it) if m[0] != "v" else None, mesh, key, peer, dev)
+                  for m in metas]
         return pytree.tree_unflatten(leaves, p2p.spec_of(spec_text))
 
     def _group(self, sender: int, receiver: int, stream: int, src: int, dst: int) -> Any:
@@ -157,39 +172,44 @@ def _key(src: int, dst: int, tag: str) -> str:
     return f"{tag} from stage {src} to stage {dst}"
 
 
-def _meta(x: Any, mesh: DeviceMesh) -> Any:
-    """What the receiver needs besides the block: the layout of a shardwise Tensor (its
-    dims and Partial ops), its global shape, and whether it records gradients."""
+def _part(x: Any, mesh: DeviceMesh) -> tuple[Any, torch.Tensor | None]:
+    """A leaf's description for the receiver (JSON) and the tensor that carries it:
+    a shardwise Tensor's layout (its dims and Partial ops), global shape and whether it
+    records gradients, with this process's block; a torch tensor's gradient flag, with
+    itself; any other value, as it is."""
     if isinstance(x, Tensor):
         if x.mesh != mesh:
             raise ShardingError(
                 f"Pipeline send: a Tensor on {x.mesh!r} leaves the stage on {mesh!r}; a stage "
                 "sends values on its own mesh (relayout it onto the stage mesh first).")
-        lay = x.dist_layout
-        return ["sw", [list(d) for d in lay.dims], [None if p is None else p.value
-                                                    for p in lay.partial],
-                list(x.shape), x.requires_grad]
-    if isinstance(x, torch.Tensor):
-        return ["t", x.requires_grad]
-    return None
-
-
-def _block(x: Any, mesh: DeviceMesh) -> Any:
-    if isinstance(x, Tensor):
         k = D.my_index(mesh)
         assert k is not None
         block = x._shards[k]
         assert block is not None, "a process holds its own block"
-        return block.detach()
+        return _layout_meta(x), block.detach()
     if isinstance(x, torch.Tensor):
-        return x.detach()
-    return x
+        return ["t", x.requires_grad], x.detach()
+    if not isinstance(x, _VALUES):
+        raise CollectiveError(
+            f"Pipeline send: cannot send a leaf of type {type(x).__name__} ({x!r:.60}); a "
+            "value must be a tree (tuple, list, dict) of tensors, None, bool, int, float or "
+            "str.")
+    return ["v", x], None
+
+
+def _layout_meta(x: Tensor) -> list[Any]:
+    """What the receiver needs besides a shardwise Tensor's block (JSON): its layout's
+    dims and Partial ops, its global shape, whether it records gradients."""
+    lay = x.dist_layout
+    return ["sw", [list(d) for d in lay.dims],
+            [None if p is None else p.value for p in lay.partial], list(x.shape),
+            x.requires_grad]
 
 
 def _rebuild(meta: Any, block: Any, mesh: DeviceMesh, key: str, peer: int,
              dev: torch.device) -> Any:
-    if meta is None:
-        return block
+    if meta[0] == "v":
+        return meta[1]
     if meta[0] == "t":
         return block.requires_grad_(True) if meta[1] and _grads(block) else block
     _, dims, partial, shape, grad = meta

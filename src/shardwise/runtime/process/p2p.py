@@ -3,19 +3,20 @@ stage's activations or gradients) sent to one peer rank, received whole by it, o
 or NCCL.
 
 A transfer is one message on the stream of its key: a fixed header (magic, the
-fingerprint of the key, the payload's sizes, a sequence number) and the payload (a
-JSON description of the tree: its structure, every leaf's shape and dtype or its
-value, the sender's key; then every tensor's bytes, 16-byte aligned). The message's
-size is what both ends know: the last transfer's (a stream's first: 4 KiB); a payload
-that does not fit follows in a second message of its own size. So shapes may change
-from one transfer to the next (dynamic shapes), and a step whose shapes repeat sends
-one message per transfer, as many as torch's stages (whose shapes are fixed).
+fingerprint of the key, the sizes of what follows, a sequence number), the key itself,
+the description (JSON: the caller's ``info`` and every tensor's dtype and shape; left
+out when it equals the stream's previous transfer's, as in every steady pipeline step),
+then every tensor's bytes, 16-byte aligned. The message's size is what both ends know:
+the last transfer's (a stream's first: 4 KiB); a payload that does not fit follows in
+a second message of its own size. So shapes may change from one transfer to the next
+(dynamic shapes), and a step whose shapes repeat sends one message per transfer, as
+many as torch's stages (whose shapes are fixed).
 
 Invariants:
 - A message is a uint8 tensor on the stream's device (:func:`message_device`: this
   process's GPU on NCCL, the CPU on Gloo). Tensor bytes are packed and unpacked with
-  device copies (never a host round trip); only the header and the description are
-  read on the host.
+  device copies (never a host round trip); only the header, the key and the
+  description are read on the host.
 - A stream (one direction between two ranks, one pair of pipeline stages:
   :func:`stream_tag`) pairs its transfers in the order they were sent, and never with
   another stream's: on Gloo by its tag; where tags do not separate streams (NCCL
@@ -23,8 +24,9 @@ Invariants:
   directions on one communicator can deadlock) every stream runs on its own process
   group (``pg=``; :func:`needs_stream_groups`; the pipeline's are made by
   ``groups.prepare_stage_groups``).
-- Both ends size every message from the stream's history alone (:func:`_next_cap`),
-  so a healthy stream never pairs buffers of different sizes.
+- Both ends size every message, and know the description a transfer may leave out,
+  from the stream's history alone (:func:`_next_cap`, ``_Stream.desc``/``parsed``), so
+  a healthy stream never pairs buffers of different sizes.
 - A receiver posts the receive of a stream's next message as soon as it has taken
   one (its size is known): data flows while the stage computes. A stream ends with
   one such receive posted; the next step's first transfer fills it.
@@ -33,13 +35,17 @@ Invariants:
   only in its wait; the executor flushes once per step).
 - Every wait is bounded by the run's timeout, counted from the wait's start, never
   shorter (Gloo closes the connection when a point-to-point wait times out; on NCCL
-  the host polls the work, see :func:`_wait`). A peer that died, stalled past the
+  the host polls the work, see :func:`_poll`). A peer that died, stalled past the
   timeout or sent another key (another tag, stage or microbatch) raises
   :class:`CollectiveError` naming the peer rank, both keys and the stream; the first
   failure is recorded in the store and quoted by every later error. A stream that
   failed refuses every later transfer (its pairing is lost).
 - The received tensors are new (never views of the sender's memory), contiguous, on
   the stream's device, and never require grad; the caller decides.
+- A transfer costs its copies and one process-group call on each end, little more:
+  the hot path calls the process group itself (what ``dist.isend``/``irecv`` end in)
+  and formats no error text unless a transfer fails (a pipeline hop is on the
+  critical path of every schedule).
 """
 
 from __future__ import annotations
@@ -48,8 +54,10 @@ import datetime
 import functools
 import json
 import math
+import struct
 import time
 import zlib
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -62,15 +70,17 @@ from shardwise.runtime.process.world import WORLD
 from shardwise.sharding.errors import CollectiveError, ShardingError
 
 __all__ = ["check_backend", "flush", "message_device", "needs_stream_groups", "pending",
-           "recv", "send", "spec_of", "spec_text", "stream_tag"]
+           "recv", "recv_parts", "send", "send_parts", "spec_of", "spec_text", "stream_tag"]
 
 _MAGIC = 0x5357_5050      # "SWPP"
-_HEAD = 48                # header bytes (6 int64): magic, key code, description bytes,
-                          # payload bytes, sequence number, 0
+_HEADER = struct.Struct("<8q")  # magic, key code, key bytes, description bytes (0: the
+                          # stream's previous one), payload bytes, sequence number, 0, 0
+_HEAD = _HEADER.size      # 64
 _MIN_CAP = 4096           # the smallest message: a stream's first, and small transfers
 _ALIGN = 16
 _TAG_BASE = 1 << 20       # clear of tag 0, which the collectives' exchanges use
 _LEAF_VALUES = (type(None), bool, int, float, str)
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
 _BACKENDS = ("gloo", "nccl")
 _POLL_MAX_S = 2e-4        # the longest sleep between two polls of an NCCL work (torch's
                           # own blocking wait sleeps 1 ms: a microbatch would wait for it)
@@ -86,15 +96,21 @@ class _Stream:
     ahead: tuple[Any, torch.Tensor] | None = None   # the next message's posted receive
     failed: str = ""
     sends: list[tuple[Any, tuple[torch.Tensor, ...], str]] = field(default_factory=list)
+    # the last description (sent: its bytes; received: parsed), which the next transfer
+    # may leave out: both ends hold the same one while the stream is healthy
+    desc: bytes = b""
+    parsed: tuple[Any, list[tuple[torch.dtype, tuple[int, ...], int]]] | None = None
 
 
 _STREAMS: dict[tuple[int, int, str], _Stream] = {}   # (peer, tag, "send"/"recv")
 _WORLD_ID: list[int] = [0]
+_GROUP_RANK: dict[tuple[int, int], int] = {}  # (id(pg), global rank) -> rank in pg
 
 
 def _stream(peer: int, tag: int, way: str, pg: Any) -> _Stream:
     if _WORLD_ID[0] != id(WORLD.channels):  # a new world: forget the old streams
         _STREAMS.clear()
+        _GROUP_RANK.clear()
         _WORLD_ID[0] = id(WORLD.channels)
     key = (peer, tag, way)
     s = _STREAMS.get(key)
@@ -185,29 +201,18 @@ def spec_of(text: str) -> Any:
     return pytree.treespec_loads(text)
 
 
-def _describe(tree: Any, key: str) -> tuple[bytes, list[torch.Tensor]]:
-    """The payload's description (JSON: the key, the tree's structure, each leaf) and
-    the tensor leaves it names, in order."""
-    leaves, spec = pytree.tree_flatten(tree)
-    items: list[Any] = []
-    tensors: list[torch.Tensor] = []
-    for x in leaves:
-        if isinstance(x, torch.Tensor):
-            if type(x) is not torch.Tensor and not isinstance(x, torch.nn.Parameter):
-                raise CollectiveError(
-                    f"point-to-point send: a leaf of type {type(x).__name__} is not a plain "
-                    "torch tensor; send its local block (the pipeline transport does this "
-                    "for shardwise Tensors).")
-            tensors.append(x.detach().contiguous())
-            items.append(["t", str(x.dtype).removeprefix("torch."), list(x.shape)])
-        elif isinstance(x, _LEAF_VALUES):
-            items.append(["v", x])
-        else:
-            raise CollectiveError(
-                f"point-to-point send: cannot send a leaf of type {type(x).__name__} "
-                f"({x!r:.60}); a value must be a tree (tuple, list, dict) of tensors, None, "
-                "bool, int, float or str.")
-    return json.dumps([key, spec_text(spec), items]).encode(), tensors
+def _pg(pg: Any) -> Any:
+    return pg if pg is not None else dist.distributed_c10d._get_default_group()
+
+
+def _rank_in(pg: Any, peer: int) -> int:
+    """``peer``'s rank in ``pg`` (the default group's ranks are the global ones)."""
+    if pg is None:
+        return peer
+    r = _GROUP_RANK.get((id(pg), peer))
+    if r is None:
+        r = _GROUP_RANK[(id(pg), peer)] = dist.get_group_rank(pg, peer)
+    return r
 
 
 def _fail(stream: _Stream, text: str, err: BaseException | None = None) -> CollectiveError:
@@ -220,47 +225,107 @@ def _fail(stream: _Stream, text: str, err: BaseException | None = None) -> Colle
     return CollectiveError(text + quote + under)
 
 
-def _refuse(stream: _Stream, what: str) -> None:
-    if stream.failed:
-        raise CollectiveError(
-            f"{what} refused: this stream failed earlier and its "
-            f"transfers no longer pair up. Stop the program (or shutdown() and initialize() "
-            f"again). The earlier error: {stream.failed[:400]}")
+def _refuse(stream: _Stream, what: Callable[[], str]) -> None:
+    raise CollectiveError(
+        f"{what()} refused: this stream failed earlier and its "
+        f"transfers no longer pair up. Stop the program (or shutdown() and initialize() "
+        f"again). The earlier error: {stream.failed[:400]}")
 
 
 def send(tree: Any, peer: int, tag: int, key: str, pg: Any = None) -> None:
     """Send ``tree`` (a pytree of torch tensors, None and scalars) to rank ``peer`` on
     stream ``tag``; ``key`` (e.g. "stage 0 -> stage 1, F3") must equal the receiver's.
     Returns at once; :func:`flush` waits for the transfers (bounded)."""
+    leaves, spec = pytree.tree_flatten(tree)
+    items: list[Any] = []
+    tensors: list[torch.Tensor] = []
+    for x in leaves:
+        if isinstance(x, torch.Tensor):
+            tensors.append(x)
+            items.append(0)
+        elif isinstance(x, _LEAF_VALUES):
+            items.append([x])
+        else:
+            raise CollectiveError(
+                f"point-to-point send: cannot send a leaf of type {type(x).__name__} "
+                f"({x!r:.60}); a value must be a tree (tuple, list, dict) of tensors, None, "
+                "bool, int, float or str.")
+    send_parts([spec_text(spec), items], tensors, peer, tag, key, pg)
+
+
+def recv(peer: int, tag: int, key: str, pg: Any = None) -> Any:
+    """Receive the next transfer of stream ``tag`` from rank ``peer`` and check that it
+    is ``key`` (the sender's key): returns the tree with new tensors. Raises
+    :class:`CollectiveError` when the peer sent another key, died, or sent nothing
+    within the run's timeout."""
+    (text, items), tensors = recv_parts(peer, tag, key, pg)
+    it = iter(tensors)
+    leaves = [next(it) if item == 0 else item[0] for item in items]
+    return pytree.tree_unflatten(leaves, spec_of(text))
+
+
+def send_parts(info: Any, tensors: Sequence[torch.Tensor], peer: int, tag: int, key: str,
+               pg: Any = None) -> None:
+    """Send ``tensors`` (plain torch tensors) and ``info`` (any JSON value: what the
+    receiver needs to use them) to rank ``peer`` on stream ``tag`` under ``key``;
+    :func:`recv_parts` returns both. Returns at once, as :func:`send` does."""
     stream = _stream(peer, tag, "send", pg)
-    what = f"Pipeline transfer: rank {dist.get_rank()}'s send of {key} to rank {peer}"
-    _refuse(stream, what)
-    desc, tensors = _describe(tree, key)
-    offsets, at = [], _up(len(desc))
+    if stream.failed:
+        _refuse(stream, lambda: f"Pipeline transfer: rank {dist.get_rank()}'s send of "
+                                f"{key} to rank {peer}")
+    metas = []
+    for t in tensors:
+        if type(t) not in _PLAIN:
+            raise CollectiveError(
+                f"point-to-point send: a leaf of type {type(t).__name__} is not a plain "
+                "torch tensor; send its local block (the pipeline transport does this "
+                "for shardwise Tensors).")
+        metas.append((str(t.dtype)[6:], t.shape))
+    desc = json.dumps([info, metas]).encode()
+    kb = key.encode()
+    same = desc == stream.desc
+    n_desc = 0 if same else len(desc)
+    at = _up(len(kb)) + _up(n_desc)
+    offsets = []
     for t in tensors:
         offsets.append(at)
         at += _up(t.numel() * t.element_size())
     cap = stream.cap
     inline = _HEAD + at <= cap
-    dev = stream.device
-    message = torch.zeros(cap, dtype=torch.uint8, device=dev)
-    payload = (message[_HEAD:_HEAD + at] if inline else
-               torch.empty(at, dtype=torch.uint8, device=dev))
-    # the description comes from the host (small); the tensors' bytes are device copies
-    payload[:len(desc)].copy_(torch.frombuffer(bytearray(desc), dtype=torch.uint8))
-    for t, off in zip(tensors, offsets):
-        if t.numel():
-            payload[off:off + t.numel() * t.element_size()].copy_(
-                t.reshape(-1).view(torch.uint8))
     stream.seq += 1
-    message[:_HEAD].view(torch.int64).copy_(torch.tensor(
-        [_MAGIC, _code(key), len(desc), at, stream.seq, 0], dtype=torch.int64))
+    prefix = bytearray(_HEADER.pack(_MAGIC, zlib.crc32(kb) & 0x7FFF_FFFF, len(kb), n_desc,
+                                    at, stream.seq, 0, 0))
+    prefix += kb
+    if not same:
+        prefix += bytes(_up(len(kb)) - len(kb))
+        prefix += desc
+    # one buffer: the header, key and description, then the tensors (the padding
+    # between them is never read); a payload that does not fit goes second, alone
+    # (from the host: small; the tensors' bytes are device copies)
+    dev = stream.device
+    message = torch.empty(cap, dtype=torch.uint8, device=dev)
+    if inline:
+        payload = message[_HEAD:_HEAD + at]
+        message[:len(prefix)].copy_(torch.frombuffer(prefix, dtype=torch.uint8))
+    else:
+        payload = torch.empty(at, dtype=torch.uint8, device=dev)
+        message[:_HEAD].copy_(torch.frombuffer(prefix, dtype=torch.uint8, count=_HEAD))
+        payload[:len(prefix) - _HEAD].copy_(
+            torch.frombuffer(prefix, dtype=torch.uint8, offset=_HEAD))
+    for t, off in zip(tensors, offsets, strict=True):
+        n = t.numel() * t.element_size()
+        if n:
+            payload[off:off + n].copy_(t.detach().reshape(-1).view(torch.uint8))
     stream.cap = _next_cap(at)
+    stream.desc = desc
+    group = _pg(pg)
+    dst = _rank_in(pg, peer)
     try:
-        works = (dist.isend(message, peer, group=pg, tag=tag),) + (
-            () if inline else (dist.isend(payload, peer, group=pg, tag=tag),))
+        works = (group.send([message], dst, tag),) + (
+            () if inline else (group.send([payload], dst, tag),))
     except RuntimeError as err:  # the connection is gone already (the peer died)
-        raise _fail(stream, f"{what} failed: the peer died or closed its connection.",
+        raise _fail(stream, f"Pipeline transfer: rank {dist.get_rank()}'s send of {key} to "
+                            f"rank {peer} failed: the peer died or closed its connection.",
                     err) from err
     # Gloo's send completes only in its wait (NCCL's when the peer took it): the
     # buffers stay until flush()
@@ -292,13 +357,14 @@ def flush() -> None:
         if way != "send":
             continue
         for works, _, key in stream.sends:
+            def what(key: str = key, peer: int = peer) -> str:
+                return f"Pipeline transfer: rank {dist.get_rank()}'s send of {key} to rank {peer}"
             for w in works:
-                _wait(w, deadline, stream, f"Pipeline transfer: rank {dist.get_rank()}'s "
-                                            f"send of {key} to rank {peer}")
+                _wait(w, deadline, stream, what)
         stream.sends.clear()
 
 
-def _wait(work: Any, deadline: float, stream: _Stream, what: str) -> None:
+def _wait(work: Any, deadline: float, stream: _Stream, what: Callable[[], str]) -> None:
     left = max(deadline - time.monotonic(), 0.01)
     start = time.monotonic()
     try:
@@ -312,7 +378,7 @@ def _wait(work: Any, deadline: float, stream: _Stream, what: str) -> None:
         why = (f"timed out after {took:.1f} s (timeout_s={WORLD.timeout_s:g}): the peer "
                "stalled, waits elsewhere, or its program sends or receives something else"
                if timed_out else "failed: the peer died or closed its connection")
-        raise _fail(stream, f"{what} {why}.", err) from err
+        raise _fail(stream, f"{what()} {why}.", err) from err
 
 
 def _poll(work: Any, deadline: float) -> None:
@@ -335,35 +401,38 @@ def _poll(work: Any, deadline: float) -> None:
     work.wait()
 
 
-def recv(peer: int, tag: int, key: str, pg: Any = None) -> Any:
-    """Receive the next transfer of stream ``tag`` from rank ``peer`` and check that it
-    is ``key`` (the sender's key): returns the tree with new tensors. Raises
-    :class:`CollectiveError` when the peer sent another key, died, or sent nothing
-    within the run's timeout."""
+def recv_parts(peer: int, tag: int, key: str, pg: Any = None
+               ) -> tuple[Any, list[torch.Tensor]]:
+    """Receive the next transfer of stream ``tag`` from rank ``peer``, check that it is
+    ``key``, and return what :func:`send_parts` sent: ``(info, tensors)``, the tensors
+    new. Raises as :func:`recv` does."""
     stream = _stream(peer, tag, "recv", pg)
-    what = (f"Pipeline transfer: rank {dist.get_rank()}'s receive of {key} from rank "
-            f"{peer}")
-    _refuse(stream, what)
+
+    def what() -> str:
+        return f"Pipeline transfer: rank {dist.get_rank()}'s receive of {key} from rank {peer}"
+    if stream.failed:
+        _refuse(stream, what)
     deadline = time.monotonic() + WORLD.timeout_s
     work, message = stream.ahead or _post(stream, peer, tag, pg, what)
     stream.ahead = None
     _wait(work, deadline, stream, what)
-    header = message[:_HEAD].view(torch.int64).tolist()
-    magic, code, n_desc, n_all, seq, _ = header
-    if magic != _MAGIC or not 0 <= n_desc <= n_all:
-        raise _fail(stream, f"{what}: the peer sent something that "
-                    f"is not a transfer (header {header}): its program sends other data on "
-                    "this stream.")
+    # the header, key and description are read on the host (.cpu(): a no-op on Gloo)
+    header = _HEADER.unpack_from(message[:_HEAD].cpu().numpy().data)
+    magic, code, n_key, n_desc, n_all, seq, _, _ = header
+    if (magic != _MAGIC or not 0 <= n_key <= n_all or not 0 <= n_desc <= n_all
+            or (n_desc == 0 and stream.parsed is None)):
+        raise _fail(stream, f"{what()}: the peer sent something that "
+                    f"is not a transfer (header {list(header)}): its program sends other "
+                    "data on this stream.")
     if _HEAD + n_all <= stream.cap:
         payload = message[_HEAD:_HEAD + n_all]
     else:
         payload = torch.empty(n_all, dtype=torch.uint8, device=stream.device)
-        _wait(dist.irecv(payload, peer, group=pg, tag=tag), deadline, stream, what)
+        _wait(_pg(pg).recv([payload], _rank_in(pg, peer), tag), deadline, stream, what)
     stream.seq += 1
     stream.cap = _next_cap(n_all)
-    # the description is read on the host (.cpu(): a no-op on Gloo)
-    sent_key, spec_text, items = json.loads(
-        bytes(payload[:n_desc].cpu().numpy()).decode())
+    body = payload[:_up(n_key) + n_desc].cpu().numpy()
+    sent_key = bytes(body[:n_key]).decode(errors="replace")
     if code != _code(key) or sent_key != key:
         raise _fail(stream, (
             f"Pipeline transfer mismatch on rank {dist.get_rank()}: it expected {key} from "
@@ -371,39 +440,38 @@ def recv(peer: int, tag: int, key: str, pg: Any = None) -> Any:
             f"{sent_key} (its transfer #{seq}). Every stage must send and receive the same "
             "microbatches in the same order (check the schedule table and rank-dependent "
             "code)."))
+    at = _up(n_key)
+    if n_desc:
+        info, metas = json.loads(bytes(body[at:at + n_desc]))
+        stream.parsed = (info, [(getattr(torch, d), tuple(shape),
+                                 math.prod(shape) * getattr(torch, d).itemsize)
+                                for d, shape in metas])
+        at += _up(n_desc)
+    assert stream.parsed is not None
+    info, plan = stream.parsed
     # the next transfer's message, posted now (its size is known): the sender's data
     # then flows while this stage computes, instead of after a handshake at the next recv
     stream.ahead = _post(stream, peer, tag, pg, what)
-    return _unpack(payload, n_desc, spec_text, items)
+    # tensors of one payload share its version counter: copies when there are several
+    # (an in-place write to one must not fail another's backward check)
+    several = len(plan) > 1
+    tensors = []
+    for dtype, shape, nbytes in plan:
+        if nbytes:
+            x = payload[at:at + nbytes].view(dtype).view(shape)
+            tensors.append(x.clone() if several else x)
+        else:
+            tensors.append(torch.empty(shape, dtype=dtype, device=payload.device))
+        at += _up(nbytes)
+    return info, tensors
 
 
-def _post(stream: _Stream, peer: int, tag: int, pg: Any, what: str
+def _post(stream: _Stream, peer: int, tag: int, pg: Any, what: Callable[[], str]
           ) -> tuple[Any, torch.Tensor]:
     """Post the receive of the stream's next message (``stream.cap`` bytes)."""
     message = torch.empty(stream.cap, dtype=torch.uint8, device=stream.device)
     try:
-        return dist.irecv(message, peer, group=pg, tag=tag), message
+        return _pg(pg).recv([message], _rank_in(pg, peer), tag), message
     except RuntimeError as err:
-        raise _fail(stream, f"{what} failed: the peer died or closed its connection.",
+        raise _fail(stream, f"{what()} failed: the peer died or closed its connection.",
                     err) from err
-
-
-def _unpack(payload: torch.Tensor, n_desc: int, spec_text: str, items: list[Any]) -> Any:
-    at = -(-n_desc // _ALIGN) * _ALIGN
-    # tensors of one payload share its version counter: copies when there are several
-    # (an in-place write to one must not fail another's backward check)
-    several = sum(item[0] == "t" for item in items) > 1
-    leaves: list[Any] = []
-    for item in items:
-        if item[0] == "v":
-            leaves.append(item[1])
-            continue
-        dtype = getattr(torch, item[1])
-        shape = tuple(item[2])
-        nbytes = math.prod(shape) * dtype.itemsize
-        raw = payload[at:at + nbytes]
-        x = (raw.view(dtype).view(shape) if nbytes else
-             torch.empty(shape, dtype=dtype, device=payload.device))
-        leaves.append(x.clone() if several and nbytes else x)
-        at += -(-nbytes // _ALIGN) * _ALIGN
-    return pytree.tree_unflatten(leaves, spec_of(spec_text))
