@@ -282,7 +282,7 @@ def _without_zlib_ng(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_crc32_combine_is_zlibs(a: bytes, b: bytes) -> None:
     from shardwise.checkpoint import integrity
 
-    assert integrity._combine(zlib.crc32(a), zlib.crc32(b), len(b)) == zlib.crc32(a + b)
+    assert integrity.combine(zlib.crc32(a), zlib.crc32(b), len(b)) == zlib.crc32(a + b)
 
 
 def test_crc32_of_a_large_buffer_in_pieces_is_zlibs(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -580,27 +580,42 @@ def test_dcp_chunks_are_summed_as_they_are_read_once_per_load(
     assert all(n < 1024 for _, n in left), left  # the record's bytes were summed as read
 
 
-def test_safetensors_tensors_are_checked_on_a_thread_once(
-        saved_st: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """One check of the file's tensors (one memory map) on the checker thread, while
-    the loading thread copies them."""
-    import threading
+def test_safetensors_tensors_are_summed_once_as_they_are_copied(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every byte of the file's tensors is summed once, in pieces each copied right
+    after it is summed (read from memory once), and a flip anywhere is corrupt."""
+    from shardwise.checkpoint import integrity, safetensors_io
 
-    from shardwise.checkpoint import integrity
+    big = torch.arange(3 * 2**20, dtype=torch.float32).reshape(1536, 2048)  # 12 MiB
+    small = torch.arange(30, dtype=torch.float32).reshape(5, 6)
+    path = tmp_path / "big.safetensors"
+    sw.checkpoint.save_safetensors({"big": big, "small": small}, path)
+    summed: list[int] = []
+    crc32 = integrity.crc32
 
-    calls: list[tuple[str, str, int]] = []
-    check_chunks = integrity.check_chunks
+    def spy(data: Any, value: int = 0) -> int:
+        summed.append(len(data))
+        return crc32(data, value)
 
-    def spy(path: Path, chunks: Any, *rest: Any) -> Any:
-        chunks = list(chunks)
-        calls.append((threading.current_thread().name.split("_")[0], path.name, len(chunks)))
-        return check_chunks(path, chunks, *rest)
-
-    monkeypatch.setattr(integrity, "check_chunks", spy)
-    t = _load_st(saved_st, lambda p: None)
-    t["step"] = 3
-    check(t, 3)
-    assert calls == [("shardwise-check", saved_st.name, 3)], calls
+    monkeypatch.setattr(integrity, "crc32", spy)
+    mesh = sw.DeviceMesh.cpu(4, "x")
+    t = {"big": sw.zeros((1536, 2048), sharding=PlacementMapping(mesh, [Sharded(1)])),
+         "small": torch.zeros(5, 6)}
+    assert sw.checkpoint.load_safetensors(path, t) == []
+    assert torch.equal(t["big"].to_torch(), big) and torch.equal(t["small"], small)
+    header, *data = summed  # the header's own CRC-32 first, then the tensors'
+    assert header < 1024 and sum(data) == big.nbytes + small.nbytes, summed
+    assert max(data) <= safetensors_io._CHUNK < big.nbytes, summed  # pieces, not tensors
+    raw = bytearray(path.read_bytes())
+    start = len(raw) - big.nbytes - small.nbytes  # the data follows the header
+    for at in (start + 10, start + big.nbytes - 10, start + big.nbytes + 5):
+        damaged = tmp_path / f"flip{at}.safetensors"
+        flipped = bytearray(raw)
+        flipped[at] ^= 0x10
+        damaged.write_bytes(bytes(flipped))
+        with pytest.raises(CheckpointError, match=r"Key '(big|small)': its data in .* bytes "
+                                                  r"\d+\.\.\d+ is corrupt \(their CRC-32"):
+            sw.checkpoint.load_safetensors(damaged, t)
 
 
 @settings(max_examples=60, deadline=None, derandomize=True,

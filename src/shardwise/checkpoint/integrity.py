@@ -27,8 +27,8 @@ Invariants:
   reader turns into a ``CheckpointError`` naming the key, file and byte range.
   :class:`SummingView` sums a chunk as DCP's reader reads it (the store checks it
   before any of its values reaches a target); :func:`check_chunks` checks a file's
-  chunks through one memory map (the safetensors loader runs it on a thread while it
-  copies the same bytes, and returns only once every tensor has passed). A file
+  chunks through one memory map (the safetensors loader runs it for a tensor it
+  reads through safetensors itself; it sums the others as it copies them). A file
   changed between a check and a read is outside what this guards: damage at rest.
 """
 
@@ -53,7 +53,7 @@ from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
 __all__ = ["ALGORITHM", "ALGORITHMS", "ALGORITHM_ATTR", "ATTR", "ChecksummedWriter", "Corrupt",
-           "SummingView", "check_chunk", "check_chunks", "check_info", "crc32",
+           "SummingView", "check_chunk", "check_chunks", "check_info", "combine", "crc32",
            "split_trailer", "unknown_algorithm"]
 
 ATTR = "shardwise_crc32"  # the _StorageInfo attribute (namespaced: DCP owns the class)
@@ -98,8 +98,13 @@ for _ in range(31):
     _X2N.append(_multmodp(_X2N[-1], _X2N[-1]))
 
 
-def _combine(crc1: int, crc2: int, len2: int) -> int:
-    """The CRC-32 of ``A + B`` from ``crc32(A)``, ``crc32(B)`` and ``len(B)``."""
+def combine(crc1: int, crc2: int, len2: int) -> int:
+    """The CRC-32 of ``A + B`` from ``crc32(A)``, ``crc32(B)`` and ``len(B)`` (zlib's
+    ``crc32_combine``, which Python's zlib does not expose).
+
+    >>> combine(zlib.crc32(b"shard"), zlib.crc32(b"wise"), 4) == zlib.crc32(b"shardwise")
+    True
+    """
     p, n, k = 1 << 31, len2, 3  # x^(8 * len2)
     while n:
         if n & 1:
@@ -127,7 +132,7 @@ def crc32(data: bytes | memoryview, value: int = 0) -> int:
     pieces = [view[i:i + step] for i in range(0, len(view), step)]
     crc = value
     for piece, part in zip(pieces, _pool[1].map(zlib.crc32, pieces)):
-        crc = _combine(crc, part, len(piece))
+        crc = combine(crc, part, len(piece))
     return crc
 
 

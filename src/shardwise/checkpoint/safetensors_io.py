@@ -25,8 +25,9 @@ Invariants:
   dtype torch lacks, through safetensors' ``get_slice``); shapes and dtypes must
   agree (``cast=True`` converts dtypes), a missing name raises naming it.
 - The header is checked against its CRC-32 before any data is read, and every
-  tensor loaded against its own on a thread while the copies run (files without
-  ours are read unchecked): the load returns only once every tensor has passed.
+  tensor loaded against its own, summed in chunks each just before it is copied
+  (its bytes read from memory once; files without ours are read unchecked): the
+  load returns only once every tensor has passed.
   Damage, and a header that safetensors cannot parse, are a ``CheckpointError``
   saying "corrupt", naming the file, the byte range and the key (after it the
   targets may hold damaged values, as any failed load leaves them unusable). An
@@ -46,6 +47,7 @@ import struct
 import sys
 from collections.abc import Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -297,7 +299,7 @@ def load_safetensors(path: str | os.PathLike[str], state_dict: Mapping[str, Any]
     of the file, so pretrained weights load straight into a sharded model. Returns
     the names the file lacked (an error unless ``strict=False``); ``cast=True``
     converts dtypes. Each tensor loaded is checked against the CRC-32
-    ``save_safetensors`` recorded, on a thread while it is copied, before the load
+    ``save_safetensors`` recorded, summed as it is copied, before the load
     returns (a damaged file raises :class:`CheckpointError`; the targets' values are
     then not to be used); ``verify=False`` skips that (the header's own checksum is
     still checked).
@@ -325,19 +327,10 @@ def load_safetensors(path: str | os.PathLike[str], state_dict: Mapping[str, Any]
             f"{path} is corrupt: safetensors cannot read its header ({err}). Restore the "
             "file."
         ) from err
-    wanted = [n for n, t in flat.items() if isinstance(t, torch.Tensor) and n in checks]
     with (opened as f, open(path, "rb") as raw, torch.no_grad(),
           contextlib.ExitStack() as stack):
         mapped = _Mapped(raw)
-        stack.callback(mapped.close)  # after the checker is done (callbacks run last first)
-        checker = ThreadPoolExecutor(1, thread_name_prefix="shardwise-check")
-        stack.callback(checker.shutdown, wait=True, cancel_futures=True)
-        # the tensors' CRC-32s are computed on a thread (zlib-ng releases the GIL) from
-        # the map this one copies them from (its pages faulted in once); the copy needs
-        # no check first: the load returns once every tensor has passed
-        verdict = (checker.submit(_verify, Path(path), [(n, *checks[n]) for n in wanted],
-                                  mapped.view)
-                   if verify and wanted else None)
+        stack.callback(mapped.close)
         names = set(f.keys())
         for name, target in flat.items():
             if not isinstance(target, torch.Tensor):
@@ -350,13 +343,22 @@ def load_safetensors(path: str | os.PathLike[str], state_dict: Mapping[str, Any]
                     )
                 missing.append(name)
                 continue
+            check = checks.get(name) if verify else None
             source = mapped.tensor(*entries[name])
             if source is None:  # a dtype or an alignment a view cannot take
                 _load_one(f, name, target, cast)
-            else:
-                _fill(name, source, entries[name][0], target, cast)
-        if verdict is not None:
-            verdict.result()  # raises CheckpointError: nothing returns unchecked
+                if check is not None:
+                    _verify(Path(path), [(name, *check)], mapped.view)
+                continue
+            kind, _, begin, end = entries[name]
+            got = _fill(name, source, kind, target, cast,
+                        _Rows(mapped.view, begin, end, check is not None))
+            if check is not None and got != check[2]:
+                # nothing returns unchecked: the targets' values are then not to be used
+                raise CheckpointError(
+                    f"Key {name!r}: its data in {path} bytes {begin}..{end} is corrupt "
+                    f"(their CRC-32 is {got:08x}, the header recorded {check[2]:08x}). "
+                    "Restore the file.")
     return missing
 
 
@@ -413,17 +415,61 @@ def _plain_target(name: str, shape: tuple[int, ...], dtype: torch.dtype | None, 
     return False
 
 
-def _fill(name: str, source: torch.Tensor, kind: str, target: torch.Tensor, cast: bool
-          ) -> None:
-    """Copy the file's tensor ``source`` into ``target``'s blocks (each its slice)."""
+_CHUNK = 8 << 20   # bytes summed, then copied while the cache still holds them
+
+
+@dataclass
+class _Rows:
+    """Where a tensor's bytes lie in the file's map, and whether to sum them."""
+
+    view: memoryview
+    begin: int
+    end: int
+    summed: bool
+
+
+def _fill(name: str, source: torch.Tensor, kind: str, target: torch.Tensor, cast: bool,
+          rows: _Rows) -> int:
+    """Copy the file's tensor ``source`` into ``target``'s blocks (each its slice); the
+    CRC-32 of its bytes when ``rows.summed`` (else 0).
+
+    The bytes are summed in chunks of rows, each just before it is copied, so they are
+    read from memory once (a second pass over the page cache costs as much as the copy
+    itself; summing on another thread did, on two cores: the copy already uses both)."""
     shape = tuple(source.shape)
     if _plain_target(name, shape, source.dtype, kind, target, cast):
-        target.copy_(source)
-        return
-    assert isinstance(target, Tensor)
-    for offsets, sizes, block in owned_chunks(target.shards, target.dist_layout, shape,
-                                              by_buffer=True):
-        block.copy_(_slice(source, offsets, sizes))
+        blocks: list[tuple[tuple[int, ...], tuple[int, ...], torch.Tensor]] = [
+            ((0,) * len(shape), shape, target)]
+    else:
+        assert isinstance(target, Tensor)
+        blocks = list(owned_chunks(target.shards, target.dist_layout, shape, by_buffer=True))
+    if not shape:  # a 0-d tensor: one value
+        for _, _, block in blocks:
+            block.copy_(source)
+        return integrity.crc32(rows.view[rows.begin:rows.end]) if rows.summed else 0
+    return _copy_rows(source, blocks, 0, shape[0], rows)
+
+
+def _copy_rows(source: torch.Tensor, blocks: list[tuple[tuple[int, ...], tuple[int, ...],
+                                                        torch.Tensor]],
+               r0: int, r1: int, rows: _Rows) -> int:
+    """Rows ``r0..r1`` of ``source`` into the blocks that hold them; the CRC-32 of those
+    rows' bytes when ``rows.summed`` (else 0)."""
+    if r1 <= r0:  # no rows (a size-0 tensor): no bytes, whose CRC-32 is 0
+        return 0
+    row = (rows.end - rows.begin) // source.shape[0]
+    step = max(1, _CHUNK // max(row, 1))
+    crc = 0
+    for a in range(r0, r1, step):
+        b = min(r1, a + step)
+        if rows.summed:
+            crc = integrity.crc32(rows.view[rows.begin + a * row:rows.begin + b * row], crc)
+        for offsets, sizes, block in blocks:
+            lo, hi = max(a, offsets[0]), min(b, offsets[0] + sizes[0])
+            if lo < hi:
+                block[lo - offsets[0]:hi - offsets[0]].copy_(
+                    _slice(source, (lo, *offsets[1:]), (hi - lo, *sizes[1:])))
+    return crc
 
 
 def _slice(source: torch.Tensor, offsets: tuple[int, ...], sizes: tuple[int, ...]
