@@ -31,7 +31,10 @@ def _tree(i: int, seed: int | None = None) -> dict[str, object]:
             "c": (torch.tensor([True, False]), torch.empty(0, 4, dtype=torch.float64)),
             "d": torch.randn(5, generator=g).to(torch.bfloat16),
             # larger than the stream's last transfer (a second message), then smaller
-            "e": torch.randn((0, 1000, 2000, 100)[i], generator=g)}
+            "e": torch.randn((0, 1000, 2000, 100)[i], generator=g),
+            # a 0-d tensor, a transposed one, a conjugate view: sent as their values
+            "f": (torch.tensor(2.5 + i), torch.randn(3, 2, generator=g).t(),
+                  torch.randn(3, dtype=torch.complex64, generator=g).conj())}
 
 
 def _same(x: object, y: object) -> None:

@@ -61,6 +61,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from torch.utils import _pytree as pytree
@@ -304,18 +305,27 @@ def send_parts(info: Any, tensors: Sequence[torch.Tensor], peer: int, tag: int, 
     # (from the host: small; the tensors' bytes are device copies)
     dev = stream.device
     message = torch.empty(cap, dtype=torch.uint8, device=dev)
-    if inline:
+    if inline and dev.type == "cpu":  # Gloo's steady state: numpy copies (fewer calls)
+        arr = message.numpy()
+        arr[:len(prefix)] = np.frombuffer(prefix, dtype=np.uint8)
+        for t, off in zip(tensors, offsets, strict=True):
+            if t.numel():
+                flat = _bytes(t).numpy()
+                arr[_HEAD + off:_HEAD + off + len(flat)] = flat
         payload = message[_HEAD:_HEAD + at]
-        message[:len(prefix)].copy_(torch.frombuffer(prefix, dtype=torch.uint8))
     else:
-        payload = torch.empty(at, dtype=torch.uint8, device=dev)
-        message[:_HEAD].copy_(torch.frombuffer(prefix, dtype=torch.uint8, count=_HEAD))
-        payload[:len(prefix) - _HEAD].copy_(
-            torch.frombuffer(prefix, dtype=torch.uint8, offset=_HEAD))
-    for t, off in zip(tensors, offsets, strict=True):
-        n = t.numel() * t.element_size()
-        if n:
-            payload[off:off + n].copy_(t.detach().reshape(-1).view(torch.uint8))
+        if inline:
+            payload = message[_HEAD:_HEAD + at]
+            message[:len(prefix)].copy_(torch.frombuffer(prefix, dtype=torch.uint8))
+        else:
+            payload = torch.empty(at, dtype=torch.uint8, device=dev)
+            message[:_HEAD].copy_(torch.frombuffer(prefix, dtype=torch.uint8, count=_HEAD))
+            payload[:len(prefix) - _HEAD].copy_(
+                torch.frombuffer(prefix, dtype=torch.uint8, offset=_HEAD))
+        for t, off in zip(tensors, offsets, strict=True):
+            n = t.numel() * t.element_size()
+            if n:
+                payload[off:off + n].copy_(_bytes(t))
     stream.cap = _next_cap(at)
     stream.desc = desc
     group = _pg(pg)
@@ -330,6 +340,15 @@ def send_parts(info: Any, tensors: Sequence[torch.Tensor], peer: int, tag: int, 
     # Gloo's send completes only in its wait (NCCL's when the peer took it): the
     # buffers stay until flush()
     stream.sends.append((works, (message, payload), key))
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    """``t``'s values as flat bytes (a view where ``t`` is contiguous; a conjugate or
+    negative view's bits resolved first, as its values are)."""
+    src = t.detach()
+    if src.is_conj() or src.is_neg():
+        src = src.resolve_conj().resolve_neg()
+    return src.reshape(-1).view(torch.uint8)
 
 
 def _up(n: int) -> int:
