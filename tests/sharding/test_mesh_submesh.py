@@ -27,3 +27,13 @@ def test_submesh_refuses_bad_coordinates(coords: dict, match: str) -> None:
     mesh = DeviceMesh.cpu((2, 3, 2), ("pp", "dp", "tp"))
     with pytest.raises(ShardingError, match=match):
         mesh.submesh(**coords)
+
+
+def test_two_stages_submeshes_read_apart() -> None:
+    """A submesh's repr names its devices (stage 1's is not stage 0's), a whole mesh's
+    stays the axes alone; an error about two stages' meshes so tells them apart."""
+    mesh = DeviceMesh.cpu((2, 2, 2), ("pp", "dp", "tp"))
+    assert repr(mesh) == "DeviceMesh(pp=2, dp=2, tp=2)"
+    assert repr(mesh.submesh(pp=0)) == "DeviceMesh(dp=2, tp=2)"
+    assert repr(mesh.submesh(pp=1)) == "DeviceMesh(dp=2, tp=2; devices 4..7)"
+    assert repr(mesh.submesh(dp=1)) == "DeviceMesh(pp=2, tp=2; devices [2, 3, 6, 7])"

@@ -170,7 +170,7 @@ def pipeline(model_or_stage_modules: nn.Module | Sequence[nn.Module], mesh: Devi
     >>> model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2))
     >>> pipe = pipeline(model, mesh, split_points=["2"])
     >>> [(s.index, s.rank, s.mesh) for s in pipe.stages]
-    [(0, 0, DeviceMesh(tp=2)), (1, 1, DeviceMesh(tp=2))]
+    [(0, 0, DeviceMesh(tp=2)), (1, 1, DeviceMesh(tp=2; devices 2..3))]
     >>> sorted(pipe.state_dict())
     ['0.bias', '0.weight', '2.bias', '2.weight']
     """

@@ -136,6 +136,9 @@ class DeviceMesh:
 
     def __repr__(self) -> str:
         axes = ", ".join(f"{n}={s}" for n, s in zip(self.axis_names, self.mesh_shape, strict=True))
+        ids = [getattr(d, "id", d) for d in self.devices]
+        if ids != list(range(len(ids))):  # a submesh: two stages' meshes read apart
+            return f"DeviceMesh({axes}; devices {_ids_text(ids)})"
         return f"DeviceMesh({axes})"
 
     # --- shape queries ----------------------------------------------------------
@@ -194,7 +197,7 @@ class DeviceMesh:
         >>> mesh = DeviceMesh.cpu((2, 2, 2), ("pp", "dp", "tp"))
         >>> stage = mesh.submesh(pp=1)
         >>> stage, stage.devices[0]
-        (DeviceMesh(dp=2, tp=2), CPU(4))
+        (DeviceMesh(dp=2, tp=2; devices 4..7), CPU(4))
         """
         fixed: dict[int, int] = {}
         for name, c in coords.items():
@@ -351,3 +354,10 @@ def _unravel(index: int, shape: Sequence[int]) -> list[int]:
         index, rem = divmod(index, size)
         coord.append(rem)
     return list(reversed(coord))
+
+
+def _ids_text(ids: list[int]) -> str:
+    """``4..7`` for a run of consecutive ids, else the list."""
+    if len(ids) > 1 and ids == list(range(ids[0], ids[0] + len(ids))):
+        return f"{ids[0]}..{ids[-1]}"
+    return str(ids)
