@@ -18,6 +18,7 @@ from shardwise.pipelining.transport_process import ProcessTransport
 from shardwise.runtime.process import p2p
 from shardwise.runtime.process.world import WORLD
 from shardwise.sharding.errors import ShardingError
+from tests.helpers.fake_world import clean_world
 
 MESH = DeviceMesh.cpu((2, 2), ("pp", "tp"))
 STAGES = [MESH.submesh(pp=0), MESH.submesh(pp=1)]
@@ -41,12 +42,8 @@ def fake(monkeypatch: pytest.MonkeyPatch) -> Iterator[dict[str, Any]]:
         return [p2p.spec_text(torch.utils._pytree.tree_flatten(None)[1]), [["v", None]]], []
 
     monkeypatch.setattr(p2p, "recv_parts", recv)
-    force = WORLD.force_stream_groups
-    WORLD.reset()
-    WORLD.force_stream_groups = False
-    yield state
-    WORLD.reset()
-    WORLD.force_stream_groups = force
+    with clean_world():
+        yield state
 
 
 @pytest.mark.parametrize(("backend", "gpu", "nccl", "match"), [

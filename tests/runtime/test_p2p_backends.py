@@ -21,6 +21,7 @@ from shardwise.runtime.process import diagnose, p2p
 from shardwise.runtime.process import groups as G
 from shardwise.runtime.process.world import WORLD
 from shardwise.sharding.errors import CollectiveError, ShardingError
+from tests.helpers.fake_world import clean_world
 
 
 @pytest.fixture
@@ -40,12 +41,8 @@ def world(monkeypatch: pytest.MonkeyPatch) -> Iterator[dict[str, Any]]:
     monkeypatch.setattr(dist.distributed_c10d, "_set_pg_timeout",
                         lambda timeout, pg: state["timeouts"].append((timeout, pg)))
     monkeypatch.setattr(A, "agree", lambda *args, **kwargs: None)
-    force = WORLD.force_stream_groups
-    WORLD.reset()
-    WORLD.force_stream_groups = False
-    yield state
-    WORLD.reset()
-    WORLD.force_stream_groups = force
+    with clean_world():
+        yield state
 
 
 def test_messages_live_on_this_gpu_with_nccl_and_on_the_cpu_with_gloo(
