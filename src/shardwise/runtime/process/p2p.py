@@ -35,7 +35,7 @@ Invariants:
   only in its wait; the executor flushes once per step).
 - Every wait is bounded by the run's timeout, counted from the wait's start, never
   shorter (Gloo closes the connection when a point-to-point wait times out; on NCCL
-  the host polls the work, see :func:`_poll`). A peer that died, stalled past the
+  the host polls the work: ``p2p_backends.poll``). A peer that died, stalled past the
   timeout or sent another key (another tag, stage or microbatch) raises
   :class:`CollectiveError` naming the peer rank, both keys and the stream; the first
   failure is recorded in the store and quoted by every later error. A stream that
@@ -67,8 +67,14 @@ import torch.distributed as dist
 from torch.utils import _pytree as pytree
 
 from shardwise.runtime.process import diagnose
+from shardwise.runtime.process.p2p_backends import (
+    check_backend,
+    message_device,
+    needs_stream_groups,
+    poll,
+)
 from shardwise.runtime.process.world import WORLD
-from shardwise.sharding.errors import CollectiveError, ShardingError
+from shardwise.sharding.errors import CollectiveError
 
 __all__ = ["check_backend", "flush", "message_device", "needs_stream_groups", "pending",
            "recv", "recv_parts", "send", "send_parts", "spec_of", "spec_text", "stream_tag"]
@@ -82,9 +88,6 @@ _ALIGN = 16
 _TAG_BASE = 1 << 20       # clear of tag 0, which the collectives' exchanges use
 _LEAF_VALUES = (type(None), bool, int, float, str)
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
-_BACKENDS = ("gloo", "nccl")
-_POLL_MAX_S = 2e-4        # the longest sleep between two polls of an NCCL work (torch's
-                          # own blocking wait sleeps 1 ms: a microbatch would wait for it)
 
 
 @dataclass
@@ -118,55 +121,6 @@ def _stream(peer: int, tag: int, way: str, pg: Any) -> _Stream:
     if s is None:
         s = _STREAMS[key] = _Stream(message_device(pg))
     return s
-
-
-def check_backend(what: str, pg: Any = None) -> str:
-    """The backend of ``pg`` (default: the world's) when point-to-point transfers can
-    run on it; else a :class:`ShardingError` naming it and the fix. ``what`` names the
-    caller (e.g. "The pipeline transport between processes")."""
-    backend = str(dist.get_backend(pg))
-    if backend not in _BACKENDS:
-        raise ShardingError(
-            f"{what} runs on Gloo or NCCL; this run's backend is {backend!r}. Initialize "
-            "with backend='gloo' (CPU) or 'nccl' (one GPU per process), or keep every "
-            "stage in one process (the simulated mesh).")
-    if backend == "nccl" and not dist.is_nccl_available():
-        raise ShardingError(
-            f"{what}: this run's backend is 'nccl' but this torch build has no NCCL "
-            f"(torch {torch.__version__}, torch.distributed.is_nccl_available() is False). "
-            "Install a CUDA build of torch with NCCL, or initialize with backend='gloo'.")
-    if backend == "nccl" and not torch.cuda.is_available():
-        raise ShardingError(
-            f"{what}: this run's backend is 'nccl', whose messages live on this process's "
-            "GPU, but torch.cuda.is_available() is False here. Run where every process "
-            "has a GPU (torchrun --nproc-per-node <GPUs>), or initialize with "
-            "backend='gloo'.")
-    return backend
-
-
-def message_device(pg: Any = None) -> torch.device:
-    """Where the messages over ``pg`` (default: the world's group) live: this process's
-    current GPU on NCCL (which sends device memory only), the CPU on Gloo.
-
-    >>> message_device()  # doctest: +SKIP
-    device(type='cpu')
-    """
-    if dist.get_backend(pg) == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
-
-
-def needs_stream_groups(pg: Any = None) -> bool:
-    """Whether every stream needs its own process group: on NCCL (tags do not separate
-    streams: a pair's transfers match in posting order, and two opposite directions on
-    one communicator can deadlock), or where the test hook
-    ``WORLD.force_stream_groups`` (``SHARDWISE_P2P_STREAM_GROUPS=1``) asks for NCCL's
-    layout on Gloo. Gloo keeps one group and separates streams by tag (cheaper).
-
-    >>> needs_stream_groups()  # doctest: +SKIP
-    False
-    """
-    return WORLD.force_stream_groups or dist.get_backend(pg) != "gloo"
 
 
 def stream_tag(src: int, dst: int) -> int:
@@ -390,7 +344,7 @@ def _wait(work: Any, deadline: float, stream: _Stream, what: Callable[[], str]) 
         if stream.device.type == "cpu":
             work.wait(timeout=datetime.timedelta(seconds=left))
         else:
-            _poll(work, start + left)
+            poll(work, start + left)
     except RuntimeError as err:
         took = time.monotonic() - start
         timed_out = "timed out" in str(err).lower() or "timeout" in str(err).lower()
@@ -398,26 +352,6 @@ def _wait(work: Any, deadline: float, stream: _Stream, what: Callable[[], str]) 
                "stalled, waits elsewhere, or its program sends or receives something else"
                if timed_out else "failed: the peer died or closed its connection")
         raise _fail(stream, f"{what()} {why}.", err) from err
-
-
-def _poll(work: Any, deadline: float) -> None:
-    """Wait for an NCCL work until ``deadline`` (monotonic), polling it from the host.
-
-    Why not ``work.wait(timeout=...)`` (torch 2.13, ``ProcessGroupNCCL::WorkNCCL::wait``):
-    with a timeout it does block the host, polling ``isCompleted()``, but it measures
-    the timeout from the work's ENQUEUE (``workStartTime_``), not from the wait; a
-    receive pre-posted in the previous step would time out at once after a long pause
-    between steps. On expiry it also aborts the communicator. So the host polls
-    ``is_completed()`` against a deadline counted from this wait's start (as Gloo's
-    wait counts it), then ``wait()`` without a timeout only orders the current CUDA
-    stream after the transfer (and raises the work's error, e.g. a peer's NCCL error)."""
-    pause = 0.0
-    while not work.is_completed():
-        if time.monotonic() >= deadline:
-            raise RuntimeError("point-to-point wait timed out (polled from the host)")
-        time.sleep(pause)
-        pause = min(2 * pause + 1e-5, _POLL_MAX_S)
-    work.wait()
 
 
 def recv_parts(peer: int, tag: int, key: str, pg: Any = None
