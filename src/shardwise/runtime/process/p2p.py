@@ -259,7 +259,8 @@ def send_parts(info: Any, tensors: Sequence[torch.Tensor], peer: int, tag: int, 
     # (from the host: small; the tensors' bytes are device copies)
     dev = stream.device
     message = torch.empty(cap, dtype=torch.uint8, device=dev)
-    if inline and dev.type == "cpu":  # Gloo's steady state: numpy copies (fewer calls)
+    if inline and dev.type == "cpu" and all(t.device.type == "cpu" for t in tensors):
+        # Gloo's steady state: numpy copies (fewer calls); a GPU block takes torch's
         arr = message.numpy()
         arr[:len(prefix)] = np.frombuffer(prefix, dtype=np.uint8)
         for t, off in zip(tensors, offsets, strict=True):
