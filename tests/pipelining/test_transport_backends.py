@@ -17,7 +17,7 @@ from shardwise.pipelining import transport_process as T
 from shardwise.pipelining.transport_process import ProcessTransport
 from shardwise.runtime.process import p2p
 from shardwise.runtime.process.world import WORLD
-from shardwise.sharding.errors import ShardingError
+from shardwise.sharding.errors import CollectiveError, ShardingError
 from tests.helpers.fake_world import clean_world
 
 MESH = DeviceMesh.cpu((2, 2), ("pp", "tp"))
@@ -110,3 +110,10 @@ def test_a_received_block_lands_on_the_meshs_device(fake: dict[str, Any],
     assert asked == [(STAGES[0], 0)]  # once per stage and transport, not per transfer
     same = torch.ones(2, 4)
     assert T._rebuild(meta, same, STAGES[0], "F0", 2, torch.device("cpu"))._shards[0] is same
+
+
+def test_a_leaf_a_transfer_cannot_carry_is_refused_naming_its_type() -> None:
+    with pytest.raises(CollectiveError, match=r"^Pipeline send: cannot send a leaf of type "
+                                              r"object .*None, bool, int, float or str"):
+        T._part(object(), STAGES[0])
+    assert T._part(2.5, STAGES[0]) == (["v", 2.5], None)

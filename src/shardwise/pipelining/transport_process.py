@@ -49,8 +49,6 @@ from shardwise.tensors.tensor import Tensor
 
 __all__ = ["ProcessTransport"]
 
-_VALUES = (type(None), bool, int, float, str)
-
 
 class ProcessTransport:
     """Send and receive pipeline values between stages held by other processes.
@@ -189,11 +187,7 @@ def _part(x: Any, mesh: DeviceMesh) -> tuple[Any, torch.Tensor | None]:
         return _layout_meta(x), block.detach()
     if isinstance(x, torch.Tensor):
         return ["t", x.requires_grad], x.detach()
-    if not isinstance(x, _VALUES):
-        raise CollectiveError(
-            f"Pipeline send: cannot send a leaf of type {type(x).__name__} ({x!r:.60}); a "
-            "value must be a tree (tuple, list, dict) of tensors, None, bool, int, float or "
-            "str.")
+    p2p.check_value(x, "Pipeline send")
     return ["v", x], None
 
 

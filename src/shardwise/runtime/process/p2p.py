@@ -61,7 +61,6 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
 import torch
 import torch.distributed as dist
 from torch.utils import _pytree as pytree
@@ -76,8 +75,9 @@ from shardwise.runtime.process.p2p_backends import (
 from shardwise.runtime.process.world import WORLD
 from shardwise.sharding.errors import CollectiveError
 
-__all__ = ["check_backend", "flush", "message_device", "needs_stream_groups", "pending",
-           "recv", "recv_parts", "send", "send_parts", "spec_of", "spec_text", "stream_tag"]
+__all__ = ["check_backend", "check_value", "flush", "message_device", "needs_stream_groups",
+           "pending", "recv", "recv_parts", "send", "send_parts", "spec_of", "spec_text",
+           "stream_tag"]
 
 _MAGIC = 0x5357_5050      # "SWPP"
 _HEADER = struct.Struct("<8q")  # magic, key code, key bytes, description bytes (0: the
@@ -187,6 +187,22 @@ def _refuse(stream: _Stream, what: Callable[[], str]) -> None:
         f"again). The earlier error: {stream.failed[:400]}")
 
 
+def check_value(x: Any, who: str) -> None:
+    """Refuse a leaf that is neither a tensor nor a value a transfer carries as it is
+    (None, bool, int, float, str), naming ``who`` sends it.
+
+    >>> check_value(2.5, "send")
+    >>> check_value(object(), "send")
+    Traceback (most recent call last):
+    ...
+    shardwise.sharding.errors.CollectiveError: send: cannot send a leaf of type object ...
+    """
+    if not isinstance(x, _LEAF_VALUES):
+        raise CollectiveError(
+            f"{who}: cannot send a leaf of type {type(x).__name__} ({x!r:.60}); a value "
+            "must be a tree (tuple, list, dict) of tensors, None, bool, int, float or str.")
+
+
 def send(tree: Any, peer: int, tag: int, key: str, pg: Any = None) -> None:
     """Send ``tree`` (a pytree of torch tensors, None and scalars) to rank ``peer`` on
     stream ``tag``; ``key`` (e.g. "stage 0 -> stage 1, F3") must equal the receiver's.
@@ -198,13 +214,9 @@ def send(tree: Any, peer: int, tag: int, key: str, pg: Any = None) -> None:
         if isinstance(x, torch.Tensor):
             tensors.append(x)
             items.append(0)
-        elif isinstance(x, _LEAF_VALUES):
-            items.append([x])
         else:
-            raise CollectiveError(
-                f"point-to-point send: cannot send a leaf of type {type(x).__name__} "
-                f"({x!r:.60}); a value must be a tree (tuple, list, dict) of tensors, None, "
-                "bool, int, float or str.")
+            check_value(x, "point-to-point send")
+            items.append([x])
     send_parts([spec_text(spec), items], tensors, peer, tag, key, pg)
 
 
@@ -226,8 +238,7 @@ def send_parts(info: Any, tensors: Sequence[torch.Tensor], peer: int, tag: int, 
     :func:`recv_parts` returns both. Returns at once, as :func:`send` does."""
     stream = _stream(peer, tag, "send", pg)
     if stream.failed:
-        _refuse(stream, lambda: f"Pipeline transfer: rank {dist.get_rank()}'s send of "
-                                f"{key} to rank {peer}")
+        _refuse(stream, lambda: _sending(key, peer))
     metas = []
     for t in tensors:
         if type(t) not in _PLAIN:
@@ -248,8 +259,8 @@ def send_parts(info: Any, tensors: Sequence[torch.Tensor], peer: int, tag: int, 
     cap = stream.cap
     inline = _HEAD + at <= cap
     stream.seq += 1
-    prefix = bytearray(_HEADER.pack(_MAGIC, zlib.crc32(kb) & 0x7FFF_FFFF, len(kb), n_desc,
-                                    at, stream.seq, 0, 0))
+    prefix = bytearray(_HEADER.pack(_MAGIC, _code(key), len(kb), n_desc, at, stream.seq,
+                                    0, 0))
     prefix += kb
     if not same:
         prefix += bytes(_up(len(kb)) - len(kb))
@@ -259,28 +270,18 @@ def send_parts(info: Any, tensors: Sequence[torch.Tensor], peer: int, tag: int, 
     # (from the host: small; the tensors' bytes are device copies)
     dev = stream.device
     message = torch.empty(cap, dtype=torch.uint8, device=dev)
-    if inline and dev.type == "cpu" and all(t.device.type == "cpu" for t in tensors):
-        # Gloo's steady state: numpy copies (fewer calls); a GPU block takes torch's
-        arr = message.numpy()
-        arr[:len(prefix)] = np.frombuffer(prefix, dtype=np.uint8)
-        for t, off in zip(tensors, offsets, strict=True):
-            if t.numel():
-                flat = _bytes(t).numpy()
-                arr[_HEAD + off:_HEAD + off + len(flat)] = flat
+    if inline:
         payload = message[_HEAD:_HEAD + at]
+        message[:len(prefix)].copy_(torch.frombuffer(prefix, dtype=torch.uint8))
     else:
-        if inline:
-            payload = message[_HEAD:_HEAD + at]
-            message[:len(prefix)].copy_(torch.frombuffer(prefix, dtype=torch.uint8))
-        else:
-            payload = torch.empty(at, dtype=torch.uint8, device=dev)
-            message[:_HEAD].copy_(torch.frombuffer(prefix, dtype=torch.uint8, count=_HEAD))
-            payload[:len(prefix) - _HEAD].copy_(
-                torch.frombuffer(prefix, dtype=torch.uint8, offset=_HEAD))
-        for t, off in zip(tensors, offsets, strict=True):
-            n = t.numel() * t.element_size()
-            if n:
-                payload[off:off + n].copy_(_bytes(t))
+        payload = torch.empty(at, dtype=torch.uint8, device=dev)
+        message[:_HEAD].copy_(torch.frombuffer(prefix, dtype=torch.uint8, count=_HEAD))
+        payload[:len(prefix) - _HEAD].copy_(
+            torch.frombuffer(prefix, dtype=torch.uint8, offset=_HEAD))
+    for t, off in zip(tensors, offsets, strict=True):
+        n = t.numel() * t.element_size()
+        if n:
+            payload[off:off + n].copy_(_bytes(t))
     stream.cap = _next_cap(at)
     stream.desc = desc
     group = _pg(pg)
@@ -289,12 +290,17 @@ def send_parts(info: Any, tensors: Sequence[torch.Tensor], peer: int, tag: int, 
         works = (group.send([message], dst, tag),) + (
             () if inline else (group.send([payload], dst, tag),))
     except RuntimeError as err:  # the connection is gone already (the peer died)
-        raise _fail(stream, f"Pipeline transfer: rank {dist.get_rank()}'s send of {key} to "
-                            f"rank {peer} failed: the peer died or closed its connection.",
+        raise _fail(stream, f"{_sending(key, peer)} failed: the peer died or closed its "
+                            "connection.",
                     err) from err
     # Gloo's send completes only in its wait (NCCL's when the peer took it): the
     # buffers stay until flush()
     stream.sends.append((works, (message, payload), key))
+
+
+def _sending(key: str, peer: int) -> str:
+    """A send, as its errors name it (formatted only when one is raised)."""
+    return f"Pipeline transfer: rank {dist.get_rank()}'s send of {key} to rank {peer}"
 
 
 def _bytes(t: torch.Tensor) -> torch.Tensor:
@@ -331,10 +337,8 @@ def flush() -> None:
         if way != "send":
             continue
         for works, _, key in stream.sends:
-            def what(key: str = key, peer: int = peer) -> str:
-                return f"Pipeline transfer: rank {dist.get_rank()}'s send of {key} to rank {peer}"
             for w in works:
-                _wait(w, deadline, stream, what)
+                _wait(w, deadline, stream, functools.partial(_sending, key, peer))
         stream.sends.clear()
 
 
@@ -367,7 +371,7 @@ def recv_parts(peer: int, tag: int, key: str, pg: Any = None
     if stream.failed:
         _refuse(stream, what)
     deadline = time.monotonic() + WORLD.timeout_s
-    work, message = stream.ahead or _post(stream, peer, tag, pg, what)
+    work, message = stream.ahead or _post(stream, peer, tag, pg, what, stream.cap)
     stream.ahead = None
     _wait(work, deadline, stream, what)
     # the header, key and description are read on the host (.cpu(): a no-op on Gloo)
@@ -381,8 +385,8 @@ def recv_parts(peer: int, tag: int, key: str, pg: Any = None
     if _HEAD + n_all <= stream.cap:
         payload = message[_HEAD:_HEAD + n_all]
     else:
-        payload = torch.empty(n_all, dtype=torch.uint8, device=stream.device)
-        _wait(_pg(pg).recv([payload], _rank_in(pg, peer), tag), deadline, stream, what)
+        work, payload = _post(stream, peer, tag, pg, what, n_all)
+        _wait(work, deadline, stream, what)
     stream.seq += 1
     stream.cap = _next_cap(n_all)
     body = payload[:_up(n_key) + n_desc].cpu().numpy()
@@ -397,15 +401,15 @@ def recv_parts(peer: int, tag: int, key: str, pg: Any = None
     at = _up(n_key)
     if n_desc:
         info, metas = json.loads(bytes(body[at:at + n_desc]))
-        stream.parsed = (info, [(getattr(torch, d), tuple(shape),
-                                 math.prod(shape) * getattr(torch, d).itemsize)
-                                for d, shape in metas])
+        dtypes = [getattr(torch, d) for d, _ in metas]
+        stream.parsed = (info, [(dt, tuple(shape), math.prod(shape) * dt.itemsize)
+                                for dt, (_, shape) in zip(dtypes, metas, strict=True)])
         at += _up(n_desc)
     assert stream.parsed is not None
     info, plan = stream.parsed
     # the next transfer's message, posted now (its size is known): the sender's data
     # then flows while this stage computes, instead of after a handshake at the next recv
-    stream.ahead = _post(stream, peer, tag, pg, what)
+    stream.ahead = _post(stream, peer, tag, pg, what, stream.cap)
     # tensors of one payload share its version counter: copies when there are several
     # (an in-place write to one must not fail another's backward check)
     several = len(plan) > 1
@@ -420,10 +424,11 @@ def recv_parts(peer: int, tag: int, key: str, pg: Any = None
     return info, tensors
 
 
-def _post(stream: _Stream, peer: int, tag: int, pg: Any, what: Callable[[], str]
-          ) -> tuple[Any, torch.Tensor]:
-    """Post the receive of the stream's next message (``stream.cap`` bytes)."""
-    message = torch.empty(stream.cap, dtype=torch.uint8, device=stream.device)
+def _post(stream: _Stream, peer: int, tag: int, pg: Any, what: Callable[[], str],
+          nbytes: int) -> tuple[Any, torch.Tensor]:
+    """Post the receive of the stream's next message of ``nbytes`` bytes (the cap its
+    history gives, or a payload that follows its header alone)."""
+    message = torch.empty(nbytes, dtype=torch.uint8, device=stream.device)
     try:
         return _pg(pg).recv([message], _rank_in(pg, peer), tag), message
     except RuntimeError as err:
