@@ -370,6 +370,43 @@ def body_reduce_dtypes(n: int) -> None:
 BODIES.append("body_reduce_dtypes")
 
 
+def body_small_all_reduce_wire(n: int) -> None:
+    """Small all_reduces ride in the control message, copied in and out as bytes when
+    the message has their dtype, through numpy otherwise (a float64 message carrying
+    float32 data, a transposed block, a mean): every value equals torch's sum of the
+    blocks (integer-valued floats: exact in any order)."""
+    mesh = DeviceMesh.cpu((n,), ("x",))
+    mine = [_me(mesh)] if _is_dist() else list(range(n))
+
+    def terms(shape: tuple[int, ...], dtype: torch.dtype, seed: int) -> list[torch.Tensor]:
+        return [torch.randint(-50, 50, shape, generator=torch.Generator().manual_seed(
+            seed * 31 + k)).to(dtype) for k in range(n)]
+
+    for step in range(4):  # the history learns each kind; later steps fold every call
+        for shape, dtype, op, transposed in (((8, 8), torch.float32, "sum", False),
+                                             ((8, 8), torch.float32, "sum", False),
+                                             ((5,), torch.float64, "sum", False),
+                                             ((6, 4), torch.float32, "sum", True),
+                                             ((6, 4), torch.float32, "avg", False)):
+            blocks = terms(shape, dtype, step)
+            local = [b.t() if transposed else b for b in blocks]
+            p = sw.from_local([b if k in mine else None for k, b in enumerate(local)],
+                              PlacementMapping(mesh, [Partial()]), shape=tuple(local[0].shape))
+            before = [b.clone() for b in local]
+            out = sw.all_reduce(p, reduce_op=op)
+            want = sum(local[1:], local[0])
+            if op == "avg":
+                want = want / n
+            for k in mine:
+                got = out.shards[k]
+                assert got.dtype == dtype and got.shape == want.shape, (got.dtype, got.shape)
+                assert torch.equal(got, want), (step, shape, dtype, op, got, want)
+                assert torch.equal(local[k], before[k]), "the input was changed"
+
+
+BODIES.append("body_small_all_reduce_wire")
+
+
 def body_ppermute_grad(n: int) -> None:
     """Gradient (reverse and forward mode) of a ring ppermute is the inverse ring."""
     mesh = DeviceMesh.cpu((n,), ("x",))

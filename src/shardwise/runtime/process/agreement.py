@@ -42,6 +42,7 @@ Invariants:
 
 from __future__ import annotations
 
+import ctypes
 import datetime
 import time
 from typing import Any
@@ -83,6 +84,7 @@ _TORCH_OP = {
 }
 _FIRST_WAIT = datetime.timedelta(seconds=_NOTE_AFTER_S)
 _OPTIONS: dict[ReduceOp, Any] = {}  # reduce op -> AllreduceOptions (one per op, reused)
+_memmove = ctypes.memmove
 
 
 def timeout() -> datetime.timedelta:
@@ -245,7 +247,13 @@ def fold_reduce(ch: Channel, label: str, fp: Fingerprint, x: torch.Tensor, op: R
     msg = ch.messages.get(kind) or ch.message(kind)
     arr, n, size = msg.arr, x.numel(), len(ch.ranks)
     assert arr is not None and msg.mem is not None
-    arr[:n] = (x.detach() if x.requires_grad else x).numpy().reshape(-1)
+    # The same dtype on the wire: a byte copy each way (memmove), which costs about half
+    # of numpy's views and copy here, where every call runs on a cache the wait left cold.
+    raw = x.dtype is msg.buf.dtype and x.is_contiguous() and not x.is_neg()
+    if raw:
+        _memmove(msg.addr, x.data_ptr(), n * x.element_size())
+    else:
+        arr[:n] = (x.detach() if x.requires_grad else x).numpy().reshape(-1)
     mine, want = tails(fp.code ^ position.code(), ch.seq, size)
     msg.pack.pack_into(msg.mem, msg.tail_at, *mine)
     work = _post(ch, msg.buf, ReduceOp.SUM, label, fp)
@@ -257,6 +265,8 @@ def fold_reduce(ch: Channel, label: str, fp: Fingerprint, x: torch.Tensor, op: R
     ch.agreed(fp)
     if op is ReduceOp.AVG:
         np.divide(arr[:n], size, out=out.numpy().reshape(-1), casting="unsafe")
+    elif raw:
+        _memmove(out.data_ptr(), msg.addr, n * x.element_size())
     else:
         out.numpy().reshape(-1)[:] = arr[:n]
     return out

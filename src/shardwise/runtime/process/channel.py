@@ -214,7 +214,7 @@ def _kind(follow: tuple[tuple[int, torch.dtype, Kind | None], ...]) -> Kind:
 class Message:
     """A control buffer with room for ``room`` elements of data, then the tail."""
 
-    __slots__ = ("arr", "buf", "mem", "pack", "room", "tail_at")
+    __slots__ = ("addr", "arr", "buf", "mem", "pack", "room", "tail_at")
 
     def __init__(self, room: int, dtype: torch.dtype, device: torch.device) -> None:
         self.room = room
@@ -223,6 +223,7 @@ class Message:
         self.mem = None if self.arr is None else self.arr.data.cast("B")
         self.pack = _PACKS[dtype]
         self.tail_at = room * self.buf.element_size()   # byte offset of the tail
+        self.addr = self.buf.data_ptr()  # the buffer lives as long as the message
 
 
 def channel(pg: Any, ranks: tuple[int, ...], device: torch.device) -> Channel:
