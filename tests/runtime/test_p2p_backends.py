@@ -179,3 +179,79 @@ def test_an_nccl_wait_is_bounded_from_its_start(monkeypatch: pytest.MonkeyPatch)
     assert stream.failed  # the stream refuses from now on
     with pytest.raises(CollectiveError, match="this stream failed earlier"):
         p2p._refuse(stream, lambda: "next")
+
+
+class _Loopback:
+    """A process group whose sends land in a queue per tag and whose receives take
+    from it (a rank talking to itself); every posted receive is counted."""
+
+    def __init__(self) -> None:
+        self.queues: dict[int, list[torch.Tensor]] = {}
+        self.posted = 0
+
+    def send(self, bufs: list[torch.Tensor], dst: int, tag: int) -> Any:
+        self.queues.setdefault(tag, []).append(bufs[0].clone())
+        return _Done(lambda: None)
+
+    def recv(self, bufs: list[torch.Tensor], src: int, tag: int) -> Any:
+        self.posted += 1
+
+        def land() -> None:
+            got = self.queues[tag].pop(0)
+            assert got.numel() == bufs[0].numel(), "a message paired with another size"
+            bufs[0].copy_(got)
+        return _Done(land)
+
+
+class _Done:
+    def __init__(self, on_wait: Any) -> None:
+        self.on_wait = on_wait
+
+    def wait(self, timeout: Any = None) -> bool:
+        self.on_wait()
+        return True
+
+
+def test_gloo_posts_the_next_receive_before_it_waits_and_overflows_on_its_own_tag(
+        world: dict[str, Any], monkeypatch: pytest.MonkeyPatch) -> None:
+    pg = _Loopback()
+    monkeypatch.setattr(p2p, "_pg", lambda group: pg)
+    small = torch.arange(6.0).reshape(2, 3)
+    big = torch.arange(3000, dtype=torch.int32)   # 12 KB: more than a first message holds
+    p2p.send_parts({"n": 0}, [small], 1, 7, "F0")
+    p2p.send_parts({"n": 1}, [big], 1, 7, "F1")
+    p2p.send_parts({"n": 2}, [small * 2], 1, 7, "F2")
+    info, (got,) = p2p.recv_parts(1, 7, "F0")
+    assert info == {"n": 0} and torch.equal(got, small)
+    # this message's receive and the next's were posted before the wait; none after it
+    assert pg.posted == 2 and len(p2p._stream(1, 7, "recv", None).ahead) == 1
+    # the next message is F1's header (its payload follows alone, on the overflow tag,
+    # which the receive posted ahead for F2 does not take)
+    info, (got,) = p2p.recv_parts(1, 7, "F1")
+    assert info == {"n": 1} and torch.equal(got, big) and got.dtype == torch.int32
+    assert pg.posted == 4 and not pg.queues[7 + p2p._OVERFLOW]
+    info, (got,) = p2p.recv_parts(1, 7, "F2")
+    assert info == {"n": 2} and torch.equal(got, small * 2)
+    # both ends sized the messages alike: F3's is F1's size (two transfers before)
+    assert p2p._stream(1, 7, "send", None).caps == p2p._stream(1, 7, "recv", None).caps
+    assert p2p._stream(1, 7, "recv", None).caps[0] >= big.numel() * 4
+
+
+def test_a_sent_message_is_reused_only_after_flush_waited_for_it(
+        world: dict[str, Any], monkeypatch: pytest.MonkeyPatch) -> None:
+    pg = _Loopback()
+    monkeypatch.setattr(p2p, "_pg", lambda group: pg)
+    a = torch.arange(6.0).reshape(2, 3)
+    p2p.send_parts(None, [a], 1, 7, "F0")
+    stream = p2p._stream(1, 7, "send", None)
+    (_, (first, _), _), = stream.sends
+    p2p.send_parts(None, [a + 1], 1, 7, "F1")   # not flushed: a new buffer
+    second = stream.sends[1][1][0]
+    assert second is not first
+    p2p.flush()
+    p2p.send_parts(None, [a + 2], 1, 7, "F2")
+    (_, (third, _), _), = stream.sends
+    assert third is first or third is second   # sent and waited for: reused
+    for i in range(3):
+        _, (got,) = p2p.recv_parts(1, 7, f"F{i}")
+        assert torch.equal(got, a + i)

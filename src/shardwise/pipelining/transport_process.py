@@ -184,9 +184,9 @@ def _part(x: Any, mesh: DeviceMesh) -> tuple[Any, torch.Tensor | None]:
         assert k is not None
         block = x._shards[k]
         assert block is not None, "a process holds its own block"
-        return _layout_meta(x), block.detach()
+        return _layout_meta(x), block
     if isinstance(x, torch.Tensor):
-        return ["t", x.requires_grad], x.detach()
+        return ["t", x.requires_grad], x  # (p2p copies its bytes: no autograd involved)
     p2p.check_value(x, "Pipeline send")
     return ["v", x], None
 

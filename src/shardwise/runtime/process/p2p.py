@@ -7,10 +7,12 @@ fingerprint of the key, the sizes of what follows, a sequence number), the key i
 the description (JSON: the caller's ``info`` and every tensor's dtype and shape; left
 out when it equals the stream's previous transfer's, as in every steady pipeline step),
 then every tensor's bytes, 16-byte aligned. The message's size is what both ends know:
-the last transfer's (a stream's first: 4 KiB); a payload that does not fit follows in
-a second message of its own size. So shapes may change from one transfer to the next
-(dynamic shapes), and a step whose shapes repeat sends one message per transfer, as
-many as torch's stages (whose shapes are fixed).
+the size of the transfer ``depth`` before it (a stream's first ones: 4 KiB; ``depth``
+is 2 on Gloo, where a receiver keeps two receives posted, 1 on NCCL); a payload that
+does not fit follows in a second message of its own size (on Gloo on the stream's
+overflow tag, clear of the receives posted ahead). So shapes may change from one
+transfer to the next (dynamic shapes), and a step whose shapes repeat sends one
+message per transfer, as many as torch's stages (whose shapes are fixed).
 
 Invariants:
 - A message is a uint8 tensor on the stream's device (:func:`message_device`: this
@@ -27,9 +29,13 @@ Invariants:
 - Both ends size every message, and know the description a transfer may leave out,
   from the stream's history alone (:func:`_next_cap`, ``_Stream.desc``/``parsed``), so
   a healthy stream never pairs buffers of different sizes.
-- A receiver posts the receive of a stream's next message as soon as it has taken
-  one (its size is known): data flows while the stage computes. A stream ends with
-  one such receive posted; the next step's first transfer fills it.
+- A receiver posts a stream's receives ahead of their messages, so data flows while
+  the stage computes (Gloo moves a message only once its receive is posted). On Gloo
+  a receive of message k first posts message k+1's (its size is known: ``depth`` 2),
+  then waits: the post (~0.1 ms on a cold cache) overlaps the wait, and never lies
+  between message k's arrival and the compute that waits for it. On NCCL (an enqueue
+  on the GPU stream) the next receive is posted as soon as one is taken. A stream
+  ends with one such receive posted; the next step's first transfer fills it.
 - Sends never block (``isend``: a schedule cannot deadlock on buffering); a sent
   buffer is kept until :func:`flush` waits for its transfer (Gloo completes a send
   only in its wait; the executor flushes once per step).
@@ -50,6 +56,7 @@ Invariants:
 
 from __future__ import annotations
 
+import ctypes
 import datetime
 import functools
 import json
@@ -85,9 +92,16 @@ _HEADER = struct.Struct("<8q")  # magic, key code, key bytes, description bytes 
 _HEAD = _HEADER.size      # 64
 _MIN_CAP = 4096           # the smallest message: a stream's first, and small transfers
 _ALIGN = 16
+_FREE = 8                 # sent CPU messages a stream keeps for its next sends
 _TAG_BASE = 1 << 20       # clear of tag 0, which the collectives' exchanges use
+_OVERFLOW = 1 << 22       # + a stream's tag: its payloads that follow their header (Gloo)
 _LEAF_VALUES = (type(None), bool, int, float, str)
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
+# A CPU message is written and read by address (ctypes): a pipeline hop runs on caches
+# its stage's compute left cold, where each torch call (a slice, a view, a copy) costs
+# ~10-20 us; the hop's dozen of them were a third of its time above torch's.
+_memmove = ctypes.memmove
+_string_at = ctypes.string_at
 
 
 @dataclass
@@ -96,26 +110,36 @@ class _Stream:
 
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     seq: int = 0
-    cap: int = _MIN_CAP   # the next message's bytes: the same on both ends (the history)
-    ahead: tuple[Any, torch.Tensor] | None = None   # the next message's posted receive
+    # the next ``depth`` messages' bytes: the same on both ends (the history)
+    caps: list[int] = field(default_factory=list)
+    # the receives posted for the next messages, in order (at most ``depth``)
+    ahead: list[tuple[Any, torch.Tensor]] = field(default_factory=list)
     failed: str = ""
     sends: list[tuple[Any, tuple[torch.Tensor, ...], str]] = field(default_factory=list)
+    # CPU messages whose sends completed (flush), for the next sends of their size
+    free: list[torch.Tensor] = field(default_factory=list)
     # the last description (sent: its bytes; received: parsed), which the next transfer
     # may leave out: both ends hold the same one while the stream is healthy
     desc: bytes = b""
     parsed: tuple[Any, list[tuple[torch.dtype, tuple[int, ...], int]]] | None = None
 
+    def __post_init__(self) -> None:
+        self.caps = [_MIN_CAP] * (2 if self.device.type == "cpu" else 1)  # depth
 
+
+_DTYPE_NAMES: dict[torch.dtype, str] = {}
 _STREAMS: dict[tuple[int, int, str], _Stream] = {}   # (peer, tag, "send"/"recv")
-_WORLD_ID: list[int] = [0]
+_WORLD_ID: list[int] = [-1]
 _GROUP_RANK: dict[tuple[int, int], int] = {}  # (id(pg), global rank) -> rank in pg
+_DEFAULT: list[Any] = [None]  # this world's default group
 
 
 def _stream(peer: int, tag: int, way: str, pg: Any) -> _Stream:
-    if _WORLD_ID[0] != id(WORLD.channels):  # a new world: forget the old streams
+    if _WORLD_ID[0] != WORLD.generation:  # a new world: forget the old streams
         _STREAMS.clear()
         _GROUP_RANK.clear()
-        _WORLD_ID[0] = id(WORLD.channels)
+        _DEFAULT[0] = None
+        _WORLD_ID[0] = WORLD.generation
     key = (peer, tag, way)
     s = _STREAMS.get(key)
     if s is None:
@@ -157,7 +181,13 @@ def spec_of(text: str) -> Any:
 
 
 def _pg(pg: Any) -> Any:
-    return pg if pg is not None else dist.distributed_c10d._get_default_group()
+    """``pg``, or the default group (looked up once per world: c10d's lookup checks
+    the world each time, ~10 us on a hop's cold cache)."""
+    if pg is not None:
+        return pg
+    if _DEFAULT[0] is None:
+        _DEFAULT[0] = dist.distributed_c10d._get_default_group()
+    return _DEFAULT[0]
 
 
 def _rank_in(pg: Any, peer: int) -> int:
@@ -246,7 +276,10 @@ def send_parts(info: Any, tensors: Sequence[torch.Tensor], peer: int, tag: int, 
                 f"point-to-point send: a leaf of type {type(t).__name__} is not a plain "
                 "torch tensor; send its local block (the pipeline transport does this "
                 "for shardwise Tensors).")
-        metas.append((str(t.dtype)[6:], t.shape))
+        name = _DTYPE_NAMES.get(t.dtype)
+        if name is None:
+            name = _DTYPE_NAMES[t.dtype] = str(t.dtype)[6:]   # "torch.float32" -> "float32"
+        metas.append((name, t.shape))
     desc = json.dumps([info, metas]).encode()
     kb = key.encode()
     same = desc == stream.desc
@@ -256,39 +289,50 @@ def send_parts(info: Any, tensors: Sequence[torch.Tensor], peer: int, tag: int, 
     for t in tensors:
         offsets.append(at)
         at += _up(t.numel() * t.element_size())
-    cap = stream.cap
+    cap = stream.caps[0]
     inline = _HEAD + at <= cap
     stream.seq += 1
-    prefix = bytearray(_HEADER.pack(_MAGIC, _code(key), len(kb), n_desc, at, stream.seq,
-                                    0, 0))
-    prefix += kb
+    prefix = _HEADER.pack(_MAGIC, _code(key), len(kb), n_desc, at, stream.seq, 0, 0) + kb
     if not same:
-        prefix += bytes(_up(len(kb)) - len(kb))
-        prefix += desc
+        prefix += bytes(_up(len(kb)) - len(kb)) + desc
     # one buffer: the header, key and description, then the tensors (the padding
     # between them is never read); a payload that does not fit goes second, alone
     # (from the host: small; the tensors' bytes are device copies)
     dev = stream.device
-    message = torch.empty(cap, dtype=torch.uint8, device=dev)
-    if inline:
-        payload = message[_HEAD:_HEAD + at]
-        message[:len(prefix)].copy_(torch.frombuffer(prefix, dtype=torch.uint8))
+    free = stream.free
+    if free and free[-1].numel() == cap:
+        message = free.pop()
     else:
-        payload = torch.empty(at, dtype=torch.uint8, device=dev)
-        message[:_HEAD].copy_(torch.frombuffer(prefix, dtype=torch.uint8, count=_HEAD))
-        payload[:len(prefix) - _HEAD].copy_(
-            torch.frombuffer(prefix, dtype=torch.uint8, offset=_HEAD))
-    for t, off in zip(tensors, offsets, strict=True):
-        n = t.numel() * t.element_size()
-        if n:
-            payload[off:off + n].copy_(_bytes(t))
-    stream.cap = _next_cap(at)
+        free.clear()   # (another size: the shapes changed)
+        message = torch.empty(cap, dtype=torch.uint8, device=dev)
+    if inline and dev.type == "cpu" and all(map(_by_address, tensors)):
+        payload = message
+        base = message.data_ptr()
+        _memmove(base, prefix, len(prefix))
+        for t, off in zip(tensors, offsets, strict=True):
+            n = t.numel() * t.element_size()
+            if n:  # (an empty tensor's address may be 0)
+                _memmove(base + _HEAD + off, t.data_ptr(), n)
+    else:
+        head = torch.frombuffer(bytearray(prefix), dtype=torch.uint8)
+        if inline:
+            payload = message[_HEAD:_HEAD + at]
+            message[:len(prefix)].copy_(head)
+        else:
+            payload = torch.empty(at, dtype=torch.uint8, device=dev)
+            message[:_HEAD].copy_(head[:_HEAD])
+            payload[:len(prefix) - _HEAD].copy_(head[_HEAD:])
+        for t, off in zip(tensors, offsets, strict=True):
+            n = t.numel() * t.element_size()
+            if n:
+                payload[off:off + n].copy_(_bytes(t))
+    stream.caps = [*stream.caps[1:], _next_cap(at)]
     stream.desc = desc
     group = _pg(pg)
     dst = _rank_in(pg, peer)
     try:
         works = (group.send([message], dst, tag),) + (
-            () if inline else (group.send([payload], dst, tag),))
+            () if inline else (group.send([payload], dst, _overflow(stream, tag)),))
     except RuntimeError as err:  # the connection is gone already (the peer died)
         raise _fail(stream, f"{_sending(key, peer)} failed: the peer died or closed its "
                             "connection.",
@@ -301,6 +345,12 @@ def send_parts(info: Any, tensors: Sequence[torch.Tensor], peer: int, tag: int, 
 def _sending(key: str, peer: int) -> str:
     """A send, as its errors name it (formatted only when one is raised)."""
     return f"Pipeline transfer: rank {dist.get_rank()}'s send of {key} to rank {peer}"
+
+
+def _by_address(t: torch.Tensor) -> bool:
+    """``t``'s values are its memory, in order, on the CPU: copied by address."""
+    return (t.device.type == "cpu" and t.layout is torch.strided and t.is_contiguous()
+            and not t.is_conj() and not t.is_neg())
 
 
 def _bytes(t: torch.Tensor) -> torch.Tensor:
@@ -317,9 +367,9 @@ def _up(n: int) -> int:
 
 
 def _next_cap(payload: int) -> int:
-    """The size of a stream's next message, from the last transfer alone (both ends
-    know it): room for a payload as large as the last one, so a step whose shapes
-    repeat sends one message per transfer."""
+    """The size of a stream's message ``depth`` transfers after one of ``payload`` bytes
+    (both ends know it): room for a payload as large, so a step whose shapes repeat
+    sends one message per transfer."""
     return max(_MIN_CAP, _HEAD + payload)
 
 
@@ -336,9 +386,11 @@ def flush() -> None:
     for (peer, _, way), stream in list(_STREAMS.items()):
         if way != "send":
             continue
-        for works, _, key in stream.sends:
+        for works, bufs, key in stream.sends:
             for w in works:
                 _wait(w, deadline, stream, functools.partial(_sending, key, peer))
+            if stream.device.type == "cpu" and len(stream.free) < _FREE:
+                stream.free.append(bufs[0])   # sent: its memory is free for the next
         stream.sends.clear()
 
 
@@ -371,26 +423,31 @@ def recv_parts(peer: int, tag: int, key: str, pg: Any = None
     if stream.failed:
         _refuse(stream, what)
     deadline = time.monotonic() + WORLD.timeout_s
-    work, message = stream.ahead or _post(stream, peer, tag, pg, what, stream.cap)
-    stream.ahead = None
+    ahead = stream.ahead
+    while len(ahead) < len(stream.caps):  # this message's receive, and on Gloo the next's
+        ahead.append(_post(stream, peer, tag, pg, what, stream.caps[len(ahead)]))
+    work, message = ahead.pop(0)
     _wait(work, deadline, stream, what)
     # the header, key and description are read on the host (.cpu(): a no-op on Gloo)
-    header = _HEADER.unpack_from(message[:_HEAD].cpu().numpy().data)
+    cpu = message.device.type == "cpu"
+    header = _HEADER.unpack(_string_at(message.data_ptr(), _HEAD) if cpu else
+                            message[:_HEAD].cpu().numpy().tobytes())
     magic, code, n_key, n_desc, n_all, seq, _, _ = header
-    if (magic != _MAGIC or not 0 <= n_key <= n_all or not 0 <= n_desc <= n_all
+    if (magic != _MAGIC or min(n_key, n_desc) < 0 or _up(n_key) + n_desc > n_all
             or (n_desc == 0 and stream.parsed is None)):
         raise _fail(stream, f"{what()}: the peer sent something that "
                     f"is not a transfer (header {list(header)}): its program sends other "
                     "data on this stream.")
-    if _HEAD + n_all <= stream.cap:
+    if _HEAD + n_all <= stream.caps[0]:
         payload = message[_HEAD:_HEAD + n_all]
     else:
-        work, payload = _post(stream, peer, tag, pg, what, n_all)
+        work, payload = _post(stream, peer, _overflow(stream, tag), pg, what, n_all)
         _wait(work, deadline, stream, what)
     stream.seq += 1
-    stream.cap = _next_cap(n_all)
-    body = payload[:_up(n_key) + n_desc].cpu().numpy()
-    sent_key = bytes(body[:n_key]).decode(errors="replace")
+    stream.caps = [*stream.caps[1:], _next_cap(n_all)]
+    body = (_string_at(payload.data_ptr(), _up(n_key) + n_desc) if cpu else
+            payload[:_up(n_key) + n_desc].cpu().numpy().tobytes())
+    sent_key = body[:n_key].decode(errors="replace")
     if code != _code(key) or sent_key != key:
         raise _fail(stream, (
             f"Pipeline transfer mismatch on rank {dist.get_rank()}: it expected {key} from "
@@ -400,16 +457,15 @@ def recv_parts(peer: int, tag: int, key: str, pg: Any = None
             "code)."))
     at = _up(n_key)
     if n_desc:
-        info, metas = json.loads(bytes(body[at:at + n_desc]))
+        info, metas = json.loads(body[at:at + n_desc])
         dtypes = [getattr(torch, d) for d, _ in metas]
         stream.parsed = (info, [(dt, tuple(shape), math.prod(shape) * dt.itemsize)
                                 for dt, (_, shape) in zip(dtypes, metas, strict=True)])
         at += _up(n_desc)
     assert stream.parsed is not None
     info, plan = stream.parsed
-    # the next transfer's message, posted now (its size is known): the sender's data
-    # then flows while this stage computes, instead of after a handshake at the next recv
-    stream.ahead = _post(stream, peer, tag, pg, what, stream.cap)
+    if not ahead:  # NCCL: the next message's receive, now (Gloo's was posted already)
+        ahead.append(_post(stream, peer, tag, pg, what, stream.caps[0]))
     # tensors of one payload share its version counter: copies when there are several
     # (an in-place write to one must not fail another's backward check)
     several = len(plan) > 1
@@ -422,6 +478,13 @@ def recv_parts(peer: int, tag: int, key: str, pg: Any = None
             tensors.append(torch.empty(shape, dtype=dtype, device=payload.device))
         at += _up(nbytes)
     return info, tensors
+
+
+def _overflow(stream: _Stream, tag: int) -> int:
+    """The tag of a payload that follows its header alone: on Gloo the stream's
+    overflow tag (the receive posted ahead for the next message must not take it);
+    on NCCL the stream's own group, where nothing else is posted meanwhile."""
+    return tag + _OVERFLOW if stream.device.type == "cpu" else tag
 
 
 def _post(stream: _Stream, peer: int, tag: int, pg: Any, what: Callable[[], str],

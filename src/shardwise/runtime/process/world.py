@@ -7,7 +7,8 @@ Invariants:
   meshes, meshes checked against the world size, the agreement channels, groups that
   failed, and the multi-process step specs (which hold groups).
   ``WORLD.reset()`` (``shutdown()`` and ``initialize()``) clears them all at once,
-  so nothing of an old world survives into a new one.
+  so nothing of an old world survives into a new one; it also counts
+  ``WORLD.generation`` up, by which the point-to-point layer forgets its streams.
 - The settings of the run live here too: the collective timeout, the default
   agreement check, the opt-in debug check (``SHARDWISE_CHECK_COLLECTIVES=1``), and
   a test hook that gives every point-to-point stream its own group on Gloo too, as
@@ -57,9 +58,11 @@ class World:
     channels: dict[Any, Any] = field(default_factory=dict)
     broken: dict[int, str] = field(default_factory=dict)  # group id -> first failure
     specs: dict[Any, Any] = field(default_factory=dict)   # multi-process step specs
+    generation: int = 0   # counted up by reset(): p2p's streams belong to one generation
 
     def reset(self) -> None:
         """Forget every cache of this world (settings stay)."""
+        self.generation += 1
         for cache in (self.groups, self.pgs, self.streams, self.stages, self.index, self.checked,
                       self.channels, self.broken, self.specs):
             cache.clear()
