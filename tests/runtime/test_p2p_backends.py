@@ -255,3 +255,12 @@ def test_a_sent_message_is_reused_only_after_flush_waited_for_it(
     for i in range(3):
         _, (got,) = p2p.recv_parts(1, 7, f"F{i}")
         assert torch.equal(got, a + i)
+
+
+def test_a_new_world_starts_with_new_streams(world: dict[str, Any]) -> None:
+    old = p2p._stream(1, 7, "recv", None)
+    old.seq = 5
+    assert p2p._stream(1, 7, "recv", None) is old
+    WORLD.reset()   # what shutdown() and initialize() do
+    new = p2p._stream(1, 7, "recv", None)
+    assert new is not old and new.seq == 0 and not new.ahead
