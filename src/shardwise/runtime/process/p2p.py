@@ -438,15 +438,17 @@ def recv_parts(peer: int, tag: int, key: str, pg: Any = None
         raise _fail(stream, f"{what()}: the peer sent something that "
                     f"is not a transfer (header {list(header)}): its program sends other "
                     "data on this stream.")
-    if _HEAD + n_all <= stream.caps[0]:
-        payload = message[_HEAD:_HEAD + n_all]
-    else:
+    # the payload: bytes ``base..`` of the message, or a message of its own
+    payload, base = message, _HEAD
+    if _HEAD + n_all > stream.caps[0]:
         work, payload = _post(stream, peer, _overflow(stream, tag), pg, what, n_all)
         _wait(work, deadline, stream, what)
+        base = 0
     stream.seq += 1
     stream.caps = [*stream.caps[1:], _next_cap(n_all)]
-    body = (_string_at(payload.data_ptr(), _up(n_key) + n_desc) if cpu else
-            payload[:_up(n_key) + n_desc].cpu().numpy().tobytes())
+    n_body = _up(n_key) + n_desc
+    body = (_string_at(payload.data_ptr() + base, n_body) if cpu else
+            payload[base:base + n_body].cpu().numpy().tobytes())
     sent_key = body[:n_key].decode(errors="replace")
     if code != _code(key) or sent_key != key:
         raise _fail(stream, (
@@ -469,6 +471,7 @@ def recv_parts(peer: int, tag: int, key: str, pg: Any = None
     # tensors of one payload share its version counter: copies when there are several
     # (an in-place write to one must not fail another's backward check)
     several = len(plan) > 1
+    at += base
     tensors = []
     for dtype, shape, nbytes in plan:
         if nbytes:
