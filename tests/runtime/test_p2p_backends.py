@@ -264,3 +264,18 @@ def test_a_new_world_starts_with_new_streams(world: dict[str, Any]) -> None:
     WORLD.reset()   # what shutdown() and initialize() do
     new = p2p._stream(1, 7, "recv", None)
     assert new is not old and new.seq == 0 and not new.ahead
+
+
+@pytest.mark.parametrize("name", ["nn", "no_such_dtype", "Tensor"])
+def test_a_description_this_version_does_not_write_is_a_collective_error(
+        world: dict[str, Any], monkeypatch: pytest.MonkeyPatch, name: str) -> None:
+    pg = _Loopback()
+    monkeypatch.setattr(p2p, "_pg", lambda group: pg)
+    monkeypatch.setattr(diagnose, "record", lambda text: "")
+    monkeypatch.setitem(p2p._DTYPE_NAMES, torch.float32, name)  # what a peer might write
+    p2p.send_parts(None, [torch.ones(3)], 1, 7, "F0")
+    with pytest.raises(CollectiveError, match=r"receive of F0 from rank 1: the peer's "
+                                              r"description of the transfer is not one"):
+        p2p.recv_parts(1, 7, "F0")
+    with pytest.raises(CollectiveError, match="this stream failed earlier"):
+        p2p.recv_parts(1, 7, "F1")

@@ -459,10 +459,19 @@ def recv_parts(peer: int, tag: int, key: str, pg: Any = None
             "code)."))
     at = _up(n_key)
     if n_desc:
-        info, metas = json.loads(body[at:at + n_desc])
-        dtypes = [getattr(torch, d) for d, _ in metas]
-        stream.parsed = (info, [(dt, tuple(shape), math.prod(shape) * dt.itemsize)
-                                for dt, (_, shape) in zip(dtypes, metas, strict=True)])
+        try:
+            info, metas = json.loads(body[at:at + n_desc])
+            dtypes = [getattr(torch, d) for d, _ in metas]
+            plan = [(dt, tuple(shape), math.prod(shape) * dt.itemsize)
+                    for dt, (_, shape) in zip(dtypes, metas, strict=True)]
+            if not all(isinstance(dt, torch.dtype) and min(sh, default=0) >= 0
+                       and n >= 0 for dt, sh, n in plan):
+                raise ValueError("a tensor's dtype or shape")
+        except (ValueError, TypeError, AttributeError) as err:
+            raise _fail(stream, f"{what()}: the peer's description of the transfer is not "
+                        f"one this version writes ({str(err)[:120]}): the peer runs another "
+                        "program or another version of shardwise on this stream.") from err
+        stream.parsed = (info, plan)
         at += _up(n_desc)
     assert stream.parsed is not None
     info, plan = stream.parsed
