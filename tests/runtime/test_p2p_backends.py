@@ -279,3 +279,22 @@ def test_a_description_this_version_does_not_write_is_a_collective_error(
         p2p.recv_parts(1, 7, "F0")
     with pytest.raises(CollectiveError, match="this stream failed earlier"):
         p2p.recv_parts(1, 7, "F1")
+
+
+@pytest.mark.parametrize("shape", ["[3.5]", "[-3]", "[\"3\"]"])
+def test_a_description_with_a_shape_no_tensor_has_is_a_collective_error(
+        world: dict[str, Any], monkeypatch: pytest.MonkeyPatch, shape: str) -> None:
+    import json
+    import types
+
+    pg = _Loopback()
+    monkeypatch.setattr(p2p, "_pg", lambda group: pg)
+    monkeypatch.setattr(diagnose, "record", lambda text: "")
+    # what a peer might write: the tensor's shape [3] replaced
+    monkeypatch.setattr(p2p, "json", types.SimpleNamespace(
+        dumps=lambda obj: json.dumps(obj).replace('"float32", [3]', f'"float32", {shape}'),
+        loads=json.loads))
+    p2p.send_parts(None, [torch.ones(3)], 1, 7, "F0")
+    with pytest.raises(CollectiveError, match=r"the peer's description of the transfer is "
+                                              r"not one this version writes"):
+        p2p.recv_parts(1, 7, "F0")

@@ -17,6 +17,8 @@ backs guest pages lazily). Large results of shardwise ops come from
 - :func:`set_buffer_reuse` (opt-in, process-wide, glibc ``mallopt``): glibc
   serves every block from its heap and keeps freed memory; :func:`empty` then
   leaves allocation to it.
+- :func:`by_address` says when a tensor's host memory is its values in order, so
+  its bytes may be copied by address (``ctypes.memmove``) instead of by torch calls.
 """
 
 from __future__ import annotations
@@ -35,8 +37,8 @@ from typing import Any
 import numpy as np
 import torch
 
-__all__ = ["MAPPED", "buffer_reuse", "empty", "huge_pages", "pool_limit", "set_buffer_reuse",
-           "set_huge_pages", "set_pool_limit"]
+__all__ = ["MAPPED", "buffer_reuse", "by_address", "empty", "huge_pages", "pool_limit",
+           "set_buffer_reuse", "set_huge_pages", "set_pool_limit"]
 
 _M_TRIM_THRESHOLD, _M_MMAP_MAX = -1, -4  # glibc mallopt parameters (malloc.h)
 _GLIBC_MMAP_MAX, _GLIBC_TRIM_THRESHOLD = 65536, 128 * 1024  # glibc's defaults
@@ -238,6 +240,20 @@ def _modes_active() -> bool:
     from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
     return not all(getattr(m, "plain_memory", False) for m in _get_current_dispatch_mode_stack())
+
+
+def by_address(t: torch.Tensor) -> bool:
+    """``t``'s values are its host memory, in order: a CPU, strided, contiguous tensor
+    without a pending conjugate or negative bit. Its ``t.numel() * t.element_size()``
+    bytes from ``t.data_ptr()`` may then be copied by address (what the process
+    runtime's hot paths do, where each torch call costs ~10-20 us on a cold cache).
+
+    >>> x = torch.arange(6.0).reshape(2, 3)
+    >>> by_address(x), by_address(x.t()), by_address(torch.ones(2, dtype=torch.cfloat).conj())
+    (True, False, False)
+    """
+    return (t.device.type == "cpu" and t.layout is torch.strided and t.is_contiguous()
+            and not t.is_conj() and not t.is_neg())
 
 
 def empty(shape: Sequence[int], like: torch.Tensor) -> torch.Tensor:

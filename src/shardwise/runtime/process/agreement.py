@@ -249,7 +249,7 @@ def fold_reduce(ch: Channel, label: str, fp: Fingerprint, x: torch.Tensor, op: R
     assert arr is not None and msg.mem is not None
     # The same dtype on the wire: a byte copy each way (memmove), which costs about half
     # of numpy's views and copy here, where every call runs on a cache the wait left cold.
-    raw = x.dtype is msg.buf.dtype and x.is_contiguous() and not x.is_neg()
+    raw = x.dtype is msg.buf.dtype and buffers.by_address(x)
     if raw:
         _memmove(msg.addr, x.data_ptr(), n * x.element_size())
     else:

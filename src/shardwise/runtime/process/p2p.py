@@ -72,6 +72,7 @@ import torch
 import torch.distributed as dist
 from torch.utils import _pytree as pytree
 
+from shardwise.runtime import buffers
 from shardwise.runtime.process import diagnose
 from shardwise.runtime.process.p2p_backends import (
     check_backend,
@@ -111,7 +112,7 @@ class _Stream:
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     seq: int = 0
     # the next ``depth`` messages' bytes: the same on both ends (the history)
-    caps: list[int] = field(default_factory=list)
+    caps: list[int] = field(init=False)
     # the receives posted for the next messages, in order (at most ``depth``)
     ahead: list[tuple[Any, torch.Tensor]] = field(default_factory=list)
     failed: str = ""
@@ -285,10 +286,11 @@ def send_parts(info: Any, tensors: Sequence[torch.Tensor], peer: int, tag: int, 
     same = desc == stream.desc
     n_desc = 0 if same else len(desc)
     at = _up(len(kb)) + _up(n_desc)
-    offsets = []
+    spans = []   # (tensor, its offset in the payload, its bytes)
     for t in tensors:
-        offsets.append(at)
-        at += _up(t.numel() * t.element_size())
+        n = t.numel() * t.element_size()
+        spans.append((t, at, n))
+        at += _up(n)
     cap = stream.caps[0]
     inline = _HEAD + at <= cap
     stream.seq += 1
@@ -305,12 +307,11 @@ def send_parts(info: Any, tensors: Sequence[torch.Tensor], peer: int, tag: int, 
     else:
         free.clear()   # (another size: the shapes changed)
         message = torch.empty(cap, dtype=torch.uint8, device=dev)
-    if inline and dev.type == "cpu" and all(map(_by_address, tensors)):
+    if inline and dev.type == "cpu" and all(map(buffers.by_address, tensors)):
         payload = message
         base = message.data_ptr()
         _memmove(base, prefix, len(prefix))
-        for t, off in zip(tensors, offsets, strict=True):
-            n = t.numel() * t.element_size()
+        for t, off, n in spans:
             if n:  # (an empty tensor's address may be 0)
                 _memmove(base + _HEAD + off, t.data_ptr(), n)
     else:
@@ -322,8 +323,7 @@ def send_parts(info: Any, tensors: Sequence[torch.Tensor], peer: int, tag: int, 
             payload = torch.empty(at, dtype=torch.uint8, device=dev)
             message[:_HEAD].copy_(head[:_HEAD])
             payload[:len(prefix) - _HEAD].copy_(head[_HEAD:])
-        for t, off in zip(tensors, offsets, strict=True):
-            n = t.numel() * t.element_size()
+        for t, off, n in spans:
             if n:
                 payload[off:off + n].copy_(_bytes(t))
     stream.caps = [*stream.caps[1:], _next_cap(at)]
@@ -345,12 +345,6 @@ def send_parts(info: Any, tensors: Sequence[torch.Tensor], peer: int, tag: int, 
 def _sending(key: str, peer: int) -> str:
     """A send, as its errors name it (formatted only when one is raised)."""
     return f"Pipeline transfer: rank {dist.get_rank()}'s send of {key} to rank {peer}"
-
-
-def _by_address(t: torch.Tensor) -> bool:
-    """``t``'s values are its memory, in order, on the CPU: copied by address."""
-    return (t.device.type == "cpu" and t.layout is torch.strided and t.is_contiguous()
-            and not t.is_conj() and not t.is_neg())
 
 
 def _bytes(t: torch.Tensor) -> torch.Tensor:
@@ -464,8 +458,9 @@ def recv_parts(peer: int, tag: int, key: str, pg: Any = None
             dtypes = [getattr(torch, d) for d, _ in metas]
             plan = [(dt, tuple(shape), math.prod(shape) * dt.itemsize)
                     for dt, (_, shape) in zip(dtypes, metas, strict=True)]
-            if not all(isinstance(dt, torch.dtype) and min(sh, default=0) >= 0
-                       and n >= 0 for dt, sh, n in plan):
+            sizes = [d for _, sh, _ in plan for d in sh]
+            if not (all(isinstance(dt, torch.dtype) for dt, _, _ in plan)
+                    and all(type(d) is int and d >= 0 for d in sizes)):
                 raise ValueError("a tensor's dtype or shape")
         except (ValueError, TypeError, AttributeError) as err:
             raise _fail(stream, f"{what()}: the peer's description of the transfer is not "
