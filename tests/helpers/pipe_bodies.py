@@ -313,6 +313,31 @@ def _schedules_pp4(n: int, names: list[str], ms: tuple[int, ...]) -> None:
             _check_step(pipe, sched, ref, x, t, m, F.mse_loss, f"{name} p={p} m={m}")
 
 
+def body_structured_values_pp4(n: int) -> None:
+    """pp=4, GPipe and 1F1B: stage values other than one tensor cross processes (a
+    tuple with an int tensor, a dict with a value leaf, a tuple of two tensors); losses
+    and gradients equal torch's."""
+    import copy
+
+    import torch.nn.functional as F
+
+    from shardwise.pipelining import pipeline
+    from tests.helpers import pp_models as pm
+
+    for name in ("GPipe", "1F1B"):
+        cls, _, _ = _schedules()[name]
+        mods = pm.structured_stages(8)
+        ref = copy.deepcopy(mods)
+        pipe = pipeline(mods, DeviceMesh.cpu(n, "pp"))
+        m = 4
+        sched = cls(pipe, n_microbatches=m, loss_fn=F.mse_loss)  # type: ignore[operator]
+        g = torch.Generator().manual_seed(1)
+        x, t = torch.randn(2 * m, 8, generator=g), torch.randn(2 * m, 8, generator=g)
+        losses: list[object] = []
+        sched.step(x, target=t, losses=losses)
+        pm.check_structured(pipe, ref, x, t, m, F.mse_loss, losses, name)
+
+
 def body_every_schedule_pp2_tp2(n: int) -> None:
     """pp=2 x tp=2: a GPT whose stages are tensor-parallel on their stage mesh (the
     activations cross as tp-laid-out Tensors), every schedule, m in {1, p, 2p, 4p};

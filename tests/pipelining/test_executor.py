@@ -190,3 +190,22 @@ def test_errors_name_the_fix() -> None:
             lazy = pipeline(mlp(2), DeviceMesh.cpu(2, "pp"), split_points=["2"])
         ScheduleGPipe(lazy, n_microbatches=1, loss_fn=mse).step(
             torch.randn(1, WIDTH), target=torch.randn(1, WIDTH))
+
+
+
+@pytest.mark.parametrize("name", ["GPipe", "1F1B", "Interleaved1F1B", "InterleavedZeroBubble"])
+def test_stages_pass_tuples_dicts_and_tensors_without_gradients(name: str) -> None:
+    """Stage values other than one tensor: a tuple with an int tensor (no gradient), a
+    dict with a value leaf, a tuple of two tensors that both take gradients."""
+    cls, v, style = SCHEDULES[name]
+    p = 4 // v
+    mods = pm.structured_stages(WIDTH)
+    ref = copy.deepcopy(mods)
+    pipe = pipeline(mods, DeviceMesh.cpu(p, "pp"), stages_per_rank=v, style=style)
+    m = 4
+    sched = cls(pipe, n_microbatches=m, loss_fn=mse)
+    g = torch.Generator().manual_seed(1)
+    x, t = torch.randn(2 * m, WIDTH, generator=g), torch.randn(2 * m, WIDTH, generator=g)
+    losses: list[Any] = []
+    sched.step(x, target=t, losses=losses)
+    pm.check_structured(pipe, ref, x, t, m, mse, losses, name)

@@ -190,7 +190,7 @@ class _Loopback:
         self.posted = 0
 
     def send(self, bufs: list[torch.Tensor], dst: int, tag: int) -> Any:
-        self.queues.setdefault(tag, []).append(bufs[0].clone())
+        self.queues.setdefault(tag, []).append(bufs[0].view(torch.uint8).clone())
         return _Done(lambda: None)
 
     def recv(self, bufs: list[torch.Tensor], src: int, tag: int) -> Any:
@@ -198,8 +198,9 @@ class _Loopback:
 
         def land() -> None:
             got = self.queues[tag].pop(0)
-            assert got.numel() == bufs[0].numel(), "a message paired with another size"
-            bufs[0].copy_(got)
+            into = bufs[0].view(torch.uint8)   # (Gloo moves bytes; a receive may be typed)
+            assert got.numel() == into.numel(), "a message paired with another size"
+            into.copy_(got)
         return _Done(land)
 
 
@@ -298,3 +299,31 @@ def test_a_description_with_a_shape_no_tensor_has_is_a_collective_error(
     with pytest.raises(CollectiveError, match=r"the peer's description of the transfer is "
                                               r"not one this version writes"):
         p2p.recv_parts(1, 7, "F0")
+
+
+def test_a_receive_posted_ahead_holds_its_tensors_typed_or_as_bytes(
+        world: dict[str, Any], monkeypatch: pytest.MonkeyPatch) -> None:
+    pg = _Loopback()
+    monkeypatch.setattr(p2p, "_pg", lambda group: pg)
+    a = torch.arange(6.0).reshape(2, 3)
+    flags = [torch.tensor([True, False, True]), torch.zeros(0, 4, dtype=torch.bool),
+             torch.tensor(True)]                     # one dtype, a size-0 and a 0-dim one
+    mixed = [torch.arange(4.0, dtype=torch.float64) * (1 + 2j), torch.arange(3, dtype=torch.int8)]
+    sent = [[a], [a + 1], [a + 2], flags, flags, flags, mixed, mixed, mixed, [a.t() * 1]]
+    for i, ts in enumerate(sent):
+        p2p.send_parts(i, ts, 1, 7, f"F{i}")
+    stream = p2p._stream(1, 7, "recv", None)
+    for i, ts in enumerate(sent):
+        info, got = p2p.recv_parts(1, 7, f"F{i}")
+        assert info == i and len(got) == len(ts)
+        for x, want in zip(got, ts, strict=True):
+            assert x.dtype == want.dtype and x.shape == want.shape and torch.equal(x, want)
+            assert x.is_contiguous() and not x.requires_grad
+        if len(got) > 1:   # copies: an in-place write to one leaves the others' versions
+            got[0].add_(1) if got[0].dtype != torch.bool else got[0].logical_not_()
+            assert all(x._version == 0 for x in got[1:])
+        if i == 1:   # F2's receive, posted with F0's description: float32, F2's view made
+            (_, message, _, made), = stream.ahead
+            assert message.dtype == torch.float32 and made[1][0].shape == (2, 3)
+        if i == 7:   # mixed dtypes: the message stays bytes
+            assert stream.ahead[0][1].dtype == torch.uint8

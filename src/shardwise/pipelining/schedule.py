@@ -30,6 +30,7 @@ Invariants:
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -230,6 +231,10 @@ class _Step:
         self.targets = targets
         self.transport = transport
         self.ranks = sorted({s.rank for s in self.pipe.local_stages})
+        # per stage: its pipeline rank, and whether this process runs it (looked up on
+        # every action: a hop's critical path)
+        self.rank_of = [st.rank for st in self.pipe.stages]
+        self.here = [r in self.ranks for r in self.rank_of]
         self.done: set[tuple[int, Kind, int]] = set()
         self.handoff: dict[tuple[int, str], Any] = {}  # (dst stage, tag) -> value
         self.stage_in: dict[tuple[int, int], Any] = {}
@@ -239,19 +244,16 @@ class _Step:
         self.losses: dict[int, Any] = {}
         self.scale = 1.0 / sched.n_microbatches if sched.scale_grads else 1.0
 
-    def _here(self, stage: int) -> bool:
-        return self.pipe.rank_of(stage) in self.ranks
-
     def _ready(self, a: Action) -> bool:
         s, i = a.stage, a.microbatch
         if a.kind is Kind.FORWARD:
-            return s == 0 or not self._here(s - 1) or (s - 1, Kind.FORWARD, i) in self.done
+            return s == 0 or not self.here[s - 1] or (s - 1, Kind.FORWARD, i) in self.done
         if a.kind is Kind.BACKWARD_WEIGHT:
             return (s, Kind.BACKWARD_INPUT, i) in self.done
         if (s, Kind.FORWARD, i) not in self.done:
             return False
         last = s == self.pipe.n_stages - 1
-        return last or not self._here(s + 1) or any(
+        return last or not self.here[s + 1] or any(
             (s + 1, k, i) in self.done for k in _BACKWARD)
 
     def run(self) -> None:
@@ -286,12 +288,12 @@ class _Step:
         self.done.add((a.stage, a.kind, a.microbatch))
 
     def _take(self, src: int, dst: int, tag: str) -> Any:
-        if self.pipe.rank_of(src) == self.pipe.rank_of(dst):
+        if self.rank_of[src] == self.rank_of[dst]:
             return self.handoff.pop((dst, tag))
         return self.transport.recv(src, dst, tag)
 
     def _give(self, value: Any, src: int, dst: int, tag: str) -> None:
-        if self.pipe.rank_of(src) == self.pipe.rank_of(dst):
+        if self.rank_of[src] == self.rank_of[dst]:
             self.handoff[(dst, tag)] = detached(value, self.pipe.stages[dst].mesh)
         else:
             self.transport.send(value, src, dst, tag)
@@ -325,8 +327,10 @@ class _Step:
         if s == self.pipe.n_stages - 1:
             return [out], [torch.full_like(out, self.scale)]
         grads = self._take(s + 1, s, f"B{i}")
-        outs = pytree.tree_leaves(out)
-        gs = pytree.tree_leaves(grads, is_leaf=lambda x: x is None)
+        outs = [out] if _tensor_leaf(out) else pytree.tree_leaves(out)
+        gs = (list(grads) if type(grads) is tuple and all(
+            g is None or _tensor_leaf(g) for g in grads)
+              else pytree.tree_leaves(grads, is_leaf=lambda x: x is None))
         pairs = [(o, g) for o, g in zip(outs, gs, strict=True)
                  if isinstance(o, torch.Tensor) and o.requires_grad and g is not None]
         return [o for o, _ in pairs], [g for _, g in pairs]
@@ -334,7 +338,7 @@ class _Step:
     def _backward(self, s: int, i: int, *, full: bool) -> None:
         outs, seeds = self._seeds(s, i)
         args = self.stage_in.pop((s, i))
-        leaves, spec = pytree.tree_flatten(args)
+        leaves, back = _flat(args)
         # stage 0's inputs are the caller's: their gradient goes nowhere in the pipeline
         wanted = [] if s == 0 else [x for x in leaves
                                     if isinstance(x, torch.Tensor) and x.requires_grad]
@@ -350,7 +354,7 @@ class _Step:
             self.owed[(s, i)] = (outs, seeds)
         if s > 0:
             by_id = {id(x): g for x, g in zip(wanted, got, strict=False)}
-            grads = pytree.tree_unflatten([by_id.get(id(x)) for x in leaves], spec)
+            grads = back([by_id.get(id(x)) for x in leaves])
             self._give(grads, s, s - 1, f"B{i}")
 
     def _weight(self, s: int, i: int) -> None:
@@ -358,6 +362,20 @@ class _Step:
         params = [p for p in self.pipe.stages[s].module.parameters() if p.requires_grad]
         if outs and params:
             torch.autograd.backward(outs, seeds, inputs=params)
+
+
+def _tensor_leaf(x: Any) -> bool:
+    return isinstance(x, torch.Tensor) and type(x) not in pytree.SUPPORTED_NODES
+
+
+def _flat(tree: Any) -> tuple[list[Any], Callable[[list[Any]], Any]]:
+    """``tree``'s leaves and the function that puts leaves back in its place; a flat
+    tuple of tensors (a stage's usual inputs) skips the pytree walk (a hop's critical
+    path: ~20 us of Python on its cold cache)."""
+    if type(tree) is tuple and all(map(_tensor_leaf, tree)):
+        return list(tree), tuple
+    leaves, spec = pytree.tree_flatten(tree)
+    return leaves, functools.partial(pytree.tree_unflatten, treespec=spec)
 
 
 class ScheduleGPipe(PipelineSchedule):
