@@ -209,3 +209,102 @@ def test_stages_pass_tuples_dicts_and_tensors_without_gradients(name: str) -> No
     losses: list[Any] = []
     sched.step(x, target=t, losses=losses)
     pm.check_structured(pipe, ref, x, t, m, mse, losses, name)
+
+
+class _Two(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(WIDTH, WIDTH)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        h = self.lin(x)
+        return torch.tanh(h), h * 2
+
+
+class _FirstOnly(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(WIDTH, WIDTH)
+
+    def forward(self, a: torch.Tensor, unused: torch.Tensor) -> torch.Tensor:
+        return self.lin(a)
+
+
+@pytest.mark.parametrize("name", ["GPipe", "1F1B"])
+def test_an_input_the_backward_gives_no_gradient(name: str) -> None:
+    """Stage 1 ignores one of its two inputs (which records gradients): stage 0 still
+    gets the other's gradient (sent after the backward, not from the hooks)."""
+    torch.manual_seed(0)
+    mods = [_Two(), _FirstOnly()]
+    ref = copy.deepcopy(mods)
+    pipe = pipeline(mods, DeviceMesh.cpu(2, "pp"))
+    m = 2
+    x, t = torch.randn(4, WIDTH), torch.randn(4, WIDTH)
+    losses: list[Any] = []
+    SCHEDULES[name][0](pipe, n_microbatches=m, loss_fn=mse).step(x, target=t, losses=losses)
+    want = [mse(ref[1](*ref[0](xi)), ti)
+            for xi, ti in zip(x.tensor_split(m), t.tensor_split(m), strict=True)]
+    (sum(want) / m).backward()  # type: ignore[operator]
+    for a, b in zip(losses, want, strict=True):
+        assert abs(float(pm.values(a)) - float(b.detach())) <= 1e-5 * abs(float(b.detach()))
+    for got_mod, want_mod in zip(mods, ref, strict=True):
+        for q, r in zip(got_mod.parameters(), want_mod.parameters(), strict=True):
+            assert q.grad is not None and r.grad is not None
+            pm.assert_close(q.grad, r.grad, "grad")
+
+
+class _Logged(torch.autograd.Function):
+    """Identity whose backward logs that it ran (the weight path of _LateWeight)."""
+
+    @staticmethod
+    def forward(ctx: Any, w: torch.Tensor, log: list[str]) -> torch.Tensor:
+        ctx.log = log
+        return w.clone()
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor, None]:
+        ctx.log.append("weight gradient")
+        return g, None
+
+
+class _LateWeight(nn.Module):
+    """y = w' + x @ v, with w' made before x's path: autograd runs x's path first (the
+    later node), then the weight's, so the input's gradient is final before that."""
+
+    def __init__(self, log: list[str]) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.ones(WIDTH))
+        self.v = nn.Parameter(torch.eye(WIDTH))
+        self.log = log
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        w = _Logged.apply(self.w, self.log)
+        return w + x @ self.v
+
+
+def test_a_full_backward_sends_the_input_gradient_once_it_is_computed(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    log: list[str] = []
+    sent = SimTransport.send
+
+    def send(self: Any, value: Any, src: int, dst: int, tag: str) -> None:
+        log.append(f"send {tag}")
+        sent(self, value, src, dst, tag)
+    monkeypatch.setattr(SimTransport, "send", send)
+    torch.manual_seed(0)
+    mods = [nn.Linear(WIDTH, WIDTH), _LateWeight(log)]
+    ref = [copy.deepcopy(mods[0]), _LateWeight([])]
+    ref[1].load_state_dict(mods[1].state_dict())
+    pipe = pipeline(mods, DeviceMesh.cpu(2, "pp"))
+    x, t = torch.randn(4, WIDTH), torch.randn(4, WIDTH)
+    ScheduleGPipe(pipe, n_microbatches=2, loss_fn=mse).step(x, target=t)
+    # stage 1's backward of each microbatch: its input's gradient went out before the
+    # weight's path ran
+    backward = [e for e in log if not e.startswith("send F")]
+    assert backward == ["send B0", "weight gradient", "send B1", "weight gradient"], log
+    (sum(mse(ref[1](ref[0](xi)), ti) for xi, ti in zip(x.tensor_split(2), t.tensor_split(2),
+                                                       strict=True)) / 2).backward()
+    for got_mod, want_mod in zip(mods, ref, strict=True):
+        for q, r in zip(got_mod.parameters(), want_mod.parameters(), strict=True):
+            assert q.grad is not None and r.grad is not None
+            pm.assert_close(q.grad, r.grad, "grad")

@@ -327,3 +327,18 @@ def test_a_receive_posted_ahead_holds_its_tensors_typed_or_as_bytes(
             assert message.dtype == torch.float32 and made[1][0].shape == (2, 3)
         if i == 7:   # mixed dtypes: the message stays bytes
             assert stream.ahead[0][1].dtype == torch.uint8
+
+
+def test_a_host_sender_yields_its_core_after_each_message(
+        world: dict[str, Any], monkeypatch: pytest.MonkeyPatch) -> None:
+    pg = _Loopback()
+    monkeypatch.setattr(p2p, "_pg", lambda group: pg)
+    calls: list[int] = []
+    monkeypatch.setattr(p2p, "_yield", lambda: calls.append(pg.posted))
+    p2p.send_parts(None, [torch.ones(3)], 1, 7, "F0")
+    p2p.send_parts(None, [torch.ones(5000)], 1, 7, "F1")   # a payload of its own: still one
+    assert calls == [0, 0]
+    for i, n in enumerate((3, 5000)):
+        _, (got,) = p2p.recv_parts(1, 7, f"F{i}")
+        assert torch.equal(got, torch.ones(n))
+    assert len(calls) == 2   # receives do not yield

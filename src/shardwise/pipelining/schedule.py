@@ -18,7 +18,10 @@ Invariants:
   executor sends a stage's output right after its ``F`` (its input's gradient right
   after ``B``/``I``) when the receiving stage is on another pipeline rank, and receives
   right before the consuming action; stages on one rank hand over a detached value.
-  Each stage's backward is its own graph.
+  A full ``B`` of plain host tensors sends its input gradients from their autograd hooks,
+  once every one is computed: the same values, before autograd accumulates them and
+  winds down (~0.1 ms earlier on each backward hop). Each stage's backward is its own
+  graph.
 - One process runs the rows of every pipeline rank it holds (all of them on the
   simulated mesh), taking each row's next action once what it consumes is there; a
   table whose actions can never become ready raises instead of hanging. Communication,
@@ -344,7 +347,11 @@ class _Step:
                                     if isinstance(x, torch.Tensor) and x.requires_grad]
         got: list[Any] = []
         if full:
-            if outs:
+            if outs and wanted and self.rank_of[s - 1] != self.rank_of[s] and all(
+                    type(x) is torch.Tensor and x.is_cpu for x in wanted):
+                if self._backward_sending(outs, seeds, wanted, leaves, back, s, i):
+                    return
+            elif outs:
                 torch.autograd.backward(outs, seeds)
             got = [x.grad for x in wanted]
         else:
@@ -356,6 +363,34 @@ class _Step:
             by_id = {id(x): g for x, g in zip(wanted, got, strict=False)}
             grads = back([by_id.get(id(x)) for x in leaves])
             self._give(grads, s, s - 1, f"B{i}")
+
+    def _backward_sending(self, outs: list[Any], seeds: list[Any], wanted: list[Any],
+                          leaves: list[Any], back: Callable[[list[Any]], Any], s: int,
+                          i: int) -> bool:
+        """A full backward that sends the input gradients to the previous stage's rank
+        from their hooks, as soon as autograd has computed every one: what is left of
+        the backward (accumulating them, the engine winding down) runs after the send,
+        off the hop's critical path. Returns whether they were sent (an input the
+        backward gave no gradient: the caller sends after it). Only for plain host
+        tensors: autograd runs a GPU backward's hooks on its device thread, and a
+        shardwise Tensor's autograd runs on its blocks."""
+        grads: dict[int, Any] = {}
+        n = len(wanted)
+
+        def take(k: int, g: torch.Tensor) -> None:
+            grads[k] = g
+            if len(grads) == n:   # the last one: send (the values are final)
+                by_id = {id(x): grads[j] for j, x in enumerate(wanted)}
+                self._give(back([by_id.get(id(x)) for x in leaves]), s, s - 1, f"B{i}")
+
+        # removed after: a hook left on an input would hold it in a reference cycle
+        handles = [x.register_hook(functools.partial(take, k)) for k, x in enumerate(wanted)]
+        try:
+            torch.autograd.backward(outs, seeds)
+        finally:
+            for h in handles:
+                h.remove()
+        return len(grads) == n
 
     def _weight(self, s: int, i: int) -> None:
         outs, seeds = self.owed.pop((s, i))
