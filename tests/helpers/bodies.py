@@ -648,3 +648,33 @@ def body_reduce_dtype_errors(n: int) -> None:
 
 
 BODIES.append("body_reduce_dtype_errors")
+
+
+def body_grad_hooks(n: int) -> None:
+    """Autograd hooks on a Tensor (on the whole value or the blocks in one process, on
+    each process's block under torch.distributed): a hook sees torch's gradient, one
+    that returns a new gradient changes the leaf's as torch's does, a post-accumulate
+    hook runs once per backward."""
+    mesh = DeviceMesh.cpu((n,), ("x",))
+    for place in (Sharded(0), Replicated()):
+        x = sw.tensor(data(2 * n, 3) / 5, sharding=PlacementMapping(mesh, [place])
+                      ).requires_grad_()   # (one process: the whole is the leaf)
+        ref = (data(2 * n, 3) / 5).requires_grad_(True)
+        seen: list[torch.Tensor] = []
+        want: list[torch.Tensor] = []
+        done: list[int] = []
+        y, y_ref = x.tanh(), ref.tanh()
+        y.register_hook(lambda g, seen=seen: seen.append(g.to_torch()))
+        y_ref.register_hook(lambda g, want=want: want.append(g.clone()))
+        x.register_hook(lambda g: g * 2 + 1)   # (a leaf: autograd on the whole or one block)
+        ref.register_hook(lambda g: g * 2 + 1)
+        x.register_post_accumulate_grad_hook(lambda t, done=done: done.append(1))
+        (y * y).sum().backward()
+        (y_ref * y_ref).sum().backward()
+        assert len(seen) == 1 and torch.allclose(seen[0], want[0], atol=1e-6), place
+        assert done == [1], done
+        assert x.grad is not None and ref.grad is not None
+        assert torch.allclose(x.grad.to_torch(), ref.grad, atol=1e-6), place
+
+
+BODIES.append("body_grad_hooks")

@@ -22,6 +22,8 @@ Invariants:
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from typing import Any, Self
 
 import torch
@@ -217,6 +219,130 @@ class GradMixin(RelayoutMixin):
         for k in self._unique():
             shards[k].grad = g._shards[k]
 
+    # --- autograd hooks: on the whole or on every distinct block, as autograd runs ----
+    def register_hook(self, hook: Callable[[Any], Any]) -> Any:
+        """Call ``hook(grad)`` each time autograd computes this tensor's gradient, with
+        the gradient as ``.grad`` shows it (a Tensor in this tensor's layout); a Tensor
+        the hook returns replaces the gradient. As torch's ``Tensor.register_hook``:
+        the returned handle's ``remove()`` unregisters it.
+
+        >>> mesh = DeviceMesh.cpu(2, "tp")
+        >>> x = shardwise.tensor(torch.arange(4.0), sharding=PlacementMapping(
+        ...     mesh, [Sharded(0)])).requires_grad_()
+        >>> seen = []
+        >>> h = x.register_hook(lambda g: seen.append(g.to_torch()))
+        >>> (x * x).sum().backward()
+        >>> seen[0].tolist(), x.grad.to_torch().tolist()
+        ([0.0, 2.0, 4.0, 6.0], [0.0, 2.0, 4.0, 6.0])
+        >>> h.remove()
+        """
+        if not self.requires_grad:
+            raise RuntimeError("cannot register a hook on a tensor that doesn't require "
+                               "gradient")
+        self._hookable("register_hook")
+        whole = self._whole
+        if whole is not None:
+            def on_whole(g: torch.Tensor) -> torch.Tensor | None:
+                out = hook(type(self).from_whole(g, self._layout))
+                return None if out is None else self._whole_of(out, "register_hook")
+            return whole.register_hook(on_whole)
+        blocks = self.unique_shards()[1]
+        got: dict[int, torch.Tensor] = {}
+
+        def on_block(s: torch.Tensor, g: torch.Tensor) -> torch.Tensor | None:
+            got[id(s)] = g
+            if len(got) < len(blocks):   # autograd has not reached every block yet
+                return None
+            grads: dict[int, torch.Tensor | None] = dict(got)
+            got.clear()
+            out = hook(self._wrap_grads(grads))
+            if out is None:
+                return None
+            if len(blocks) > 1:
+                raise ShardingError(
+                    f"A hook on {self!r} returned a new gradient, but autograd runs on its "
+                    f"{len(blocks)} local blocks one by one (a result on the simulated "
+                    "mesh) and the others have passed already: a hook may only observe "
+                    "such a gradient. Change it where it arrives (a leaf's hook, or .grad "
+                    "after the backward); a leaf from shardwise.tensor(...) runs autograd "
+                    "on one whole value, and under torchrun on each process's one block, "
+                    "where a hook may replace it.")
+            return self._block_of(out, s)
+        return _Handles([s.register_hook(functools.partial(on_block, s)) for s in blocks])
+
+    def register_post_accumulate_grad_hook(self, hook: Callable[[Any], Any]) -> Any:
+        """Call ``hook(self)`` after autograd accumulated into this leaf's ``.grad``
+        (every local block's), as torch's ``register_post_accumulate_grad_hook``.
+
+        >>> mesh = DeviceMesh.cpu(2, "tp")
+        >>> p = torch.nn.Parameter(shardwise.tensor(torch.ones(4), sharding=PlacementMapping(
+        ...     mesh, [Sharded(0)])))
+        >>> seen = []
+        >>> h = p.register_post_accumulate_grad_hook(lambda t: seen.append(t.grad.to_torch()))
+        >>> (p * 3).sum().backward()
+        >>> seen[0].tolist()
+        [3.0, 3.0, 3.0, 3.0]
+        """
+        if not self.is_leaf:
+            raise RuntimeError("post accumulate grad hooks cannot be registered on non-leaf "
+                               "tensors")
+        self._hookable("register_post_accumulate_grad_hook")
+        whole = self._whole
+        if whole is not None:
+            return whole.register_post_accumulate_grad_hook(lambda _: hook(self))
+        blocks = self.unique_shards()[1]
+        done: set[int] = set()
+
+        def on_block(s: torch.Tensor, _: torch.Tensor) -> None:
+            done.add(id(s))
+            if len(done) == len(blocks):
+                done.clear()
+                hook(self)
+        return _Handles([s.register_post_accumulate_grad_hook(functools.partial(on_block, s))
+                         for s in blocks])
+
+    def retain_grad(self) -> None:
+        """Keep this non-leaf tensor's gradient in ``.grad`` after the backward (a leaf
+        keeps it anyway), as torch's ``retain_grad``."""
+        whole = self._whole
+        if whole is not None and not self._layout.is_partial:
+            whole.retain_grad()
+            return
+        for s in self.unique_shards()[1]:
+            s.retain_grad()
+
+    @property
+    def retains_grad(self) -> bool:
+        whole = self._whole
+        if whole is not None and not self._layout.is_partial:
+            return whole.retains_grad
+        return any(s.retains_grad for s in self.unique_shards()[1])
+
+    def _hookable(self, what: str) -> None:
+        if self._layout.is_partial:
+            raise ShardingError(
+                f"{what} on {self!r}, whose layout is Partial: its gradient has no single "
+                "per-device form. Reduce it first (x.relayout(...) to a layout without "
+                "Partial axes) and hook the result.")
+
+    def _whole_of(self, out: Any, what: str) -> torch.Tensor:
+        """A hook's new gradient as this tensor's whole value (a plain tensor)."""
+        if not isinstance(out, type(self)) or out.shape != self.shape or out.mesh != self.mesh:
+            raise ShardingTypeError(
+                f"A {what} hook on {self!r} returned {out!r:.120}: a new gradient must be a "
+                f"shardwise.Tensor of shape {tuple(self._shape)} on {self.mesh!r} (e.g. g * 2 "
+                "of the gradient it was given), or None to keep it.")
+        return out._whole if out._whole is not None else out._global()
+
+    def _block_of(self, out: Any, s: torch.Tensor) -> torch.Tensor:
+        """A hook's new gradient, at the device of local block ``s``."""
+        self._whole_of(out, "register_hook")   # (checks it)
+        g = out.relayout(self._grad_layout())
+        k = next(k for k in self._unique() if self._shards[k] is s)
+        block = g._shards[k]
+        assert block is not None
+        return block
+
     def _roots(self) -> Self:
         """This value with Partial axes reduced (the differentiable global)."""
         if not self._layout.is_partial:
@@ -225,3 +351,21 @@ class GradMixin(RelayoutMixin):
         if self._whole is not None:  # the whole is the reduced value already
             return type(self).from_whole(cache.whole(self, target), target, self._open)
         return cache.relayout(self, target)
+
+
+class _Handles:
+    """The handles of one hook registered on several blocks: ``remove()`` removes every
+    one (as torch's ``RemovableHandle``, also as a context manager)."""
+
+    def __init__(self, handles: list[Any]) -> None:
+        self.handles = handles
+
+    def remove(self) -> None:
+        for h in self.handles:
+            h.remove()
+
+    def __enter__(self) -> _Handles:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.remove()
