@@ -213,10 +213,16 @@ class _Done:
         return True
 
 
+@pytest.fixture
+def pg(world: dict[str, Any], monkeypatch: pytest.MonkeyPatch) -> _Loopback:
+    """The fake world's default group: a loopback (this rank talking to itself)."""
+    loop = _Loopback()
+    monkeypatch.setattr(p2p, "_pg", lambda group: loop)
+    return loop
+
+
 def test_gloo_posts_the_next_receive_before_it_waits_and_overflows_on_its_own_tag(
-        world: dict[str, Any], monkeypatch: pytest.MonkeyPatch) -> None:
-    pg = _Loopback()
-    monkeypatch.setattr(p2p, "_pg", lambda group: pg)
+        pg: _Loopback) -> None:
     small = torch.arange(6.0).reshape(2, 3)
     big = torch.arange(3000, dtype=torch.int32)   # 12 KB: more than a first message holds
     p2p.send_parts({"n": 0}, [small], 1, 7, "F0")
@@ -239,9 +245,7 @@ def test_gloo_posts_the_next_receive_before_it_waits_and_overflows_on_its_own_ta
 
 
 def test_a_sent_message_is_reused_only_after_flush_waited_for_it(
-        world: dict[str, Any], monkeypatch: pytest.MonkeyPatch) -> None:
-    pg = _Loopback()
-    monkeypatch.setattr(p2p, "_pg", lambda group: pg)
+        pg: _Loopback) -> None:
     a = torch.arange(6.0).reshape(2, 3)
     p2p.send_parts(None, [a], 1, 7, "F0")
     stream = p2p._stream(1, 7, "send", None)
@@ -269,9 +273,7 @@ def test_a_new_world_starts_with_new_streams(world: dict[str, Any]) -> None:
 
 @pytest.mark.parametrize("name", ["nn", "no_such_dtype", "Tensor"])
 def test_a_description_this_version_does_not_write_is_a_collective_error(
-        world: dict[str, Any], monkeypatch: pytest.MonkeyPatch, name: str) -> None:
-    pg = _Loopback()
-    monkeypatch.setattr(p2p, "_pg", lambda group: pg)
+        pg: _Loopback, monkeypatch: pytest.MonkeyPatch, name: str) -> None:
     monkeypatch.setattr(diagnose, "record", lambda text: "")
     monkeypatch.setitem(p2p._DTYPE_NAMES, torch.float32, name)  # what a peer might write
     p2p.send_parts(None, [torch.ones(3)], 1, 7, "F0")
@@ -284,12 +286,10 @@ def test_a_description_this_version_does_not_write_is_a_collective_error(
 
 @pytest.mark.parametrize("shape", ["[3.5]", "[-3]", "[\"3\"]"])
 def test_a_description_with_a_shape_no_tensor_has_is_a_collective_error(
-        world: dict[str, Any], monkeypatch: pytest.MonkeyPatch, shape: str) -> None:
+        pg: _Loopback, monkeypatch: pytest.MonkeyPatch, shape: str) -> None:
     import json
     import types
 
-    pg = _Loopback()
-    monkeypatch.setattr(p2p, "_pg", lambda group: pg)
     monkeypatch.setattr(diagnose, "record", lambda text: "")
     # what a peer might write: the tensor's shape [3] replaced
     monkeypatch.setattr(p2p, "json", types.SimpleNamespace(
@@ -302,9 +302,7 @@ def test_a_description_with_a_shape_no_tensor_has_is_a_collective_error(
 
 
 def test_a_receive_posted_ahead_holds_its_tensors_typed_or_as_bytes(
-        world: dict[str, Any], monkeypatch: pytest.MonkeyPatch) -> None:
-    pg = _Loopback()
-    monkeypatch.setattr(p2p, "_pg", lambda group: pg)
+        pg: _Loopback) -> None:
     a = torch.arange(6.0).reshape(2, 3)
     flags = [torch.tensor([True, False, True]), torch.zeros(0, 4, dtype=torch.bool),
              torch.tensor(True)]                     # one dtype, a size-0 and a 0-dim one
@@ -330,9 +328,7 @@ def test_a_receive_posted_ahead_holds_its_tensors_typed_or_as_bytes(
 
 
 def test_a_host_sender_yields_its_core_after_each_message(
-        world: dict[str, Any], monkeypatch: pytest.MonkeyPatch) -> None:
-    pg = _Loopback()
-    monkeypatch.setattr(p2p, "_pg", lambda group: pg)
+        pg: _Loopback, monkeypatch: pytest.MonkeyPatch) -> None:
     calls: list[int] = []
     monkeypatch.setattr(p2p, "_yield", lambda: calls.append(pg.posted))
     p2p.send_parts(None, [torch.ones(3)], 1, 7, "F0")

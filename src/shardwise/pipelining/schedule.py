@@ -360,9 +360,15 @@ class _Step:
                                                allow_unused=True))
             self.owed[(s, i)] = (outs, seeds)
         if s > 0:
-            by_id = {id(x): g for x, g in zip(wanted, got, strict=False)}
-            grads = back([by_id.get(id(x)) for x in leaves])
-            self._give(grads, s, s - 1, f"B{i}")
+            self._give_grads(wanted, got, leaves, back, s, i)
+
+    def _give_grads(self, wanted: list[Any], got: list[Any], leaves: list[Any],
+                    back: Callable[[list[Any]], Any], s: int, i: int) -> None:
+        """Send stage ``s``'s input gradients of microbatch ``i`` (``got[j]`` is
+        ``wanted[j]``'s) to the previous stage, in the inputs' structure (None for an
+        input that takes none)."""
+        by_id = {id(x): g for x, g in zip(wanted, got, strict=False)}
+        self._give(back([by_id.get(id(x)) for x in leaves]), s, s - 1, f"B{i}")
 
     def _backward_sending(self, outs: list[Any], seeds: list[Any], wanted: list[Any],
                           leaves: list[Any], back: Callable[[list[Any]], Any], s: int,
@@ -380,8 +386,7 @@ class _Step:
         def take(k: int, g: torch.Tensor) -> None:
             grads[k] = g
             if len(grads) == n:   # the last one: send (the values are final)
-                by_id = {id(x): grads[j] for j, x in enumerate(wanted)}
-                self._give(back([by_id.get(id(x)) for x in leaves]), s, s - 1, f"B{i}")
+                self._give_grads(wanted, [grads[j] for j in range(n)], leaves, back, s, i)
 
         # removed after: a hook left on an input would hold it in a reference cycle
         handles = [x.register_hook(functools.partial(take, k)) for k, x in enumerate(wanted)]

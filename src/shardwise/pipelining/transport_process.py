@@ -106,18 +106,14 @@ class ProcessTransport:
             self._local[(src_stage, dst_stage, tag)] = _fresh(value)
             return
         leaves, text = p2p.flatten(value)
-        if len(leaves) == 1 and type(leaves[0]) is torch.Tensor:  # (a stage's usual value)
-            metas: list[Any] = [["t", leaves[0].requires_grad]]
-            blocks = leaves
-        else:
-            mesh = self.meshes[src_stage]
-            metas = []
-            blocks = []
-            for x in leaves:
-                meta, block = _part(x, mesh)
-                metas.append(meta)
-                if block is not None:
-                    blocks.append(block)
+        mesh = self.meshes[src_stage]
+        metas: list[Any] = []
+        blocks: list[torch.Tensor] = []
+        for x in leaves:
+            meta, block = _part(x, mesh)
+            metas.append(meta)
+            if block is not None:
+                blocks.append(block)
         stream = p2p.stream_tag(src_stage, dst_stage)
         p2p.send_parts([text, metas], blocks, peer, stream,
                        _key(src_stage, dst_stage, tag),
@@ -141,19 +137,15 @@ class ProcessTransport:
             peer, stream, key,
             None if self._streams is None else self._group(peer, dist.get_rank(), stream,
                                                            src_stage, dst_stage))
-        if len(metas) == 1 and metas[0][0] == "t":   # (a stage's usual value)
-            x = blocks[0]
-            leaves = [x.requires_grad_(True) if metas[0][1] and _grads(x) else x]
-        else:
-            mesh = self.meshes[dst_stage]
-            dev = self._devices.get(dst_stage)
-            if dev is None:
-                k = D.my_index(mesh)
-                assert k is not None
-                dev = self._devices[dst_stage] = device_of(mesh, k)
-            it = iter(blocks)
-            leaves = [_rebuild(m, next(it) if m[0] != "v" else None, mesh, key, peer, dev)
-                      for m in metas]
+        mesh = self.meshes[dst_stage]
+        dev = self._devices.get(dst_stage)
+        if dev is None:
+            k = D.my_index(mesh)
+            assert k is not None
+            dev = self._devices[dst_stage] = device_of(mesh, k)
+        it = iter(blocks)
+        leaves = [_rebuild(m, next(it) if m[0] != "v" else None, mesh, key, peer, dev)
+                  for m in metas]
         return p2p.unflatten(leaves, spec_text)
 
     def _group(self, sender: int, receiver: int, stream: int, src: int, dst: int) -> Any:

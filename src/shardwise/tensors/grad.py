@@ -244,17 +244,11 @@ class GradMixin(RelayoutMixin):
         if whole is not None:
             def on_whole(g: torch.Tensor) -> torch.Tensor | None:
                 out = hook(type(self).from_whole(g, self._layout))
-                return None if out is None else self._whole_of(out, "register_hook")
+                return None if out is None else self._whole_of(out)
             return whole.register_hook(on_whole)
         blocks = self.unique_shards()[1]
-        got: dict[int, torch.Tensor] = {}
 
-        def on_block(s: torch.Tensor, g: torch.Tensor) -> torch.Tensor | None:
-            got[id(s)] = g
-            if len(got) < len(blocks):   # autograd has not reached every block yet
-                return None
-            grads: dict[int, torch.Tensor | None] = dict(got)
-            got.clear()
+        def on_last(s: torch.Tensor, grads: dict[int, Any]) -> torch.Tensor | None:
             out = hook(self._wrap_grads(grads))
             if out is None:
                 return None
@@ -268,7 +262,7 @@ class GradMixin(RelayoutMixin):
                     "on one whole value, and under torchrun on each process's one block, "
                     "where a hook may replace it.")
             return self._block_of(out, s)
-        return _Handles([s.register_hook(functools.partial(on_block, s)) for s in blocks])
+        return _on_every_block(blocks, "register_hook", on_last)
 
     def register_post_accumulate_grad_hook(self, hook: Callable[[Any], Any]) -> Any:
         """Call ``hook(self)`` after autograd accumulated into this leaf's ``.grad``
@@ -290,16 +284,8 @@ class GradMixin(RelayoutMixin):
         whole = self._whole
         if whole is not None:
             return whole.register_post_accumulate_grad_hook(lambda _: hook(self))
-        blocks = self.unique_shards()[1]
-        done: set[int] = set()
-
-        def on_block(s: torch.Tensor, _: torch.Tensor) -> None:
-            done.add(id(s))
-            if len(done) == len(blocks):
-                done.clear()
-                hook(self)
-        return _Handles([s.register_post_accumulate_grad_hook(functools.partial(on_block, s))
-                         for s in blocks])
+        return _on_every_block(self.unique_shards()[1], "register_post_accumulate_grad_hook",
+                               lambda s, _: hook(self))
 
     def retain_grad(self) -> None:
         """Keep this non-leaf tensor's gradient in ``.grad`` after the backward (a leaf
@@ -325,18 +311,21 @@ class GradMixin(RelayoutMixin):
                 "per-device form. Reduce it first (x.relayout(...) to a layout without "
                 "Partial axes) and hook the result.")
 
-    def _whole_of(self, out: Any, what: str) -> torch.Tensor:
-        """A hook's new gradient as this tensor's whole value (a plain tensor)."""
+    def _check_new_grad(self, out: Any) -> None:
         if not isinstance(out, type(self)) or out.shape != self.shape or out.mesh != self.mesh:
             raise ShardingTypeError(
-                f"A {what} hook on {self!r} returned {out!r:.120}: a new gradient must be a "
-                f"shardwise.Tensor of shape {tuple(self._shape)} on {self.mesh!r} (e.g. g * 2 "
-                "of the gradient it was given), or None to keep it.")
+                f"A register_hook hook on {self!r} returned {out!r:.120}: a new gradient must "
+                f"be a shardwise.Tensor of shape {tuple(self._shape)} on {self.mesh!r} (e.g. "
+                "g * 2 of the gradient it was given), or None to keep it.")
+
+    def _whole_of(self, out: Any) -> torch.Tensor:
+        """A hook's new gradient as this tensor's whole value (a plain tensor)."""
+        self._check_new_grad(out)
         return out._whole if out._whole is not None else out._global()
 
     def _block_of(self, out: Any, s: torch.Tensor) -> torch.Tensor:
         """A hook's new gradient, at the device of local block ``s``."""
-        self._whole_of(out, "register_hook")   # (checks it)
+        self._check_new_grad(out)
         g = out.relayout(self._grad_layout())
         k = next(k for k in self._unique() if self._shards[k] is s)
         block = g._shards[k]
@@ -351,6 +340,24 @@ class GradMixin(RelayoutMixin):
         if self._whole is not None:  # the whole is the reduced value already
             return type(self).from_whole(cache.whole(self, target), target, self._open)
         return cache.relayout(self, target)
+
+
+def _on_every_block(blocks: list[torch.Tensor], register: str,
+                    last: Callable[[torch.Tensor, dict[int, Any]], Any]) -> _Handles:
+    """Register a hook (``register``: the torch method's name) on every distinct block;
+    once each block's has run in a backward, the last one returns ``last(block, got)``,
+    ``got`` holding every block's hook argument by the block's id (autograd reaches
+    the blocks one by one)."""
+    got: dict[int, Any] = {}
+
+    def on_block(s: torch.Tensor, arg: Any) -> Any:
+        got[id(s)] = arg
+        if len(got) < len(blocks):
+            return None
+        every = dict(got)
+        got.clear()
+        return last(s, every)
+    return _Handles([getattr(s, register)(functools.partial(on_block, s)) for s in blocks])
 
 
 class _Handles:
