@@ -4,25 +4,27 @@
 same function on plain torch, and checks value (through the independent oracle
 ``shardcheck.global_of``), replica sharing, and gradients.
 
-Leaves that require grad are made both ways, about half the cases each (chosen by a
-checksum of the inputs' shapes and layouts, so a case always runs the same way):
-whole-value leaves (``.requires_grad_()`` on a Tensor holding its global value: ops
-run once on the wholes) and block leaves (``requires_grad=True``: one leaf per block).
+Every case runs both ways the runtime runs ops: on whole values (leaves made by
+``.requires_grad_()`` on a Tensor holding its global value: the simulated runtime runs
+each op once on the wholes) and on blocks (no mesh held wholly, as under torchrun:
+every value held as blocks, leaves one per block, each op once per distinct block),
+each checked on its own; both must count the same collectives.
 """
 
 from __future__ import annotations
 
-import zlib
-from collections.abc import Callable, Sequence
+import contextlib
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
 
 import shardwise as sw
 from shardwise.debug import CommCounter
+from shardwise.runtime import local
 from shardwise.sharding import DeviceMesh, Layout, ReduceOp
 from tests.helpers.meshes import M4, M24
-from tests.helpers.shardcheck import assert_shares_replicas, block, global_of
+from tests.helpers.shardcheck import assert_shares_replicas, block, global_of, whole_value
 
 # the compute tests' meshes, under the names they import from here
 MESH = M24
@@ -74,16 +76,37 @@ def block_shape(layout: Layout, shape: Sequence[int], k: int) -> tuple[int, ...]
     return tuple(s.stop - s.start for s in block(layout.mesh, layout, shape, k))
 
 
+@contextlib.contextmanager
+def blocks_only() -> Iterator[None]:
+    """Values and ops held and run as blocks, as in a process world: no mesh counts as
+    held wholly here (the runtime's ``local_mesh``), so nothing is held whole."""
+    real = local.local_mesh
+    local.local_mesh = lambda mesh, device: False  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        local.local_mesh = real
+
+
 def run(fn_sw: Callable[..., Any], fn_torch: Callable[..., torch.Tensor],
         inputs: Sequence[tuple[torch.Tensor, Layout] | Any], *, grad: bool = True,
         atol: float = 1e-9) -> tuple[sw.Tensor, CommCounter]:
-    """``fn_sw`` on Tensors laid out as given vs ``fn_torch`` on the values. Items of
-    ``inputs`` that are not (value, layout) pairs are passed to both as constants."""
+    """``fn_sw`` on Tensors laid out as given vs ``fn_torch`` on the values, on both
+    paths (leaves held as blocks, then whole: the module doc). Items of ``inputs`` that
+    are not (value, layout) pairs are passed to both as constants. Returns the last
+    run's result and counter."""
+    with blocks_only():
+        blocks = _run_once(fn_sw, fn_torch, inputs, grad, atol, whole=False)
+    whole = _run_once(fn_sw, fn_torch, inputs, grad, atol, whole=True)
+    assert dict(blocks[1].counts) == dict(whole[1].counts), (blocks[1], whole[1])
+    return whole
+
+
+def _run_once(fn_sw: Callable[..., Any], fn_torch: Callable[..., torch.Tensor],
+              inputs: Sequence[tuple[torch.Tensor, Layout] | Any], grad: bool, atol: float,
+              whole: bool) -> tuple[sw.Tensor, CommCounter]:
     ts: list[Any] = []
     refs: list[Any] = []
-    key = repr([(tuple(i[0].shape), i[1]) if isinstance(i, tuple) and len(i) == 2 else i
-                for i in inputs])
-    whole = zlib.crc32(key.encode()) % 2 == 0
     for item in inputs:
         if isinstance(item, tuple) and len(item) == 2 and isinstance(item[1], Layout):
             value, layout = item
@@ -96,6 +119,8 @@ def run(fn_sw: Callable[..., Any], fn_torch: Callable[..., torch.Tensor],
             refs.append(item)
     with CommCounter() as cc:
         out = fn_sw(*ts)
+    if not whole:  # the blocks path: nothing held whole, the result included
+        assert all(whole_value(t) is None for t in (*ts, out) if isinstance(t, sw.Tensor))
     expect = fn_torch(*refs)
     got = global_of(out)
     assert got.shape == expect.shape, (got.shape, expect.shape)

@@ -222,7 +222,9 @@ def body_shape_disagrees(n: int) -> None:
     t = ProcessTransport(stages)
     if stage == 0:
         x = sw.tensor(torch.ones(4, 4), sharding=PlacementMapping(stages[0], [Sharded(0)]))
-        x._shards = tuple(None if s is None else torch.ones(3, 4) for s in x._shards)
+        from shardwise.runtime.local import Blocks
+
+        x._local = Blocks(tuple(None if s is None else torch.ones(3, 4) for s in x.shards))
         t.send(x, 0, 1, "F0")
         t.flush()
     else:

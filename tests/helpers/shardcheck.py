@@ -127,3 +127,12 @@ def from_blocks(layout: Layout, shape: Sequence[int], seed: int = 0) -> sw.Tenso
 
 def numel(shape: Sequence[int]) -> int:
     return math.prod(shape)
+
+
+def whole_value(t: sw.Tensor) -> torch.Tensor | None:
+    """The global value ``t`` is held in when the runtime holds it whole (a mesh this
+    process holds wholly: ops run once on it), else None (held as blocks)."""
+    from shardwise.runtime.local import Whole
+
+    local = t._local
+    return local.value if isinstance(local, Whole) else None

@@ -20,6 +20,7 @@ import torch
 import shardwise as sw
 from shardwise import Partial, PlacementMapping, Replicated, Sharded
 from tests.helpers.meshes import M4, M22
+from tests.helpers.shardcheck import whole_value
 
 R = Replicated()
 LAYOUTS = [
@@ -41,10 +42,10 @@ def leaf(value: torch.Tensor, spec: PlacementMapping, form: str) -> sw.Tensor:
     """A leaf Tensor that records gradients on its whole value or on its blocks."""
     if form == "whole":
         x = sw.tensor(value, sharding=spec).requires_grad_()
-        assert x._whole is not None and x.is_leaf
+        assert whole_value(x) is not None and x.is_leaf
         return x
     x = sw.tensor(value, sharding=spec, requires_grad=True)
-    assert x._whole is None and x.is_leaf
+    assert whole_value(x) is None and x.is_leaf
     return x
 
 

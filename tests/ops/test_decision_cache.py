@@ -202,18 +202,18 @@ def test_linear_gives_the_same_bits_on_every_call() -> None:
     assert all(torch.equal(o, outs[0]) for o in outs)
 
 
-# --- the hit path of the process runtime (execute._hit) ---------------------------------
+# --- the hit path of the process runtime ------------------------------------------------
 # Values of which this process holds only some devices' blocks (None for the others,
-# as another process's devices are): the one- and two-operand hits run their rows in
-# execute._hit. Built here in one process, each value fresh (a value held as blocks
+# as another process's devices are): the one- and two-operand hits run their rows
+# once per distinct block here. Built here in one process, each value fresh (a value held as blocks
 # keeps its derived-whole check in its operand cache after its first op), with no
 # mesh held wholly, as in a process world (no derived whole even where every distinct
 # block is here).
 @pytest.fixture
 def process_world(monkeypatch: pytest.MonkeyPatch) -> None:
-    from shardwise.tensors import cache
+    from shardwise.runtime import local
 
-    monkeypatch.setattr(cache, "local_mesh", lambda mesh, device: False)
+    monkeypatch.setattr(local, "local_mesh", lambda mesh, device: False)
 
 
 def held_here(value: torch.Tensor, layout: Layout, mine: set[int]) -> sw.Tensor:

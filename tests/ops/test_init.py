@@ -17,6 +17,7 @@ import torch.nn as nn
 import shardwise as sw
 from shardwise import Partial, PlacementMapping, Replicated, Sharded
 from tests.helpers.meshes import M22 as MESH
+from tests.helpers.shardcheck import whole_value
 
 R = Replicated()
 LAYOUTS = [(R, R), (Sharded(0), R), (R, Sharded(1)), (Sharded(0), Sharded(1)),
@@ -50,7 +51,7 @@ def _laid_out(x: torch.Tensor, lay: Any, whole: bool) -> sw.Tensor:
     # the same blocks without the global value: the multi-process runtime's case
     out = sw.from_local([s.clone() for s in t.shards], PlacementMapping(MESH, list(lay)),
                         shape=tuple(x.shape))
-    assert out._whole is None
+    assert whole_value(out) is None
     return out
 
 

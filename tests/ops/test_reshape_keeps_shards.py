@@ -27,7 +27,7 @@ from shardwise.sharding import Layout, ReduceOp
 from shardwise.sharding.shapes import reshape_groups
 from tests.helpers.computecheck import lay, make, run, show, values
 from tests.helpers.meshes import M24 as MESH
-from tests.helpers.shardcheck import global_of
+from tests.helpers.shardcheck import global_of, whole_value
 
 DP, TP = 0, 1
 
@@ -286,11 +286,11 @@ def test_values_gradients_and_communication(placements: list[object],
     mapping = PlacementMapping(MESH, placements)
     x = (sw.tensor(value, sharding=mapping).requires_grad_() if whole else
          sw.tensor(value, sharding=mapping, requires_grad=True))
-    assert (x._whole is not None) == whole
+    assert (whole_value(x) is not None) == whole
     with CommCounter() as cc:
         y = x.reshape(new)
     assert cc.total == comm
-    assert (y._whole is not None) == whole  # whole values stay whole
+    assert (whole_value(y) is not None) == whole  # whole values stay whole
     torch.testing.assert_close(y.detach().to_torch(), value.reshape(new))
     w = torch.randn(new, dtype=torch.float64)
     (y * w).sum().backward()
@@ -303,7 +303,7 @@ def test_values_gradients_and_communication(placements: list[object],
 def test_kept_blocks_are_views_of_the_input_blocks() -> None:
     # no block moves: each output block is the input block reshaped where it is
     x = make(values(8, 6), lay(MESH, "tp", None), grad=True)
-    assert x._whole is None
+    assert whole_value(x) is None
     y = x.reshape(4, 12)
     for a, b in zip(x._shards, y._shards):
         assert b._base is a or b._base is a._base or b.data_ptr() == a.data_ptr()

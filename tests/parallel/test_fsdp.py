@@ -25,6 +25,7 @@ from shardwise.sharding.layout import Layout
 
 # the GPT helpers are shared with the Gloo bodies (one way to shard, both runtimes)
 from tests.helpers import fsdp_bodies as fb
+from tests.helpers.shardcheck import whole_value
 
 R = Replicated()
 GPT = example_gpt()
@@ -147,7 +148,7 @@ def test_gathered_parameters_are_freed_after_forward(reshard: bool) -> None:
 
     def grab(module: nn.Module, args: Any, out: Any) -> None:
         refs.extend(weakref.ref(s) for s in module.weight.shards)
-        wholes.append(weakref.ref(module.weight._whole))
+        wholes.append(weakref.ref(whole_value(module.weight)))
 
     for block in model.layers:
         block.mlp.w1.register_forward_hook(grab)
@@ -473,8 +474,8 @@ def test_a_parameter_swapped_for_blocks_takes_the_block_gather() -> None:
     mesh = DeviceMesh.cpu(2, "dp")
     fully_shard(model, mesh)
     w = model[0].weight
-    assert w._whole is not None
+    assert whole_value(w) is not None
     with torch.no_grad():
         w.data = w.detach()._map_unique(lambda s: s.clone())  # blocks, no whole
-    assert w._whole is None
+    assert whole_value(w) is None
     _assert_sgd_like_torch(model, ref, mesh, steps=2)

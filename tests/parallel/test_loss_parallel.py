@@ -14,6 +14,7 @@ from shardwise import PlacementMapping, Replicated, Sharded
 from shardwise.debug import CommCounter
 from shardwise.parallel import loss_parallel
 from tests.helpers.meshes import M24 as MESH
+from tests.helpers.shardcheck import whole_value
 
 
 def _case(classes: int, rows: int = 6, ignored: int = -100
@@ -131,7 +132,7 @@ def test_whole_values_and_blocks_count_and_compute_alike(kwargs: dict[str, objec
     whole = sw.tensor(logits, sharding=PlacementMapping(MESH, [Sharded(0), Sharded(1)]))
     blocks = whole.detach()._map_unique(lambda s: s.clone().requires_grad_())
     whole.requires_grad_()
-    assert whole._whole is not None and blocks._whole is None
+    assert whole_value(whole) is not None and whole_value(blocks) is None
     got = []
     for x in (whole, blocks):
         with loss_parallel(), CommCounter() as cc:

@@ -22,6 +22,7 @@ from shardwise.parallel import (
     parallelize_module,
 )
 from tests.helpers import gpt_plans as G
+from tests.helpers.shardcheck import whole_value
 
 
 @pytest.fixture(autouse=True)
@@ -280,7 +281,7 @@ def test_styles_keep_whole_values_and_count_what_they_stand_for() -> None:
     xs = sw.tensor(x, sharding=PlacementMapping(mesh, [Sharded(0), Replicated()]))
     with CommCounter() as cc:
         y = model(xs)
-    assert y._whole is not None and y.placements == (Sharded(0), Replicated())
+    assert whole_value(y) is not None and y.placements == (Sharded(0), Replicated())
     assert dict(cc.counts) == {"all_reduce": 1}
     want = ref(x)
     assert torch.equal(y.to_torch(), want.detach())

@@ -17,6 +17,7 @@ from shardwise.runtime.owner import GradOwner
 from shardwise.sharding.layout import Layout
 from shardwise.tensors import cache
 from shardwise.tensors.tensor import Tensor, place
+from tests.helpers.shardcheck import whole_value
 
 R = Replicated()
 MESH = DeviceMesh.cpu((2, 2), ("dp", "tp"))
@@ -82,7 +83,7 @@ def test_the_leaf_rule_keeps_nothing_for_blocks_and_wholes() -> None:
     assert cache.blocks(p, rep, (TP,)) is not cache.blocks(p, rep, (TP,))
     w = sw.tensor(randn(4, 8), sharding=PlacementMapping(MESH, [R, Sharded(1)]))
     w.requires_grad_()  # a parameter held whole
-    assert w._whole is not None and w.is_leaf
+    assert whole_value(w) is not None and w.is_leaf
     with CommCounter() as cc:
         cache.whole(w, rep)
         cache.whole(w, rep)
@@ -137,7 +138,7 @@ def test_kept_operands_live_as_long_as_their_source() -> None:
     blocks = weakref.ref(cache.blocks(x, rep, (TP,))[0])
     w = sw.tensor(randn(4, 8), sharding=PlacementMapping(MESH, [R, Sharded(1)]))
     w = w.requires_grad_() * 1
-    assert w._whole is not None
+    assert whole_value(w) is not None
     with CommCounter():
         view = weakref.ref(cache.whole(w, rep, (0,)))
     assert kept() is not None and blocks() is not None and view() is not None

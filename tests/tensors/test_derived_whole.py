@@ -13,6 +13,7 @@ import shardwise as sw
 from shardwise import DeviceMesh, Partial, PlacementMapping, Replicated, Sharded
 from shardwise.debug import CommCounter
 from shardwise.tensors import cache
+from tests.helpers.shardcheck import whole_value
 
 MESH = DeviceMesh.cpu(4, "x")
 GRID = DeviceMesh.cpu((2, 2), ("dp", "tp"))
@@ -33,11 +34,11 @@ def test_every_entry_point_runs_once_on_a_whole_bit_identical() -> None:
     }
     made["all_gather"] = sw.all_gather(made["from_local separate"])
     made["reshard"] = sw.shard(made["from_local separate"], MESH, [None, "x"])
-    assert made["shard"]._whole is not None  # sw.shard keeps the whole it placed
+    assert whole_value(made["shard"]) is not None  # sw.shard keeps the whole it placed
     for name, x in made.items():
         for op in (F.gelu, lambda t: torch.add(t, t), lambda t: t * 2 + 1, torch.exp):
             out = op(x)
-            assert out._whole is not None, name  # one kernel over the whole
+            assert whole_value(out) is not None, name  # one kernel over the whole
             assert torch.equal(out.to_torch(), op(g)), name  # torch's own arithmetic
             assert out.dist_layout == x.dist_layout
         w = cache.whole_of(x)
@@ -67,7 +68,8 @@ def test_views_of_a_copied_value_still_alias_its_blocks() -> None:
     x = sw.from_local(mine, S0)
     _ = x + 1  # the copy exists
     for view in (x[2:6], x.t(), x.reshape(4, 16), x.view(64)):
-        assert view._whole is None or view._whole.data_ptr() != cache.whole_of(x).data_ptr()
+        w = whole_value(view)
+        assert w is None or w.data_ptr() != cache.whole_of(x).data_ptr()
     v = x.view(64)
     assert torch.equal(v.to_torch(), g.view(64))
     v.add_(1.0)  # a write through the view reaches the user's blocks, as in torch

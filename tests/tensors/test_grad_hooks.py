@@ -14,6 +14,7 @@ import torch
 import shardwise as sw
 from shardwise import DeviceMesh, Partial, PlacementMapping, Replicated, Sharded
 from shardwise.sharding.errors import ShardingError, ShardingTypeError
+from tests.helpers.shardcheck import whole_value
 
 MESH = DeviceMesh.cpu((2, 2), ("dp", "tp"))
 LAYOUTS = [[Sharded(0), Replicated()], [Replicated(), Sharded(1)], [Sharded(1), Sharded(0)]]
@@ -43,7 +44,7 @@ def _loss(x: Any) -> Any:
 @pytest.mark.parametrize("place", LAYOUTS)
 def test_a_hook_sees_the_gradient_torch_computes(make: Any, place: list[Any]) -> None:
     x = make(place)
-    assert x._whole is None if make is _blocks else x._whole is not None
+    assert whole_value(x) is None if make is _blocks else whole_value(x) is not None
     ref = _value().requires_grad_()
     seen: list[Any] = []
     want: list[torch.Tensor] = []

@@ -71,7 +71,7 @@ def _grads_for(inputs: Sequence[Tensor], outs: Tensor, cot: Tensor | None,
             retain_graph=retain, allow_unused=True,
         )
     by_id = dict(zip(leaves.keys(), grads))
-    return [t._wrap_grads(by_id) for t in inputs]
+    return [t._grads_held([by_id.get(id(b)) for b in t._local.buffers()]) for t in inputs]
 
 
 def value_and_grad(fn: Callable[..., Any], argnums: int | Sequence[int] = 0,

@@ -34,7 +34,7 @@ import torch
 
 from shardwise.ops.registry import register
 from shardwise.sharding.errors import ShardingError
-from shardwise.tensors.tensor import Tensor, as_layout_of, place
+from shardwise.tensors.tensor import Tensor, as_layout_of
 
 __all__ = ["backward", "grad"]
 
@@ -72,18 +72,13 @@ def _roots(outputs: Sequence[Any], seeds: Sequence[Any]
                     "gradient=, same global shape).")
             g = torch.ones((), dtype=o.dtype).expand(o.shape)
         seed = None if g is None else as_layout_of(g, r)
-        if r._whole is not None:
-            outs.append(r._whole)
-            gs.append(None if seed is None else
-                      seed._whole if seed._whole is not None else seed._global())
-            continue
-        reps, blocks = r.unique_shards()
-        if not any(b.requires_grad for b in blocks):
-            blocks, reps = blocks[:1], reps[:1]  # torch names it: "does not require grad"
-        for k, b in zip(reps, blocks):
-            if b.requires_grad or len(blocks) == 1:
+        buffers = r._local.buffers()
+        if not any(b.requires_grad for b in buffers):
+            buffers = buffers[:1]  # torch names it: "does not require grad"
+        for i, b in enumerate(buffers):
+            if b.requires_grad or len(buffers) == 1:
                 outs.append(b)
-                gs.append(None if seed is None else seed._shards[k])
+                gs.append(None if seed is None else r._local.part(seed._local, i, r._layout))
     return outs, gs
 
 
@@ -91,9 +86,7 @@ def _leaves(x: Any) -> list[torch.Tensor]:
     """The torch tensors autograd accumulates ``x``'s gradient into."""
     if not isinstance(x, Tensor):
         return [x]
-    if x._whole is not None:
-        return [x._whole]
-    return x.unique_shards()[1]
+    return list(x._local.buffers())
 
 
 def _wrap(x: Any, got: Sequence[torch.Tensor | None]) -> Any:
@@ -102,10 +95,7 @@ def _wrap(x: Any, got: Sequence[torch.Tensor | None]) -> Any:
         return got[0]
     if all(g is None for g in got):
         return None
-    if x._whole is not None:
-        assert got[0] is not None
-        return place(got[0], x._grad_layout())
-    return x._wrap_grads({id(s): g for s, g in zip(x.unique_shards()[1], got)})
+    return x._grads_held(got)
 
 
 @register(torch.autograd.grad)

@@ -121,14 +121,9 @@ def clone(x: Any, memory_format: Any = None) -> Any:
 
 @register(TensorMethod.contiguous)
 def contiguous(x: Any, memory_format: Any = None) -> Any:
-    whole = x._whole
-    if whole is not None:  # keep the whole value (ops on it run once, not per block)
-        if whole.is_contiguous():
-            return x
-        return type(x).from_whole(whole.contiguous(), x._layout, x._open)
-    if all(s is None or s.is_contiguous() for s in x._shards):
+    if all(b.is_contiguous() for b in x._local.buffers()):
         return x
-    return x._map_unique(lambda s: s.contiguous())
+    return x._map_buffers(lambda s: s.contiguous())
 
 
 @register(TensorMethod.cpu)

@@ -27,7 +27,6 @@ from shardwise.ops.factories import zeros_like
 from shardwise.ops.registry import TensorMethod, describe, register, shape_args
 from shardwise.sharding.errors import ShardingError, ShardingTypeError
 from shardwise.sharding.layout import Layout
-from shardwise.tensors.relayout import record_plan
 from shardwise.tensors.tensor import HANDLERS, Tensor, place
 
 __all__ = ["write_into"]
@@ -68,16 +67,13 @@ def _write(self: Tensor, value: Tensor, name: str) -> Tensor:
     _refuse_partial(self, name)
     if value.mesh != self.mesh:
         raise ShardingError(f"{name}: the operands live on {value.mesh!r} and {self.mesh!r}.")
-    if self._whole is not None and value._whole is not None and not value.dist_layout.is_partial:
-        # both hold their global values: one copy, the layout change only counted
-        if value.dist_layout != self.dist_layout:
-            record_plan(value.plan_to(self.dist_layout))
-        self._whole.copy_(value._whole)
-        return self
-    src = value.relayout(self.dist_layout)
-    shards = self._shards
-    for k in self._unique():
-        shards[k].copy_(src._shards[k])
+    layout = self.dist_layout
+    src = value._local
+    if value.dist_layout != layout:  # (a value held whole moves as metadata, counted)
+        src = src.moved(value.plan_to(layout), layout)
+    local = self._local
+    for i, b in enumerate(local.buffers()):
+        b.copy_(local.part(src, i, layout))
     return self
 
 
@@ -94,27 +90,6 @@ def _same_layout_rows(self: Tensor, operands: Sequence[Any]) -> bool:
     return True
 
 
-def _wholes_like(t: Tensor, operands: Any) -> list[Any] | None:
-    """The operands as whole values when ``t`` (no Partial axes) and every Tensor among
-    them hold one in ``t``'s layout (0-d: any layout without Partial axes); else None."""
-    lay = t._layout
-    if lay.is_partial:
-        return None
-    out = []
-    for a in operands:
-        if isinstance(a, Tensor):
-            w = a._whole
-            if w is None or (a._layout is not lay and a._layout != lay and (
-                    a._shape or a._layout.is_partial)):
-                return None
-            out.append(w)
-        elif isinstance(a, torch.Tensor) and a.ndim != 0:
-            return None
-        else:
-            out.append(a)
-    return out
-
-
 def _inplace(name: str, method: Any, out_of_place: Callable[..., Any] | None
              ) -> Callable[..., Any]:
     """``x.op_(...)``: run ``method`` on each distinct local buffer when every operand
@@ -122,29 +97,22 @@ def _inplace(name: str, method: Any, out_of_place: Callable[..., Any] | None
 
     def handler(self: Any, *args: Any, **kwargs: Any) -> Any:
         t = _target(self, name)
-        whole = t._whole
-        if whole is not None:  # the optimizers' hot path: one call on the wholes
-            wargs = _wholes_like(t, args)
-            wkw = _wholes_like(t, kwargs.values()) if kwargs else []
-            if wargs is not None and wkw is not None:
-                method(whole, *wargs, **dict(zip(kwargs, wkw)))
-                return t
         if _same_layout_rows(t, list(args) + list(kwargs.values())):
-            shards = t._shards
+            # the optimizers' hot path: the method on each buffer of t (its whole value,
+            # or each distinct block) with the operands' pieces at the same place
+            local = t._local
             tensors = [i for i, a in enumerate(args) if isinstance(a, Tensor)]
             tkw = [key for key, v in kwargs.items() if isinstance(v, Tensor)]
-            if not tensors and not tkw:  # numbers only: the same call on every buffer
-                for k in t._unique():
-                    method(shards[k], *args, **kwargs)
-                return t
             call = list(args)
             kw = dict(kwargs)
-            for k in t._unique():
+            for j, b in enumerate(local.buffers()):
                 for i in tensors:
-                    call[i] = args[i]._shards[k]
+                    a = args[i]
+                    call[i] = local.part(a._local, j, a._layout, a._shape)
                 for key in tkw:
-                    kw[key] = kwargs[key]._shards[k]
-                method(shards[k], *call, **kw)
+                    a = kwargs[key]
+                    kw[key] = local.part(a._local, j, a._layout, a._shape)
+                method(b, *call, **kw)
             return t
         if out_of_place is None:
             _refuse_partial(t, name)
@@ -206,11 +174,8 @@ def copy_(self: Any, src: Any, non_blocking: bool = False) -> Any:
 def zero_(self: Any) -> Any:
     # zeros are a valid Partial value too (they reduce to zeros), unlike other writes
     t = _target(self, "zero_")
-    if t._whole is not None:
-        t._whole.zero_()
-        return t
-    for s in t.unique_shards()[1]:
-        s.zero_()
+    for b in t._local.buffers():
+        b.zero_()
     return t
 
 
@@ -250,9 +215,6 @@ def _random_fill(name: str, fill: Callable[..., Any], init: bool = False
         self, args = (args[0], args[1:]) if args else (kwargs.pop("tensor"), ())
         t = _target(self, name)
         _refuse_partial(t, name)
-        if t._whole is not None:  # it holds its global value: fill that in place
-            fill(t._whole, *args, **kwargs)
-            return t
         drawn = torch.empty(tuple(t.shape), dtype=t.dtype, device=t.device)
         fill(drawn, *args, **kwargs)
         return _write(t, place(drawn, t.dist_layout), name)

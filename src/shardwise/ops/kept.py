@@ -19,12 +19,13 @@ Invariants:
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 
-from shardwise.ops.execute import apply
+from shardwise.ops.execute import apply, companion
 from shardwise.sharding.errors import ShardingError
 from shardwise.sharding.layout import Layout
 from shardwise.tensors.tensor import Tensor
@@ -127,15 +128,12 @@ def _extra_results(first: Tensor, extras: dict[int, list[torch.Tensor]],
     lay = first.dist_layout
     where = {k: d for d, k in enumerate(outs[0]) if k >= 0}
     result = []
-    blocks = None if first._whole is not None else first._shards
-    key = id(first._whole) if blocks is None else None
     for j in range(len(outs) - 1):
         dims = tuple(lay.dims[where[k]] if k >= 0 else () for k in outs[j + 1])
         layout = Layout(lay.mesh, dims, (None,) * lay.mesh.ndim)
-        if blocks is None:
-            result.append(Tensor.from_whole(extras[key][j], layout))  # type: ignore[index]
-            continue
-        parts = [None if b is None else extras[id(b)][j] for b in blocks]
-        got = next(p for p in parts if p is not None)
-        result.append(Tensor(parts, layout, shapes[j + 1], got.dtype))
+        # held as the first result is: each of its buffers' companion
+        held = first._local.map(functools.partial(companion, extras, j), layout)
+        got = held.first()
+        assert got is not None
+        result.append(Tensor.held(held, layout, shapes[j + 1], got.dtype, got.device))
     return result

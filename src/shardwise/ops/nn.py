@@ -5,8 +5,9 @@ losses (cross_entropy, nll_loss and the other losses: :mod:`shardwise.ops.losses
 Invariants:
 - Each op names the dims that must stay whole (normalized dims, the vocabulary,
   keys and values, classes) in its rule; batch and head dims shard freely.
-- ``F.linear`` with whole-valued operands runs torch's own addmm once (torch's bits);
-  the add rule still lays the bias out and decides the output layout. On blocks, where
+- ``F.linear`` where the runtime runs it on whole values (``cache.runs_whole``: an
+  algorithm valid only there) runs torch's own addmm once (torch's bits); the add
+  rule still lays the bias out and decides the output layout. On blocks, where
   the linear rule's decision (taken first) leaves an add that would keep its output
   layout and read the bias whole (a replicated bias of the input's dtype, recording no gradient;
   an output neither Partial nor split on its last dim), the bias goes into the same
@@ -36,20 +37,32 @@ from shardwise.ops.registry import TensorMethod, fallback, on_mesh, register
 from shardwise.runtime import observe as comm
 from shardwise.sharding.errors import ShardingError
 from shardwise.sharding.layout import Layout
+from shardwise.tensors import cache
 from shardwise.tensors.tensor import Tensor, place
 
 __all__: list[str] = []
 
 
+def _whole_bias(*operands: Any) -> torch.Tensor | None:
+    """The bias (the last operand) as the whole value an op runs on, where the runtime
+    runs the op once on whole values (every operand a Tensor holding one); else None.
+    While CommCounter counts, an identity view of it: the bias's gradient passes there,
+    counted by the add."""
+    if not all(isinstance(t, Tensor) for t in operands) or not cache.runs_whole(operands):
+        return None
+    b = cache.whole_of(operands[-1])
+    assert b is not None
+    if comm.active() and b.requires_grad and torch.is_grad_enabled():
+        b = b.view_as(b)
+    return b
+
+
 @register(F.linear)
 def linear(x: Any, weight: Any, bias: Any = None) -> Any:
-    if bias is not None and all(isinstance(t, Tensor) and t._whole is not None
-                                for t in (x, weight, bias)):
+    b = None if bias is None else _whole_bias(x, weight, bias)
+    if b is not None:
         # whole values: torch's own addmm on them (one node, torch's bits); the add
         # rule still lays the bias out and decides the output layout
-        b = bias._whole
-        if comm.active() and b.requires_grad and torch.is_grad_enabled():
-            b = b.view_as(b)  # the bias's gradient passes here: counted by the add
         y = apply("linear", (x, weight), lambda xs, ws: F.linear(xs, ws, b))
         return apply("add", (y, bias), lambda ys, _: ys, views={1: b})
     if bias is not None:
@@ -65,18 +78,18 @@ def linear(x: Any, weight: Any, bias: Any = None) -> Any:
 
 def _adds_in_place(out: Layout, x: Tensor, bias: Any) -> bool:
     """Whether ``y + bias`` (``y`` laid out as ``out``) is ``F.linear``'s own bias add on
-    each block: a bias of x's dtype, held as blocks, fully replicated, recording no
-    gradient (no diverge to sum), and an output neither Partial (the bias would be
-    added once per term) nor split on its last dim (each block needs all of the bias)."""
-    return (isinstance(bias, Tensor) and bias._whole is None and bias._dtype is x._dtype
-            and bias._layout.is_fully_replicated and not out.is_partial
+    each block: a bias of x's dtype, fully replicated, recording no gradient (no
+    diverge to sum), and an output neither Partial (the bias would be added once per
+    term) nor split on its last dim (each block needs all of the bias)."""
+    return (isinstance(bias, Tensor) and bias.dtype is x.dtype
+            and bias.dist_layout.is_fully_replicated and not out.is_partial
             and not out.dims[-1] and not records(bias))
 
 
 def _bias_block(bias: Tensor) -> torch.Tensor | None:
     """The one buffer every device here holds of a replicated bias (None if they hold
     several: replicas on several torch devices)."""
-    held = [s for s in bias._blocks if s is not None]  # type: ignore[union-attr]
+    held = [s for s in bias.shards if s is not None]
     first = held[0] if held else None
     return first if all(s is first for s in held) else None
 
@@ -92,11 +105,9 @@ def addmm(bias: Any, a: Any, b: Any, *, beta: Any = 1, alpha: Any = 1, out: Any 
     """``bias + a @ b`` (transformers' ``Conv1D``): the matmul rule, then the add rule."""
     if out is not None or beta != 1 or alpha != 1:
         return matmuls.scaled_addmm(bias, a, b, beta=beta, alpha=alpha, out=out)
-    if all(isinstance(t, Tensor) and t._whole is not None for t in (bias, a, b)):
+    w = _whole_bias(a, b, bias)
+    if w is not None:
         # whole values: torch's own addmm once (torch's bits), as F.linear does
-        w = bias._whole
-        if comm.active() and w.requires_grad and torch.is_grad_enabled():
-            w = w.view_as(w)  # the bias's gradient passes here: counted by the add
         y = apply("matmul", (a, b), lambda xs, ys: torch.addmm(w, xs, ys))
         return apply("add", (y, bias), lambda ys, _: ys, views={1: w})
     return C.add(C.matmul(a, b), bias)

@@ -184,11 +184,7 @@ def _values_and_indices(op: str, x: Any, fn: Callable[[torch.Tensor], Any], *par
         return v
 
     vals = apply(op, (x,), values, *params)
-    if vals._whole is not None:  # ran once on the whole value
-        return vals, Tensor.from_whole(indices[id(vals._whole)], vals.dist_layout, vals._open)
-    idx = Tensor([None if v is None else indices[id(v)] for v in vals._shards],
-                 vals.dist_layout, vals._shape, torch.int64, open_dims=vals._open)
-    return vals, idx
+    return vals, vals._map_buffers(lambda v: indices[id(v)], dtype=torch.int64)
 
 
 def _with_indices(name: str, fn: Any, x: Any, dim: Any, keepdim: bool) -> Any:

@@ -288,11 +288,8 @@ def _write_replicated(func: Any, name: str, target: Tensor, args: tuple[Any, ...
     fallbacks.report(name, (args[1:], kwargs), lambda: describe(args))
     with observe.counted_as("fallback_gather"):
         rest_args, plain_kwargs = _gather(args[1:]), _gather(kwargs)
-    if target._whole is not None:
-        func(target._whole, *rest_args, **plain_kwargs)
-    else:
-        for block in target.unique_shards()[1]:
-            func(block, *rest_args, **plain_kwargs)
+    for buffer in target._local.buffers():
+        func(buffer, *rest_args, **plain_kwargs)
     return target if func is not TensorMethod.__setitem__ else None
 
 

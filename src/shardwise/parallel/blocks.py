@@ -13,7 +13,8 @@ Invariants:
   only a share of its gradient on each device: the backend's ``diverge`` sums the
   shares (the simulated runtime's replicas share one buffer, so it is identity).
 - Autograd runs on the blocks: the gradients are torch's own.
-- Where every operand holds its whole value (a mesh this process holds wholly),
+- Where the runtime runs the op on whole values (``cache.runs_whole``: a mesh this
+  process holds wholly),
   :func:`blockwise` runs ``fn`` once on the wholes at the position of the whole
   (the result's whole is the global value, its Partial axes reduced); layout
   changes and ``diverge`` are counted as the block run would run them.
@@ -49,7 +50,7 @@ def blockwise(fn: Callable[..., torch.Tensor], operands: Sequence[Tensor], layou
     is the global value (module doc)."""
     mesh = layout.mesh
     spread = set(layout.sharded_axes) | set(layout.partial_axes)
-    if whole is not None and all(x._whole is not None for x in operands):
+    if whole is not None and cache.runs_whole(operands):
         wholes = []
         for x in operands:
             lay = x.dist_layout

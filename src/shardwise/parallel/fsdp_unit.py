@@ -51,6 +51,7 @@ from shardwise.sharding.errors import ShardingError
 from shardwise.sharding.layout import Layout
 from shardwise.sharding.mesh import DeviceMesh
 from shardwise.sharding.placements import ReduceOp
+from shardwise.tensors import cache
 from shardwise.tensors.tensor import Tensor
 
 __all__ = ["UNIT", "Param", "Unit", "sharded_layout"]
@@ -247,7 +248,7 @@ class Unit:
     def _all_whole(self) -> bool:
         """Whether every parameter holds its global value on a mesh held here wholly
         (checked per forward too: ``x.data = ...`` may swap a whole for blocks)."""
-        return self.local and all(fp.sharded._whole is not None for fp in self.params)
+        return self.local and cache.runs_whole([fp.sharded for fp in self.params])
 
     def record_gathers(self) -> None:
         """Count one gather's all_gathers for CommCounter, where the whole-value path
@@ -269,7 +270,7 @@ class Unit:
         mesh this process holds wholly: the parameter's own storage, or a cast copy),
         counted as the unit's all_gathers."""
         if wholes is None:
-            wholes = [fp.sharded._whole for fp in self.params]
+            wholes = [cache.whole_of(fp.sharded) for fp in self.params]
         self.record_gathers()
         out = []
         for i, w in enumerate(wholes):
@@ -362,11 +363,10 @@ class Unit:
             call.hooks.__enter__()
 
     def _unshard_wholes(self, call: _Call) -> None:
-        outs = _GatherWhole.apply(call, *[fp.sharded._whole for fp in self.params])
+        outs = _GatherWhole.apply(call, *[cache.whole_of(fp.sharded) for fp in self.params])
         owner = GradOwner((self.axis,), None)
         for i, fp in enumerate(self.params):
-            w = outs[i]  # (the mesh is held here wholly: no from_whole check needed)
-            full = Tensor._wrap(None, w, fp.gathered, w.shape, w.dtype, w.device, None)
+            full = Tensor.from_whole(outs[i], fp.gathered)
             full._grad_owner = owner  # the unit sums this gradient over its axis
             for module, name in fp.owners:
                 module._parameters[name] = full  # type: ignore[assignment]

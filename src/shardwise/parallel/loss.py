@@ -44,6 +44,7 @@ from shardwise.planner import make_plan
 from shardwise.runtime import observe
 from shardwise.sharding.layout import Layout
 from shardwise.sharding.placements import ReduceOp
+from shardwise.tensors import cache
 from shardwise.tensors import tensor as core
 from shardwise.tensors.tensor import Tensor, place
 
@@ -70,7 +71,7 @@ def _cross_entropy(logits: Any, target: Any, weight: Any = None, size_average: A
         x = relayout(x, Layout(x.mesh, (rows, classes), (None,) * x.mesh.ndim))
     if not isinstance(target, Tensor):
         target = place(target, Layout.replicated(x.mesh, 1))
-    if x._whole is not None and target._whole is not None:
+    if cache.runs_whole((x, target)):
         per = _per_row_whole(x, target, ignore_index, label_smoothing)
     else:
         m = torch.amax(x.detach(), dim=1, keepdim=True)   # Partial(MAX): reduced by the sub
@@ -101,8 +102,8 @@ def _per_row_whole(x: Tensor, target: Tensor, ignore_index: int, label_smoothing
     """The per-row losses where logits and target hold whole values (a mesh this
     process holds wholly): torch's own kernel once on the wholes, laid out and counted
     as the block computation (the row max's all_reduce MAX, the parts' all_reduce SUM)."""
-    t, shape = target._whole, tuple(x.shape)
-    assert t is not None and x._whole is not None
+    t, w, shape = cache.whole_of(target), cache.whole_of(x), tuple(x.shape)
+    assert t is not None and w is not None
     check_targets(t, shape[1], ignore_index)
     mesh, (rows, classes) = x.mesh, x.dist_layout.dims
     none = (None,) * mesh.ndim
@@ -117,7 +118,7 @@ def _per_row_whole(x: Tensor, target: Tensor, ignore_index: int, label_smoothing
                              itemsize)
             for step in plan.collectives:
                 observe.record(step.kind, step.bytes_per_device, step)
-    per = F.cross_entropy(x._whole, t, ignore_index=ignore_index, reduction="none",
+    per = F.cross_entropy(w, t, ignore_index=ignore_index, reduction="none",
                           label_smoothing=label_smoothing)
     return Tensor.from_whole(per, Layout(mesh, (rows,), none))
 

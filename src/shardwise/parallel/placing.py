@@ -31,7 +31,6 @@ from shardwise.sharding.errors import ShardingError, ShardingTypeError
 from shardwise.sharding.layout import Layout, normalize_dim
 from shardwise.sharding.mesh import DeviceMesh
 from shardwise.sharding.placements import Partial, Placement, Replicated, Sharded
-from shardwise.tensors import cache
 from shardwise.tensors.tensor import Tensor, place
 
 __all__ = ["axis_of", "check_placement", "keeping_ties", "layout_on", "place_on", "relayout",
@@ -124,11 +123,7 @@ def relayout(x: Tensor, target: Layout) -> Tensor:
     >>> y.placements, y.to_torch().tolist()
     ((Replicated(),), [0.0, 1.0, 2.0, 3.0])
     """
-    if target == x.dist_layout:
-        return x
-    if x._whole is not None and not target.is_partial:
-        return Tensor.from_whole(cache.whole(x, target), target)
-    return x.relayout(target)
+    return x.relayout(target, keep_whole=True)
 
 
 def shard_parameter(module: nn.Module, name: str, mesh: DeviceMesh, axis: int,

@@ -182,7 +182,7 @@ def _part(x: Any, mesh: DeviceMesh) -> tuple[Any, torch.Tensor | None]:
                 "sends values on its own mesh (relayout it onto the stage mesh first).")
         k = D.my_index(mesh)
         assert k is not None
-        block = x._shards[k]
+        block = x.shards[k]
         assert block is not None, "a process holds its own block"
         return _layout_meta(x), block
     if isinstance(x, torch.Tensor):

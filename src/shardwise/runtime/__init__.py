@@ -21,7 +21,7 @@ from __future__ import annotations
 import importlib
 import os
 from collections.abc import Callable, Sequence
-from typing import Any, Protocol, TypeAlias
+from typing import TYPE_CHECKING, Any, Protocol, TypeAlias
 
 import torch
 import torch.distributed as dist
@@ -33,7 +33,30 @@ from shardwise.sharding.layout import Layout
 from shardwise.sharding.mesh import DeviceMesh
 from shardwise.sharding.placements import ReduceOp
 
-__all__ = ["Backend", "GradOwner", "SpmdOutputs", "backend_for", "check_reduce"]
+if TYPE_CHECKING:
+    from shardwise.propagation.binding import Factors
+    from shardwise.propagation.decide import Decision
+
+__all__ = ["Backend", "Columns", "GradOwner", "SpmdOutputs", "backend_for", "check_reduce"]
+
+
+class Columns(Protocol):
+    """An op's operands in the layouts its decision requires, as a runtime running the
+    op asks for them (the operand cache answers: ``tensors.cache.Columns``)."""
+
+    def blocks(self) -> list[Sequence[torch.Tensor | None] | None]:
+        """Per operand its blocks (None for a constant)."""
+        ...
+
+    def wholes(self) -> list[Any] | None:
+        """Per operand its whole value (a constant as it is), or None where some
+        operand has none."""
+        ...
+
+    def aliases_copy(self, result: torch.Tensor) -> bool:
+        """Whether a result of the wholes aliases a copy made of some operand's blocks
+        (it must then alias the blocks: the op reruns on them)."""
+        ...
 
 _dist_available = dist.is_available()
 
@@ -43,6 +66,18 @@ class Backend(Protocol):
     a backend may hold ``None`` for devices this process cannot address."""
 
     def execute_plan(self, plan: Plan, shards: Sequence[torch.Tensor]) -> list[torch.Tensor]: ...
+
+    def run_local(self, op: str, fn: Callable[..., torch.Tensor], args: Sequence[Any],
+                  cols: Columns, dec: Decision, factors: Factors, shaped: bool
+                  ) -> tuple[Any, torch.Tensor | None]:
+        """Run a decided op's local computation ``fn`` where this runtime runs it: once
+        on the operands' whole values when it holds them (the simulated mesh), else
+        once per distinct row of blocks (``cols``: the operands in their required
+        layouts; ``args``: the operands, constants passed as they are; ``shaped``:
+        ``fn`` also takes the expected output shape). Returns what this process holds
+        of the result (a :class:`~shardwise.runtime.local.Local`, laid out as
+        ``dec.output``) and one torch tensor of it (None when it holds none)."""
+        ...
 
     def run_step(self, step: Step, shards: Sequence[torch.Tensor],
                  shape: tuple[int, ...]) -> list[torch.Tensor]: ...

@@ -5,9 +5,11 @@ view of autograd, which runs on the local blocks or on the whole value (torch
 records each local op), as torch's own properties do for a plain tensor.
 
 Invariants:
-- Autograd runs on ``_whole`` when a Tensor holds it (one node per op, torch's own
-  arithmetic; the blocks cut from it are views that autograd flows through), else on
-  the blocks; the wrapper's C-level ``requires_grad`` stays False.
+- Autograd runs on the buffers of what the runtime holds (``Local.buffers``: the
+  whole value, one node per op, torch's own arithmetic, the blocks cut from it views
+  autograd flows through; else the distinct blocks); the wrapper's C-level
+  ``requires_grad`` stays False. Every property and hook here reads the buffers, so
+  none asks which.
 - Gradients: ``.grad`` is in the tensor's own layout; the Partial(SUM) axes of a
   tensor hold equal gradients and come back Replicated, other Partial ops come back
   as per-device derivatives under Partial(SUM) (:meth:`~GradMixin._grad_layout`). A
@@ -23,7 +25,7 @@ Invariants:
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, Self
 
 import torch
@@ -40,14 +42,11 @@ __all__ = ["GradMixin"]
 class GradMixin(RelayoutMixin):
     """Autograd's flags and gradients of a Tensor, in its own layout (module doc)."""
 
-    # Autograd runs on the shards (torch records each local op); these properties show
-    # the global view of it, as torch's do for a plain tensor.
+    # Autograd runs on what the runtime holds (the whole value, or the blocks); these
+    # properties show the global view of it, as torch's do for a plain tensor.
     @property
     def requires_grad(self) -> bool:
-        whole = self._whole
-        if whole is not None:
-            return whole.requires_grad
-        return any(s.requires_grad for s in self._shards if s is not None)
+        return self._local.requires_grad
 
     @requires_grad.setter
     def requires_grad(self, value: bool) -> None:
@@ -55,18 +54,12 @@ class GradMixin(RelayoutMixin):
 
     @property
     def is_leaf(self) -> bool:
-        whole = self._whole
-        if whole is not None:
-            return whole.is_leaf
-        return all(s.is_leaf for s in self._shards if s is not None)
+        return self._local.is_leaf
 
     @property
     def grad_fn(self) -> Any:
         """The autograd node of the whole value or the first local shard (None for leaves)."""
-        whole = self._whole
-        if whole is not None:
-            return whole.grad_fn
-        return next((s.grad_fn for s in self._shards if s is not None), None)
+        return self._local.grad_fn
 
     def requires_grad_(self, requires_grad: bool = True) -> Self:
         """Make this tensor a leaf that records gradients (in place on the flag only)."""
@@ -77,18 +70,7 @@ class GradMixin(RelayoutMixin):
                     "that records gradients. Use x.detach()."
                 )
             return self
-        whole = self._whole
-        if whole is not None and not self._layout.is_partial:
-            # the whole becomes the leaf (a detached alias: never flag the caller's
-            # tensor); shards are re-cut from it so that they carry its autograd
-            if whole.requires_grad != requires_grad:
-                self._whole = whole.detach().requires_grad_(requires_grad)
-                self._blocks = None
-            return self
-        for s in self.unique_shards()[1]:
-            s.requires_grad_(requires_grad)
-        if requires_grad:
-            self._whole = None
+        self._local = self._local.with_grad(requires_grad, self._layout)
         return self
 
     @property
@@ -106,10 +88,8 @@ class GradMixin(RelayoutMixin):
             )
         grad = self.requires_grad
         new = value.detach()
-        if grad:
-            new = new.requires_grad_(True) if new._whole is not None and not (
-                new._layout.is_partial) else new._map_unique(lambda s: s.requires_grad_(True))
-        self._blocks, self._whole = new._blocks, new._whole
+        local = new._local.with_grad(True, new._layout) if grad else new._local
+        self._local = local
         self._layout, self._dtype = new._layout, new._dtype
         self._shape, self._size, self._open = new._shape, new._size, new._open
         self._device = new._device
@@ -119,10 +99,7 @@ class GradMixin(RelayoutMixin):
 
     def detach(self) -> Self:
         """The same value, cut from the autograd graph (shares memory)."""
-        whole = self._whole
-        if whole is not None:
-            return type(self).from_whole(whole.detach(), self._layout, self._open)
-        return self._map_unique(lambda s: s.detach())
+        return self._map_buffers(lambda s: s.detach())
 
     def _grad_layout(self) -> Layout:
         partial = tuple(
@@ -131,70 +108,32 @@ class GradMixin(RelayoutMixin):
         )
         return self._layout.with_partial(partial)
 
-    def _wrap_grads(self, grads: dict[int, torch.Tensor | None]) -> Self:
-        """Gradients keyed by id() of this tensor's shard objects -> a Tensor."""
+    def _grads_held(self, grads: Sequence[torch.Tensor | None]) -> Self:
+        """The gradients of this value's buffers (``Local.buffers``' order; None: none
+        arrived) as a Tensor in its gradient layout (:meth:`_grad_layout`)."""
         layout = self._grad_layout()
-        reps = layout.representatives()
-        zeros: dict[int, torch.Tensor] = {}
-        owner: dict[int, int] = {}  # buffer id -> the one rep device its gradient lands on
-        out: list[torch.Tensor | None] = []
-        for k in range(len(self._shards)):
-            if self._shards[k] is None:
-                out.append(None)
-                continue
-            s = self._shards[reps[k]]
-            if s is None:  # the representative lives in another process
-                s = self._shards[k]
-            # A buffer shared along a Partial axis (MIN/MAX/AVG hold the value on every
-            # device) got one summed gradient: it lands once, the other devices get zeros,
-            # so the Partial(SUM) gradient is not counted twice.
-            first = owner.setdefault(id(s), reps[k])
-            g = grads.get(id(s)) if first == reps[k] else None
-            if g is None:
-                g = zeros.get(id(s))
-                if g is None:
-                    g = zeros[id(s)] = torch.zeros_like(s)
-            out.append(g)
-        return type(self)(out, layout, self._shape, self._dtype)
+        return self._held(self._local.grad_local(grads, layout), layout)
 
     @property
     def grad(self) -> Self | None:
         """Accumulated gradient, in this tensor's layout; None before any backward."""
-        whole = self._whole
-        if whole is not None and not self._layout.is_partial:
-            g = whole.grad
-            if g is None:
-                return None
-            seen = self._grad_view
-            if seen is not None and len(seen[0]) == 1 and seen[0][0] is g:
-                return seen[1]
-            out = type(self).from_whole(g, self._layout)
-            self._grad_view = ((g,), out)
-            return out
-        shards = self._shards
-        grads = tuple(shards[k].grad for k in self._unique())
+        grads = self._local.grads()
         if all(g is None for g in grads):
             return None
-        # the same shard gradients give the same Tensor (optimizers read .grad often)
+        # the same gradients give the same Tensor (optimizers read .grad often)
         seen = self._grad_view
         if seen is not None and len(seen[0]) == len(grads) and all(
                 a is b for a, b in zip(seen[0], grads)):
             return seen[1]
-        out = self._wrap_grads({id(s): s.grad for s in shards if s is not None})
+        out = self._grads_held(grads)
         self._grad_view = (grads, out)
         return out
 
     @grad.setter
     def grad(self, value: Self | None) -> None:
         """``p.grad = None`` (what ``zero_grad()`` does) or a Tensor of ``p``'s shape."""
-        whole = self._whole
         if value is None:
-            if whole is not None:
-                whole.grad = None
-                return
-            for s in self._shards:
-                if s is not None:
-                    s.grad = None
+            self._local.set_grads(None, self._layout)
             return
         if not isinstance(value, type(self)) or value.shape != self.shape:
             raise ShardingTypeError(
@@ -206,18 +145,13 @@ class GradMixin(RelayoutMixin):
                 f"Setting .grad of {self!r}, whose layout is Partial: the gradient of a "
                 "Partial value has no single per-device form. Reduce the tensor first."
             )
-        g = value.detach().relayout(self._layout) if value.mesh == self.mesh else None
-        if g is None:
+        if value.mesh != self.mesh:
             raise ShardingError(
                 f"p.grad lives on {value.mesh!r} but p on {self.mesh!r}: move it with "
                 "shardwise.to_device(g, sharding=p.sharding) first."
             )
-        if whole is not None:
-            whole.grad = (g._whole if g._whole is not None else g._global()).detach()
-            return
-        shards = self._shards
-        for k in self._unique():
-            shards[k].grad = g._shards[k]
+        g = value.detach().relayout(self._layout)
+        self._local.set_grads(g._local, self._layout)
 
     # --- autograd hooks: on the whole or on every distinct block, as autograd runs ----
     def register_hook(self, hook: Callable[[Any], Any]) -> Any:
@@ -240,29 +174,25 @@ class GradMixin(RelayoutMixin):
             raise RuntimeError("cannot register a hook on a tensor that doesn't require "
                                "gradient")
         self._hookable("register_hook")
-        whole = self._whole
-        if whole is not None:
-            def on_whole(g: torch.Tensor) -> torch.Tensor | None:
-                out = hook(type(self).from_whole(g, self._layout))
-                return None if out is None else self._whole_of(out)
-            return whole.register_hook(on_whole)
-        blocks = self.unique_shards()[1]
+        buffers = self._local.buffers()
 
-        def on_last(s: torch.Tensor, grads: dict[int, Any]) -> torch.Tensor | None:
-            out = hook(self._wrap_grads(grads))
+        def on_last(i: int, grads: list[Any]) -> torch.Tensor | None:
+            out = hook(self._grads_held(grads))
             if out is None:
                 return None
-            if len(blocks) > 1:
+            if len(buffers) > 1:
                 raise ShardingError(
                     f"A hook on {self!r} returned a new gradient, but autograd runs on its "
-                    f"{len(blocks)} local blocks one by one (a result on the simulated "
+                    f"{len(buffers)} local blocks one by one (a result on the simulated "
                     "mesh) and the others have passed already: a hook may only observe "
                     "such a gradient. Change it where it arrives (a leaf's hook, or .grad "
                     "after the backward); a leaf from shardwise.tensor(...) runs autograd "
                     "on one whole value, and under torchrun on each process's one block, "
                     "where a hook may replace it.")
-            return self._block_of(out, s)
-        return _on_every_block(blocks, "register_hook", on_last)
+            self._check_new_grad(out)
+            layout = self._grad_layout()
+            return self._local.part(out.relayout(layout)._local, i, layout)
+        return _on_every_buffer(buffers, "register_hook", on_last)
 
     def register_post_accumulate_grad_hook(self, hook: Callable[[Any], Any]) -> Any:
         """Call ``hook(self)`` after autograd accumulated into this leaf's ``.grad``
@@ -281,28 +211,18 @@ class GradMixin(RelayoutMixin):
             raise RuntimeError("post accumulate grad hooks cannot be registered on non-leaf "
                                "tensors")
         self._hookable("register_post_accumulate_grad_hook")
-        whole = self._whole
-        if whole is not None:
-            return whole.register_post_accumulate_grad_hook(lambda _: hook(self))
-        return _on_every_block(self.unique_shards()[1], "register_post_accumulate_grad_hook",
-                               lambda s, _: hook(self))
+        return _on_every_buffer(self._local.buffers(), "register_post_accumulate_grad_hook",
+                                lambda i, _: hook(self))
 
     def retain_grad(self) -> None:
         """Keep this non-leaf tensor's gradient in ``.grad`` after the backward (a leaf
         keeps it anyway), as torch's ``retain_grad``."""
-        whole = self._whole
-        if whole is not None and not self._layout.is_partial:
-            whole.retain_grad()
-            return
-        for s in self.unique_shards()[1]:
-            s.retain_grad()
+        for b in self._local.buffers():
+            b.retain_grad()
 
     @property
     def retains_grad(self) -> bool:
-        whole = self._whole
-        if whole is not None and not self._layout.is_partial:
-            return whole.retains_grad
-        return any(s.retains_grad for s in self.unique_shards()[1])
+        return any(b.retains_grad for b in self._local.buffers())
 
     def _hookable(self, what: str) -> None:
         if self._layout.is_partial:
@@ -318,46 +238,30 @@ class GradMixin(RelayoutMixin):
                 f"be a shardwise.Tensor of shape {tuple(self._shape)} on {self.mesh!r} (e.g. "
                 "g * 2 of the gradient it was given), or None to keep it.")
 
-    def _whole_of(self, out: Any) -> torch.Tensor:
-        """A hook's new gradient as this tensor's whole value (a plain tensor)."""
-        self._check_new_grad(out)
-        return out._whole if out._whole is not None else out._global()
-
-    def _block_of(self, out: Any, s: torch.Tensor) -> torch.Tensor:
-        """A hook's new gradient, at the device of local block ``s``."""
-        self._check_new_grad(out)
-        g = out.relayout(self._grad_layout())
-        k = next(k for k in self._unique() if self._shards[k] is s)
-        block = g._shards[k]
-        assert block is not None
-        return block
-
     def _roots(self) -> Self:
         """This value with Partial axes reduced (the differentiable global)."""
         if not self._layout.is_partial:
             return self
-        target = self._layout.without_partial()
-        if self._whole is not None:  # the whole is the reduced value already
-            return type(self).from_whole(cache.whole(self, target), target, self._open)
-        return cache.relayout(self, target)
+        return cache.relayout(self, self._layout.without_partial())
 
 
-def _on_every_block(blocks: list[torch.Tensor], register: str,
-                    last: Callable[[torch.Tensor, dict[int, Any]], Any]) -> _Handles:
-    """Register a hook (``register``: the torch method's name) on every distinct block;
-    once each block's has run in a backward, the last one returns ``last(block, got)``,
-    ``got`` holding every block's hook argument by the block's id (autograd reaches
-    the blocks one by one)."""
+def _on_every_buffer(buffers: Sequence[torch.Tensor], register: str,
+                     last: Callable[[int, list[Any]], Any]) -> _Handles:
+    """Register a hook (``register``: the torch method's name) on every buffer; once
+    each buffer's has run in a backward, the last one returns ``last(i, got)``, ``i``
+    its index and ``got`` every buffer's hook argument in order (autograd reaches the
+    buffers one by one)."""
     got: dict[int, Any] = {}
 
-    def on_block(s: torch.Tensor, arg: Any) -> Any:
-        got[id(s)] = arg
-        if len(got) < len(blocks):
+    def on_buffer(i: int, arg: Any) -> Any:
+        got[i] = arg
+        if len(got) < len(buffers):
             return None
-        every = dict(got)
+        every = [got[j] for j in range(len(buffers))]
         got.clear()
-        return last(s, every)
-    return _Handles([getattr(s, register)(functools.partial(on_block, s)) for s in blocks])
+        return last(i, every)
+    return _Handles([getattr(b, register)(functools.partial(on_buffer, i))
+                     for i, b in enumerate(buffers)])
 
 
 class _Handles:

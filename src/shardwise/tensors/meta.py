@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any, Self
 
 import torch
 
+from shardwise.runtime.local import Local
 from shardwise.runtime.owner import GradOwner
 from shardwise.sharding.devices import Device
 from shardwise.sharding.errors import ConversionError, ShardingError
@@ -43,23 +44,19 @@ class MetaMixin:
 
     # Declared here for the mixins, stored in the slots Tensor declares (slots on a
     # base beside torch.Tensor would conflict with its instance layout).
-    _blocks: tuple[torch.Tensor, ...] | None  # None: not cut from ``_whole`` yet
-    _cut_at: int  # ``_whole._version`` when ``_blocks`` were cut from it
+    # What this process holds of the value, as the runtime holds it (its blocks, or
+    # the simulated runtime's whole value): :mod:`shardwise.runtime.local`.
+    _local: Local
     _layout: Layout
     _shape: tuple[int, ...]
     _size: torch.Size
     _dtype: torch.dtype
     _open: tuple[bool, ...] | None
     _device: torch.device
-    # The global value the shards are cut from (views; canonical addends on Partial
-    # axes), or None. Autograd then runs on it, and flows into the cut shards.
-    _whole: torch.Tensor | None
     # What the value keeps (slots, never the instance dict): the operands ops moved it
-    # to, the first device of each distinct block (for the blocks tuple it names),
-    # the ``.grad`` Tensor last shown (for the gradients it names), and the record of
-    # who sums its gradient over which mesh axes (set once by its producer).
+    # to, the ``.grad`` Tensor last shown (for the gradients it names), and the record
+    # of who sums its gradient over which mesh axes (set once by its producer).
     _cache: OperandCache | None
-    _uniq: tuple[tuple[torch.Tensor, ...], tuple[int, ...]] | None
     _grad_view: tuple[tuple[torch.Tensor | None, ...], Any] | None
     _grad_owner: GradOwner | None
 
@@ -72,8 +69,10 @@ class MetaMixin:
         def from_whole(cls, whole: torch.Tensor, layout: Layout,
                        open_dims: tuple[bool, ...] | None = None) -> Self: ...
 
-        @property
-        def _shards(self) -> tuple[torch.Tensor, ...]: ...
+        @classmethod
+        def _wrap(cls, local: Local, layout: Layout, size: torch.Size, dtype: torch.dtype,
+                  device: torch.device, open_dims: tuple[bool, ...] | None,
+                  shape: tuple[int, ...] | None = None) -> Self: ...
 
     # --- open / closed dims (sharding propagation) -------------------------------------
     @property
@@ -169,9 +168,14 @@ class MetaMixin:
         return mesh.devices[0]
 
     @property
+    def _shards(self) -> tuple[torch.Tensor, ...]:
+        """Per-device local tensors (None where another process holds the device)."""
+        return self._local.blocks  # type: ignore[return-value]
+
+    @property
     def shards(self) -> tuple[torch.Tensor, ...]:
         """Per-device local tensors, row-major over the mesh (shared buffers: read only)."""
-        return self._shards
+        return self._local.blocks  # type: ignore[return-value]
 
     def local(self, device: Any) -> torch.Tensor:
         """The local tensor ``device`` holds (shares memory with the Tensor: read only)."""

@@ -22,12 +22,11 @@ Invariants:
   Tensor, writing each distinct local buffer once; every other op leaves its inputs
   alone, so replicas share one buffer and shards may be views of a larger buffer.
   ``local()``/``shards`` expose those buffers: read them, never write them.
-- ``_whole``, when set, is the global value (Partial axes reduced) and the shards
-  are cut from it on first use (:func:`~shardwise.tensors.relayout._cut`). It is set
-  only on a mesh this process holds wholly. Autograd then runs on the whole; shards
-  cut from it are views that autograd flows through. A Tensor built from shards
-  (``Tensor(...)``) has none (its compute ops may still run once on a whole derived
-  from its blocks, kept by :func:`~shardwise.tensors.cache.whole_of`).
+- What this process holds of the value is the runtime's (``_local``, a
+  :class:`~shardwise.runtime.local.Local`): the blocks, or on a mesh the simulated
+  runtime holds wholly the global value itself (blocks cut from it on demand, ops run
+  once on it, autograd on it). Nothing here asks which: the Local answers (blocks,
+  buffers, gradients, hooks) and the runtime's ``run_local`` runs the ops.
 - The class is built from three bases, each in its own module and each below this
   one: :class:`~shardwise.tensors.meta.MetaMixin` (the fields, torch metadata, mesh
   views) < :class:`~shardwise.tensors.relayout.RelayoutMixin` (layout changes) <
@@ -54,6 +53,7 @@ import torch
 import torch.utils._pytree as pytree
 
 from shardwise.runtime import backend_for
+from shardwise.runtime.local import Blocks, Local, hold
 from shardwise.runtime.position import HERE
 from shardwise.sharding.errors import ShardingError
 from shardwise.sharding.layout import Layout
@@ -63,7 +63,7 @@ from shardwise.sharding.types import dtype_name
 from shardwise.tensors import cache, chunks, dtensor
 from shardwise.tensors.grad import GradMixin
 from shardwise.tensors.meta import MetaMixin
-from shardwise.tensors.relayout import RelayoutMixin, _cut
+from shardwise.tensors.relayout import RelayoutMixin
 
 __all__ = ["Tensor", "rehome"]
 
@@ -169,8 +169,8 @@ class Tensor(GradMixin, RelayoutMixin, MetaMixin,  # type: ignore[misc,override]
 
     # slots for the fields every op sets and what a value keeps (cheaper than the
     # instance dict, which torch.Tensor still provides for nn.Parameter's flag)
-    __slots__ = ("_blocks", "_cache", "_cut_at", "_device", "_dtype", "_grad_owner",
-                 "_grad_view", "_layout", "_open", "_shape", "_size", "_uniq", "_whole")
+    __slots__ = ("_cache", "_device", "_dtype", "_grad_owner", "_grad_view", "_layout",
+                 "_local", "_open", "_shape", "_size")
 
     @staticmethod
     def __new__(cls, shards: Sequence[torch.Tensor | None], layout: Layout,
@@ -186,61 +186,41 @@ class Tensor(GradMixin, RelayoutMixin, MetaMixin,  # type: ignore[misc,override]
             dtype = first.dtype
         device = first.device if first is not None else backend_for(layout.mesh).device_of(
             layout.mesh, 0)
-        return cls._wrap(parts, None, layout, torch.Size(shape), dtype, device, open_dims)
+        return cls._wrap(Blocks(parts), layout, torch.Size(shape), dtype, device, open_dims)
 
     @classmethod
-    def _wrap(cls, blocks: tuple[torch.Tensor | None, ...] | None,
-              whole: torch.Tensor | None, layout: Layout, size: torch.Size,
-              dtype: torch.dtype, device: torch.device,
-              open_dims: tuple[bool, ...] | None, shape: tuple[int, ...] | None = None
-              ) -> Tensor:
+    def _wrap(cls, local: Local, layout: Layout, size: torch.Size, dtype: torch.dtype,
+              device: torch.device, open_dims: tuple[bool, ...] | None,
+              shape: tuple[int, ...] | None = None) -> Tensor:
         # The wrapper holds no data (its C-level requires_grad stays False): values and
-        # autograd live on the shards, and every torch function is routed to the registry.
-        # ``shape``: ``tuple(size)`` when the caller has it (the decision cache's hits).
+        # autograd live on what the runtime holds (``_local``), and every torch function
+        # is routed to the registry. ``shape``: ``tuple(size)`` when the caller has it.
         self = torch.Tensor._make_wrapper_subclass(cls, size, dtype=dtype, device=device)
-        self._blocks = blocks  # type: ignore[assignment]
-        self._cut_at = 0  # read only while the whole records gradients
+        self._local = local
         self._layout = layout
         self._shape = tuple(size) if shape is None else shape
         self._size = size
         self._dtype = dtype
         self._open = open_dims
         self._device = device
-        self._whole = whole
-        self._cache = self._uniq = self._grad_view = self._grad_owner = None
+        self._cache = self._grad_view = self._grad_owner = None
         return self
+
+    @classmethod
+    def held(cls, local: Local, layout: Layout, shape: Sequence[int], dtype: torch.dtype,
+             device: torch.device, open_dims: tuple[bool, ...] | None = None) -> Tensor:
+        """Internal: the Tensor of what the runtime holds, ``local``, laid out as
+        ``layout`` (``device``: the torch device of its blocks)."""
+        return cls._wrap(local, layout, torch.Size(shape), dtype, device, open_dims)
 
     @classmethod
     def from_whole(cls, whole: torch.Tensor, layout: Layout,
                    open_dims: tuple[bool, ...] | None = None) -> Tensor:
-        """Internal: the Tensor whose blocks are cut from ``whole`` (the global value).
-        On a mesh this process holds wholly the blocks are cut lazily and ops whose
-        operands all hold wholes run once on them (see ``ops.execute``)."""
-        if not cache.local_mesh(layout.mesh, whole.device):
-            return cls(_cut(whole, layout), layout, whole.shape, whole.dtype,
-                       open_dims=open_dims)
-        return cls._wrap(None, whole, layout, whole.shape, whole.dtype, whole.device,
+        """Internal: the Tensor whose global value is ``whole``, held as the runtime
+        holds it (:func:`~shardwise.runtime.local.hold`: the value itself on a mesh this
+        process holds wholly, ops then running once on it; else its blocks, cut)."""
+        return cls._wrap(hold(whole, layout), layout, whole.shape, whole.dtype, whole.device,
                          open_dims)
-
-    @property
-    def _shards(self) -> tuple[torch.Tensor, ...]:
-        """Per-device local tensors (views of ``_whole`` cut on first use)."""
-        blocks = self._blocks
-        whole = self._whole
-        if blocks is None or (whole is not None and whole.requires_grad
-                              and whole._version != self._cut_at):
-            # re-cut after an in-place write (an optimizer step) to a whole that records
-            # gradients: views cut before it would refuse autograd (multi-output views)
-            assert whole is not None
-            blocks = self._blocks = _cut(whole, self._layout)
-            if whole.requires_grad:  # (inference tensors have no version counter)
-                self._cut_at = whole._version
-        return blocks
-
-    @_shards.setter
-    def _shards(self, value: tuple[torch.Tensor, ...]) -> None:
-        self._blocks = value
-        self._whole = None
 
     @classmethod
     def __torch_function__(cls, func: Any, types: Any, args: Any = (),
@@ -312,11 +292,9 @@ class Tensor(GradMixin, RelayoutMixin, MetaMixin,  # type: ignore[misc,override]
             return memo[id(self)]
         leaf_grad = self.is_leaf and self.requires_grad
         with torch.no_grad():
-            out = self._map_unique(lambda s: s.clone()) if self._whole is None else (
-                Tensor.from_whole(self._whole.clone(), self._layout, self._open))
+            out = self._map_buffers(lambda s: s.clone())
         if leaf_grad:
-            out = out._map_unique(lambda s: s.requires_grad_(True)) if out._whole is None else (
-                out.requires_grad_(True))
+            out._local = out._local.with_grad(True, out._layout)
         for key, value in self.__dict__.items():
             if not key.startswith("_") or key == "_is_param":
                 out.__dict__[key] = value
@@ -336,9 +314,9 @@ class Tensor(GradMixin, RelayoutMixin, MetaMixin,  # type: ignore[misc,override]
         its first local block (DTensor answers with its local tensor's). Two Tensors
         share one exactly when they share data (tied weights), which is what checkpoint
         writers (safetensors, transformers' ``save_pretrained``) ask it to tell."""
-        if self._whole is not None:
-            return self._whole.untyped_storage()
-        return next(s for s in self._shards if s is not None).untyped_storage()
+        first = self._local.first()
+        assert first is not None, "this process holds none of the value"
+        return first.untyped_storage()
 
     # --- torch.distributed.checkpoint: the blocks as chunks with global offsets --------
     def __create_write_items__(self, fqn: str, object: Any) -> list[Any]:
@@ -360,10 +338,8 @@ class Tensor(GradMixin, RelayoutMixin, MetaMixin,  # type: ignore[misc,override]
         """The global value as a new torch tensor (Partial axes reduced), on the
         first device of the mesh. Differentiable."""
         out = self._global()
-        if self._whole is not None:
-            return out.clone()
         try:
-            storages = {s.untyped_storage()._cdata for s in self._shards if s is not None}
+            storages = {s.untyped_storage()._cdata for s in self._local.buffers()}
             alias = out.untyped_storage()._cdata in storages
         except NotImplementedError:  # torch.func's wrappers hide their storage: copy
             alias = True
@@ -387,11 +363,8 @@ class Tensor(GradMixin, RelayoutMixin, MetaMixin,  # type: ignore[misc,override]
 
     def item(self) -> Any:
         # through the kept relayout: ``loss.item()`` then ``loss.backward()`` reduce once
-        if self._whole is not None:
-            return cache.whole(self, Layout.replicated(self.mesh, self.ndim)).item()
         full = cache.relayout(self, Layout.replicated(self.mesh, self.ndim))
-        return backend_for(self.mesh).global_value(full._shards, full._layout, full._shape,
-                                                    full._dtype).item()
+        return full._local.global_value(full._layout, full._shape, full._dtype).item()
 
     # --- autograd's entry (the rest is GradMixin's): torch.autograd.backward, as
     # torch's own Tensor.backward calls it (routed to the registry's autograd family)
@@ -473,8 +446,7 @@ def _refuse_wrapped(who: str, func: Any, args: Any, kwargs: dict[str, Any]) -> N
 
 
 def _wrapped(t: Tensor) -> bool:
-    value = t._whole if t._whole is not None else next(
-        (s for s in t._shards if s is not None), None)
+    value = t._local.first()
     return value is not None and torch._C._functorch.is_functorch_wrapped_tensor(value)
 
 
@@ -486,12 +458,7 @@ def with_open_dims(t: Tensor, sharding: object) -> Tensor:
         want = None
     if want == t._open or (want is not None and len(want) != t.ndim):
         return t
-    w = t._whole
-    if w is not None:  # (the whole, not its blocks: ops keep running on it)
-        if w.requires_grad:  # an alias autograd records, as the cut blocks were: never
-            w = w.view_as(w)  # the leaf itself (one leaf, one .grad)
-        return Tensor._wrap(None, w, t._layout, t._size, t._dtype, t._device, want)
-    return Tensor(t._shards, t._layout, t._shape, t._dtype, open_dims=want)
+    return Tensor._wrap(t._local.alias(), t._layout, t._size, t._dtype, t._device, want)
 
 
 # --- placing values (core: used by creation, the ops and autograd) -------------------------
@@ -554,11 +521,10 @@ def rehome(x: Tensor, mesh: DeviceMesh, blocks: Sequence[torch.Tensor | None] | 
     layout = Layout(mesh, x._layout.dims, x._layout.partial)
     if blocks is not None:
         return Tensor(blocks, layout, x._shape, x._dtype, open_dims=x._open)
-    whole = x._whole
-    if whole is not None and cache.local_mesh(mesh, whole.device):
-        return Tensor.from_whole(whole.detach(), layout, x._open)
-    return Tensor([None if s is None else s.detach() for s in x._shards], layout, x._shape,
-                  x._dtype, open_dims=x._open)
+    local = x._local.rehome(layout)
+    first = local.first()
+    return Tensor._wrap(local, layout, x._size, x._dtype,
+                        x._device if first is None else first.device, x._open)
 
 
 def as_layout_of(value: Any, like: Tensor) -> Tensor:

@@ -26,7 +26,8 @@ from typing import Any, TypeAlias
 import torch
 
 from shardwise.planner import Plan, Step, StepKind, check_handlers, permute_sources
-from shardwise.runtime import blocks
+from shardwise.runtime import Columns, blocks
+from shardwise.runtime.local import Local, run_rows
 from shardwise.runtime.owner import GradOwner
 from shardwise.runtime.process import collectives as D
 from shardwise.runtime.process import functions as F
@@ -47,6 +48,7 @@ __all__ = [
     "owned",
     "permute",
     "relabel",
+    "run_local",
     "run_spmd",
     "run_step",
     "spmd_outputs",
@@ -294,3 +296,11 @@ def assemble(shards: Sequence[torch.Tensor | None], src: Layout, dst: Layout,
     # a meta block (a model built on the meta device) stays meta until to_empty
     out[k] = block if block.device == dev or block.is_meta else block.to(dev)
     return out
+
+
+def run_local(op: str, fn: Callable[..., torch.Tensor], args: Sequence[Any], cols: Columns,
+              dec: Any, factors: Any, shaped: bool) -> tuple[Local, torch.Tensor | None]:
+    """Run a decided op here (``Backend.run_local``): once on this process's block of
+    each operand (other processes run theirs)."""
+    return run_rows(op, fn, args, cols.blocks(), dec.local_shapes, factors.out_shape,
+                    factors.shapes, factors.text, shaped)

@@ -42,9 +42,10 @@ from typing import Any, TypeAlias
 import torch
 
 from shardwise.planner import Plan, Step, StepKind, check_handlers, permute_sources
-from shardwise.runtime import blocks
+from shardwise.runtime import Columns, blocks
 from shardwise.runtime.blocks import rep_indices
 from shardwise.runtime.buffers import buffer_reuse, set_buffer_reuse
+from shardwise.runtime.local import Local, Whole, run_rows, run_whole
 from shardwise.runtime.owner import GradOwner
 from shardwise.runtime.simulated import collectives as C
 from shardwise.runtime.simulated import host_paths as hp
@@ -68,6 +69,7 @@ __all__ = [
     "reduce_scatter",
     "relabel",
     "rep_indices",
+    "run_local",
     "run_spmd",
     "run_step",
     "set_buffer_reuse",
@@ -368,3 +370,19 @@ def device_of(mesh: DeviceMesh, k: int) -> torch.device:
 def owned(mesh: DeviceMesh) -> range:
     """The mesh devices this process holds: all of them."""
     return range(mesh.num_devices)
+
+
+def run_local(op: str, fn: Callable[..., torch.Tensor], args: Sequence[Any], cols: Columns,
+              dec: Any, factors: Any, shaped: bool) -> tuple[Local, torch.Tensor | None]:
+    """Run a decided op here (``Backend.run_local``): once on the operands' whole
+    values when every one has one (its own, or one derived from its blocks), the
+    result held whole; else once per distinct row of blocks. A whole result that
+    aliases a copy derived from some operand's blocks (a view) is dropped for the
+    blocks, whose views alias them."""
+    wholes = cols.wholes()
+    if wholes is not None:
+        r = run_whole(op, fn, wholes, factors.out_shape, factors.shapes, factors.text, shaped)
+        if not cols.aliases_copy(r):
+            return Whole(r, dec.output), r
+    return run_rows(op, fn, args, cols.blocks(), dec.local_shapes, factors.out_shape,
+                    factors.shapes, factors.text, shaped)
