@@ -29,6 +29,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -206,29 +207,40 @@ def torchrun(device: str, size: str) -> Rows:
 
 
 class _Torchrun:
-    """``torchrun --nproc-per-node n argv`` started now (in a session of its own: killed
-    whole past ``limit_s``); :meth:`result` waits for it."""
+    """``torchrun --nproc-per-node n argv`` started now, in a session of its own (killed
+    whole past ``limit_s``), its output read by a thread (a full pipe would stall it
+    while another launch is waited for); :meth:`result` waits for it."""
 
     def __init__(self, n: int, argv: list[str], env: dict[str, str] | None = None,
                  limit_s: float = 240.0) -> None:
         from benchmarks.common import free_port
 
-        self.shown = "torchrun --nproc-per-node " + " ".join([str(n), *argv])
+        self.shown = " ".join([*(f"{k}={v}" for k, v in (env or {}).items()), "torchrun",
+                               "--nproc-per-node", str(n), *argv])
         self.n, self.limit_s, self.start = n, limit_s, time.monotonic()
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(n),
                "--master-port", str(free_port()), *argv]
         self.proc = subprocess.Popen(
             cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
             start_new_session=True, env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})})
+        self.got: tuple[str, str, float] | None = None
+        self.reader = threading.Thread(target=self._read, daemon=True)
+        self.reader.start()
 
-    def result(self) -> Row:
+    def _read(self) -> None:
         try:
             out, err = self.proc.communicate(timeout=self.limit_s)
         except subprocess.TimeoutExpired:
             os.killpg(self.proc.pid, signal.SIGKILL)
             self.proc.communicate()
+            return
+        self.got = out, err, time.monotonic() - self.start
+
+    def result(self) -> Row:
+        self.reader.join()
+        if self.got is None:
             return False, f"did not finish within {self.limit_s:.0f} s (killed)", {}
-        took = time.monotonic() - self.start
+        out, err, took = self.got
         if self.proc.returncode == 0 and out.count("parity OK") == 1:
             return True, f"parity OK on {self.n} processes ({self.shown})", {
                 "output": out[-2000:], "seconds": took}

@@ -128,8 +128,9 @@ def collectives(device: str) -> tuple[bool, str, dict[str, Any]]:
         name, why = next(iter(bad.items()))
         return False, f"{len(bad)} failed, first {name}: {why}", data
     return True, (f"{len(cases)} API ops and {len(_torch_cases(x))} of torch's collectives "
-                  f"equal torch's values ({calls.control} control messages, {calls.data} data "
-                  "exchanges reached the backend: a group of one skips the data)"), data
+                  f"equal torch's values; the API's reached the backend with {calls.control} "
+                  f"control message(s) and {calls.data} data exchange(s) (a group of one "
+                  "skips the data)"), data
 
 
 def _grad_of_gather(x: torch.Tensor, layout: Any) -> tuple[torch.Tensor, torch.Tensor]:
