@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import importlib.util
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -137,7 +138,7 @@ def main(argv: list[str] | None = None) -> int:
     import shardwise as sw
     from shardwise import PlacementMapping, Replicated, Sharded
     from shardwise import pipelining as pp
-    from shardwise.distributed import maybe_initialize, process_count, shutdown
+    from shardwise.distributed import maybe_initialize, process_count, process_index, shutdown
 
     p = argparse.ArgumentParser(description="Train a small GPT with PP x FSDP x TP.")
     p.add_argument("--pp", type=int, default=2, help="pipeline ranks (default 2)")
@@ -159,10 +160,18 @@ def main(argv: list[str] | None = None) -> int:
                         "cuda, else gloo); on nccl the mesh is the processes' GPUs")
     gpt.device_flags(p)
     p.set_defaults(device=None)
+    p.add_argument("--timeout-s", type=float, default=60.0,
+                   help="under torchrun: the bound of every wait (initialize(timeout_s=))")
+    p.add_argument("--pause-s", type=float, default=0.0,
+                   help="sleep between steps (a receive posted ahead waits through it)")
+    p.add_argument("--stall", default=None, metavar="RANK:SECONDS",
+                   help="process RANK sleeps SECONDS before step 1 (a stalled stage: the "
+                        "others raise CollectiveError within --timeout-s)")
     args = p.parse_args(argv)
     args.device = args.device or ("cuda" if args.backend == "nccl" else "cpu")
+    stall_rank, stall_s = stall_of(args.stall)
     multi = maybe_initialize(backend=args.backend or ("gloo" if args.device == "cpu" else
-                                                      "nccl"))
+                                                      "nccl"), timeout_s=args.timeout_s)
     if args.backend and not multi:
         p.error(f"--backend {args.backend} needs torchrun (one process per device); "
                 "without it the mesh is simulated")
@@ -202,6 +211,10 @@ def main(argv: list[str] | None = None) -> int:
     labels = PlacementMapping(last.mesh, (Sharded(0), Replicated()))
     rows: list[tuple[int, float, float]] = []
     for step in range(args.steps):
+        if step and args.pause_s:
+            time.sleep(args.pause_s)
+        if step == 1 and process_index() == stall_rank:
+            time.sleep(stall_s)
         ids, targets = (t.to(dev) for t in gpt.batch(cfg, args.batch, step))
         losses: list[Any] = []
         sched.step(sw.tensor(ids, sharding=data) if first.is_local else None,
@@ -222,6 +235,18 @@ def main(argv: list[str] | None = None) -> int:
     if multi:
         shutdown()
     return 0 if ok else 1
+
+
+def stall_of(text: str | None) -> tuple[int, float]:
+    """``--stall RANK:SECONDS`` as (rank, seconds); (-1, 0.0) without one.
+
+    >>> stall_of("1:15"), stall_of(None)
+    ((1, 15.0), (-1, 0.0))
+    """
+    if not text:
+        return -1, 0.0
+    rank, _, seconds = text.partition(":")
+    return int(rank), float(seconds or 0)
 
 
 def pipeline_of(model: PipeGPT, mesh: Any, layers: int, n_stages: int, schedule: str) -> Any:
