@@ -5,9 +5,8 @@ check yields its rows as ``(key, run)``, ``run()`` returning ``(ok, detail, data
 - :func:`conformance`: the bodies ``tests/`` runs on both runtimes
   (``tests/helpers/bodies.py``, ``torch_bodies.py``), on meshes of virtual devices on
   one GPU: every ``DeviceMesh.cpu`` they build becomes
-  ``VirtualDevice(i, on=Accelerator(0))`` (on the CPU, ``on=CPU(0)`` stands in). Their
-  data stays where they make it (the CPU), so shardwise moves it to the GPU as a user's
-  program would; only their comparisons with torch read both sides on the host.
+  ``VirtualDevice(i, on=Accelerator(0))`` (on the CPU, ``on=CPU(0)`` stands in), and
+  the tensors they make themselves are moved to the GPU (:class:`BodiesOnDevice`).
 - :func:`examples`: ``examples/gpt.py`` (TP x FSDP) and ``examples/gpt_pp.py`` (PP x
   TP) on a simulated 2x2 mesh of virtual devices on one GPU, each checking every
   step's loss against the same model on that GPU alone.
@@ -36,8 +35,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch.overrides import TorchFunctionMode
 
-__all__ = ["CHECKS", "conformance", "examples", "host_comparisons", "speed", "torchrun",
+__all__ = ["CHECKS", "BodiesOnDevice", "conformance", "examples", "speed", "torchrun",
            "virtual_meshes", "world"]
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -66,35 +66,28 @@ def virtual_meshes(on: Any) -> Iterator[None]:
         DeviceMesh.cpu = original  # type: ignore[method-assign]
 
 
-@contextlib.contextmanager
-def host_comparisons() -> Iterator[None]:
-    """``torch.equal``, ``torch.allclose`` and ``torch.testing.assert_close`` compare
-    tensors of two devices on the host (torch refuses such a pair), until the block
-    ends; a pair on one device goes to torch's own function unchanged."""
-    import shardwise as sw
+class BodiesOnDevice(TorchFunctionMode):
+    """Tensors that the bodies make themselves (their own calls of torch's factories:
+    ``torch.arange``, ``randn``... from a module under ``tests.``) are made as they are,
+    on the CPU with its generators, then moved to ``device``: the bodies' data and
+    references live on the GPU, with the values they have on the CPU. shardwise's own
+    calls are left alone, so a CPU tensor it makes beside GPU blocks still fails."""
 
-    # the handlers of torch's functions are registered (keyed by the functions
-    # themselves) before any is replaced
-    importlib.import_module("shardwise.ops.torch_api")
+    def __init__(self, device: torch.device) -> None:
+        super().__init__()
+        from torch.utils._device import _device_constructors
 
-    def host(t: Any) -> Any:
-        return (t.to_torch() if isinstance(t, sw.Tensor) else t).cpu()
+        self.device, self.factories = device, _device_constructors()
 
-    def on_host(fn: Callable[..., Any]) -> Callable[..., Any]:
-        def call(a: Any, b: Any, *args: Any, **kwargs: Any) -> Any:
-            if (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)
-                    and a.device != b.device):
-                a, b = host(a), host(b)
-            return fn(a, b, *args, **kwargs)
-        return call
-
-    saved = torch.equal, torch.allclose, torch.testing.assert_close
-    torch.equal, torch.allclose = on_host(saved[0]), on_host(saved[1])
-    torch.testing.assert_close = on_host(saved[2])
-    try:
-        yield
-    finally:
-        torch.equal, torch.allclose, torch.testing.assert_close = saved
+    def __torch_function__(self, func: Any, types: Any, args: Any = (),
+                           kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        if (func in self.factories and type(out) is torch.Tensor and out.device.type == "cpu"
+                and "device" not in (kwargs or {})
+                and sys._getframe(1).f_globals.get("__name__", "").startswith("tests.")):
+            leaf = out.requires_grad
+            out = out.detach().to(self.device).requires_grad_(leaf)
+        return out
 
 
 def _physical(device: str) -> Any:
@@ -103,35 +96,45 @@ def _physical(device: str) -> Any:
     return CPU(0) if device == "cpu" else Accelerator(0)
 
 
+CPU_ONLY = {"body_permuted_devices": "builds its mesh of CPU(i) devices by hand"}
+"""Bodies that run on the CPU alone, and why (on a GPU their rows say so)."""
+
+
 def conformance(device: str, size: str) -> Rows:
     """The shared runtime bodies on virtual devices on one GPU (see the module doc)."""
     counts = (4,) if size == SMALL else (2, 4)
-    with virtual_meshes(_physical(device)), host_comparisons():
+    physical = _physical(device)
+    with virtual_meshes(physical):
         for key, name in (("conformance.bodies", "bodies"),
                           ("conformance.torch_bodies", "torch_bodies")):
             # imported here, so that the meshes they build at import are virtual too
             module = importlib.import_module(f"tests.helpers.{name}")
-            yield key, functools.partial(_bodies, module, counts, device)
+            yield key, functools.partial(_bodies, module, counts, device,
+                                         BodiesOnDevice(physical.to_torch()))
 
 
-def _bodies(module: Any, counts: tuple[int, ...], device: str) -> Row:
+def _bodies(module: Any, counts: tuple[int, ...], device: str, mode: BodiesOnDevice) -> Row:
     from benchmarks.world_of_one import first_line
 
     failed: dict[str, str] = {}
-    names = list(module.BODIES)
+    names = [b for b in module.BODIES if device == "cpu" or b not in CPU_ONLY]
+    left_out = sorted(set(module.BODIES) - set(names))
     for n in counts:
         for name in names:
             try:
-                getattr(module, name)(n)
+                with mode:
+                    getattr(module, name)(n)
             except Exception as err:  # each body reports; the others still run
                 failed[f"{name}({n})"] = first_line(err)
     runs = len(names) * len(counts)
     where = f"{_on(device)}, devices {'/'.join(map(str, counts))}"
+    also = "".join(f"; {b} left out ({CPU_ONLY[b]})" for b in left_out)
     if failed:
         first, why = next(iter(failed.items()))
-        return False, f"{len(failed)}/{runs} failed, first {first}: {why}", {"failed": failed}
-    return True, f"{runs} runs of {len(names)} bodies on virtual devices {where}", {
-        "bodies": names, "devices": list(counts)}
+        return False, f"{len(failed)}/{runs} failed, first {first}: {why}{also}", {
+            "failed": failed, "left_out": left_out}
+    return True, f"{runs} runs of {len(names)} bodies on virtual devices {where}{also}", {
+        "bodies": names, "devices": list(counts), "left_out": left_out}
 
 
 def _on(device: str) -> str:
