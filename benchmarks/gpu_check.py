@@ -22,9 +22,9 @@ Invariants:
   a report, not a test). The run exits 1 when a row failed, else 0.
 - Every check runs in a fresh process under its own time budget (:data:`BUDGETS`), so
   one that fails, hangs or breaks its CUDA context is reported and the others still
-  run; the correctness checks run side by side, then the speed check alone. The whole
-  run stays within :data:`TOTAL_S` (8 minutes): a check that would start past it is
-  skipped, saying so.
+  run; the correctness checks run side by side, then the speed check alone (at
+  ``--size small`` beside them: its timings are not kept). The whole run stays within
+  :data:`TOTAL_S` (8 minutes): a check that would start past it is skipped, saying so.
 - The JSON is written after every check: a run cut short keeps what it measured.
   ``--out DIR`` writes it there instead (the test suite's run never touches the
   repository).
@@ -124,7 +124,8 @@ def _emit(key: str, status: str, detail: str, data: dict[str, Any], seconds: flo
 # --- the parent: every check in a process of its own ------------------------------------------
 PARALLEL = ("conformance", "examples", "world", "torchrun")
 """The correctness checks, run side by side; ``speed`` runs alone afterwards, so that
-nothing shares the machine with its timings."""
+nothing shares the machine with its timings (at ``--size small``, whose timings are
+too short to keep, it runs beside them)."""
 
 
 class _Launched:
@@ -190,7 +191,7 @@ def run(device: str, size: str = "full", out: Path | None = None,
         return _Launched(check, device, size, min(BUDGETS[check][size], left)) if (
             left >= 20) else None
 
-    side_by_side = {c: launch(c) for c in chosen if c in PARALLEL}
+    side_by_side = {c: launch(c) for c in chosen if c in PARALLEL or size == "small"}
     for check in chosen:
         launched = side_by_side[check] if check in side_by_side else launch(check)
         rows = launched.rows() if launched is not None else [
