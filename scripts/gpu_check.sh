@@ -20,4 +20,4 @@ else
 fi
 export PYTHONUNBUFFERED=1
 # the checks bound themselves (8 minutes in all); this bound is for the runner itself
-exec timeout --signal=KILL 600 "$PY" -m benchmarks.gpu_check "$@"
+exec timeout --signal=KILL 560 "$PY" -m benchmarks.gpu_check "$@"
