@@ -64,6 +64,7 @@ ROWS: dict[str, tuple[str, ...]] = {   # each check's rows, in order
     "speed": ("speed.dispatch", "speed.training"),
 }
 _MARK = "GPU_CHECK_ROW "
+BUDGET_ENV = "SHARDWISE_GPU_CHECK_BUDGET_S"
 
 
 def _titles(device: str) -> dict[str, str]:
@@ -91,6 +92,9 @@ def _child(check: str, device: str, size: str) -> int:
     from benchmarks.on_device import CHECKS
     from benchmarks.world_of_one import first_line
 
+    budget = os.environ.get(BUDGET_ENV)
+    if budget:   # launched by the runner: end at the budget even if the runner is gone
+        signal.alarm(int(float(budget)) + 5)
     done: list[str] = []
     try:
         for key, fn in CHECKS[check](device, size):
@@ -140,9 +144,12 @@ class _Launched:
         self.err = tempfile.TemporaryFile("w+")  # noqa: SIM115
         cmd = [sys.executable, "-m", "benchmarks.gpu_check", "--child", check,
                "--device", device, "--size", size]
+        # (the budget goes along: a check that starts processes of their own session,
+        # which killing this one's would miss, ends them within it)
         self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=self.out, stderr=self.err,
                                      text=True, start_new_session=True,
-                                     env={**os.environ, "PYTHONUNBUFFERED": "1"})
+                                     env={**os.environ, "PYTHONUNBUFFERED": "1",
+                                          BUDGET_ENV: f"{budget:.0f}"})
 
     def rows(self) -> list[dict[str, Any]]:
         """Its rows once it ended (killed at its deadline); a row it never reported is a

@@ -211,12 +211,15 @@ def torchrun(device: str, size: str) -> Rows:
 
 class _Torchrun:
     """``torchrun --nproc-per-node n argv`` started now, in a session of its own (killed
-    whole past ``limit_s``), its output read by a thread (a full pipe would stall it
-    while another launch is waited for); :meth:`result` waits for it."""
+    whole 15 s before the check's budget ends), its output read by a thread (a full pipe
+    would stall it while another launch is waited for); :meth:`result` waits for it."""
 
-    def __init__(self, n: int, argv: list[str], env: dict[str, str] | None = None,
-                 limit_s: float = 240.0) -> None:
+    def __init__(self, n: int, argv: list[str], env: dict[str, str] | None = None) -> None:
         from benchmarks.common import free_port
+        from benchmarks.gpu_check import BUDGET_ENV
+
+        # inside this check's budget: its process's end would not reach this session
+        limit_s = float(os.environ.get(BUDGET_ENV, "240")) - 15
 
         self.shown = " ".join([*(f"{k}={v}" for k, v in (env or {}).items()), "torchrun",
                                "--nproc-per-node", str(n), *argv])
