@@ -2,7 +2,8 @@
 
 - :func:`launch` runs ``body(args)`` on every rank: under ``torchrun`` (``RANK`` set)
   in this process, otherwise on ``world`` ranks it spawns itself (torch.multiprocessing,
-  Gloo on 127.0.0.1, a free port, a wall-clock limit; stragglers are killed).
+  Gloo on 127.0.0.1, or NCCL with rank r on GPU r; a free port, a wall-clock limit;
+  stragglers are killed).
   Rank 0's return value comes back; a failure on any rank raises with its traceback.
 - :func:`dist_time` times calls the same way on every rank: barrier, then
   ``time.perf_counter`` around the call; the time of an iteration is the max over
@@ -68,7 +69,8 @@ def dist_time(fns: dict[str, Callable[[], Any] | None], repeat: int, warmup: int
     return out
 
 
-def _init_rank(rank: int, world: int, port: int | None, timeout_s: float) -> None:
+def _init_rank(rank: int, world: int, port: int | None, timeout_s: float,
+               backend: str = "gloo") -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     import torch
 
@@ -76,18 +78,19 @@ def _init_rank(rank: int, world: int, port: int | None, timeout_s: float) -> Non
     import shardwise.distributed as sd
 
     if port is None:  # torchrun: the environment names the rendezvous
-        sd.initialize("gloo", timeout_s=timeout_s)
+        sd.initialize(backend, timeout_s=timeout_s)
     else:
-        sd.initialize("gloo", rank=rank, world_size=world, master_addr="127.0.0.1",
+        os.environ["LOCAL_RANK"] = str(rank)  # (NCCL: rank r on GPU r)
+        sd.initialize(backend, rank=rank, world_size=world, master_addr="127.0.0.1",
                       master_port=port, timeout_s=timeout_s)
 
 
 def _worker(rank: int, world: int, port: int, body: Callable[[Any], Any], args: Any,
-            out: Any, timeout_s: float) -> None:
+            out: Any, timeout_s: float, backend: str = "gloo") -> None:
     import shardwise.distributed as sd
 
     try:
-        _init_rank(rank, world, port, timeout_s)
+        _init_rank(rank, world, port, timeout_s, backend)
         res = body(args)
         out.put((rank, True, res if rank == 0 else None))
     except BaseException:  # every failure goes to the parent
@@ -114,12 +117,12 @@ def options_of(parser: argparse.ArgumentParser, options: dict[str, Any]) -> argp
 
 
 def launch(body: Callable[[Any], Any], args: Any, world: int, *, limit_s: float,
-           timeout_s: float) -> Any:
+           timeout_s: float, backend: str = "gloo") -> Any:
     """Rank 0's ``body(args)`` (None on other torchrun ranks); see the module doc."""
     if "RANK" in os.environ:  # launched by torchrun: this process is one rank
         import shardwise.distributed as sd
 
-        _init_rank(-1, -1, None, timeout_s)
+        _init_rank(-1, -1, None, timeout_s, backend)
         try:
             res = body(args)
             return res if sd.process_index() == 0 else None
@@ -128,7 +131,8 @@ def launch(body: Callable[[Any], Any], args: Any, world: int, *, limit_s: float,
     old_threads = os.environ.get("OMP_NUM_THREADS")
     os.environ["OMP_NUM_THREADS"] = "1"  # inherited by the spawned ranks
     try:
-        return _spawn(body, args, world, limit_s=limit_s, timeout_s=timeout_s)
+        return _spawn(body, args, world, limit_s=limit_s, timeout_s=timeout_s,
+                      backend=backend)
     finally:
         if old_threads is None:
             os.environ.pop("OMP_NUM_THREADS", None)
@@ -137,13 +141,14 @@ def launch(body: Callable[[Any], Any], args: Any, world: int, *, limit_s: float,
 
 
 def _spawn(body: Callable[[Any], Any], args: Any, world: int, *, limit_s: float,
-           timeout_s: float) -> Any:
+           timeout_s: float, backend: str = "gloo") -> Any:
     import torch.multiprocessing as mp
 
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_worker, args=(r, world, port, body, args, out, timeout_s),
+    procs = [ctx.Process(target=_worker,
+                         args=(r, world, port, body, args, out, timeout_s, backend),
                          daemon=True) for r in range(world)]
     for p in procs:
         p.start()
@@ -229,11 +234,13 @@ def launch_flags(p: argparse.ArgumentParser, world: int) -> argparse.ArgumentPar
 
 
 def run_launched(parser: Any, rank_body: Any, options: dict[str, Any]) -> dict[str, Any] | None:
-    """Rank 0's result of a section that runs ``rank_body`` on ``--world`` Gloo
-    processes, with ``options`` (the flags of ``parser``, as ``run()`` takes them)."""
+    """Rank 0's result of a section that runs ``rank_body`` on ``--world`` processes,
+    with ``options`` (the flags of ``parser``, as ``run()`` takes them): Gloo, or NCCL
+    where the section has a ``--device`` flag set to ``cuda``."""
     args = options_of(parser(), options)
+    backend = "nccl" if getattr(args, "device", "cpu") == "cuda" else "gloo"
     res: dict[str, Any] | None = launch(rank_body, args, args.world, limit_s=args.limit_s,
-                                        timeout_s=args.timeout_s)
+                                        timeout_s=args.timeout_s, backend=backend)
     return res
 
 

@@ -13,9 +13,13 @@ result is checked against the torch result on the local blocks before timing.
 
 Target (issue 22): shardwise's overhead <= 0.75x DTensor's, or within 1.5 us of the
 floor's. ``profile``: an op name to cProfile (shardwise only, in CPU time) on rank 0.
+``--device cuda``: the blocks on each rank's GPU over NCCL (``--world 1``: one GPU;
+DTensor on a one-device mesh), timed in wall time with the GPU synchronized after
+each way's calls (a dedicated machine; the ways are still interleaved).
 
     python -m benchmarks.dispatch                     # from the repo root
     python -m benchmarks.dispatch --profile gelu
+    python -m benchmarks.dispatch --device cuda --world 1
 """
 
 from __future__ import annotations
@@ -53,13 +57,16 @@ def _calls() -> dict[str, tuple[Callable[..., Any], tuple[str, ...]]]:
     }
 
 
-def _inputs(rank: int, world: int) -> dict[str, tuple[Any, bool]]:
-    """name -> (this rank's local tensor, Sharded(0)?); replicated ones are global."""
+def _inputs(rank: int, world: int, device: str = "cpu") -> dict[str, tuple[Any, bool]]:
+    """name -> (this rank's local tensor, Sharded(0)?); replicated ones are global.
+    Drawn on the CPU, then moved: the same values on every device."""
     import torch
 
     g = torch.Generator().manual_seed(rank)
     rep = torch.Generator().manual_seed(1000)
-    return {
+    dev = torch.device("cpu") if device == "cpu" else torch.device(
+        device, torch.cuda.current_device())
+    return {k: (t.to(dev), s) for k, (t, s) in {
         "x": (torch.randn(32, 64, generator=g), True),
         "y": (torch.randn(32, 64, generator=g), True),
         "w": (torch.randn(64, 64, generator=rep), False),
@@ -68,10 +75,11 @@ def _inputs(rank: int, world: int) -> dict[str, tuple[Any, bool]]:
         "q": (torch.randn(1, 32, 64, generator=g), True),
         "k": (torch.randn(1, 32, 64, generator=g), True),
         "v": (torch.randn(1, 32, 64, generator=g), True),
-    }
+    }.items()}
 
 
-def _ways(world: int) -> dict[str, tuple[Callable[[Any, bool], Any], Callable[[Any], Any]]]:
+def _ways(world: int, device: str = "cpu"
+          ) -> dict[str, tuple[Callable[[Any, bool], Any], Callable[[Any], Any]]]:
     """way -> (wrap a local tensor (sharded?), the local tensor of a result)."""
     import torch.distributed as dist
     from torch.distributed.tensor import DTensor, Replicate, Shard, init_device_mesh
@@ -81,8 +89,8 @@ def _ways(world: int) -> dict[str, tuple[Callable[[Any, bool], Any], Callable[[A
     from shardwise.sharding import DeviceMesh, PlacementMapping, Replicated, Sharded
 
     rank = dist.get_rank()
-    dmesh = init_device_mesh("cpu", (world,))
-    mesh = DeviceMesh.cpu((world,), ("x",))
+    dmesh = init_device_mesh(device, (world,))
+    mesh: DeviceMesh = sw.init_device_mesh(device, (world,), ("x",))
 
     def shardwise(t: Any, sharded: bool) -> Any:
         spec = PlacementMapping(mesh, (Sharded(0) if sharded else Replicated(),))
@@ -102,22 +110,27 @@ def _ways(world: int) -> dict[str, tuple[Callable[[Any, bool], Any], Callable[[A
     }
 
 
-def _time_op(fns: dict[str, Callable[[], Any]], repeat: int, inner: int
-             ) -> dict[str, list[float]]:
-    """Seconds per call of each way, per round (rotating order; CPU time)."""
+def _time_op(fns: dict[str, Callable[[], Any]], repeat: int, inner: int,
+             sync: Callable[[], Any] | None = None) -> dict[str, list[float]]:
+    """Seconds per call of each way, per round (rotating order; CPU time, or with
+    ``sync`` (a GPU's) wall time up to the end of the calls' kernels)."""
     names = list(fns)
     for _ in range(max(3, inner // 10)):
         for f in fns.values():
             f()
     out: dict[str, list[float]] = {k: [] for k in names}
-    clock = time.process_time
+    clock = time.process_time if sync is None else time.perf_counter
     for i in range(repeat):
         for j in range(len(names)):
             k = names[(i + j) % len(names)]
             f = fns[k]
+            if sync is not None:
+                sync()
             t0 = clock()
             for _ in range(inner):
                 f()
+            if sync is not None:
+                sync()
             out[k].append((clock() - t0) / inner)
     return out
 
@@ -129,8 +142,10 @@ def rank_body(args: argparse.Namespace) -> dict[str, Any]:
     logging.getLogger("torch.distributed.tensor._collective_utils").setLevel(logging.ERROR)
     torch.set_num_threads(1)
     world, rank = dist.get_world_size(), dist.get_rank()
-    data = _inputs(rank, world)
-    ways = _ways(world)
+    device = getattr(args, "device", "cpu")
+    sync = None if device == "cpu" else torch.cuda.synchronize
+    data = _inputs(rank, world, device)
+    ways = _ways(world, device)
     wrapped = {w: {n: wrap(t, s) for n, (t, s) in data.items()}
                for w, (wrap, _) in ways.items()}
     rows: list[dict[str, Any]] = []
@@ -154,12 +169,13 @@ def rank_body(args: argparse.Namespace) -> dict[str, Any]:
             fns[w] = functools.partial(call, *ins)
         if args.profile == op and "shardwise" in fns:
             prof = _profile(fns["shardwise"], args.profile_calls) if rank == 0 else None
-        t = _time_op(fns, args.repeat, args.inner)
+        t = _time_op(fns, args.repeat, args.inner, sync)
         base = t["torch"]
         med = {w: statistics.median(t[w]) if w in t else float("nan") for w in WAYS}
         over = {w: statistics.median(a - b for a, b in zip(t[w], base))
                 if w in t and w != "torch" else float("nan") for w in WAYS}
-        vals = torch.tensor([med["torch"], *(over[w] for w in WAYS[1:])], dtype=torch.float64)
+        vals = torch.tensor([med["torch"], *(over[w] for w in WAYS[1:])], dtype=torch.float64,
+                            device=data["x"][0].device)
         dist.all_reduce(vals, op=dist.ReduceOp.MAX)  # the slower rank (NaN: not measured)
         torch_us, floor_us, dt_us, sw_us = (float(v) * 1e6 for v in vals)
         row = {"op": op, "torch_us": torch_us, "floor_us": _num(floor_us),
@@ -169,11 +185,14 @@ def rank_body(args: argparse.Namespace) -> dict[str, Any]:
         row["met"] = _met(row)
         rows.append(row)
     return {"benchmark": "dispatch", "rows": rows, "profile": prof, "meta": {
-        "world_size": world, "block": [32, 64], "dtype": "float32", "repeat": args.repeat,
+        "world_size": world, "backend": dist.get_backend(), "device": device,
+        "block": [32, 64], "dtype": "float32", "repeat": args.repeat,
         "inner": args.inner, "threads_per_rank": torch.get_num_threads(),
         "torch": torch.__version__, "cpu_count": os.cpu_count(),
-        "timing": "process_time; per round each way x inner calls, rotating order; "
-                  "overhead = median over rounds of (way - torch), max over ranks"}}
+        "timing": ("process_time" if sync is None else "perf_counter, GPU synchronized "
+                   "around each way's calls") + "; per round each way x inner calls, "
+                  "rotating order; overhead = median over rounds of (way - torch), max over "
+                  "ranks"}}
 
 
 def _num(v: float) -> float | None:
@@ -199,8 +218,11 @@ def tables(res: dict[str, Any]) -> list[str]:
     from benchmarks.common import fmt
 
     m = res["meta"]
-    lines = [f"per-op dispatch, process runtime: {m['world_size']} Gloo ranks, one "
-             f"{m['block'][0]}x{m['block'][1]} float32 block per rank, {m['threads_per_rank']} "
+    backend = str(m.get("backend", "gloo")).replace("gloo", "Gloo").replace("nccl", "NCCL")
+    on = "" if m.get("device", "cpu") == "cpu" else f" on {m['device']}"
+    lines = [f"per-op dispatch, process runtime: {m['world_size']} {backend} ranks, one "
+             f"{m['block'][0]}x{m['block'][1]} float32 block per rank{on}, "
+             f"{m['threads_per_rank']} "
              f"thread/rank; overhead above torch on the local block (us, median over "
              f"{m['repeat']} rounds of {m['inner']}, max over ranks)",
              f"  {'op':12} {'torch us':>9} {'floor +us':>10} {'DTensor +us':>12} "
@@ -235,6 +257,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--ops", nargs="*", default=[], help=f"a subset of {', '.join(OPS)}")
     p.add_argument("--profile", default=None, help="cProfile this op (shardwise)")
     p.add_argument("--profile-calls", type=int, default=3000)
+    p.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
+                   help="where the blocks live (cuda: NCCL, one GPU per rank)")
     p.add_argument("--out", default=None, help="write the JSON here")
     return p
 

@@ -19,12 +19,17 @@ Cases are interleaved (see :mod:`benchmarks.timing`); one torch thread. Ops and 
 steps are timed in this process's CPU time (``clock: process_time``: single-threaded, so the
 same as wall time on an idle machine, and robust to a loaded one). Rows give the median
 and the minimum over rounds; ``ratio`` is the medians', ``ratio_min`` the minima's.
+:func:`training_steps` with ``device="cuda"`` runs the training steps on a simulated
+mesh of virtual devices on one GPU (``init_device_mesh(..., devices_per_gpu=n)``) beside
+torch on that GPU, in wall time up to the end of each step's kernels
+(``clock: perf_counter+sync``).
 """
 
 from __future__ import annotations
 
 import contextlib
 import copy
+import math
 import time
 from collections.abc import Callable
 from typing import Any
@@ -38,7 +43,7 @@ from benchmarks.common import example_gpt
 from benchmarks.timing import interleave
 from shardwise import DeviceMesh, PlacementMapping, Replicated, Sharded
 
-__all__ = ["run"]
+__all__ = ["run", "training_steps"]
 
 
 def _ops(repeat: int, inner: int) -> list[dict[str, Any]]:
@@ -66,11 +71,22 @@ def _ops(repeat: int, inner: int) -> list[dict[str, Any]]:
     return rows
 
 
-def _mlp(repeat: int, inner: int) -> dict[str, Any]:
+def _mesh(shape: tuple[int, ...], names: tuple[str, ...], device: str) -> DeviceMesh:
+    """The simulated mesh on ``device``: virtual CPUs, or every device on one GPU."""
+    if device == "cpu":
+        return DeviceMesh.cpu(shape, names)
+    return sw.init_device_mesh(device, shape, names, devices_per_gpu=math.prod(shape))
+
+
+def _dev(device: str) -> torch.device:
+    return torch.device("cpu") if device == "cpu" else torch.device(device, 0)
+
+
+def _mlp(repeat: int, inner: int, device: str = "cpu") -> dict[str, Any]:
     torch.manual_seed(0)
-    ref = nn.Sequential(nn.Linear(16, 64), nn.GELU(), nn.Linear(64, 8))
+    ref = nn.Sequential(nn.Linear(16, 64), nn.GELU(), nn.Linear(64, 8)).to(_dev(device))
     model = copy.deepcopy(ref)
-    mesh = DeviceMesh.cpu((2, 4), ("dp", "tp"))
+    mesh = _mesh((2, 4), ("dp", "tp"), device)
     R = Replicated()
 
     def put(p: Any, *places: Any) -> nn.Parameter:
@@ -82,7 +98,7 @@ def _mlp(repeat: int, inner: int) -> dict[str, Any]:
     model[2].bias = put(model[2].bias, R, R)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     ropt = torch.optim.AdamW(ref.parameters(), lr=1e-3)
-    x, y = torch.randn(32, 16), torch.randn(32, 8)
+    x, y = torch.randn(32, 16).to(_dev(device)), torch.randn(32, 8).to(_dev(device))
     xs = sw.tensor(x, sharding=PlacementMapping(mesh, (Sharded(0), R)))
     ys = sw.tensor(y, sharding=PlacementMapping(mesh, (Sharded(0), R)))
 
@@ -97,42 +113,54 @@ def _mlp(repeat: int, inner: int) -> dict[str, Any]:
         ropt.step()
 
     return _row("Megatron MLP 16->64->8, AdamW, DeviceMesh(dp=2, tp=4), batch 32",
-                step_sw, step_torch, repeat, inner)
+                step_sw, step_torch, repeat, inner, device)
 
 
-def _row(case: str, ours: Any, theirs: Any, repeat: int, inner: int) -> dict[str, Any]:
-    t = interleave({"sw": ours, "torch": theirs}, repeat, inner=inner, clock=time.process_time)
+def _row(case: str, ours: Any, theirs: Any, repeat: int, inner: int,
+         device: str = "cpu") -> dict[str, Any]:
+    clock: Any = time.process_time
+    if device != "cpu":   # (wall time, up to the end of the steps' kernels)
+        ours, theirs, clock = _synced(ours), _synced(theirs), time.perf_counter
+    t = interleave({"sw": ours, "torch": theirs}, repeat, inner=inner, clock=clock)
     a, b = t["sw"], t["torch"]
     assert a is not None and b is not None
-    return {"case": case, "clock": "process_time", "shardwise_ms": a["median_s"] * 1e3,
+    return {"case": case, "clock": "process_time" if device == "cpu" else "perf_counter+sync",
+            "device": device, "shardwise_ms": a["median_s"] * 1e3,
             "torch_ms": b["median_s"] * 1e3, "ratio": a["median_s"] / b["median_s"],
             "shardwise_min_ms": a["min_s"] * 1e3, "torch_min_ms": b["min_s"] * 1e3,
             "ratio_min": a["min_s"] / b["min_s"]}
 
 
-def _gpt(dim: int, repeat: int, inner: int) -> dict[str, Any]:
+def _synced(fn: Callable[[], Any]) -> Callable[[], Any]:
+    def call() -> None:
+        fn()
+        torch.cuda.synchronize()
+    return call
+
+
+def _gpt(dim: int, repeat: int, inner: int, device: str = "cpu") -> dict[str, Any]:
     """The GPT sharded by hand (examples/gpt.py's ``megatron_by_hand``) on dp=2 x tp=4."""
     gpt = example_gpt()
-    mesh = DeviceMesh.cpu((2, 4), ("dp", "tp"))
+    mesh = _mesh((2, 4), ("dp", "tp"), device)
     return _gpt_row(dim, mesh, lambda ref: gpt.megatron_by_hand(ref, mesh), False,
-                    "Megatron TP", repeat, inner)
+                    "Megatron TP", repeat, inner, device)
 
 
 PLANNED_MESH = (2, 2)  # dp x tp, as the issue measured (issue 22)
 
 
-def _gpt_planned(dim: int, repeat: int, inner: int) -> dict[str, Any]:
+def _gpt_planned(dim: int, repeat: int, inner: int, device: str = "cpu") -> dict[str, Any]:
     """The GPT as users build it: a plain nn.Module, ``parallelize_module`` with
     examples/gpt.py's Megatron plan on tp, ``fully_shard`` per block and on the root
     over dp (``gpt.parallelize``), the loss under ``loss_parallel``."""
     gpt = example_gpt()
-    mesh = DeviceMesh.cpu(PLANNED_MESH, ("dp", "tp"))
+    mesh = _mesh(PLANNED_MESH, ("dp", "tp"), device)
     return _gpt_row(dim, mesh, lambda ref: gpt.parallelize(ref, mesh), True,
-                    "plan TP x fully_shard", repeat, inner)
+                    "plan TP x fully_shard", repeat, inner, device)
 
 
 def _gpt_row(dim: int, mesh: DeviceMesh, build: Callable[[Any], Any], in_loss_parallel: bool,
-             how: str, repeat: int, inner: int) -> dict[str, Any]:
+             how: str, repeat: int, inner: int, device: str = "cpu") -> dict[str, Any]:
     """A training step (AdamW, batch 8) of ``build(copy of the GPT)`` on ``mesh`` beside
     the single-device GPT; ``in_loss_parallel``: forward and backward under
     ``loss_parallel``."""
@@ -141,11 +169,11 @@ def _gpt_row(dim: int, mesh: DeviceMesh, build: Callable[[Any], Any], in_loss_pa
     gpt = example_gpt()
     c = gpt.Config(dim=dim)
     torch.manual_seed(0)
-    ref = gpt.GPT(c)
+    ref = gpt.GPT(c).to(_dev(device))
     model = build(copy.deepcopy(ref))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     ropt = torch.optim.AdamW(ref.parameters(), lr=1e-3)
-    x, y = gpt.batch(c, 8, 0)
+    x, y = (t.to(_dev(device)) for t in gpt.batch(c, 8, 0))
     data = PlacementMapping(mesh, (Sharded(0), Replicated()))
     xs, ys = sw.tensor(x, sharding=data), sw.tensor(y, sharding=data)
     scope = loss_parallel if in_loss_parallel else contextlib.nullcontext
@@ -164,7 +192,7 @@ def _gpt_row(dim: int, mesh: DeviceMesh, build: Callable[[Any], Any], in_loss_pa
     dp, tp = mesh.shape
     case = (f"GPT V={c.vocab} T={c.seq} D={c.dim} H={c.heads} L={c.layers}, {how}, AdamW, "
             f"DeviceMesh(dp={dp}, tp={tp}), batch 8")
-    return {"dim": dim, **_row(case, step_sw, step_torch, repeat, inner)}
+    return {"dim": dim, **_row(case, step_sw, step_torch, repeat, inner, device)}
 
 
 def _llama(repeat: int, inner: int) -> dict[str, Any]:
@@ -206,6 +234,23 @@ def _llama(repeat: int, inner: int) -> dict[str, Any]:
     case = (f"tiny HF Llama (D=64, L=2, V=128), hf_plan TP x fully_shard, AdamW, "
             f"DeviceMesh(dp={dp}, tp={tp}), batch 8x16")
     return _row(case, step_sw, step_torch, repeat, inner)
+
+
+def training_steps(repeat: int, inner: int, device: str = "cpu", dims: tuple[int, ...] = (32,)
+                   ) -> list[dict[str, Any]]:
+    """The training steps beside torch on ``device`` (see the module doc): the Megatron
+    MLP, then the GPT by hand and planned at each of ``dims`` (``inner`` steps timed
+    together for the MLP, a tenth of them for the GPTs, one for dims above 64)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        rows = [_mlp(repeat, inner, device)]
+        for build in (_gpt, _gpt_planned):
+            rows += [build(d, repeat, max(inner // 10, 1) if d <= 64 else 1, device)
+                     for d in dims]
+        return rows
+    finally:
+        torch.set_num_threads(threads)
 
 
 def run(repeat: int = 15, inner: int = 200) -> dict[str, Any]:

@@ -78,7 +78,7 @@ class GPT(nn.Module):
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """The mean next-token cross-entropy of ``idx`` (B, T) against ``targets``."""
-        x = self.tok(idx) + self.pos(torch.arange(idx.shape[1]))
+        x = self.tok(idx) + self.pos(torch.arange(idx.shape[1], device=idx.device))
         for layer in self.layers:
             x = layer(x)
         logits = self.head(self.norm(x))
@@ -163,6 +163,29 @@ def parity(rows: list[tuple[int, float, float]], rtol: float,
     return ok
 
 
+def device_flags(p: Any) -> None:
+    """``--device`` and ``--devices-per-gpu``: where the mesh and the reference live."""
+    p.add_argument("--device", default="cpu", help="cpu (default) or cuda: the mesh's "
+                   "devices (sw.init_device_mesh) and the single-device reference's")
+    p.add_argument("--devices-per-gpu", type=int, default=None, metavar="K",
+                   help="in one process: K virtual devices on each GPU (e.g. the whole "
+                        "2x2 mesh on one GPU with 4); default one device per GPU")
+
+
+def reference_device(device: str) -> torch.device:
+    """Where the single-device reference runs: the CPU, or this process's GPU (under
+    torchrun ``LOCAL_RANK``'s, else GPU 0, where a simulated mesh's device 0 lives).
+
+    >>> reference_device("cpu")
+    device(type='cpu')
+    """
+    import os
+
+    if device == "cpu":
+        return torch.device("cpu")
+    return torch.device(device, int(os.environ.get("LOCAL_RANK", "0")))
+
+
 def _say(*args: object) -> None:
     from shardwise.distributed import process_index
 
@@ -192,7 +215,7 @@ def main(argv: list[str] | None = None) -> int:
     import copy
 
     import shardwise as sw
-    from shardwise import DeviceMesh, PlacementMapping, Replicated, Sharded
+    from shardwise import PlacementMapping, Replicated, Sharded
     from shardwise.debug import CommCounter
     from shardwise.distributed import maybe_initialize, process_count, shutdown
     from shardwise.parallel import loss_parallel
@@ -208,20 +231,25 @@ def main(argv: list[str] | None = None) -> int:
                                                  "2 x world/2 under torchrun)")
     p.add_argument("--save", metavar="DIR", help="save model + optimizer + step at the end")
     p.add_argument("--resume", metavar="DIR", help="resume from a --save (any mesh)")
+    device_flags(p)
     args = p.parse_args(argv)
-    multi = maybe_initialize()
+    multi = maybe_initialize(backend="gloo" if args.device == "cpu" else "nccl")
     if args.mesh:
         dp, tp = (int(v) for v in args.mesh.split("x"))
     else:
         dp, tp = (2, process_count() // 2) if multi else (2, 4)
-    mesh = DeviceMesh.cpu((dp, tp), ("dp", "tp"))
+    mesh = sw.init_device_mesh(args.device, (dp, tp), ("dp", "tp"),
+                               devices_per_gpu=None if multi else args.devices_per_gpu)
     cfg = Config(dim=args.dim, layers=args.layers)
     torch.manual_seed(0)
-    reference = GPT(cfg)
+    dev = reference_device(args.device)
+    reference = GPT(cfg).to(dev)   # initialized on the CPU, so every device starts alike
     model = parallelize(copy.deepcopy(reference), mesh)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
     ref_opt = torch.optim.AdamW(reference.parameters(), lr=args.lr)
     where = f"torch.distributed, {process_count()} processes" if multi else "simulated"
+    if args.device != "cpu" and not multi:
+        where += f" on {args.device}"
     _say(f"GPT {cfg} on DeviceMesh(dp={dp}, tp={tp}) ({where})")
     _say(f"  {'parameter':26} {'global':>9} {'per device':>10}  dims (S: split over axes)")
     for name in ("layers.0.attn.wq.weight", "layers.0.attn.wo.weight", "layers.0.mlp.w1.bias",
@@ -233,7 +261,7 @@ def main(argv: list[str] | None = None) -> int:
     data = PlacementMapping(mesh, (Sharded(0), Replicated()))
 
     def reference_step(step: int) -> float:
-        ids, targets = batch(cfg, args.batch, step)
+        ids, targets = (t.to(dev) for t in batch(cfg, args.batch, step))
         loss = reference(ids, targets)
         loss.backward()
         ref_opt.step()
@@ -253,7 +281,7 @@ def main(argv: list[str] | None = None) -> int:
         bar.start()
     try:
         for step in range(start, args.steps):
-            ids, targets = batch(cfg, args.batch, step)
+            ids, targets = (t.to(dev) for t in batch(cfg, args.batch, step))
             with CommCounter() as counter, loss_parallel():
                 loss = model(sw.tensor(ids, sharding=data), sw.tensor(targets, sharding=data))
                 loss.backward()

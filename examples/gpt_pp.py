@@ -10,12 +10,14 @@ checked against single-device torch.
     python examples/gpt_pp.py --pp 4 --mesh 4x1x1 --schedule ZBVZeroBubble
     torchrun --nproc-per-node 4 examples/gpt_pp.py --mesh 2x1x2
     torchrun --nproc-per-node 2 examples/gpt_pp.py --backend nccl --mesh 2x1x1  # 2 GPUs
+    python examples/gpt_pp.py --mesh 2x1x2 --device cuda --devices-per-gpu 4  # one GPU
 """
 
 from __future__ import annotations
 
 import importlib.util
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -51,7 +53,7 @@ class Embed(nn.Module):
         self.pos = nn.Embedding(c.seq, c.dim)
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        return self.tok(idx) + self.pos(torch.arange(idx.shape[1]))
+        return self.tok(idx) + self.pos(torch.arange(idx.shape[1], device=idx.device))
 
 
 class PipeGPT(nn.Module):
@@ -136,7 +138,7 @@ def main(argv: list[str] | None = None) -> int:
     import shardwise as sw
     from shardwise import PlacementMapping, Replicated, Sharded
     from shardwise import pipelining as pp
-    from shardwise.distributed import maybe_initialize, process_count, shutdown
+    from shardwise.distributed import maybe_initialize, process_count, process_index, shutdown
 
     p = argparse.ArgumentParser(description="Train a small GPT with PP x FSDP x TP.")
     p.add_argument("--pp", type=int, default=2, help="pipeline ranks (default 2)")
@@ -154,10 +156,22 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--timeline", action="store_true",
                    help="print the schedule's simulated timeline")
     p.add_argument("--backend", choices=("gloo", "nccl"), default=None,
-                   help="under torchrun: the process backend (default: nccl where torch "
-                        "sees a GPU, else gloo); on nccl the mesh is the processes' GPUs")
+                   help="under torchrun: the process backend (default: nccl for --device "
+                        "cuda, else gloo); on nccl the mesh is the processes' GPUs")
+    gpt.device_flags(p)
+    p.set_defaults(device=None)
+    p.add_argument("--timeout-s", type=float, default=60.0,
+                   help="under torchrun: the bound of every wait (initialize(timeout_s=))")
+    p.add_argument("--pause-s", type=float, default=0.0,
+                   help="sleep between steps (a receive posted ahead waits through it)")
+    p.add_argument("--stall", default=None, metavar="RANK:SECONDS",
+                   help="process RANK sleeps SECONDS before step 1 (a stalled stage: the "
+                        "others raise CollectiveError within --timeout-s)")
     args = p.parse_args(argv)
-    multi = maybe_initialize(**({"backend": args.backend} if args.backend else {}))
+    args.device = args.device or ("cuda" if args.backend == "nccl" else "cpu")
+    stall_rank, stall_s = stall_of(args.stall)
+    multi = maybe_initialize(backend=args.backend or ("gloo" if args.device == "cpu" else
+                                                      "nccl"), timeout_s=args.timeout_s)
     if args.backend and not multi:
         p.error(f"--backend {args.backend} needs torchrun (one process per device); "
                 "without it the mesh is simulated")
@@ -167,19 +181,23 @@ def main(argv: list[str] | None = None) -> int:
         size = (args.pp, 1, process_count() // args.pp)
     else:
         size = (args.pp, 2, 2)
-    mesh = _mesh(size, multi)
+    mesh = sw.init_device_mesh(args.device, size, ("pp", "dp", "tp"),
+                               devices_per_gpu=None if multi else args.devices_per_gpu)
     virtual = 1 if args.schedule in ("GPipe", "1F1B") else 2
     n_stages = size[0] * virtual
     m = args.microbatches or 2 * n_stages
     cfg = Config(dim=args.dim, layers=args.layers)
     torch.manual_seed(0)
-    reference = PipeGPT(cfg)
+    dev = gpt.reference_device(args.device)
+    reference = PipeGPT(cfg).to(dev)   # initialized on the CPU, so every device starts alike
     pipe = pipeline_of(copy.deepcopy(reference), mesh, args.layers, n_stages, args.schedule)
     parallelize(pipe)
     sched = getattr(pp, f"Schedule{args.schedule}")(pipe, n_microbatches=m, loss_fn=loss_fn)
     opt = torch.optim.AdamW(list(pipe.parameters()), lr=args.lr)
     ref_opt = torch.optim.AdamW(reference.parameters(), lr=args.lr)
     where = f"torch.distributed, {process_count()} processes" if multi else "simulated"
+    if args.device != "cpu" and not multi:
+        where += f" on {args.device}"
     first, last = pipe.stages[0], pipe.stages[-1]
     say = print if last.is_local and (not multi or _first_holder(last)) else _quiet
     say(f"GPT {cfg} on {mesh!r} ({where}), {n_stages} stages, {args.schedule}, "
@@ -193,7 +211,11 @@ def main(argv: list[str] | None = None) -> int:
     labels = PlacementMapping(last.mesh, (Sharded(0), Replicated()))
     rows: list[tuple[int, float, float]] = []
     for step in range(args.steps):
-        ids, targets = gpt.batch(cfg, args.batch, step)
+        if step and args.pause_s:
+            time.sleep(args.pause_s)
+        if step == 1 and process_index() == stall_rank:
+            time.sleep(stall_s)
+        ids, targets = (t.to(dev) for t in gpt.batch(cfg, args.batch, step))
         losses: list[Any] = []
         sched.step(sw.tensor(ids, sharding=data) if first.is_local else None,
                    target=sw.tensor(targets, sharding=labels) if last.is_local else None,
@@ -215,6 +237,18 @@ def main(argv: list[str] | None = None) -> int:
     return 0 if ok else 1
 
 
+def stall_of(text: str | None) -> tuple[int, float]:
+    """``--stall RANK:SECONDS`` as (rank, seconds); (-1, 0.0) without one.
+
+    >>> stall_of("1:15"), stall_of(None)
+    ((1, 15.0), (-1, 0.0))
+    """
+    if not text:
+        return -1, 0.0
+    rank, _, seconds = text.partition(":")
+    return int(rank), float(seconds or 0)
+
+
 def pipeline_of(model: PipeGPT, mesh: Any, layers: int, n_stages: int, schedule: str) -> Any:
     """``model`` cut into ``n_stages`` on ``mesh``'s ``pp`` axis, placed as ``schedule``
     needs (V for ZBVZeroBubble, round-robin otherwise)."""
@@ -223,21 +257,6 @@ def pipeline_of(model: PipeGPT, mesh: Any, layers: int, n_stages: int, schedule:
     v = n_stages // mesh.axis_size("pp")
     return pipeline(model, mesh, split_points=split_points(layers, n_stages),
                     stages_per_rank=v, style="v" if schedule == "ZBVZeroBubble" else "loop")
-
-
-def _mesh(size: tuple[int, ...], multi: bool) -> Any:
-    """The (pp, dp, tp) mesh: process i's GPU on NCCL (device i is process i), CPU
-    devices otherwise."""
-    import math
-
-    import torch.distributed as dist
-
-    from shardwise import Accelerator, DeviceMesh
-
-    names = ("pp", "dp", "tp")
-    if multi and dist.get_backend() == "nccl":
-        return DeviceMesh(tuple(Accelerator(i) for i in range(math.prod(size))), size, names)
-    return DeviceMesh.cpu(size, names)
 
 
 def _first_holder(stage: Any) -> bool:

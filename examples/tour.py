@@ -2,16 +2,20 @@
 
     python examples/tour.py                              # 4 virtual CPU devices
     torchrun --nproc-per-node 4 examples/tour.py         # 4 processes, Gloo
+    torchrun --nproc-per-node 4 examples/tour.py --device cuda   # 4 GPUs, NCCL
+    python examples/tour.py --device cuda                # 4 virtual devices on one GPU
 
 Every process checks the same global values; process 0 prints.
 """
 
 from __future__ import annotations
 
+import argparse
+
 import torch
 
 import shardwise as sw
-from shardwise import DeviceMesh, Partial, PlacementMapping, Replicated, Sharded
+from shardwise import Partial, PlacementMapping, Replicated, Sharded
 from shardwise.distributed import maybe_initialize, process_count, process_index, shutdown
 
 
@@ -20,12 +24,21 @@ def say(*args: object) -> None:
         print(*args, flush=True)
 
 
-def main() -> int:
-    multi = maybe_initialize()
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description="A tour of shardwise.")
+    p.add_argument("--device", default="cpu", help="cpu (Gloo under torchrun) or cuda "
+                   "(NCCL, one GPU per process; in one process the mesh on one GPU)")
+    args = p.parse_args(argv)
+    multi = maybe_initialize(backend="gloo" if args.device == "cpu" else "nccl")
     runtime = f"torch.distributed, {process_count()} processes" if multi else "simulated"
     say(f"runtime: {runtime}")
-    mesh = DeviceMesh.cpu((2, 2), ("dp", "tp"))
-    x = torch.arange(8 * 6, dtype=torch.float32).reshape(8, 6)
+    mesh = sw.init_device_mesh(args.device, (2, 2), ("dp", "tp"),
+                               devices_per_gpu=None if multi else 4)
+    # this process's data: on the CPU, or on its GPU (LOCAL_RANK's under torchrun; in one
+    # process GPU 0, where the four virtual devices are)
+    dev = torch.device("cpu") if args.device == "cpu" else torch.device(
+        args.device, torch.cuda.current_device())
+    x = torch.arange(8 * 6, dtype=torch.float32, device=dev).reshape(8, 6)
 
     t = sw.shard(x, mesh, ["dp", "tp"])                      # local slices, no communication
     say("x      ", t)

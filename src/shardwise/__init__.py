@@ -27,7 +27,7 @@ from shardwise.sharding import (
     ShardingError,
     ShardingSpec,
 )
-from shardwise.sharding.devices import CPU, Accelerator, Device, DeviceError
+from shardwise.sharding.devices import CPU, Accelerator, Device, DeviceError, VirtualDevice
 
 __version__ = "0.1.0"
 
@@ -44,6 +44,7 @@ _LAZY: dict[str, str] = {
     "arange": "shardwise.api.creation",
     "randn": "shardwise.api.creation",
     "zeros_like": "shardwise.api.creation",
+    "init_device_mesh": "shardwise.api.meshes",
     "Plan": "shardwise.planner",
     "Step": "shardwise.planner",
     "accelerator": "shardwise.api.communication",
@@ -130,6 +131,7 @@ __all__ = [
     "Sharded",
     "ShardingError",
     "ShardingSpec",
+    "VirtualDevice",
     *_LAZY,
 ]
 

@@ -1,4 +1,5 @@
-"""Device values: CPU and Accelerator, validation, discovery, binding to torch."""
+"""Device values: CPU, Accelerator and VirtualDevice, validation, discovery, binding to
+torch."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from shardwise.sharding.devices import (
     Accelerator,
     Device,
     DeviceError,
+    VirtualDevice,
     accelerator_count,
     available_devices,
     default_device,
@@ -105,3 +107,23 @@ def test_from_torch() -> None:
         from_torch("bogus")
     with pytest.raises(DeviceError, match="None is not a torch device"):
         from_torch(None)
+
+
+def test_virtual_devices_share_the_memory_of_the_device_they_are_on() -> None:
+    d = VirtualDevice(3, on=Accelerator(1))
+    assert repr(d) == "VirtualDevice(3, on=Accelerator(1))"
+    assert (d.kind, d.label, d.memory) == ("accelerator", "accelerator:3", Accelerator(1))
+    assert VirtualDevice(2) == VirtualDevice(2, on=Accelerator(0))   # on GPU 0 by default
+    assert VirtualDevice(2) != VirtualDevice(2, on=Accelerator(1)) != Accelerator(2)
+    assert len({VirtualDevice(0), VirtualDevice(0), VirtualDevice(1)}) == 2
+    assert CPU(5).memory == CPU(0) and Accelerator(0).memory is None
+    stand_in = VirtualDevice(7, on=CPU(0))   # the CPU stands in for a GPU in tests
+    assert stand_in.memory == CPU(0) and stand_in.to_torch() == torch.device("cpu")
+
+
+@pytest.mark.parametrize("on", [VirtualDevice(0), "cuda:0", 0])
+def test_a_virtual_device_is_placed_on_a_physical_device(on: object) -> None:
+    with pytest.raises(DeviceError, match=r"placed on a physical device, Accelerator\(i\)"):
+        VirtualDevice(1, on=on)  # type: ignore[arg-type]
+    with pytest.raises(DeviceError, match="a device id must be an int >= 0"):
+        VirtualDevice(-1)

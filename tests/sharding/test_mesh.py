@@ -11,7 +11,7 @@ import threading
 import pytest
 
 from shardwise.sharding import DeviceMesh, ShardingError, current_mesh
-from shardwise.sharding.devices import CPU, Accelerator
+from shardwise.sharding.devices import CPU, Accelerator, VirtualDevice
 
 
 @pytest.fixture
@@ -128,6 +128,16 @@ def test_is_simulated_false_with_accelerators() -> None:
     m = DeviceMesh((Accelerator(0), Accelerator(1)), (2,), ("x",))
     assert not m.is_simulated
     assert not DeviceMesh((CPU(0), Accelerator(0)), (2,), ("x",)).is_simulated
+
+
+def test_is_simulated_with_virtual_devices_of_one_memory() -> None:
+    one_gpu = DeviceMesh(tuple(VirtualDevice(i) for i in range(4)), (2, 2), ("dp", "tp"))
+    assert one_gpu.is_simulated and repr(one_gpu) == "DeviceMesh(dp=2, tp=2)"
+    two_gpus = DeviceMesh(tuple(VirtualDevice(i, on=Accelerator(i // 2)) for i in range(4)),
+                          (4,), ("x",))
+    assert not two_gpus.is_simulated   # blocks move between the two GPUs
+    assert not DeviceMesh((VirtualDevice(0), Accelerator(1)), (2,), ("x",)).is_simulated
+    assert not DeviceMesh(("a", "b"), (2,), ("x",)).is_simulated   # not device values
 
 
 # --- axis_index / axis_size ----------------------------------------------------------

@@ -69,7 +69,8 @@ def assemble_recipe(src: Layout, dst: Layout, shape: tuple[int, ...]) -> tuple[t
                                                                               dict[int, Node]]:
     mesh = src.mesh
     rep_src, rep_dst = rep_indices(src), rep_indices(dst)
-    # Virtual CPUs share host memory: blocks never move between torch devices.
+    # Virtual devices of one memory (host, or one GPU): blocks never move between
+    # torch devices.
     torch_dev = [None] * mesh.num_devices if mesh.is_simulated else [
         d.to_torch() for d in mesh.devices]
     nodes: dict[int, Node] = {}

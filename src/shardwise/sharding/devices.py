@@ -1,4 +1,5 @@
-"""Device values: ``CPU(id)`` and ``Accelerator(id)``, and discovery of what exists.
+"""Device values: ``CPU(id)``, ``Accelerator(id)`` and ``VirtualDevice(id, on)``, and
+discovery of what exists.
 
 Invariants:
 - Devices are frozen, hashable values; constructing one never touches hardware.
@@ -7,6 +8,10 @@ Invariants:
 - ``Accelerator(i)`` names the ``i``-th device of torch's current accelerator
   (CUDA, ROCm, XPU, MPS ...). Binding it to a ``torch.device`` checks that it
   exists and otherwise raises :class:`DeviceError` listing what does exist.
+- ``VirtualDevice(i, on=Accelerator(g))`` is a virtual device whose blocks live on
+  accelerator ``g``, beside the other virtual devices there: the simulated mesh on
+  one GPU. Its ``memory`` (the physical device it shares) is what tells a mesh whose
+  blocks never move between torch devices (``DeviceMesh.is_simulated``).
 - torch is imported lazily, only by the functions that need it.
 """
 
@@ -21,6 +26,7 @@ __all__ = [
     "CPU",
     "Accelerator",
     "Device",
+    "VirtualDevice",
     "DeviceError",
     "accelerator_count",
     "accelerator_type",
@@ -56,6 +62,13 @@ class Device:
         """Short label used in visualisations, e.g. ``cpu:3``."""
         return f"{self.kind}:{self.id}"
 
+    @property
+    def memory(self) -> Device | None:
+        """The physical device whose memory this virtual device shares with the other
+        virtual devices on it (``CPU(0)`` for every ``CPU(i)``); None for a physical
+        device of its own (an :class:`Accelerator`)."""
+        raise NotImplementedError
+
     def to_torch(self) -> Any:
         """The ``torch.device`` this device's data lives on."""
         raise NotImplementedError
@@ -72,6 +85,10 @@ class CPU(Device):
     def kind(self) -> str:
         return "cpu"
 
+    @property
+    def memory(self) -> Device:
+        return CPU(0)
+
     def to_torch(self) -> Any:
         import torch
 
@@ -86,6 +103,10 @@ class Accelerator(Device):
     def kind(self) -> str:
         return "accelerator"
 
+    @property
+    def memory(self) -> None:
+        return None
+
     def to_torch(self) -> Any:
         import torch
 
@@ -98,6 +119,44 @@ class Accelerator(Device):
                 "Use CPU devices (e.g. DeviceMesh.cpu(...)) or run where an accelerator exists."
             )
         return torch.device(accelerator_type() or "cuda", self.id)
+
+
+@dataclass(frozen=True, slots=True, repr=False)
+class VirtualDevice(Device):
+    """Virtual device ``id`` whose blocks live on the physical device ``on``, beside the
+    other virtual devices placed there: k of them on one GPU run a mesh of k devices
+    on that GPU (``init_device_mesh(..., devices_per_gpu=k)``). ``on`` is an
+    :class:`Accelerator` (or ``CPU(0)``, which stands in for one in tests).
+
+    >>> d = VirtualDevice(3, on=Accelerator(0))
+    >>> d, d.kind, d.memory
+    (VirtualDevice(3, on=Accelerator(0)), 'accelerator', Accelerator(0))
+    """
+
+    on: Device = Accelerator(0)
+
+    def __post_init__(self) -> None:
+        Device.__post_init__(self)
+        if not isinstance(self.on, (CPU, Accelerator)):
+            raise DeviceError(
+                f"VirtualDevice(id={self.id!r}, on={self.on!r}): a virtual device is placed "
+                "on a physical device, Accelerator(i) (or CPU(0)). Got "
+                f"{type(self.on).__name__}; use e.g. VirtualDevice({self.id}, "
+                "on=Accelerator(0)).")
+
+    @property
+    def kind(self) -> str:
+        return self.on.kind
+
+    @property
+    def memory(self) -> Device:
+        return self.on.memory or self.on
+
+    def to_torch(self) -> Any:
+        return self.on.to_torch()
+
+    def __repr__(self) -> str:
+        return f"VirtualDevice({self.id}, on={self.on!r})"
 
 
 def accelerator_type() -> str | None:

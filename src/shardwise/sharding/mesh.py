@@ -160,10 +160,20 @@ class DeviceMesh:
 
     @property
     def is_simulated(self) -> bool:
-        """True when its devices are virtual devices sharing one process's memory."""
-        from shardwise.sharding.devices import CPU
+        """True when its devices are virtual devices sharing one memory: virtual CPUs
+        (host memory), or virtual devices on one accelerator. Their blocks never move
+        between torch devices.
 
-        return all(isinstance(d, CPU) for d in self.devices)
+        >>> from shardwise.sharding.devices import Accelerator, VirtualDevice
+        >>> on_gpu = DeviceMesh(tuple(VirtualDevice(i) for i in range(4)), (2, 2), ("a", "b"))
+        >>> DeviceMesh.cpu(4, "x").is_simulated, on_gpu.is_simulated
+        (True, True)
+        >>> DeviceMesh((Accelerator(0), Accelerator(1)), (2,), ("x",)).is_simulated
+        False
+        """
+        first = getattr(self.devices[0], "memory", None)
+        return first is not None and all(
+            getattr(d, "memory", None) == first for d in self.devices)
 
     def axis_index(self, axis: str | int) -> int:
         """The position of mesh axis ``axis`` (a name, or an index that may be negative)."""

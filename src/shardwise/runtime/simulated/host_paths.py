@@ -1,6 +1,7 @@
-"""The simulated runtime's fast path on host meshes (every device a virtual CPU,
-so no block ever moves between torch devices): recipes compiled once into few
-torch calls. See :mod:`shardwise.runtime.simulated` for the rules it follows.
+"""The simulated runtime's fast path on host meshes (every device a virtual device of
+one memory: virtual CPUs, or virtual devices on one GPU; no block ever moves between
+torch devices): recipes compiled once into few torch calls. See
+:mod:`shardwise.runtime.simulated` for the rules it follows.
 """
 
 from __future__ import annotations
@@ -34,7 +35,8 @@ MMAP_MAX = 32 * 2**20  # glibc maps blocks above this fresh (page faults) in eve
 
 @functools.lru_cache(maxsize=256)
 def is_host(mesh: DeviceMesh) -> bool:
-    """True when every device of ``mesh`` is a virtual CPU (no block ever moves)."""
+    """True when every device of ``mesh`` is a virtual device of one memory (virtual
+    CPUs, or virtual devices on one GPU: no block ever moves)."""
     return mesh.is_simulated
 
 
