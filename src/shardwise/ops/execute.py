@@ -9,7 +9,7 @@ Invariants:
   simulated runtime holds wholly) or once per distinct row of blocks is the
   runtime's choice (``Backend.run_local``), never a fork here.
 - Operands reach the layouts the decision requires only through the operand cache
-  (:class:`shardwise.tensors.cache.Columns`: ``blocks``, ``whole``), which also names
+  (:class:`shardwise.tensors.cache.Decided`: ``blocks``, ``wholes``), which also names
   the layouts each already reached (priced free by ``decide``). Its one state is the
   decision cache below.
 - Decisions are cached (``_DECISIONS``, at most :data:`DECISIONS_MAX` entries, the
@@ -47,7 +47,7 @@ from shardwise.sharding.errors import ShardingError, ShardingTypeError
 from shardwise.sharding.layout import Layout
 from shardwise.sharding.shapes import local_shape
 from shardwise.tensors import cache
-from shardwise.tensors.cache import Columns, records
+from shardwise.tensors.cache import Decided, records
 from shardwise.tensors.tensor import Tensor, place
 
 __all__ = ["DECISIONS_MAX", "apply", "apply_elementwise", "apply_outputs", "clear_decisions",
@@ -101,27 +101,11 @@ def _operands(op: str, operands: Sequence[Any]) -> list[Any]:
 _wrap = Tensor._wrap
 _CONSTS = (int, float, bool, complex)  # Python numbers: broadcast constants, as _is_const
 
-#: the decision cache: decision_key(...) -> :class:`_Decided`. Bounded: the oldest entry
-#: goes once it holds DECISIONS_MAX.
-_DECISIONS: dict[tuple[Any, ...], _Decided] = {}
+#: the decision cache: decision_key(...) -> :class:`~shardwise.tensors.cache.Decided`.
+#: Bounded: the oldest entry goes once it holds DECISIONS_MAX.
+_DECISIONS: dict[tuple[Any, ...], Decided] = {}
 DECISIONS_MAX = 4096
 """The decision cache's bound: distinct (op, operand layouts, shapes...) keys kept."""
-
-
-class _Decided:
-    """What an op's key decides, computed once: the bound rule, the decision, the
-    output's torch size and shape, and per operand whether it already has its required
-    layout (``in_place``: its own blocks serve, but for a diverge that records)."""
-
-    __slots__ = ("dec", "factors", "in_place", "shape", "size")
-
-    def __init__(self, factors: Factors, dec: Decision, layouts: Sequence[Layout | None]
-                 ) -> None:
-        self.factors, self.dec = factors, dec
-        self.size = torch.Size(factors.out_shape)
-        self.shape = factors.out_shape
-        self.in_place = tuple(have is not None and req == have
-                              for have, req in zip(layouts, dec.required))
 
 
 def decision_key(op: str, shaped: bool, params: tuple[Any, ...], operands: Sequence[Any]
@@ -154,9 +138,10 @@ def decision_key(op: str, shaped: bool, params: tuple[Any, ...], operands: Seque
             key.append(None)
         else:  # torch tensors and the rest: converted or refused by _operands
             return None
-    if kept:  # the layouts operands keep are priced by decide: part of the key
-        tensors = [x if isinstance(x, Tensor) else None for x in operands]
-        key.append(cache.kept_layouts(tensors, cache.runs_whole(tensors)))
+    if kept:  # the layouts operands keep are priced by decide: part of the key (both
+        # requests', so the key needs no question of how the runtime will run the op)
+        key.append(cache.kept_layouts(
+            [x if isinstance(x, Tensor) else None for x in operands], None))
     return tuple(key)
 
 
@@ -179,7 +164,7 @@ def clear_decisions() -> None:
     _DECISIONS.clear()
 
 
-def _store(key: tuple[Any, ...], hit: _Decided) -> None:
+def _store(key: tuple[Any, ...], hit: Decided) -> None:
     if len(_DECISIONS) >= DECISIONS_MAX:
         del _DECISIONS[next(iter(_DECISIONS))]
     _DECISIONS[key] = hit
@@ -202,14 +187,12 @@ def apply(op: str, operands: Sequence[Any], fn: Callable[..., torch.Tensor], *pa
     return _run(op, fn, operands, hit, shaped, views)
 
 
-def _run(op: str, fn: Callable[..., torch.Tensor], args: Sequence[Any], hit: _Decided,
+def _run(op: str, fn: Callable[..., torch.Tensor], args: Sequence[Any], hit: Decided,
          shaped: bool, views: dict[int, torch.Tensor] | None) -> Tensor:
     """The decided op, run by the runtime where it holds the values, and wrapped."""
     dec = hit.dec
     mesh = dec.output.mesh
-    local, first = backend_for(mesh).run_local(op, fn, args, Columns(args, dec, hit.in_place,
-                                                                     views),
-                                               dec, hit.factors, shaped)
+    local, first = backend_for(mesh).run_local(op, fn, args, hit, shaped, views)
     if first is None:  # no device of this mesh here: the dtype from meta
         return _wrap(local, dec.output, hit.size, _meta_dtype(fn, args, dec, shaped),
                      backend_for(mesh).device_of(mesh, 0), dec.out_open, hit.shape)
@@ -241,14 +224,14 @@ def _decide(op: str, operands: Sequence[Any], fn: Callable[..., torch.Tensor],
     return out
 
 
-def _decided(factors: Factors, tensors: Sequence[Tensor | None]) -> _Decided:
+def _decided(factors: Factors, tensors: Sequence[Tensor | None]) -> Decided:
     """The decision for ``tensors`` (None: a constant) under ``factors``, pricing the
     layouts each keeps now as free."""
     layouts = tuple(None if x is None else x._layout for x in tensors)
     dec = decide(factors, layouts, tuple(None if x is None else x._open for x in tensors),
                  tuple(0 if x is None else x._dtype.itemsize for x in tensors),
                  cache.kept_layouts(tensors, cache.runs_whole(tensors)))
-    return _Decided(factors, dec, layouts)
+    return Decided(factors, dec, layouts)
 
 
 def decision_of(op: str, operands: Sequence[Any], *params: Any) -> Decision | None:
@@ -321,12 +304,9 @@ def _reduce_wrapping_partials(wrapping: list[int], args: list[Any],
             args[i] = tensors[i] = cache.relayout(t, t._layout.without_partial())
 
 
-def apply_elementwise(op: str, operands: Sequence[Any], fn: Callable[..., torch.Tensor]
-                      ) -> Tensor:
-    """An elementwise op: :func:`apply` with its rule (kept as the elementwise families'
-    entry point, whose rules keep a shared layout without binding anything new once
-    the decision is cached)."""
-    return apply(op, operands, fn)
+#: an elementwise op: :func:`apply` with its rule (the elementwise families' entry point;
+#: their rules keep a shared layout, and the decision is cached like any other)
+apply_elementwise = apply
 
 
 def companion(extras: Mapping[int, Sequence[torch.Tensor]], j: int, b: torch.Tensor

@@ -37,23 +37,28 @@ if TYPE_CHECKING:
     from shardwise.propagation.binding import Factors
     from shardwise.propagation.decide import Decision
 
-__all__ = ["Backend", "Columns", "GradOwner", "SpmdOutputs", "backend_for", "check_reduce"]
+__all__ = ["Backend", "Decided", "GradOwner", "SpmdOutputs", "backend_for", "check_reduce"]
 
 
-class Columns(Protocol):
-    """An op's operands in the layouts its decision requires, as a runtime running the
-    op asks for them (the operand cache answers: ``tensors.cache.Columns``)."""
+class Decided(Protocol):
+    """A decided op (the decision cache's value, ``tensors.cache.Decided``): its rule
+    bound to shapes, its decision, and its operands in the layouts the decision
+    requires, as a runtime running the op asks for them."""
 
-    def blocks(self) -> list[Sequence[torch.Tensor | None] | None]:
+    dec: Decision
+    factors: Factors
+
+    def blocks(self, args: Sequence[Any]) -> list[Sequence[torch.Tensor | None] | None]:
         """Per operand its blocks (None for a constant)."""
         ...
 
-    def wholes(self) -> list[Any] | None:
+    def wholes(self, args: Sequence[Any], views: dict[int, torch.Tensor] | None
+               ) -> list[Any] | None:
         """Per operand its whole value (a constant as it is), or None where some
         operand has none."""
         ...
 
-    def aliases_copy(self, result: torch.Tensor) -> bool:
+    def aliases_copy(self, args: Sequence[Any], result: torch.Tensor) -> bool:
         """Whether a result of the wholes aliases a copy made of some operand's blocks
         (it must then alias the blocks: the op reruns on them)."""
         ...
@@ -68,15 +73,16 @@ class Backend(Protocol):
     def execute_plan(self, plan: Plan, shards: Sequence[torch.Tensor]) -> list[torch.Tensor]: ...
 
     def run_local(self, op: str, fn: Callable[..., torch.Tensor], args: Sequence[Any],
-                  cols: Columns, dec: Decision, factors: Factors, shaped: bool
+                  decided: Decided, shaped: bool, views: dict[int, torch.Tensor] | None
                   ) -> tuple[Any, torch.Tensor | None]:
         """Run a decided op's local computation ``fn`` where this runtime runs it: once
         on the operands' whole values when it holds them (the simulated mesh), else
-        once per distinct row of blocks (``cols``: the operands in their required
-        layouts; ``args``: the operands, constants passed as they are; ``shaped``:
-        ``fn`` also takes the expected output shape). Returns what this process holds
-        of the result (a :class:`~shardwise.runtime.local.Local`, laid out as
-        ``dec.output``) and one torch tensor of it (None when it holds none)."""
+        once per distinct row of blocks (``decided`` gives the operands ``args`` in
+        their required layouts, constants as they are; ``shaped``: ``fn`` also takes
+        the expected output shape; ``views``: see ``Decided.wholes``). Returns what
+        this process holds of the result (a :class:`~shardwise.runtime.local.Local`,
+        laid out as ``decided.dec.output``) and one torch tensor of it (None when it
+        holds none)."""
         ...
 
     def run_step(self, step: Step, shards: Sequence[torch.Tensor],
@@ -162,9 +168,10 @@ def backend_for(mesh: DeviceMesh) -> Backend:
     if not (_dist_available and dist.is_initialized()):
         if mesh.num_devices > 1 and _launched_world() > 1:
             _forgotten_initialize(mesh)
-        return _module("simulated.backend")
-    if _module("process.groups").process_mesh(mesh):
-        return _module("process.backend")
+        return _LOADED.get("simulated.backend") or _module("simulated.backend")
+    groups = _LOADED.get("process.groups") or _module("process.groups")
+    if mesh in groups.WORLD.checked or groups.process_mesh(mesh):
+        return _LOADED.get("process.backend") or _module("process.backend")
     return _module("simulated.backend")
 
 

@@ -193,11 +193,12 @@ class Local:
 class Blocks(Local):
     """One torch tensor per mesh device (None where another process holds it)."""
 
-    __slots__ = ("blocks", "derived", "uniq")
+    __slots__ = ("blocks", "bufs", "derived", "uniq")
 
     def __init__(self, blocks: tuple[torch.Tensor | None, ...]) -> None:
         self.blocks = blocks
         self.uniq: tuple[int, ...] | None = None
+        self.bufs: tuple[torch.Tensor, ...] | None = None
         self.derived: tuple[Any, ...] | None = None
 
     def __repr__(self) -> str:
@@ -216,8 +217,11 @@ class Blocks(Local):
         return uniq
 
     def buffers(self) -> tuple[torch.Tensor, ...]:
-        blocks = self.blocks
-        return tuple(blocks[k] for k in self.unique())  # type: ignore[misc]
+        bufs = self.bufs
+        if bufs is None:
+            blocks = self.blocks
+            bufs = self.bufs = tuple(blocks[k] for k in self.unique())  # type: ignore[misc]
+        return bufs
 
     def map(self, fn: Callable[[torch.Tensor], torch.Tensor], layout: Layout) -> Local:
         done: dict[int, torch.Tensor] = {}
@@ -270,25 +274,26 @@ class Blocks(Local):
 
     def whole_of(self, layout: Layout, shape: tuple[int, ...], itemsize: int,
                  copy: bool = True) -> torch.Tensor | None:
-        blocks = self.blocks
         kept = self.derived
         if kept is not None:
             # a view serves while the blocks are these (writes show through it), a copy
             # while their version is the same; either only in the autograd mode it was
-            # made in, and while the blocks are no leaf requiring grad
-            w, copied, grad, level, version = kept
+            # made in, and while the blocks are no leaf requiring grad. (None is kept
+            # too: a value with none pays these checks only.)
+            w, copied, grad, level, version, first = kept
             if (grad is torch.is_grad_enabled() and level == fwAD._current_level
-                    and not self.grad_leaf()
-                    and (not copied or version == self.version())):
+                    and not (first.requires_grad and first.grad_fn is None)
+                    and (not copied or version == versions(self.bufs))):  # type: ignore[arg-type]
                 return w if copy or not copied else None
         if layout.is_partial or not local_mesh(layout.mesh, self._device()):
             return None  # (a process world's values pay only this check)
         if self.grad_leaf():
             return None  # (each use would copy afresh: its blocks run the op)
-        uniq = self.unique()
-        w, copied = _derive(blocks, uniq, layout, shape, itemsize)
-        self.derived = (w, copied, torch.is_grad_enabled(), fwAD._current_level,
-                        self.version())
+        w, copied = _derive(self.blocks, self.unique(), layout, shape, itemsize)
+        bufs = self.buffers()
+        if bufs:
+            self.derived = (w, copied, torch.is_grad_enabled(), fwAD._current_level,
+                            versions(bufs), bufs[0])
         return w if copy or not copied else None
 
     def aliases_copy(self, result: torch.Tensor) -> bool:
@@ -408,6 +413,17 @@ class Whole(Local):
 
     def buffers(self) -> tuple[torch.Tensor, ...]:
         return (self.value,)
+
+    def version(self) -> int:
+        value = self.value
+        return 0 if value.is_inference() else value._version
+
+    def grad_leaf(self) -> bool:
+        value = self.value
+        return value.requires_grad and value.grad_fn is None
+
+    def first(self) -> torch.Tensor | None:
+        return self.value
 
     def whole_of(self, layout: Layout, shape: tuple[int, ...], itemsize: int,
                  copy: bool = True) -> torch.Tensor | None:
@@ -587,7 +603,12 @@ def run_rows(op: str, fn: Callable[..., torch.Tensor], args: Sequence[Any],
     row (replicas keep sharing one buffer, so simulated gradients are exact). A
     device another process holds is None in every operand and in the result. Returns
     the result's blocks and one of them (None when this process holds none)."""
+    n = len(args)
+    if n == 2 and not shaped and cols[0] is not None and cols[1] is not None:
+        return _rows_of_two(op, fn, cols[0], cols[1], expect, shapes, rule)
     where = [i for i, c in enumerate(cols) if c is not None]
+    if len(where) == 1 and n == 1 and not shaped:  # one operand: fn(block)
+        return _rows_of_one(op, fn, cols[0], expect, shapes, rule)  # type: ignore[arg-type]
     plain = len(where) == len(args) and not shaped  # every operand a Tensor: fn(*row)
     single = len(where) == 1
     picked = [cols[i] for i in where]
@@ -609,19 +630,83 @@ def run_rows(op: str, fn: Callable[..., torch.Tensor], args: Sequence[Any],
                     call[i] = s
                 if shaped:
                     call.append(expect[k])
-            try:
-                r = fn(*call)
-            except (RuntimeError, TypeError, ValueError, IndexError) as err:
-                raise failed(op, call, shapes, rule, err) from err
-            if r.shape != expect[k]:
-                raise AssertionError(
-                    f"{op}: device {k} computed a block of shape {tuple(r.shape)}, the "
-                    f"layout gives {tuple(expect[k])}")
-            memo[key] = r
+            r = memo[key] = _called(op, fn, call, expect[k], k, shapes, rule)
             if first is None:
                 first = r
         out.append(r)
     return Blocks(tuple(out)), first
+
+
+def _rows_of_one(op: str, fn: Callable[..., torch.Tensor],
+                 col: Sequence[torch.Tensor | None], expect: Sequence[Any],
+                 shapes: Sequence[Sequence[int]], rule: str
+                 ) -> tuple[Blocks, torch.Tensor | None]:
+    """:func:`run_rows` for one operand (the commonest op): ``fn`` per distinct block."""
+    out: list[torch.Tensor | None] = []
+    first = b0 = None
+    memo: dict[int, torch.Tensor] | None = None
+    for k, b in enumerate(col):
+        if b is None:
+            out.append(None)
+        elif first is None:
+            first = _called(op, fn, (b,), expect[k], k, shapes, rule)
+            b0 = b
+            out.append(first)
+        elif b is b0:  # a replica of the first: the same result
+            out.append(first)
+        else:
+            if memo is None:
+                memo = {id(b0): first}
+            r = memo.get(id(b))
+            if r is None:
+                r = memo[id(b)] = _called(op, fn, (b,), expect[k], k, shapes, rule)
+            out.append(r)
+    return Blocks(tuple(out)), first
+
+
+def _rows_of_two(op: str, fn: Callable[..., torch.Tensor],
+                 xs: Sequence[torch.Tensor | None], ys: Sequence[torch.Tensor | None],
+                 expect: Sequence[Any], shapes: Sequence[Sequence[int]], rule: str
+                 ) -> tuple[Blocks, torch.Tensor | None]:
+    """:func:`run_rows` for two operands, both Tensors: ``fn`` per distinct pair."""
+    out: list[torch.Tensor | None] = []
+    first = b0 = c0 = None
+    memo: dict[tuple[int, int], torch.Tensor] | None = None
+    for k, b in enumerate(xs):
+        if b is None:
+            out.append(None)
+            continue
+        c = ys[k]
+        if first is None:
+            first = _called(op, fn, (b, c), expect[k], k, shapes, rule)
+            b0, c0 = b, c
+            out.append(first)
+        elif b is b0 and c is c0:  # a replica of the first pair: the same result
+            out.append(first)
+        else:
+            if memo is None:
+                memo = {(id(b0), id(c0)): first}
+            key = (id(b), id(c))
+            r = memo.get(key)
+            if r is None:
+                r = memo[key] = _called(op, fn, (b, c), expect[k], k, shapes, rule)
+            out.append(r)
+    return Blocks(tuple(out)), first
+
+
+def _called(op: str, fn: Callable[..., torch.Tensor], call: Sequence[Any], expect: Any,
+            k: int, shapes: Sequence[Sequence[int]], rule: str) -> torch.Tensor:
+    """``fn(*call)`` for device ``k``, its failure named (op, blocks, shapes, rule) and
+    its block's shape checked against the layout's."""
+    try:
+        r = fn(*call)
+    except (RuntimeError, TypeError, ValueError, IndexError) as err:
+        raise failed(op, call, shapes, rule, err) from err
+    if r.shape != expect:
+        raise AssertionError(
+            f"{op}: device {k} computed a block of shape {tuple(r.shape)}, the layout "
+            f"gives {tuple(expect)}")
+    return r
 
 
 def run_whole(op: str, fn: Callable[..., torch.Tensor], call: list[Any],
@@ -635,7 +720,7 @@ def run_whole(op: str, fn: Callable[..., torch.Tensor], call: list[Any],
         r = fn(*call)
     except (RuntimeError, TypeError, ValueError, IndexError) as err:
         raise failed(op, call, shapes, rule, err) from err  # (one block each: the whole)
-    if tuple(r.shape) != out_shape:
+    if r.shape != out_shape:
         raise AssertionError(
             f"{op}: the whole result has shape {tuple(r.shape)}, the rule gives {out_shape}")
     return r

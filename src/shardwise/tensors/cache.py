@@ -46,13 +46,14 @@ from typing import Any, Protocol, Self, TypeVar
 import torch
 
 from shardwise.planner import Plan, make_plan
+from shardwise.propagation.binding import Factors
 from shardwise.propagation.decide import Decision
 from shardwise.runtime import observe as comm
 from shardwise.runtime.local import COPY_BYTES, Local, Whole, local_mesh, versions
 from shardwise.runtime.owner import GradOwner
 from shardwise.sharding.layout import Layout
 
-__all__ = ["COPY_BYTES", "Columns", "Operand", "OperandCache", "aliases_copy", "blocks",
+__all__ = ["COPY_BYTES", "Decided", "Operand", "OperandCache", "aliases_copy", "blocks",
            "kept_layouts", "local_mesh", "relayout", "runs_whole", "whole", "whole_of"]
 
 Key = tuple[Layout, tuple[int, ...], bool, bool]
@@ -150,12 +151,13 @@ def _table(x: Operand) -> dict[Key, _Entry]:
     return cache.table
 
 
-def kept_layouts(operands: Sequence[Operand | None], whole: bool
-                 ) -> tuple[tuple[Layout, ...], ...]:
+def kept_layouts(operands: Sequence[Operand | None], whole: bool | None
+                 ) -> tuple[tuple[Any, ...], ...]:
     """Per operand (None: a constant), the layouts it holds kept now for an op run on
     blocks (``whole`` False) or on whole values (True), in the current grad mode:
-    ops price them as free and plan from them. ``()`` when none holds any."""
-    out: list[tuple[Layout, ...]] | None = None
+    ops price them as free and plan from them. ``()`` when none holds any. ``whole``
+    None: every kept layout with its request, ``(layout, whole)`` (a key for both)."""
+    out: list[tuple[Any, ...]] | None = None
     grad = torch.is_grad_enabled()
     for i, x in enumerate(operands):
         cache = None if x is None else x._cache
@@ -164,14 +166,14 @@ def kept_layouts(operands: Sequence[Operand | None], whole: bool
         assert x is not None
         local = x._local
         version = -1
-        lays: list[Layout] = []
+        lays: list[Any] = []
         for (lay, div, g, w), entry in cache.table.items():
-            if div or g != grad or w != whole:
+            if div or g != grad or (whole is not None and w != whole):
                 continue
             if version < 0:  # read the source's version once, only when needed
                 version = local.version()
             if entry.fresh(local, x._layout, version):
-                lays.append(lay)
+                lays.append(lay if whole is not None else (lay, w))
         if lays:
             if out is None:
                 out = [()] * len(operands)
@@ -260,54 +262,74 @@ def whole(x: Operand, target: Layout, diverge: tuple[int, ...] = (),
     return w
 
 
-class Columns:
-    """An op's operands in the layouts its decision requires, as the runtime running it
-    asks for them (``Backend.run_local``): every operand's blocks, or every operand's
-    whole value (once the runtime knows each has one). Constants pass as they are."""
+class Decided:
+    """A decided op (the decision cache's value): the bound rule, the decision, the
+    output's torch size and shape, and per operand whether it already has its required
+    layout (``in_place``: its own blocks serve, but for a diverge that records). It
+    hands the runtime running the op (``Backend.run_local``) the operands as the
+    decision requires them: every operand's blocks, or every operand's whole value
+    (once it knows each has one). Constants pass as they are."""
 
-    __slots__ = ("args", "dec", "same", "views")
+    __slots__ = ("dec", "factors", "in_place", "moves", "shape", "size")
 
-    def __init__(self, args: Sequence[Any], dec: Decision, same: Sequence[bool],
-                 views: dict[int, torch.Tensor] | None = None) -> None:
-        self.args, self.dec, self.same, self.views = args, dec, same, views
+    def __init__(self, factors: Factors, dec: Decision, layouts: Sequence[Layout | None]
+                 ) -> None:
+        self.factors, self.dec = factors, dec
+        self.size = torch.Size(factors.out_shape)
+        self.shape = factors.out_shape
+        self.in_place = tuple(have is not None and req == have
+                              for have, req in zip(layouts, dec.required))
+        # some Tensor operand moves, or diverges (where autograd records)
+        self.moves = any(req is not None and (div or not here) for req, div, here in
+                         zip(dec.required, dec.diverge, self.in_place))
 
-    def blocks(self) -> list[Sequence[torch.Tensor | None] | None]:
+    def blocks(self, args: Sequence[Any]) -> list[Sequence[torch.Tensor | None] | None]:
         """Each operand's blocks in its required layout (None for a constant): its own
         where it is already there and needs no diverge that autograd records, else
         from the operand cache."""
+        if not self.moves:
+            return [None if req is None else x._local.blocks
+                    for x, req in zip(args, self.dec.required)]
         cols: list[Sequence[torch.Tensor | None] | None] = []
-        for x, req, div, sm in zip(self.args, self.dec.required, self.dec.diverge,
-                                   self.same):
+        for x, req, div, here in zip(args, self.dec.required, self.dec.diverge,
+                                     self.in_place):
             if req is None:
                 cols.append(None)
-            elif sm and (not div or not records(x)):
-                cols.append(x._shards)
+            elif here and (not div or not records(x)):
+                cols.append(x._local.blocks)
             else:
                 cols.append(blocks(x, req, div))
         return cols
 
-    def wholes(self) -> list[Any] | None:
+    def wholes(self, args: Sequence[Any], views: dict[int, torch.Tensor] | None
+               ) -> list[Any] | None:
         """Each operand's whole value in its required layout (constants as they are),
-        or None where some operand has none (:func:`runs_whole`)."""
-        args = self.args
-        dec = self.dec
-        if not runs_whole([x if r is not None else None for x, r in zip(args, dec.required)]):
-            return None
-        views = self.views
-        out = []
-        for i, (x, req, div) in enumerate(zip(args, dec.required, dec.diverge)):
-            out.append(x if req is None else whole(x, req, div, views.get(i) if views else None))
+        or None where some operand has none (:func:`runs_whole`); ``views``: operand
+        index -> an identity view of its whole the op already used (the counting hook
+        goes there)."""
+        copy = not comm.active()
+        out: list[Any] = []
+        for x, req in zip(args, self.dec.required):
+            if req is None:
+                out.append(x)
+                continue
+            w = x._local.whole_of(x._layout, x._shape, x._dtype.itemsize, copy)
+            if w is None:
+                return None
+            out.append(w)
+        if self.moves:  # the layout changes, counted (once per value: kept)
+            dec = self.dec
+            for i, (x, req, div, here) in enumerate(zip(args, dec.required, dec.diverge,
+                                                        self.in_place)):
+                if req is not None and (div or not here):
+                    out[i] = whole(x, req, div, views.get(i) if views else None)
         return out
 
-    def aliases_copy(self, result: torch.Tensor) -> bool:
-        """Whether ``result`` (of a run on the wholes) aliases an operand's derived copy."""
-        if result._base is None and not any(
-                result is w for w in (whole_of(x, False) for x, r in zip(self.args,
-                                                                       self.dec.required)
-                                      if r is not None)):
-            return False  # a new tensor (the common case): aliases nothing
-        return any(r is not None and aliases_copy(x, result)
-                   for x, r in zip(self.args, self.dec.required))
+    def aliases_copy(self, args: Sequence[Any], result: torch.Tensor) -> bool:
+        """Whether ``result`` (of a run on :meth:`wholes`) aliases an operand's copy of
+        its blocks."""
+        return any(r is not None and x._local.aliases_copy(result)
+                   for x, r in zip(args, self.dec.required))
 
 
 def records(x: Any) -> bool:

@@ -42,7 +42,7 @@ from typing import Any, TypeAlias
 import torch
 
 from shardwise.planner import Plan, Step, StepKind, check_handlers, permute_sources
-from shardwise.runtime import Columns, blocks
+from shardwise.runtime import Decided, blocks
 from shardwise.runtime.blocks import rep_indices
 from shardwise.runtime.buffers import buffer_reuse, set_buffer_reuse
 from shardwise.runtime.local import Local, Whole, run_rows, run_whole
@@ -372,17 +372,28 @@ def owned(mesh: DeviceMesh) -> range:
     return range(mesh.num_devices)
 
 
-def run_local(op: str, fn: Callable[..., torch.Tensor], args: Sequence[Any], cols: Columns,
-              dec: Any, factors: Any, shaped: bool) -> tuple[Local, torch.Tensor | None]:
+def run_local(op: str, fn: Callable[..., torch.Tensor], args: Sequence[Any],
+              decided: Decided, shaped: bool, views: dict[int, torch.Tensor] | None
+              ) -> tuple[Local, torch.Tensor | None]:
     """Run a decided op here (``Backend.run_local``): once on the operands' whole
     values when every one has one (its own, or one derived from its blocks), the
     result held whole; else once per distinct row of blocks. A whole result that
     aliases a copy derived from some operand's blocks (a view) is dropped for the
     blocks, whose views alias them."""
-    wholes = cols.wholes()
+    factors = decided.factors
+    wholes = decided.wholes(args, views)
     if wholes is not None:
         r = run_whole(op, fn, wholes, factors.out_shape, factors.shapes, factors.text, shaped)
-        if not cols.aliases_copy(r):
-            return Whole(r, dec.output), r
-    return run_rows(op, fn, args, cols.blocks(), dec.local_shapes, factors.out_shape,
-                    factors.shapes, factors.text, shaped)
+        if (r._base is None and not _among(r, wholes)) or not decided.aliases_copy(args, r):
+            return Whole(r, decided.dec.output), r
+    return run_rows(op, fn, args, decided.blocks(args), decided.dec.local_shapes,
+                    factors.out_shape, factors.shapes, factors.text, shaped)
+
+
+def _among(r: torch.Tensor, values: Sequence[Any]) -> bool:
+    """Whether ``r`` is one of ``values`` (by identity; a loop, as any() over a
+    generator costs a frame on every op)."""
+    for v in values:  # noqa: SIM110
+        if r is v:
+            return True
+    return False
