@@ -42,7 +42,7 @@ import torch
 
 from shardwise.propagation.binding import Factors, bind
 from shardwise.propagation.decide import Decision, decide
-from shardwise.runtime import backend_for
+from shardwise.runtime import backend_for, world_started
 from shardwise.sharding.errors import ShardingError, ShardingTypeError
 from shardwise.sharding.layout import Layout
 from shardwise.sharding.shapes import local_shape
@@ -96,6 +96,11 @@ def _operands(op: str, operands: Sequence[Any]) -> list[Any]:
             out[i] = place(x, Layout.replicated(mesh, 0))
     return out
 
+
+#: whether a process world has started (``runtime.world_started``): torch's own check,
+#: bound once (a call less on every op); False where torch has no distributed package
+_STARTED = (torch.distributed.is_initialized if torch.distributed.is_available()
+            else world_started)
 
 #: ``Tensor._wrap``, bound once (a classmethod looked up on the class binds anew each call)
 _wrap = Tensor._wrap
@@ -182,29 +187,39 @@ def apply(op: str, operands: Sequence[Any], fn: Callable[..., torch.Tensor], *pa
     the same ``params``: the per-op path then binds and decides nothing."""
     key = decision_key(op, shaped, params, operands)
     hit = None if key is None else _DECISIONS.get(key)
+    args, stored = operands, False
     if hit is None:
-        return _decide(op, operands, fn, params, shaped, views, key)
-    return _run(op, fn, operands, hit, shaped, views)
-
-
-def _run(op: str, fn: Callable[..., torch.Tensor], args: Sequence[Any], hit: Decided,
-         shaped: bool, views: dict[int, torch.Tensor] | None) -> Tensor:
-    """The decided op, run by the runtime where it holds the values, and wrapped."""
+        args, hit, stored = _decide(op, operands, fn, params, shaped, key)
+    # the decided op, run by the runtime where it holds the values, and wrapped
     dec = hit.dec
     mesh = dec.output.mesh
-    local, first = backend_for(mesh).run_local(op, fn, args, hit, shaped, views)
+    started = _STARTED()
+    backend = hit.backend
+    if backend is None or hit.started is not started:
+        backend = hit.backend = backend_for(mesh)
+        hit.started = started
+    local, first = backend.run_local(op, fn, args, hit, shaped, views)
     if first is None:  # no device of this mesh here: the dtype from meta
-        return _wrap(local, dec.output, hit.size, _meta_dtype(fn, args, dec, shaped),
-                     backend_for(mesh).device_of(mesh, 0), dec.out_open, hit.shape)
-    return _wrap(local, dec.output, hit.size, first.dtype, first.device, dec.out_open,
-                 hit.shape)
+        out = _wrap(local, dec.output, hit.size, _meta_dtype(fn, args, dec, shaped),
+                    backend_for(mesh).device_of(mesh, 0), dec.out_open, hit.shape)
+    else:
+        out = _wrap(local, dec.output, hit.size, first.dtype, first.device, dec.out_open,
+                    hit.shape)
+    if args is not operands and stored:
+        # the operands may keep layouts now: the second identical call's key
+        again = decision_key(op, shaped, params, operands)
+        if again is not None and again not in _DECISIONS:
+            _store(again, _decided(hit.factors, [x if isinstance(x, Tensor) else None
+                                                 for x in args]))
+    return out
 
 
 def _decide(op: str, operands: Sequence[Any], fn: Callable[..., torch.Tensor],
-            params: tuple[Any, ...], shaped: bool, views: dict[int, torch.Tensor] | None,
-            key: tuple[Any, ...] | None) -> Tensor:
-    """:func:`apply` without a cached decision: check and convert the operands, bind,
-    decide, remember the decision under ``key`` (None: not cacheable) and run it."""
+            params: tuple[Any, ...], shaped: bool, key: tuple[Any, ...] | None
+            ) -> tuple[list[Any], Decided, bool]:
+    """:func:`apply` without a cached decision: check and convert the operands (a new
+    list), bind, decide, and remember the decision under ``key`` (None: not
+    cacheable). Returns the operands, the decision and whether it was stored."""
     args = _operands(op, operands)
     tensors: list[Tensor | None] = [x if isinstance(x, Tensor) else None for x in args]
     wrapping = [i for i, x in enumerate(tensors)  # integer or bool Partial operands
@@ -213,15 +228,10 @@ def _decide(op: str, operands: Sequence[Any], fn: Callable[..., torch.Tensor],
     if wrapping:
         _reduce_wrapping_partials(wrapping, args, tensors, fn, factors, shaped)
     hit = _decided(factors, tensors)
-    if key is not None and not wrapping:  # (a wrapping operand was reduced: not cached)
-        _store(key, hit)
-    out = _run(op, fn, args, hit, shaped, views)
-    if key is not None and not wrapping:
-        # the operands may keep layouts now: the second identical call's key
-        again = decision_key(op, shaped, params, operands)
-        if again is not None and again not in _DECISIONS:
-            _store(again, _decided(factors, tensors))
-    return out
+    if key is None or wrapping:  # (a wrapping operand was reduced first: not cached)
+        return args, hit, False
+    _store(key, hit)
+    return args, hit, True
 
 
 def _decided(factors: Factors, tensors: Sequence[Tensor | None]) -> Decided:
@@ -244,19 +254,19 @@ def decision_of(op: str, operands: Sequence[Any], *params: Any) -> Decision | No
     >>> decision_of("linear", ()) is None
     True
     """
-    if not operands or not all(isinstance(x, Tensor) for x in operands):
+    key = decision_key(op, False, params, operands) if operands else None
+    hit = None if key is None else _DECISIONS.get(key)
+    if hit is not None:  # (stored only for operands that pass the checks below)
+        return hit.dec
+    if key is None or not all(isinstance(x, Tensor) for x in operands):
         return None
     mesh = operands[0]._layout.mesh
-    if any(x._layout.mesh != mesh or (x._layout.is_partial and not _sums_exactly(x._dtype))
-           for x in operands):
-        return None  # (apply names the two meshes in its error, or reduces first)
-    key = decision_key(op, False, params, operands)
-    assert key is not None
-    hit = _DECISIONS.get(key)
-    if hit is None:
-        factors = bind(op, tuple(x._shape for x in operands), *params)
-        hit = _decided(factors, operands)
-        _store(key, hit)
+    for x in operands:
+        if x._layout.mesh != mesh or (x._layout.is_partial and not _sums_exactly(x._dtype)):
+            return None  # (apply names the two meshes in its error, or reduces first)
+    factors = bind(op, tuple(x._shape for x in operands), *params)
+    hit = _decided(factors, operands)
+    _store(key, hit)
     return hit.dec
 
 

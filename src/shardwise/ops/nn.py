@@ -59,21 +59,20 @@ def _whole_bias(*operands: Any) -> torch.Tensor | None:
 
 @register(F.linear)
 def linear(x: Any, weight: Any, bias: Any = None) -> Any:
-    b = None if bias is None else _whole_bias(x, weight, bias)
-    if b is not None:
-        # whole values: torch's own addmm on them (one node, torch's bits); the add
-        # rule still lays the bias out and decides the output layout
-        y = apply("linear", (x, weight), lambda xs, ws: F.linear(xs, ws, b))
-        return apply("add", (y, bias), lambda ys, _: ys, views={1: b})
-    if bias is not None:
-        dec = decision_of("linear", (x, weight))
-        b = _bias_block(bias) if dec is not None and _adds_in_place(dec.output, x, bias) \
-            else None
+    if bias is None:
+        return apply("linear", (x, weight), F.linear)
+    dec = decision_of("linear", (x, weight))
+    b = _bias_block(bias) if dec is not None and _adds_in_place(dec.output, x, bias) else None
+    if b is None:
+        b = _whole_bias(x, weight, bias)
         if b is not None:
-            # the add would keep y's layout and use the bias whole: one call, torch's addmm
-            return apply("linear", (x, weight), lambda xs, ws: F.linear(xs, ws, b))
-    y = apply("linear", (x, weight), F.linear)
-    return y if bias is None else C.add(y, bias)
+            # whole values: torch's own addmm on them (one node, torch's bits); the add
+            # rule still lays the bias out and decides the output layout
+            y = apply("linear", (x, weight), lambda xs, ws: F.linear(xs, ws, b))
+            return apply("add", (y, bias), lambda ys, _: ys, views={1: b})
+        return C.add(apply("linear", (x, weight), F.linear), bias)
+    # the add would keep y's layout and use the bias whole: one call, torch's addmm
+    return apply("linear", (x, weight), lambda xs, ws: F.linear(xs, ws, b))
 
 
 def _adds_in_place(out: Layout, x: Tensor, bias: Any) -> bool:

@@ -37,7 +37,8 @@ if TYPE_CHECKING:
     from shardwise.propagation.binding import Factors
     from shardwise.propagation.decide import Decision
 
-__all__ = ["Backend", "Decided", "GradOwner", "SpmdOutputs", "backend_for", "check_reduce"]
+__all__ = ["Backend", "Decided", "GradOwner", "SpmdOutputs", "backend_for", "check_reduce",
+           "world_started"]
 
 
 class Decided(Protocol):
@@ -48,7 +49,7 @@ class Decided(Protocol):
     dec: Decision
     factors: Factors
 
-    def blocks(self, args: Sequence[Any]) -> list[Sequence[torch.Tensor | None] | None]:
+    def blocks(self, args: Sequence[Any]) -> Sequence[Sequence[torch.Tensor | None] | None]:
         """Per operand its blocks (None for a constant)."""
         ...
 
@@ -173,6 +174,16 @@ def backend_for(mesh: DeviceMesh) -> Backend:
     if mesh in groups.WORLD.checked or groups.process_mesh(mesh):
         return _LOADED.get("process.backend") or _module("process.backend")
     return _module("simulated.backend")
+
+
+def world_started() -> bool:
+    """Whether this process is in a process world (torch.distributed initialized): what
+    :func:`backend_for`'s answer depends on besides the mesh.
+
+    >>> world_started()
+    False
+    """
+    return _dist_available and dist.is_initialized()
 
 
 _WORLD: list[int] = []

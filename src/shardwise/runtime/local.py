@@ -137,7 +137,10 @@ class Local:
 
     @property
     def requires_grad(self) -> bool:
-        return any(b.requires_grad for b in self.buffers())
+        for b in self.buffers():  # noqa: SIM110 (any() over a generator costs a frame)
+            if b.requires_grad:
+                return True
+        return False
 
     @property
     def is_leaf(self) -> bool:
@@ -274,6 +277,8 @@ class Blocks(Local):
 
     def whole_of(self, layout: Layout, shape: tuple[int, ...], itemsize: int,
                  copy: bool = True) -> torch.Tensor | None:
+        if _DIST and torch.distributed.is_initialized():
+            return None  # (a process world runs every op on blocks: see local_mesh)
         kept = self.derived
         if kept is not None:
             # a view serves while the blocks are these (writes show through it), a copy
@@ -593,22 +598,90 @@ def failed(op: str, call: Sequence[Any], shapes: Sequence[Sequence[int]], rule: 
         f"{[list(s) for s in shapes]} (rule '{rule}'): {err}")
 
 
-def run_rows(op: str, fn: Callable[..., torch.Tensor], args: Sequence[Any],
-             cols: Sequence[Sequence[torch.Tensor | None] | None], expect: Sequence[Any],
-             out_shape: tuple[int, ...], shapes: Sequence[Sequence[int]], rule: str,
-             shaped: bool) -> tuple[Blocks, torch.Tensor | None]:
-    """``fn`` once per distinct row of blocks (``cols``: per operand its blocks in the
-    required layout, None for a constant passed as in ``args``; ``shaped``: ``fn`` also
-    takes the expected block shape), one result shared by every device holding that
-    row (replicas keep sharing one buffer, so simulated gradients are exact). A
-    device another process holds is None in every operand and in the result. Returns
-    the result's blocks and one of them (None when this process holds none)."""
+def run_blocks(op: str, fn: Callable[..., torch.Tensor], args: Sequence[Any],
+               decided: Any, shaped: bool, views: Any = None
+               ) -> tuple[Blocks, torch.Tensor | None]:
+    """Run a decided op (``Backend.run_local``'s arguments; ``decided``: a
+    ``runtime.Decided``) once per distinct row of the operands' blocks in their required
+    layouts, one result shared by every device holding that row (replicas keep sharing
+    one buffer, so simulated gradients are exact). A device another process holds is
+    None in every operand and in the result. Returns the result's blocks and one of
+    them (None when this process holds none). The process runtime's every op: one and
+    two operands (the commonest) run in their own loops, in this one frame."""
+    cols = decided.blocks(args)
+    expect = decided.dec.local_shapes
     n = len(args)
+    out: list[torch.Tensor | None] = []
+    first = None
+    if n == 1 and not shaped and cols[0] is not None:
+        b0 = None
+        memo1: dict[int, torch.Tensor] | None = None
+        for k, b in enumerate(cols[0]):
+            if b is None:
+                out.append(None)
+                continue
+            if first is not None:
+                if b is b0:  # a replica of the first: the same result
+                    out.append(first)
+                    continue
+                if memo1 is None:
+                    memo1 = {id(b0): first}
+                r = memo1.get(id(b))
+                if r is not None:
+                    out.append(r)
+                    continue
+            try:
+                r = fn(b)
+            except (RuntimeError, TypeError, ValueError, IndexError) as err:
+                raise _failed(op, (b,), decided.factors, err) from err
+            if r.shape != expect[k]:
+                raise _misshapen(op, k, r, expect[k])
+            if first is None:
+                first, b0 = r, b
+            else:
+                memo1[id(b)] = r  # type: ignore[index]
+            out.append(r)
+        return Blocks(tuple(out)), first
     if n == 2 and not shaped and cols[0] is not None and cols[1] is not None:
-        return _rows_of_two(op, fn, cols[0], cols[1], expect, shapes, rule)
+        ys = cols[1]
+        b0 = c0 = None
+        memo2: dict[tuple[int, int], torch.Tensor] | None = None
+        for k, b in enumerate(cols[0]):
+            if b is None:
+                out.append(None)
+                continue
+            c = ys[k]
+            if first is not None:
+                if b is b0 and c is c0:  # a replica of the first pair: the same result
+                    out.append(first)
+                    continue
+                if memo2 is None:
+                    memo2 = {(id(b0), id(c0)): first}
+                r = memo2.get((id(b), id(c)))
+                if r is not None:
+                    out.append(r)
+                    continue
+            try:
+                r = fn(b, c)
+            except (RuntimeError, TypeError, ValueError, IndexError) as err:
+                raise _failed(op, (b, c), decided.factors, err) from err
+            if r.shape != expect[k]:
+                raise _misshapen(op, k, r, expect[k])
+            if first is None:
+                first, b0, c0 = r, b, c
+            else:
+                memo2[(id(b), id(c))] = r  # type: ignore[index]
+            out.append(r)
+        return Blocks(tuple(out)), first
+    return _rows(op, fn, args, cols, expect, decided.factors, shaped)
+
+
+def _rows(op: str, fn: Callable[..., torch.Tensor], args: Sequence[Any],
+          cols: Sequence[Sequence[torch.Tensor | None] | None], expect: Sequence[Any],
+          factors: Any, shaped: bool) -> tuple[Blocks, torch.Tensor | None]:
+    """:func:`run_blocks` for any operands (constants among them, ``shaped``: ``fn`` also
+    takes the expected block shape)."""
     where = [i for i, c in enumerate(cols) if c is not None]
-    if len(where) == 1 and n == 1 and not shaped:  # one operand: fn(block)
-        return _rows_of_one(op, fn, cols[0], expect, shapes, rule)  # type: ignore[arg-type]
     plain = len(where) == len(args) and not shaped  # every operand a Tensor: fn(*row)
     single = len(where) == 1
     picked = [cols[i] for i in where]
@@ -630,83 +703,26 @@ def run_rows(op: str, fn: Callable[..., torch.Tensor], args: Sequence[Any],
                     call[i] = s
                 if shaped:
                     call.append(expect[k])
-            r = memo[key] = _called(op, fn, call, expect[k], k, shapes, rule)
+            try:
+                r = fn(*call)
+            except (RuntimeError, TypeError, ValueError, IndexError) as err:
+                raise _failed(op, call, factors, err) from err
+            if r.shape != expect[k]:
+                raise _misshapen(op, k, r, expect[k])
+            memo[key] = r
             if first is None:
                 first = r
         out.append(r)
     return Blocks(tuple(out)), first
 
 
-def _rows_of_one(op: str, fn: Callable[..., torch.Tensor],
-                 col: Sequence[torch.Tensor | None], expect: Sequence[Any],
-                 shapes: Sequence[Sequence[int]], rule: str
-                 ) -> tuple[Blocks, torch.Tensor | None]:
-    """:func:`run_rows` for one operand (the commonest op): ``fn`` per distinct block."""
-    out: list[torch.Tensor | None] = []
-    first = b0 = None
-    memo: dict[int, torch.Tensor] | None = None
-    for k, b in enumerate(col):
-        if b is None:
-            out.append(None)
-        elif first is None:
-            first = _called(op, fn, (b,), expect[k], k, shapes, rule)
-            b0 = b
-            out.append(first)
-        elif b is b0:  # a replica of the first: the same result
-            out.append(first)
-        else:
-            if memo is None:
-                memo = {id(b0): first}
-            r = memo.get(id(b))
-            if r is None:
-                r = memo[id(b)] = _called(op, fn, (b,), expect[k], k, shapes, rule)
-            out.append(r)
-    return Blocks(tuple(out)), first
+def _failed(op: str, call: Sequence[Any], factors: Any, err: Exception) -> ShardingError:
+    return failed(op, call, factors.shapes, factors.text, err)
 
 
-def _rows_of_two(op: str, fn: Callable[..., torch.Tensor],
-                 xs: Sequence[torch.Tensor | None], ys: Sequence[torch.Tensor | None],
-                 expect: Sequence[Any], shapes: Sequence[Sequence[int]], rule: str
-                 ) -> tuple[Blocks, torch.Tensor | None]:
-    """:func:`run_rows` for two operands, both Tensors: ``fn`` per distinct pair."""
-    out: list[torch.Tensor | None] = []
-    first = b0 = c0 = None
-    memo: dict[tuple[int, int], torch.Tensor] | None = None
-    for k, b in enumerate(xs):
-        if b is None:
-            out.append(None)
-            continue
-        c = ys[k]
-        if first is None:
-            first = _called(op, fn, (b, c), expect[k], k, shapes, rule)
-            b0, c0 = b, c
-            out.append(first)
-        elif b is b0 and c is c0:  # a replica of the first pair: the same result
-            out.append(first)
-        else:
-            if memo is None:
-                memo = {(id(b0), id(c0)): first}
-            key = (id(b), id(c))
-            r = memo.get(key)
-            if r is None:
-                r = memo[key] = _called(op, fn, (b, c), expect[k], k, shapes, rule)
-            out.append(r)
-    return Blocks(tuple(out)), first
-
-
-def _called(op: str, fn: Callable[..., torch.Tensor], call: Sequence[Any], expect: Any,
-            k: int, shapes: Sequence[Sequence[int]], rule: str) -> torch.Tensor:
-    """``fn(*call)`` for device ``k``, its failure named (op, blocks, shapes, rule) and
-    its block's shape checked against the layout's."""
-    try:
-        r = fn(*call)
-    except (RuntimeError, TypeError, ValueError, IndexError) as err:
-        raise failed(op, call, shapes, rule, err) from err
-    if r.shape != expect:
-        raise AssertionError(
-            f"{op}: device {k} computed a block of shape {tuple(r.shape)}, the layout "
-            f"gives {tuple(expect)}")
-    return r
+def _misshapen(op: str, k: int, r: torch.Tensor, expect: Any) -> AssertionError:
+    return AssertionError(f"{op}: device {k} computed a block of shape {tuple(r.shape)}, "
+                          f"the layout gives {tuple(expect)}")
 
 
 def run_whole(op: str, fn: Callable[..., torch.Tensor], call: list[Any],
@@ -718,8 +734,8 @@ def run_whole(op: str, fn: Callable[..., torch.Tensor], call: list[Any],
         call.append(out_shape)
     try:
         r = fn(*call)
-    except (RuntimeError, TypeError, ValueError, IndexError) as err:
-        raise failed(op, call, shapes, rule, err) from err  # (one block each: the whole)
+    except (RuntimeError, TypeError, ValueError, IndexError) as err:  # (one block: the whole)
+        raise failed(op, call, shapes, rule, err) from err
     if r.shape != out_shape:
         raise AssertionError(
             f"{op}: the whole result has shape {tuple(r.shape)}, the rule gives {out_shape}")

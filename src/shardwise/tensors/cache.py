@@ -44,6 +44,7 @@ from collections.abc import Sequence
 from typing import Any, Protocol, Self, TypeVar
 
 import torch
+import torch.autograd.forward_ad as fwAD
 
 from shardwise.planner import Plan, make_plan
 from shardwise.propagation.binding import Factors
@@ -270,11 +271,16 @@ class Decided:
     decision requires them: every operand's blocks, or every operand's whole value
     (once it knows each has one). Constants pass as they are."""
 
-    __slots__ = ("dec", "factors", "in_place", "moves", "shape", "size")
+    __slots__ = ("backend", "dec", "factors", "in_place", "moves", "own", "shape", "size",
+                 "started")
 
     def __init__(self, factors: Factors, dec: Decision, layouts: Sequence[Layout | None]
                  ) -> None:
         self.factors, self.dec = factors, dec
+        # the backend that runs it, and whether a process world had started then: the
+        # executor asks ``backend_for`` again only when that changed
+        self.backend: Any = None
+        self.started = False
         self.size = torch.Size(factors.out_shape)
         self.shape = factors.out_shape
         self.in_place = tuple(have is not None and req == have
@@ -282,23 +288,32 @@ class Decided:
         # some Tensor operand moves, or diverges (where autograd records)
         self.moves = any(req is not None and (div or not here) for req, div, here in
                          zip(dec.required, dec.diverge, self.in_place))
+        # per operand: 0 a constant, 1 its own blocks serve, 2 they serve unless
+        # autograd records through them (a diverge), 3 the operand cache's
+        self.own = tuple(0 if req is None else (2 if div else 1) if here else 3
+                         for req, div, here in zip(dec.required, dec.diverge, self.in_place))
 
-    def blocks(self, args: Sequence[Any]) -> list[Sequence[torch.Tensor | None] | None]:
+    def blocks(self, args: Sequence[Any]) -> Sequence[Sequence[torch.Tensor | None] | None]:
         """Each operand's blocks in its required layout (None for a constant): its own
         where it is already there and needs no diverge that autograd records, else
         from the operand cache."""
         if not self.moves:
+            required = self.dec.required
+            if len(args) == 2 and required[0] is not None and required[1] is not None:
+                return (args[0]._local.blocks, args[1]._local.blocks)
+            if len(args) == 1 and required[0] is not None:
+                return (args[0]._local.blocks,)
             return [None if req is None else x._local.blocks
-                    for x, req in zip(args, self.dec.required)]
+                    for x, req in zip(args, required)]
         cols: list[Sequence[torch.Tensor | None] | None] = []
-        for x, req, div, here in zip(args, self.dec.required, self.dec.diverge,
-                                     self.in_place):
-            if req is None:
+        dec = self.dec
+        for i, (x, own) in enumerate(zip(args, self.own)):
+            if own == 0:
                 cols.append(None)
-            elif here and (not div or not records(x)):
+            elif own == 1 or (own == 2 and not records(x)):
                 cols.append(x._local.blocks)
             else:
-                cols.append(blocks(x, req, div))
+                cols.append(blocks(x, dec.required[i], dec.diverge[i]))  # type: ignore[arg-type]
         return cols
 
     def wholes(self, args: Sequence[Any], views: dict[int, torch.Tensor] | None
@@ -335,7 +350,7 @@ class Decided:
 def records(x: Any) -> bool:
     """Whether autograd records through ``x``'s buffers: only then does a diverge (the
     identity forward, a sum of the gradient's shares backward) do anything."""
-    if torch.autograd.forward_ad._current_level >= 0:
+    if fwAD._current_level >= 0:
         return True
     if not torch.is_grad_enabled():
         return False

@@ -26,8 +26,8 @@ from typing import Any, TypeAlias
 import torch
 
 from shardwise.planner import Plan, Step, StepKind, check_handlers, permute_sources
-from shardwise.runtime import Decided, blocks
-from shardwise.runtime.local import Local, run_rows
+from shardwise.runtime import blocks
+from shardwise.runtime.local import run_blocks
 from shardwise.runtime.owner import GradOwner
 from shardwise.runtime.process import collectives as D
 from shardwise.runtime.process import functions as F
@@ -298,11 +298,6 @@ def assemble(shards: Sequence[torch.Tensor | None], src: Layout, dst: Layout,
     return out
 
 
-def run_local(op: str, fn: Callable[..., torch.Tensor], args: Sequence[Any],
-              decided: Decided, shaped: bool, views: dict[int, torch.Tensor] | None
-              ) -> tuple[Local, torch.Tensor | None]:
-    """Run a decided op here (``Backend.run_local``): once on this process's block of
-    each operand (other processes run theirs)."""
-    factors = decided.factors
-    return run_rows(op, fn, args, decided.blocks(args), decided.dec.local_shapes,
-                    factors.out_shape, factors.shapes, factors.text, shaped)
+#: ``Backend.run_local``: once on this process's block of each operand (other processes
+#: run theirs)
+run_local = run_blocks

@@ -45,7 +45,7 @@ from shardwise.planner import Plan, Step, StepKind, check_handlers, permute_sour
 from shardwise.runtime import Decided, blocks
 from shardwise.runtime.blocks import rep_indices
 from shardwise.runtime.buffers import buffer_reuse, set_buffer_reuse
-from shardwise.runtime.local import Local, Whole, run_rows, run_whole
+from shardwise.runtime.local import Local, Whole, run_blocks, run_whole
 from shardwise.runtime.owner import GradOwner
 from shardwise.runtime.simulated import collectives as C
 from shardwise.runtime.simulated import host_paths as hp
@@ -386,8 +386,7 @@ def run_local(op: str, fn: Callable[..., torch.Tensor], args: Sequence[Any],
         r = run_whole(op, fn, wholes, factors.out_shape, factors.shapes, factors.text, shaped)
         if (r._base is None and not _among(r, wholes)) or not decided.aliases_copy(args, r):
             return Whole(r, decided.dec.output), r
-    return run_rows(op, fn, args, decided.blocks(args), decided.dec.local_shapes,
-                    factors.out_shape, factors.shapes, factors.text, shaped)
+    return run_blocks(op, fn, args, decided, shaped)
 
 
 def _among(r: torch.Tensor, values: Sequence[Any]) -> bool:
