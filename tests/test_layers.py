@@ -159,14 +159,14 @@ def test_the_spec_floor_never_imports_torch() -> None:
 def test_the_two_backends_never_import_each_other() -> None:
     """runtime/simulated and runtime/process share only the modules beside
     runtime/__init__ (docs/DESIGN.md §1); shard_map and graph reach a backend's
-    collectives only through the protocol or the simulated collectives."""
+    collectives only through the protocol or the in-process collectives."""
     sim, proc = "shardwise.runtime.simulated", "shardwise.runtime.process"
     crossing = [f"{a} imports {b}" for a, targets in imports().items() for b in targets
                 if (a.startswith(sim) and b.startswith(proc))
                 or (a.startswith(proc) and b.startswith(sim))]
     assert not crossing, crossing
     graph = imports()
-    assert "shardwise.runtime.simulated.collectives" in graph["shardwise.graph.ops"]
+    assert "shardwise.runtime.collectives" in graph["shardwise.graph.ops"]
     assert not any(b.startswith(proc) for b in graph["shardwise.spmd.io"])
     assert not any(b.startswith(proc) for b in graph["shardwise.spmd.shard_map"])
 
