@@ -30,6 +30,16 @@ from shardwise.runtime import blocks
 from shardwise.runtime.owner import GradOwner
 from shardwise.runtime.process import collectives as D
 from shardwise.runtime.process import functions as F
+from shardwise.runtime.process.control import (  # the world block of the protocol
+    barrier,
+    begin_world,
+    end_world,
+    first_failure,
+    gather_world,
+    process_count,
+    process_index,
+    record_failure,
+)
 from shardwise.runtime.process.spmd import run_spmd, spmd_outputs
 from shardwise.runtime.process.world import WORLD
 from shardwise.sharding.devices import accelerator_type
@@ -50,6 +60,15 @@ __all__ = [
     "run_spmd",
     "run_step",
     "spmd_outputs",
+    # the world block
+    "barrier",
+    "begin_world",
+    "end_world",
+    "first_failure",
+    "gather_world",
+    "process_count",
+    "process_index",
+    "record_failure",
 ]
 
 Shards = list  # list[torch.Tensor | None]

@@ -49,6 +49,16 @@ from shardwise.runtime.blocks import rep_indices
 from shardwise.runtime.buffers import buffer_reuse, set_buffer_reuse
 from shardwise.runtime.owner import GradOwner
 from shardwise.runtime.simulated import host_paths as hp
+from shardwise.runtime.simulated.control import (  # the world block of the protocol
+    barrier,
+    begin_world,
+    end_world,
+    first_failure,
+    gather_world,
+    process_count,
+    process_index,
+    record_failure,
+)
 from shardwise.runtime.simulated.spmd import run_spmd, spmd_outputs
 from shardwise.sharding.layout import Layout
 from shardwise.sharding.mesh import DeviceMesh
@@ -73,6 +83,15 @@ __all__ = [
     "run_step",
     "set_buffer_reuse",
     "spmd_outputs",
+    # the world block
+    "barrier",
+    "begin_world",
+    "end_world",
+    "first_failure",
+    "gather_world",
+    "process_count",
+    "process_index",
+    "record_failure",
 ]
 
 Shards: TypeAlias = "list[torch.Tensor]"
