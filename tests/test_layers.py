@@ -7,7 +7,9 @@ Floors (docs/DESIGN.md §1) are folders: 0 spec (``sharding/``) < 1 pure plans a
 ``lax``, ``distributed``), which re-export and may import any floor; nothing below
 may import them. Imports are read from the source (module level and inside
 functions alike), and importing ``a.b.c`` imports the packages ``a.b`` (their
-``__init__``) first, unless the importer lives inside them.
+``__init__``) first, unless the importer lives inside them. Floor 4 reaches a runtime
+only through the ``Backend`` protocol (``shardwise.runtime``), never by importing
+``runtime.process`` or ``runtime.simulated``.
 """
 
 from __future__ import annotations
@@ -228,6 +230,30 @@ def test_the_two_backends_never_import_each_other() -> None:
     assert not crossing, crossing
     graph = imports()
     assert "shardwise.runtime.collectives" in graph["shardwise.graph.ops"]
+
+
+def backend_imports(graph: dict[str, dict[str, str]]) -> list[str]:
+    """Floor-4 imports of a backend's package (``runtime.process``, ``runtime.simulated``),
+    at module level or inside a function: floor 4 reaches a runtime only through the
+    ``Backend`` protocol (``backend_for``, ``world_backend``)."""
+    backends = {("runtime", "process"), ("runtime", "simulated")}
+    return [f"{a} imports {b} ({where})" for a, targets in sorted(graph.items())
+            if a not in FACES and floor(a) == 4
+            for b, where in sorted(targets.items()) if tuple(b.split(".")[1:3]) in backends]
+
+
+def test_floor_4_reaches_a_runtime_only_through_the_protocol() -> None:
+    found = backend_imports(import_sites())
+    assert not found, ("floor 4 imports a backend around the Backend protocol:\n"
+                       + "\n".join(found))
+
+
+def test_a_backend_import_inside_a_function_is_named() -> None:
+    graph = {"shardwise.api.x": {"shardwise.runtime.process.p2p": "in f()",
+                                 "shardwise.runtime": "module level"},
+             "shardwise.tensors.y": {"shardwise.runtime.simulated": "module level"}}
+    assert backend_imports(graph) == [
+        "shardwise.api.x imports shardwise.runtime.process.p2p (in f())"]
 
 
 def test_the_tests_mirror_the_package() -> None:

@@ -36,7 +36,7 @@ from shardwise.sharding.layout import Layout
 from shardwise.sharding.mesh import DeviceMesh
 from shardwise.sharding.placements import ReduceOp
 
-__all__ = ["Backend", "GradOwner", "SpmdOutputs", "backend_for", "check_reduce",
+__all__ = ["Backend", "GradOwner", "Link", "SpmdOutputs", "backend_for", "check_reduce",
            "world_backend"]
 
 _dist_available = dist.is_available()
@@ -98,6 +98,27 @@ class Backend(Protocol):
         some, unnamed)."""
         ...
 
+    # --- point-to-point between meshes and pipeline stages (the pipeline transport)
+    def link(self, src: DeviceMesh, dst: DeviceMesh, k: int, stages: tuple[int, int]
+             ) -> Link:
+        """The point-to-point link from device ``k`` of ``src`` to device ``k`` of ``dst``
+        (meshes of one shape), whose transfers pair in order on the stream of the
+        pipeline stages ``stages`` (source, destination), never with another stream's.
+        This process holds one of its ends (the process backend refuses a link it holds
+        no end of) or both (a loopback: every link of the simulated backend)."""
+        ...
+
+    def flush_links(self) -> None:
+        """Wait until every transfer this process sent on a link was received (bounded)."""
+        ...
+
+    def prepare_stages(self, mesh: DeviceMesh, axis: str, stages: Sequence[DeviceMesh]
+                       ) -> list[DeviceMesh]:
+        """Make ready the meshes ``stages`` of a pipeline over ``axis`` of ``mesh``, on
+        every process in one order, so that each stage's processes later run its ops
+        (and its links) alone; returns the stage meshes."""
+        ...
+
     # --- this process's world (no mesh; reached through world_backend()): the
     # torch.distributed world on the process backend, this one process on the simulated
     # one. What api/distributed, checkpoint and the replica check ask of a runtime.
@@ -139,6 +160,21 @@ class Backend(Protocol):
     def first_failure(self) -> str:
         """The run's first recorded failure ("" when none)."""
         ...
+
+
+class Link(Protocol):
+    """One direction of point-to-point transfers between two devices (:meth:`Backend.link`):
+    a transfer is ``info`` (a JSON value: what the receiver needs to use the tensors)
+    and plain torch tensors, under a ``key`` both ends name alike (a mismatch raises
+    :class:`CollectiveError` on the receiver). Sends return at once; received tensors
+    are new leaves that never require grad."""
+
+    peer: int | None
+    """The rank at the other end (None: this process holds both ends)."""
+
+    def send(self, info: Any, tensors: Sequence[torch.Tensor], key: str) -> None: ...
+
+    def recv(self, key: str) -> tuple[Any, list[torch.Tensor]]: ...
 
 
 SpmdOutputs: TypeAlias = tuple[

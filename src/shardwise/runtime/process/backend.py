@@ -40,6 +40,8 @@ from shardwise.runtime.process.control import (  # the world block of the protoc
     process_index,
     record_failure,
 )
+from shardwise.runtime.process.groups import prepare_stage_groups as prepare_stages
+from shardwise.runtime.process.links import flush_links, link
 from shardwise.runtime.process.spmd import run_spmd, spmd_outputs
 from shardwise.runtime.process.world import WORLD
 from shardwise.sharding.devices import accelerator_type
@@ -60,6 +62,10 @@ __all__ = [
     "run_spmd",
     "run_step",
     "spmd_outputs",
+    # point-to-point and pipeline stages
+    "flush_links",
+    "link",
+    "prepare_stages",
     # the world block
     "barrier",
     "begin_world",

@@ -49,12 +49,15 @@ from shardwise.runtime.blocks import rep_indices
 from shardwise.runtime.buffers import buffer_reuse, set_buffer_reuse
 from shardwise.runtime.owner import GradOwner
 from shardwise.runtime.simulated import host_paths as hp
-from shardwise.runtime.simulated.control import (  # the world block of the protocol
+from shardwise.runtime.simulated.control import (  # the world, its links and stages
     barrier,
     begin_world,
     end_world,
     first_failure,
+    flush_links,
     gather_world,
+    link,
+    prepare_stages,
     process_count,
     process_index,
     record_failure,
@@ -83,6 +86,10 @@ __all__ = [
     "run_step",
     "set_buffer_reuse",
     "spmd_outputs",
+    # point-to-point and pipeline stages
+    "flush_links",
+    "link",
+    "prepare_stages",
     # the world block
     "barrier",
     "begin_world",
