@@ -50,23 +50,38 @@ def end_world() -> None:
 
 
 def process_index() -> int:
-    """This process's rank."""
+    """This process's rank.
+
+    >>> process_index()   # rank 1 of a torchrun world  # doctest: +SKIP
+    1
+    """
     return D.rank()
 
 
 def process_count() -> int:
-    """The world's size."""
+    """The world's size.
+
+    >>> process_count()   # torchrun --nproc-per-node 4  # doctest: +SKIP
+    4
+    """
     return int(dist.get_world_size())
 
 
 def barrier(label: str) -> None:
-    """Every process arrives at ``label`` (bounded): one control message over the world."""
+    """Every process arrives at ``label`` (bounded): one control message over the world.
+
+    >>> barrier("checkpoint written")   # on every rank  # doctest: +SKIP
+    """
     world = D.world_group()
     A.agree(world.pg, world.ranks, world.label,
             A.fingerprint(label, None, world.label, (), None))
 
 
 def gather_world(x: torch.Tensor, label: str) -> torch.Tensor:
-    """Every rank's ``x`` stacked in rank order (one all_gather over the world)."""
+    """Every rank's ``x`` stacked in rank order (one all_gather over the world).
+
+    >>> gather_world(torch.tensor([process_index()]), "ranks").tolist()  # doctest: +SKIP
+    [[0], [1]]
+    """
     world = D.world_group()
     return D.all_gather(x.unsqueeze(0), 0, world, [1] * world.size, label)

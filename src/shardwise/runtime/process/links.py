@@ -37,7 +37,13 @@ __all__ = ["Link", "flush_links", "link"]
 
 class Link:
     """One direction between this process and ``peer``, on the stream of the stage pair
-    ``stages`` (see the module invariants)."""
+    ``stages`` (see the module invariants).
+
+    >>> a, b = mesh.submesh(pp=0), mesh.submesh(pp=1)   # under torchrun  # doctest: +SKIP
+    >>> link(a, b, 0, (0, 1)).send(["any JSON"], [x], "F0")   # rank 0  # doctest: +SKIP
+    >>> link(a, b, 0, (0, 1)).recv("F0")                      # rank 1  # doctest: +SKIP
+    (['any JSON'], [tensor(...)])
+    """
 
     __slots__ = ("_stream", "_streams", "peer", "stages", "tag")
 
@@ -77,7 +83,11 @@ class Link:
 
 def link(src: DeviceMesh, dst: DeviceMesh, k: int, stages: tuple[int, int]) -> Link | Loopback:
     """The link from device ``k`` of ``src`` to device ``k`` of ``dst`` (made once per
-    world), on the stream of the pipeline stages ``stages``."""
+    world), on the stream of the pipeline stages ``stages``.
+
+    >>> link(stage0, stage1, 0, (0, 1)).peer   # on rank 0, stage 1 on rank 2  # doctest: +SKIP
+    2
+    """
     key = (src, dst, k, stages)
     made = WORLD.links.get(key)
     if made is not None:
@@ -98,5 +108,8 @@ def link(src: DeviceMesh, dst: DeviceMesh, k: int, stages: tuple[int, int]) -> L
 
 
 def flush_links() -> None:
-    """Wait until every transfer this process sent was received (each wait bounded)."""
+    """Wait until every transfer this process sent was received (each wait bounded).
+
+    >>> flush_links()   # after a pipeline step's sends  # doctest: +SKIP
+    """
     p2p.flush()

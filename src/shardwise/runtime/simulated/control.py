@@ -58,7 +58,7 @@ def prepare_stages(mesh: DeviceMesh, axis: str, stages: Sequence[DeviceMesh]
 
     >>> mesh = DeviceMesh.cpu((2, 2), ("pp", "tp"))
     >>> prepare_stages(mesh, "pp", [mesh.submesh(pp=0), mesh.submesh(pp=1)])
-    [DeviceMesh(tp=2), DeviceMesh(tp=2)]
+    [DeviceMesh(tp=2), DeviceMesh(tp=2; devices 2..3)]
     """
     return list(stages)
 
