@@ -6,12 +6,16 @@ Floors (docs/DESIGN.md §1) are folders: 0 spec (``sharding/``) < 1 pure plans a
 ``debug/``, ``cli/``). The top of the package holds only public faces (``__init__``,
 ``lax``, ``distributed``), which re-export and may import any floor; nothing below
 may import them. Imports are read from the source (module level and inside
-functions alike).
+functions alike), and importing ``a.b.c`` imports the packages ``a.b`` (their
+``__init__``) first, unless the importer lives inside them. Floor 4 reaches a runtime
+only through the ``Backend`` protocol (``shardwise.runtime``), never by importing
+``runtime.process`` or ``runtime.simulated``.
 """
 
 from __future__ import annotations
 
 import ast
+import itertools
 from pathlib import Path
 
 SRC = Path(__file__).resolve().parents[1] / "src"
@@ -46,6 +50,14 @@ def modules() -> dict[str, Path]:
 
 def imports() -> dict[str, set[str]]:
     """module -> the shardwise modules it imports (anywhere in its source)."""
+    return {name: set(found) for name, found in import_sites().items()}
+
+
+def import_sites() -> dict[str, dict[str, str]]:
+    """module -> {imported shardwise module: where the first import of it is}, where
+    being "module level" or "in <function>()"; a package's ``__init__`` counts as
+    imported with its submodules (Python runs it first) unless the importer is inside
+    that package (it ran already)."""
     mods = modules()
 
     def known(name: str) -> str | None:
@@ -53,27 +65,46 @@ def imports() -> dict[str, set[str]]:
             name = name.rpartition(".")[0]
         return name or None
 
-    graph: dict[str, set[str]] = {}
+    graph: dict[str, dict[str, str]] = {}
     for name, path in mods.items():
         package = name if path.name == "__init__.py" else name.rpartition(".")[0]
-        found: set[str] = set()
-        for node in ast.walk(ast.parse(path.read_text())):
+        found: dict[str, str] = {}
+        for node, where in _imports_in(ast.parse(path.read_text()), "module level"):
             targets: list[str] = []
             if isinstance(node, ast.Import):
                 targets = [a.name for a in node.names]
-            elif isinstance(node, ast.ImportFrom):
+            else:
                 base = node.module or ""
                 if node.level:
                     up = package.rsplit(".", node.level - 1)[0] if node.level > 1 else package
                     base = f"{up}.{base}" if base else up
                 targets = [f"{base}.{a.name}" for a in node.names] or [base]
             for t in targets:
-                if t.startswith("shardwise"):
-                    m = known(t)
-                    if m and m not in (name, "shardwise"):
-                        found.add(m)
+                if not t.startswith("shardwise"):
+                    continue
+                m = known(t)
+                if m is None:
+                    continue
+                parts = m.split(".")
+                for i in range(2, len(parts) + 1):  # the packages first, then the module
+                    step = ".".join(parts[:i])
+                    if step in mods and step != name and not name.startswith(step + "."):
+                        found.setdefault(step, where)
         graph[name] = found
     return graph
+
+
+def _imports_in(node: ast.AST, where: str) -> list[tuple[ast.Import | ast.ImportFrom, str]]:
+    """Every import under ``node``, with the function it runs in (or ``where``)."""
+    out: list[tuple[ast.Import | ast.ImportFrom, str]] = []
+    for child in ast.iter_child_nodes(node):
+        if isinstance(child, (ast.Import, ast.ImportFrom)):
+            out.append((child, where))
+        inner = (f"in {child.name}()" if isinstance(child, (ast.FunctionDef,
+                                                               ast.AsyncFunctionDef))
+                 else where)
+        out.extend(_imports_in(child, inner))
+    return out
 
 
 def test_the_graph_is_read() -> None:
@@ -107,39 +138,72 @@ def test_every_import_points_down() -> None:
     assert not up, "\n".join(up)
 
 
-def test_no_import_circles() -> None:
-    graph = imports()
+def circles(graph: dict[str, dict[str, str]]) -> list[str]:
+    """One circle of imports per strongly connected component of ``graph`` (Tarjan),
+    written as a path, each step saying where its import is."""
     index: dict[str, int] = {}
     low: dict[str, int] = {}
     stack: list[str] = []
     on: set[str] = set()
-    circles: list[list[str]] = []
+    comps: list[set[str]] = []
 
-    def visit(v: str) -> None:  # Tarjan's strongly connected components
+    def visit(v: str) -> None:
         index[v] = low[v] = len(index)
         stack.append(v)
         on.add(v)
-        for w in graph.get(v, ()):
+        for w in sorted(graph.get(v, ())):
             if w not in index:
                 visit(w)
                 low[v] = min(low[v], low[w])
             elif w in on:
                 low[v] = min(low[v], index[w])
         if low[v] == index[v]:
-            comp = []
+            comp = set()
             while True:
                 w = stack.pop()
                 on.discard(w)
-                comp.append(w)
+                comp.add(w)
                 if w == v:
                     break
             if len(comp) > 1:
-                circles.append(sorted(comp))
+                comps.append(comp)
 
     for v in sorted(graph):
         if v not in index:
             visit(v)
-    assert not circles, circles
+    return [_path(graph, comp) for comp in comps]
+
+
+def _path(graph: dict[str, dict[str, str]], comp: set[str]) -> str:
+    """The shortest circle through the first module of ``comp`` (breadth first)."""
+    start = min(comp)
+    came: dict[str, str] = {}
+    todo = [start]
+    while todo:
+        v = todo.pop(0)
+        for w in sorted(graph[v]):
+            if w in comp and w not in came:
+                came[w] = v
+                todo.append(w)
+        if start in came:
+            break
+    steps = [start]
+    while len(steps) == 1 or steps[-1] != start:
+        steps.append(came[steps[-1]])
+    steps.reverse()
+    return start + "".join(f" -> ({graph[a][b]}) {b}" for a, b in itertools.pairwise(steps))
+
+
+def test_no_import_circles() -> None:
+    found = circles(import_sites())
+    assert not found, "import circles (imports inside functions count):\n" + "\n".join(found)
+
+
+def test_a_circle_through_a_function_level_import_is_named() -> None:
+    graph = {"a": {"b": "in f()"}, "b": {"c": "module level"}, "c": {"a": "module level"},
+             "d": {"a": "module level"}}
+    assert circles(graph) == ["a -> (in f()) b -> (module level) c -> (module level) a"]
+    assert circles({"a": {"b": "in f()"}, "b": {}}) == []
 
 
 def test_the_spec_floor_never_imports_torch() -> None:
@@ -158,17 +222,38 @@ def test_the_spec_floor_never_imports_torch() -> None:
 
 def test_the_two_backends_never_import_each_other() -> None:
     """runtime/simulated and runtime/process share only the modules beside
-    runtime/__init__ (docs/DESIGN.md §1); shard_map and graph reach a backend's
-    collectives only through the protocol or the simulated collectives."""
+    runtime/__init__ (docs/DESIGN.md §1)."""
     sim, proc = "shardwise.runtime.simulated", "shardwise.runtime.process"
     crossing = [f"{a} imports {b}" for a, targets in imports().items() for b in targets
                 if (a.startswith(sim) and b.startswith(proc))
                 or (a.startswith(proc) and b.startswith(sim))]
     assert not crossing, crossing
     graph = imports()
-    assert "shardwise.runtime.simulated.collectives" in graph["shardwise.graph.ops"]
-    assert not any(b.startswith(proc) for b in graph["shardwise.spmd.io"])
-    assert not any(b.startswith(proc) for b in graph["shardwise.spmd.shard_map"])
+    assert "shardwise.runtime.collectives" in graph["shardwise.graph.ops"]
+
+
+def backend_imports(graph: dict[str, dict[str, str]]) -> list[str]:
+    """Floor-4 imports of a backend's package (``runtime.process``, ``runtime.simulated``),
+    at module level or inside a function: floor 4 reaches a runtime only through the
+    ``Backend`` protocol (``backend_for``, ``world_backend``)."""
+    backends = {("runtime", "process"), ("runtime", "simulated")}
+    return [f"{a} imports {b} ({where})" for a, targets in sorted(graph.items())
+            if a not in FACES and floor(a) == 4
+            for b, where in sorted(targets.items()) if tuple(b.split(".")[1:3]) in backends]
+
+
+def test_floor_4_reaches_a_runtime_only_through_the_protocol() -> None:
+    found = backend_imports(import_sites())
+    assert not found, ("floor 4 imports a backend around the Backend protocol:\n"
+                       + "\n".join(found))
+
+
+def test_a_backend_import_inside_a_function_is_named() -> None:
+    graph = {"shardwise.api.x": {"shardwise.runtime.process.p2p": "in f()",
+                                 "shardwise.runtime": "module level"},
+             "shardwise.tensors.y": {"shardwise.runtime.simulated": "module level"}}
+    assert backend_imports(graph) == [
+        "shardwise.api.x imports shardwise.runtime.process.p2p (in f())"]
 
 
 def test_the_tests_mirror_the_package() -> None:

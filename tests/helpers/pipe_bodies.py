@@ -381,10 +381,13 @@ def _check_stream_groups(pipe) -> None:  # type: ignore[no-untyped-def]
     from shardwise.runtime.process.groups import stream_pairs
 
     transport = transport_for([s.mesh for s in pipe.stages])
+    ends = [*transport._sends.values(), *transport._recvs.values()]  # type: ignore[attr-defined]
+    links = [link for link, _, _ in ends if link.peer is not None]
+    assert links, "a pipeline over processes has links"
     if not WORLD.force_stream_groups:
-        assert not WORLD.streams and transport._streams is None  # type: ignore[attr-defined]
+        assert not WORLD.streams and all(link._streams is None for link in links)
         return
-    assert transport._streams is WORLD.streams  # type: ignore[attr-defined]
+    assert all(link._streams is WORLD.streams for link in links)
     pairs = stream_pairs([s.mesh for s in pipe.stages])
     assert pairs, "a pipeline over processes has streams"
     me = dist.get_rank()

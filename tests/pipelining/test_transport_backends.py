@@ -1,6 +1,7 @@
 """The process transport's backend choices, without processes or a GPU (torch's calls
 faked): the backends it refuses when built, the stream group each transfer runs on
-where tags do not separate streams (NCCL), and the device a received block lands on."""
+where tags do not separate streams (NCCL), and the device a received block lands on.
+The transport reaches the runtime through the Backend protocol (``backend.link``)."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import shardwise as sw
 from shardwise import DeviceMesh, PlacementMapping, Sharded
 from shardwise.pipelining import transport_process as T
 from shardwise.pipelining.transport_process import ProcessTransport
+from shardwise.runtime.process import backend as process_backend
 from shardwise.runtime.process import p2p
 from shardwise.runtime.process.world import WORLD
 from shardwise.sharding.errors import CollectiveError, ShardingError
@@ -29,6 +31,7 @@ def fake(monkeypatch: pytest.MonkeyPatch) -> Iterator[dict[str, Any]]:
     """Rank 0 of a 4-process world on ``state["backend"]``, a GPU and NCCL present;
     ``state["sent"]``/``["received"]`` record the p2p calls (peer, tag, key, pg)."""
     state: dict[str, Any] = {"backend": "gloo", "sent": [], "received": []}
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
     monkeypatch.setattr(dist, "get_backend", lambda group=None: state["backend"])
     monkeypatch.setattr(dist, "get_rank", lambda group=None: 0)
     monkeypatch.setattr(dist, "get_world_size", lambda group=None: 4)
@@ -76,7 +79,7 @@ def test_nccl_transfers_run_on_their_streams_group(fake: dict[str, Any]) -> None
     t = ProcessTransport(STAGES)
     with pytest.raises(ShardingError, match=r"stage 0 \(rank 0\) to stage 1 \(rank 2\): "
                        r"this backend \('nccl'\) needs a process group per stream.*"
-                       r"prepare_stage_groups"):
+                       r"prepare_stages"):
         t.send(torch.ones(2), 0, 1, "F0")
     up, down = p2p.stream_tag(0, 1), p2p.stream_tag(1, 0)
     WORLD.streams.update({(0, 2, up): "pg 0->2", (2, 0, down): "pg 2->0",
@@ -90,13 +93,14 @@ def test_nccl_transfers_run_on_their_streams_group(fake: dict[str, Any]) -> None
 def test_a_received_block_lands_on_the_meshs_device(fake: dict[str, Any],
                                                     monkeypatch: pytest.MonkeyPatch) -> None:
     """Where NCCL's message lives (this GPU) is not where a CPU mesh's block lives: the
-    block moves to ``device_of(mesh, k)`` (faked: the meta device)."""
+    block moves to the backend's ``device_of(mesh, k)`` (faked: the meta device), asked
+    when the transport is built (once per end of a link), never per transfer."""
     sub = STAGES[1]
     x = sw.tensor(torch.ones(4, 4), sharding=PlacementMapping(sub, [Sharded(0)]))
     meta = T._layout_meta(x)
     asked: list[tuple[DeviceMesh, int]] = []
-    monkeypatch.setattr(T, "device_of", lambda mesh, k: asked.append((mesh, k)) or
-                        torch.device("meta"))
+    monkeypatch.setattr(process_backend, "device_of", lambda mesh, k: asked.append((mesh, k))
+                        or torch.device("meta"))
     monkeypatch.setattr(p2p, "recv_parts", lambda peer, tag, key, pg=None: (
         [p2p.spec_text(torch.utils._pytree.tree_flatten((0, 0))[1]), [meta, meta]],
         [torch.ones(2, 4), torch.ones(2, 4)]))
@@ -107,13 +111,15 @@ def test_a_received_block_lands_on_the_meshs_device(fake: dict[str, Any],
             block = y._shards[0]
             assert block is not None and block.device == torch.device("meta")
             assert tuple(block.shape) == (2, 4) and y.shape == (4, 4)
-    assert asked == [(STAGES[0], 0)]  # once per stage and transport, not per transfer
+    assert asked == [(STAGES[0], 0)] * 2  # the send and the receive end, not per transfer
     same = torch.ones(2, 4)
-    assert T._rebuild(meta, same, STAGES[0], "F0", 2, torch.device("cpu"))._shards[0] is same
+    link = t._recvs[(1, 0)][0]
+    assert T._rebuild(meta, same, STAGES[0], 0, "F0", link, torch.device("cpu")
+                      )._shards[0] is same
 
 
 def test_a_leaf_a_transfer_cannot_carry_is_refused_naming_its_type() -> None:
     with pytest.raises(CollectiveError, match=r"^Pipeline send: cannot send a leaf of type "
                                               r"object .*None, bool, int, float or str"):
-        T._part(object(), STAGES[0])
-    assert T._part(2.5, STAGES[0]) == (["v", 2.5], None)
+        T._part(object(), STAGES[0], 0)
+    assert T._part(2.5, STAGES[0], 0) == (["v", 2.5], None)

@@ -2,7 +2,7 @@
 
 Invariants checked here (docs/DESIGN.md §1, §6):
 - both backends provide every method of the Backend protocol (shard_map's SPMD ones too);
-- the simulated collectives give the reference values (exact mode: bit for bit in
+- the in-process collectives give the reference values (exact mode: bit for bit in
   member order) and split MAX/MIN ties evenly in the gradient (as the process
   backend's transpose does);
 - the process backend's specs form one family run by one autograd Function.
@@ -15,12 +15,12 @@ import inspect
 import torch
 
 from shardwise.runtime import Backend
+from shardwise.runtime import collectives as C
 from shardwise.runtime import process as process_pkg
 from shardwise.runtime import simulated as simulated_pkg
 from shardwise.runtime.process import backend as process
 from shardwise.runtime.process import functions as F
 from shardwise.runtime.simulated import backend as simulated
-from shardwise.runtime.simulated import collectives as C
 from shardwise.sharding import ReduceOp
 
 

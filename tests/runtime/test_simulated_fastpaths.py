@@ -39,7 +39,7 @@ def global_value(t: sw.Tensor) -> torch.Tensor:
 def route(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
     """small: below SMALL_BYTES; large: above it (one-buffer all_to_all); huge: also
     above the mmap limit (cat per target, reduce_scatter block by block)."""
-    monkeypatch.setattr(host_paths, "SMALL_BYTES", 1 << 40 if request.param == "small" else -1)
+    monkeypatch.setattr(buffers, "SMALL_BYTES", 1 << 40 if request.param == "small" else -1)
     if request.param == "huge":  # also: results go into out= buffers (buffers.empty)
         monkeypatch.setattr(host_paths, "MMAP_MAX", -1)
         monkeypatch.setattr(buffers, "MAPPED", -1)

@@ -30,9 +30,12 @@ import datetime
 import os
 import sys
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from shardwise.sharding.errors import CollectiveError, ShardingError
+
+if TYPE_CHECKING:
+    from shardwise.runtime import Backend
 
 __all__ = [
     "CollectiveError",
@@ -46,6 +49,14 @@ __all__ = [
 ]
 
 DEFAULT_TIMEOUT_S = 60.0
+
+
+def _world() -> Backend:
+    """The runtime's world services (imported on first use: ``import
+    shardwise.distributed`` stays free of torch)."""
+    from shardwise.runtime import world_backend
+
+    return world_backend()
 
 
 def is_initialized() -> bool:
@@ -123,12 +134,6 @@ def initialize(backend: str | None = None, *, rank: int | None = None,
         local = int(env.get("LOCAL_RANK", "0"))
         torch.cuda.set_device(local)
         kwargs["device_id"] = torch.device("cuda", local)
-    from shardwise.runtime.process import collectives
-    from shardwise.runtime.process.world import WORLD
-
-    WORLD.timeout_s = float(timeout_s)
-    if check_collectives is not None:
-        WORLD.check_collectives = check_collectives
     where = init_method or f"{env['MASTER_ADDR']}:{env.get('MASTER_PORT')}"
     _import_world_capturers()
     start = time.monotonic()
@@ -145,11 +150,13 @@ def initialize(backend: str | None = None, *, rank: int | None = None,
             "another address/port or world size. Underlying error: "
             f"{str(err)[:300]}"
         ) from err
+    world = _world()   # (the process backend now: its world is up)
+    world.begin_world(timeout_s=timeout_s, check_collectives=check_collectives)
     try:  # every process is connected and runs with the same settings
-        barrier(f"initialize({backend}, timeout_s={timeout_s:g})")
+        world.barrier(f"initialize({backend}, timeout_s={timeout_s:g})")
     except CollectiveError:
+        world.end_world()
         dist.destroy_process_group()
-        collectives.reset_groups()
         raise
     if every:
         replicas.enable(every)
@@ -200,13 +207,7 @@ def barrier(label: str = "barrier") -> None:
 
     >>> shardwise.distributed.barrier()   # under torchrun  # doctest: +SKIP
     """
-    if not is_initialized():
-        return
-    from shardwise.runtime.process import agreement, collectives
-
-    world = collectives.world_group()
-    agreement.agree(world.pg, world.ranks, world.label,
-                    agreement.fingerprint(label, None, world.label, (), None))
+    _world().barrier(label)   # (not initialized: a world of one, nothing to wait for)
 
 
 def maybe_initialize(**kwargs: Any) -> bool:
@@ -224,17 +225,21 @@ def maybe_initialize(**kwargs: Any) -> bool:
 
 
 def process_index() -> int:
-    """This process's rank (0 when not initialized: the simulated runtime)."""
-    import torch.distributed as dist
+    """This process's rank (0 when not initialized: the simulated runtime).
 
-    return int(dist.get_rank()) if is_initialized() else 0
+    >>> shardwise.distributed.process_index()   # not under torchrun
+    0
+    """
+    return _world().process_index()
 
 
 def process_count() -> int:
-    """How many processes run the program (1 when not initialized)."""
-    import torch.distributed as dist
+    """How many processes run the program (1 when not initialized).
 
-    return int(dist.get_world_size()) if is_initialized() else 1
+    >>> shardwise.distributed.process_count()   # not under torchrun
+    1
+    """
+    return _world().process_count()
 
 
 def shutdown() -> None:
@@ -247,9 +252,7 @@ def shutdown() -> None:
     """
     import torch.distributed as dist
 
-    from shardwise.runtime.process import collectives as backend
-
-    backend.reset_groups()
+    _world().end_world()
     from shardwise.parallel import replicas
 
     replicas.disable()

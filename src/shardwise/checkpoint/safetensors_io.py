@@ -54,9 +54,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from shardwise.api import distributed
 from shardwise.checkpoint import integrity
 from shardwise.checkpoint.store import CheckpointError
+from shardwise.runtime import world_backend
 from shardwise.tensors.chunks import owned_chunks
 from shardwise.tensors.tensor import Tensor
 
@@ -206,25 +206,25 @@ def _save_safetensors(state_dict: Mapping[str, Any], path: str | os.PathLike[str
     tmp = path.with_name(path.name + ".partial")
     head, begins, digits = _header(flat, metadata, checksums)
     total = len(head) + sum(t.numel() * t.dtype.itemsize for t in flat.values())
-    first = distributed.process_index() == 0
+    first = world_backend().process_index() == 0
     if first:
         with open(tmp, "wb") as f:
             f.write(head)
             f.truncate(total)  # sized (sparse) before any process writes its blocks
-    distributed.barrier("shardwise.checkpoint.save_safetensors: header")
+    world_backend().barrier("shardwise.checkpoint.save_safetensors: header")
     # a process alone reads its CRC-32s back on a thread while the fsync waits for the
     # disk (with peers, only once they have all written theirs)
     summer = (ThreadPoolExecutor(1, thread_name_prefix="shardwise-crc32")
-              if checksums and distributed.process_count() == 1 else None)
+              if checksums and world_backend().process_count() == 1 else None)
     with contextlib.ExitStack() as stack:
         if summer is not None:
             stack.callback(summer.shutdown, wait=True)
         sums = _write_data(tmp, head, begins, flat, first, summer)
-        distributed.barrier("shardwise.checkpoint.save_safetensors: written")
+        world_backend().barrier("shardwise.checkpoint.save_safetensors: written")
         if checksums:
             _write_checksums(tmp, head, digits, _sums(tmp, head, begins, flat)
                              if sums is None else sums.result())
-            distributed.barrier("shardwise.checkpoint.save_safetensors: checksummed")
+            world_backend().barrier("shardwise.checkpoint.save_safetensors: checksummed")
     if first:
         os.replace(tmp, path)
         fd = os.open(path.parent, os.O_RDONLY)
@@ -232,7 +232,7 @@ def _save_safetensors(state_dict: Mapping[str, Any], path: str | os.PathLike[str
             os.fsync(fd)
         finally:
             os.close(fd)
-    distributed.barrier("shardwise.checkpoint.save_safetensors: published")
+    world_backend().barrier("shardwise.checkpoint.save_safetensors: published")
 
 
 def _write_data(tmp: Path, head: bytes, begins: dict[str, int], flat: dict[str, Any],
@@ -264,7 +264,7 @@ def _sums(tmp: Path, head: bytes, begins: dict[str, int], flat: dict[str, torch.
           ) -> dict[str, int]:
     """The CRC-32s of this process's share of the tensors (every ``process_count()``-th),
     read back from the file where the page cache holds it."""
-    me, count = distributed.process_index(), distributed.process_count()
+    me, count = world_backend().process_index(), world_backend().process_count()
     sums = {}
     with (open(tmp, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm,
           memoryview(mm) as view):
@@ -284,7 +284,7 @@ def _write_checksums(tmp: Path, head: bytes, digits: dict[str, int], sums: dict[
     try:
         for name, crc in sums.items():
             os.pwrite(fd, b"%08x" % crc, digits[name])
-        if distributed.process_index() == 0:
+        if world_backend().process_index() == 0:
             os.pwrite(fd, b"%08x" % _header_crc(head, digits.values()), digits[""])
         os.fsync(fd)
     finally:

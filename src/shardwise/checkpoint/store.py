@@ -47,6 +47,7 @@ from pathlib import Path
 from typing import IO, Any, Literal, cast
 
 import torch
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
@@ -54,8 +55,8 @@ from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
 from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, ReadItem
 from torch.futures import Future
 
-from shardwise.api import distributed
 from shardwise.checkpoint import integrity
+from shardwise.runtime import world_backend
 from shardwise.sharding.errors import ShardingError
 from shardwise.tensors.tensor import Tensor
 
@@ -309,26 +310,26 @@ def _save(state_dict: Mapping[str, Any], path: str | os.PathLike[str], *,
     with _told():
         path = Path(path)
         tmp, old = _siblings(path)
-        first = distributed.process_index() == 0
+        first = world_backend().process_index() == 0
         if first:
             shutil.rmtree(tmp, ignore_errors=True)  # what a crashed save left behind
             tmp.mkdir(parents=True)
-        distributed.barrier("shardwise.checkpoint.save: begin")
+        world_backend().barrier("shardwise.checkpoint.save: begin")
         try:
             with _single_process_quiet():
                 dcp.save(dict(state_dict), storage_writer=integrity.ChecksummedWriter(
                     tmp, checksums=checksums),
-                         no_dist=not distributed.is_initialized())
+                         no_dist=not dist.is_initialized())
         except (Exception, CheckpointException) as err:  # DCP's is a BaseException
             cause = _cause(err).rstrip(".")
             raise CheckpointError(
                 f"Saving the checkpoint {path} failed: {cause}. The last complete checkpoint "
                 f"at {path} is untouched; the unfinished one in {tmp.name} is never read."
             ) from err
-        distributed.barrier("shardwise.checkpoint.save: written")
+        world_backend().barrier("shardwise.checkpoint.save: written")
         if first:
             _publish(tmp, path, old)
-        distributed.barrier("shardwise.checkpoint.save: published")
+        world_backend().barrier("shardwise.checkpoint.save: published")
 
 
 def _publish(tmp: Path, path: Path, old: Path) -> None:
@@ -447,7 +448,7 @@ def load(state_dict: dict[str, Any], path: str | os.PathLike[str], *,
             with _single_process_quiet():
                 dcp.load(state_dict, storage_reader=reader,
                          planner=_SafeLoadPlanner(allow_partial_load=not strict),
-                         no_dist=not distributed.is_initialized())
+                         no_dist=not dist.is_initialized())
         except CheckpointError:
             raise
         except (Exception, CheckpointException) as err:  # DCP's is a BaseException
@@ -518,17 +519,13 @@ def _told() -> Iterator[None]:
     try:
         yield
     except CheckpointError as err:
-        if distributed.is_initialized():
-            from shardwise.runtime.process import diagnose
-
-            diagnose.record(str(err))
+        if dist.is_initialized():
+            world_backend().record_failure(str(err))
         raise
 
 
 def _peer(err: BaseException) -> bool:
     """A failure of the exchange between processes (Gloo's own text), not of this one."""
-    import torch.distributed as dist
-
     text = str(err).lower()
     return isinstance(err, dist.DistError) or any(
         w in text for w in ("gloo", "connection closed", "connection reset", "timed out"))
@@ -539,11 +536,9 @@ def _cause(err: BaseException) -> str:
     failed exchange names this rank and the run's first failure (a peer's key)."""
     failures = getattr(err, "failures", None)
     if not isinstance(failures, dict):
-        if distributed.is_initialized() and _peer(err):
-            from shardwise.runtime.process import diagnose
-
-            first = diagnose.first_failure()
-            return (f"rank {distributed.process_index()}'s exchange with the other processes "
+        if dist.is_initialized() and _peer(err):
+            first = world_backend().first_failure()
+            return (f"rank {world_backend().process_index()}'s exchange with the other processes "
                     "failed: a peer failed, died or stalled first ("
                     + (f"the first failure of this run: {first}" if first else
                        "no failure was recorded in the rendezvous store")

@@ -3,7 +3,7 @@
 Invariants:
 - The sum is taken in device order, ``((x0 + x1) + x2) + ...``, so every device
   gets bit-identical values, equal to that torch expression (computed by the
-  simulated collectives, :mod:`shardwise.runtime.simulated.collectives`).
+  collectives of values held in this process, :mod:`shardwise.runtime.collectives`).
 - Outputs are new values; inputs are never modified. Differentiable.
 """
 
@@ -21,7 +21,7 @@ from shardwise.graph.values import (
     collective_inputs,
     on_devices,
 )
-from shardwise.runtime.simulated import collectives
+from shardwise.runtime import collectives
 from shardwise.sharding.placements import ReduceOp
 from shardwise.sharding.types import TensorType
 
@@ -29,7 +29,7 @@ __all__ = ["sum", "sum_in_device_order"]
 
 
 def sum_in_device_order(locs: Sequence[Local], target: torch.device) -> torch.Tensor:
-    """``((x0 + x1) + x2) + ...`` computed on ``target`` by the simulated collectives
+    """``((x0 + x1) + x2) + ...`` computed on ``target`` by the runtime's in-process collectives
     (a copy for one input)."""
     parts = [loc.tensor().to(target) for loc in locs]
     if len(parts) == 1:

@@ -40,7 +40,7 @@ from shardwise.graph.values import (
     read_all,
     single_device,
 )
-from shardwise.runtime.simulated import collectives
+from shardwise.runtime import collectives
 from shardwise.sharding.devices import Device, DeviceError
 from shardwise.sharding.errors import ShardingError, ShardingTypeError
 from shardwise.sharding.types import TensorType

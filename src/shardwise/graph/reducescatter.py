@@ -2,7 +2,7 @@
 
 Invariants:
 - The sum is that of :func:`shardwise.graph.allreduce.sum` (device order, by the
-  simulated collectives), so concatenating the pieces along ``axis`` gives exactly
+  runtime's in-process collectives), so concatenating the pieces along ``axis`` gives exactly
   the all-reduce result.
 - Split rule: an axis of size ``g`` over ``n`` devices gives device ``k`` the
   contiguous piece of size ``g // n + (1 if k < g % n else 0)``; uneven and
@@ -24,7 +24,7 @@ from shardwise.graph.values import (
     normalize_axis,
     single_device,
 )
-from shardwise.runtime.simulated import collectives
+from shardwise.runtime import collectives
 from shardwise.sharding.placements import ReduceOp
 from shardwise.sharding.shapes import split_bounds
 from shardwise.sharding.types import TensorType

@@ -30,7 +30,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from shardwise.runtime import backend_for
+from shardwise.runtime import backend_for, world_backend
 from shardwise.sharding.errors import CollectiveError, ShardingTypeError
 from shardwise.sharding.mesh import DeviceMesh
 from shardwise.tensors.tensor import Tensor
@@ -240,13 +240,8 @@ def _local(mesh: DeviceMesh) -> bool:
 
 def _exchange(checked: list[Any], table: list[dict[int, int]]) -> list[dict[int, int]]:
     """Every rank's hash of every value, by device: one all_gather over the world."""
-    from shardwise.runtime.process import collectives as D
-
-    world = D.world_group()
     mine = torch.tensor([next(iter(h.values()), -1) for h in table], dtype=torch.int64)
-    n = len(table)
-    got = D.all_gather(mine, 0, world, [n] * world.size, "replica check").view(world.size, n)
-    rows = got.tolist()
+    rows = world_backend().gather_world(mine, "replica check").tolist()
     return [{k: rows[d.id][i] for k, d in enumerate(mesh.devices)}
             for i, (_, mesh, _, _) in enumerate(checked)]
 

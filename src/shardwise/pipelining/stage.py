@@ -32,7 +32,6 @@ import torch
 import torch.nn as nn
 
 from shardwise.runtime import backend_for
-from shardwise.runtime.process.groups import is_process_mesh, prepare_stage_groups
 from shardwise.sharding.errors import ShardingError, ShardingTypeError
 from shardwise.sharding.mesh import DeviceMesh
 
@@ -225,10 +224,9 @@ def pipeline(model_or_stage_modules: nn.Module | Sequence[nn.Module], mesh: Devi
     for s, m in enumerate(modules):
         r = _rank(s, p, style)
         stages.append(Stage(s, m, _stage_mesh(mesh, axis, r), r, names[s]))
-    if is_process_mesh(mesh):
-        # every process creates every stage's groups now, in one order: then a stage's
-        # processes run its ops (parallelize_module, fully_shard, the step) alone
-        prepare_stage_groups(mesh, axis, [st.mesh for st in stages])
+    # every process makes every stage's groups now, in one order: then a stage's
+    # processes run its ops (parallelize_module, fully_shard, the step) alone
+    backend_for(mesh).prepare_stages(mesh, axis, [st.mesh for st in stages])
     return Pipe(stages, mesh, axis, style, stages_per_rank)
 
 

@@ -6,25 +6,27 @@ of every shardwise Tensor to the process at the same coordinate ``c`` of stage
 ``dst``'s mesh, which rebuilds the Tensor with the same placements on its own mesh
 (a tp-sharded activation stays sharded on the receiving stage's tp group; a Partial
 gradient stays Partial). Plain torch tensors, None and scalars travel as they are,
-from each process to its peer.
+from each process to its peer. What moves the bytes is the runtime's: a link of the
+``Backend`` protocol per stage pair and direction (``backend.link``), which this module
+reaches only through :func:`~shardwise.runtime.backend_for`.
 
 Invariants:
 - Stage meshes have one shape (submeshes of one mesh); process ``mesh_src.devices[c]``
-  pairs with ``mesh_dst.devices[c]`` only, so every transfer is one point-to-point
-  exchange (:mod:`shardwise.runtime.process.p2p`) on the stream of (src, dst): the
-  failure model of every collective holds (bounded waits, a clear
-  :class:`CollectiveError` naming the peer, the stages and the tag).
+  pairs with ``mesh_dst.devices[c]`` only, so every transfer is one transfer on the
+  link of (src, dst) at ``c``, whose failure model is the runtime's (on processes:
+  bounded waits, a clear :class:`CollectiveError` naming the peer, the stages and the
+  tag). A process carries one device of each stage it holds (the process mesh; a
+  simulated mesh with one device per stage).
 - A received tensor is a new leaf; it records gradients when the sent one did (the
   receiving stage's backward stays its own, as torch's stages do).
 - A received block must have the shape its global shape and layout give on the
   receiving process (shapes may change between microbatches, never disagree), and
   lands on the device the receiving mesh gives it (``backend.device_of``); a plain
-  torch tensor arrives on the transport's device (the GPU on NCCL, the CPU on Gloo).
-- On Gloo the streams share the world group (tags separate them); on NCCL (or with
-  the test hook ``SHARDWISE_P2P_STREAM_GROUPS=1``) each stream runs on its own group,
-  made by ``prepare_stage_groups`` (``pipeline()``): a missing one is refused.
-- Gloo or NCCL: another backend, NCCL without a GPU or a torch without NCCL is
-  refused when the transport is built.
+  torch tensor arrives where the link delivers it (the GPU on NCCL, the CPU on Gloo).
+- The links between adjacent stages that this process holds an end of are made when
+  the transport is built: a runtime they cannot run on (on processes: another backend
+  than Gloo or NCCL, NCCL without a GPU or a torch without NCCL) is refused then.
+- Per transfer: one dict lookup for the link, the value's leaves, one call to the link.
 """
 
 from __future__ import annotations
@@ -33,13 +35,9 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
-import torch.distributed as dist
-from torch.utils import _pytree as pytree
 
-from shardwise.runtime.process import collectives as D
-from shardwise.runtime.process import p2p
-from shardwise.runtime.process.backend import device_of
-from shardwise.runtime.process.world import WORLD
+from shardwise.runtime import Link, backend_for, world_backend
+from shardwise.runtime.trees import check_value, flatten, unflatten
 from shardwise.sharding.errors import CollectiveError, ShardingError
 from shardwise.sharding.layout import Layout
 from shardwise.sharding.mesh import DeviceMesh
@@ -48,6 +46,8 @@ from shardwise.sharding.shapes import local_shape
 from shardwise.tensors.tensor import Tensor
 
 __all__ = ["ProcessTransport"]
+
+End = tuple[Link, int, torch.device]   # a link, this process's device index, its device
 
 
 class ProcessTransport:
@@ -69,125 +69,98 @@ class ProcessTransport:
             raise ShardingError(
                 f"ProcessTransport needs stage meshes of one shape (submeshes of one mesh "
                 f"along the pipeline axis). Got {self.meshes}.")
-        p2p.check_backend("The pipeline transport between processes")
-        # NCCL: each stream on its own group (WORLD.streams, by (sender, receiver, tag));
-        # Gloo: None, the world group and its tags (one dict lookup less per transfer)
-        self._streams = WORLD.streams if p2p.needs_stream_groups() else None
-        self._local: dict[tuple[int, int, str], Any] = {}  # both stages in this process
-        self._peers: dict[tuple[int, int], int | None] = {}  # a hop's peer, once found
-        self._devices: dict[int, torch.device] = {}  # stage -> where its blocks live here
+        self._backend = backend_for(self.meshes[0])
+        # (src, dst) -> this process's end of the link: sending, receiving
+        self._sends: dict[tuple[int, int], End] = {}
+        self._recvs: dict[tuple[int, int], End] = {}
+        for s in range(len(self.meshes) - 1):  # the executor's transfers: adjacent stages
+            for src, dst in ((s, s + 1), (s + 1, s)):
+                if self._backend.owned(self.meshes[src]):
+                    self._end(src, dst, src, "send", "")
+                if self._backend.owned(self.meshes[dst]):
+                    self._end(src, dst, dst, "receive", "")
 
-    def _peer(self, here: int, there: int, what: str, tag: str) -> int | None:
-        """The rank at this process's coordinate of stage ``there`` (None: this one)."""
-        got = self._peers.get((here, there), -1)
-        if got != -1:
-            return got
-        for s in (here, there):
+    def _end(self, src: int, dst: int, here: int, what: str, tag: str) -> End:
+        """This process's end (at stage ``here``) of the link from ``src`` to ``dst``."""
+        for s in (src, dst):
             if not 0 <= s < len(self.meshes):
                 raise ShardingError(
                     f"Pipeline {what} {tag}: stage {s} is not one of the "
                     f"{len(self.meshes)} stages (0..{len(self.meshes) - 1}).")
-        k = D.my_index(self.meshes[here])
-        if k is None:
+        mesh = self.meshes[here]
+        owned = list(self._backend.owned(mesh))
+        if len(owned) != 1:
+            holds = ("holds no device" if not owned else
+                     f"holds {len(owned)} devices (the transport carries one per process)")
             raise ShardingError(
-                f"Pipeline {what} of {tag} between stages {here} and {there} on rank "
-                f"{dist.get_rank()}, which holds no device of stage {here}'s mesh "
-                f"{self.meshes[here]!r} (devices {[d.id for d in self.meshes[here].devices]}): "
-                "only the stage's processes send and receive its values.")
-        peer = self.meshes[there].devices[k].id
-        found = self._peers[(here, there)] = None if peer == dist.get_rank() else peer
-        return found
+                f"Pipeline {what} of {tag} between stages {src} and {dst} on rank "
+                f"{world_backend().process_index()}, which {holds} of stage {here}'s mesh "
+                f"{mesh!r} (devices {[d.id for d in mesh.devices]}): only the stage's "
+                "processes send and receive its values.")
+        k = owned[0]
+        link = self._backend.link(self.meshes[src], self.meshes[dst], k, (src, dst))
+        end = (link, k, self._backend.device_of(mesh, k))
+        (self._sends if here == src else self._recvs)[(src, dst)] = end
+        return end
 
     def send(self, value: Any, src_stage: int, dst_stage: int, tag: str) -> None:
         """Send ``value`` (a pytree of shardwise Tensors, torch tensors, None, scalars)
         from stage ``src_stage`` (held here) to ``dst_stage``."""
-        peer = self._peer(src_stage, dst_stage, "send", tag)
-        if peer is None:
-            self._local[(src_stage, dst_stage, tag)] = _fresh(value)
-            return
-        leaves, text = p2p.flatten(value)
+        end = self._sends.get((src_stage, dst_stage))
+        if end is None:
+            end = self._end(src_stage, dst_stage, src_stage, "send", tag)
+        link, k, _ = end
+        leaves, text = flatten(value)
         mesh = self.meshes[src_stage]
         metas: list[Any] = []
         blocks: list[torch.Tensor] = []
         for x in leaves:
-            meta, block = _part(x, mesh)
+            meta, block = _part(x, mesh, k)
             metas.append(meta)
             if block is not None:
                 blocks.append(block)
-        stream = p2p.stream_tag(src_stage, dst_stage)
-        p2p.send_parts([text, metas], blocks, peer, stream,
-                       _key(src_stage, dst_stage, tag),
-                       None if self._streams is None else self._group(
-                           dist.get_rank(), peer, stream, src_stage, dst_stage))
+        link.send([text, metas], blocks, _key(src_stage, dst_stage, tag))
 
     def recv(self, src_stage: int, dst_stage: int, tag: str) -> Any:
         """The value stage ``src_stage`` sent to ``dst_stage`` (held here) under ``tag``,
         rebuilt on ``dst_stage``'s mesh."""
-        peer = self._peer(dst_stage, src_stage, "receive", tag)
-        if peer is None:
-            try:
-                return self._local.pop((src_stage, dst_stage, tag))
-            except KeyError:
-                raise CollectiveError(
-                    f"Pipeline receive of {tag} from stage {src_stage} to stage {dst_stage}: "
-                    "nothing was sent (both stages are on this process).") from None
+        end = self._recvs.get((src_stage, dst_stage))
+        if end is None:
+            end = self._end(src_stage, dst_stage, dst_stage, "receive", tag)
+        link, k, dev = end
         key = _key(src_stage, dst_stage, tag)
-        stream = p2p.stream_tag(src_stage, dst_stage)
-        (spec_text, metas), blocks = p2p.recv_parts(
-            peer, stream, key,
-            None if self._streams is None else self._group(peer, dist.get_rank(), stream,
-                                                           src_stage, dst_stage))
+        (spec_text, metas), blocks = link.recv(key)
         mesh = self.meshes[dst_stage]
-        dev = self._devices.get(dst_stage)
-        if dev is None:
-            k = D.my_index(mesh)
-            assert k is not None
-            dev = self._devices[dst_stage] = device_of(mesh, k)
         it = iter(blocks)
-        leaves = [_rebuild(m, next(it) if m[0] != "v" else None, mesh, key, peer, dev)
+        leaves = [_rebuild(m, next(it) if m[0] != "v" else None, mesh, k, key, link, dev)
                   for m in metas]
-        return p2p.unflatten(leaves, spec_text)
-
-    def _group(self, sender: int, receiver: int, stream: int, src: int, dst: int) -> Any:
-        """The process group of the stream from ``sender`` to ``receiver`` (NCCL)."""
-        assert self._streams is not None
-        pg = self._streams.get((sender, receiver, stream))
-        if pg is None:
-            raise ShardingError(
-                f"Pipeline transfer from stage {src} (rank {sender}) to stage {dst} (rank "
-                f"{receiver}): this backend ({dist.get_backend()!r}) needs a process group "
-                "per stream and this one has none. Build the stages with pipeline(), or "
-                "call shardwise.runtime.process.groups.prepare_stage_groups(mesh, axis, "
-                "stage_meshes) on every process before the first transfer.")
-        return pg
+        return unflatten(leaves, spec_text)
 
     def flush(self) -> None:
         """Wait until every value this process sent was received (bounded)."""
-        p2p.flush()
+        self._backend.flush_links()
 
 
 def _key(src: int, dst: int, tag: str) -> str:
     return f"{tag} from stage {src} to stage {dst}"
 
 
-def _part(x: Any, mesh: DeviceMesh) -> tuple[Any, torch.Tensor | None]:
+def _part(x: Any, mesh: DeviceMesh, k: int) -> tuple[Any, torch.Tensor | None]:
     """A leaf's description for the receiver (JSON) and the tensor that carries it:
     a shardwise Tensor's layout (its dims and Partial ops), global shape and whether it
-    records gradients, with this process's block; a torch tensor's gradient flag, with
-    itself; any other value, as it is."""
+    records gradients, with its block on device ``k``; a torch tensor's gradient flag,
+    with itself; any other value, as it is."""
     if isinstance(x, Tensor):
         if x.mesh != mesh:
             raise ShardingError(
                 f"Pipeline send: a Tensor on {x.mesh!r} leaves the stage on {mesh!r}; a stage "
                 "sends values on its own mesh (relayout it onto the stage mesh first).")
-        k = D.my_index(mesh)
-        assert k is not None
         block = x.shards[k]
         assert block is not None, "a process holds its own block"
         return _layout_meta(x), block
     if isinstance(x, torch.Tensor):
-        return ["t", x.requires_grad], x  # (p2p copies its bytes: no autograd involved)
-    p2p.check_value(x, "Pipeline send")
+        return ["t", x.requires_grad], x  # (the link copies its bytes: no autograd involved)
+    check_value(x, "Pipeline send")
     return ["v", x], None
 
 
@@ -200,7 +173,7 @@ def _layout_meta(x: Tensor) -> list[Any]:
             x.requires_grad]
 
 
-def _rebuild(meta: Any, block: Any, mesh: DeviceMesh, key: str, peer: int,
+def _rebuild(meta: Any, block: Any, mesh: DeviceMesh, k: int, key: str, link: Link,
              dev: torch.device) -> Any:
     if meta[0] == "v":
         return meta[1]
@@ -209,14 +182,14 @@ def _rebuild(meta: Any, block: Any, mesh: DeviceMesh, key: str, peer: int,
     _, dims, partial, shape, grad = meta
     layout = Layout(mesh, tuple(tuple(d) for d in dims),
                     tuple(None if p is None else ReduceOp(p) for p in partial))
-    k = D.my_index(mesh)
-    assert k is not None
     want = local_shape(tuple(shape), layout, mesh.coord_of(k))
     if tuple(block.shape) != want:
+        sender = "this rank" if link.peer is None else f"rank {link.peer}"
         raise CollectiveError(
-            f"Pipeline receive of {key} on rank {dist.get_rank()}: rank {peer} sent a block of "
-            f"shape {tuple(block.shape)}, but global shape {tuple(shape)} laid out as {layout} "
-            f"puts shape {want} here: the stages' meshes or layouts disagree.")
+            f"Pipeline receive of {key} on rank {world_backend().process_index()}: {sender} "
+            f"sent a block of shape {tuple(block.shape)}, but global shape {tuple(shape)} "
+            f"laid out as {layout} puts shape {want} here: the stages' meshes or layouts "
+            "disagree.")
     if block.device != dev:  # e.g. NCCL's GPU message for a CPU mesh
         block = block.to(dev)
     if grad and _grads(block):
@@ -228,12 +201,3 @@ def _rebuild(meta: Any, block: Any, mesh: DeviceMesh, key: str, peer: int,
 
 def _grads(x: torch.Tensor) -> bool:
     return x.dtype.is_floating_point or x.dtype.is_complex
-
-
-def _fresh(value: Any) -> Any:
-    """A same-process hand-over: detached leaves that record gradients as the sent did."""
-    def leaf(x: Any) -> Any:
-        if isinstance(x, torch.Tensor):
-            return x.detach().requires_grad_(x.requires_grad)
-        return x
-    return pytree.tree_map(leaf, value)

@@ -1,12 +1,15 @@
 """Runtime backends: where a Tensor's shards live and how plan steps execute.
 
 One protocol (:class:`Backend`, shard_map's SPMD bodies included: ``run_spmd`` and
-``spmd_outputs``), two backends in their own subpackages: ``simulated/`` (every device
-of the mesh in this process) and ``process/`` (one process per device,
-torch.distributed). Ops pick the backend from the mesh (:func:`backend_for`). Shared
-by both, on this floor: ``blocks`` (block recipes), ``buffers`` (large result
-buffers), ``spmd`` (the axis environment of a running shard_map body), ``observe``
-(observers of collectives).
+``spmd_outputs``; the world's services: ``barrier``, ``first_failure``...), two backends
+in their own subpackages: ``simulated/`` (every device of the mesh in this process) and
+``process/`` (one process per device, torch.distributed). It is the only door to a
+runtime: ops pick the backend from the mesh (:func:`backend_for`), what concerns no
+mesh asks :func:`world_backend`, and nothing above this floor imports a backend's
+package. Shared by both, on this floor: ``blocks`` (block recipes), ``buffers`` (large
+result buffers), ``collectives`` (the collectives of values this process holds),
+``spmd`` (the axis environment of a running shard_map body), ``observe`` (observers of
+collectives).
 
 Invariants:
 - A multi-device mesh is never simulated in a process that torchrun launched as
@@ -37,8 +40,8 @@ if TYPE_CHECKING:
     from shardwise.propagation.binding import Factors
     from shardwise.propagation.decide import Decision
 
-__all__ = ["Backend", "Decided", "GradOwner", "SpmdOutputs", "backend_for", "check_reduce",
-           "world_started"]
+__all__ = ["Backend", "Decided", "GradOwner", "Link", "SpmdOutputs", "backend_for",
+           "check_reduce", "world_backend", "world_started"]
 
 
 class Decided(Protocol):
@@ -136,6 +139,84 @@ class Backend(Protocol):
         some, unnamed)."""
         ...
 
+    # --- point-to-point between meshes and pipeline stages (the pipeline transport)
+    def link(self, src: DeviceMesh, dst: DeviceMesh, k: int, stages: tuple[int, int]
+             ) -> Link:
+        """The point-to-point link from device ``k`` of ``src`` to device ``k`` of ``dst``
+        (meshes of one shape), whose transfers pair in order on the stream of the
+        pipeline stages ``stages`` (source, destination), never with another stream's.
+        This process holds one of its ends (the process backend refuses a link it holds
+        no end of) or both (a loopback: every link of the simulated backend)."""
+        ...
+
+    def flush_links(self) -> None:
+        """Wait until every transfer this process sent on a link was received (bounded)."""
+        ...
+
+    def prepare_stages(self, mesh: DeviceMesh, axis: str, stages: Sequence[DeviceMesh]
+                       ) -> list[DeviceMesh]:
+        """Make ready the meshes ``stages`` of a pipeline over ``axis`` of ``mesh``, on
+        every process in one order, so that each stage's processes later run its ops
+        (and its links) alone; returns the stage meshes."""
+        ...
+
+    # --- this process's world (no mesh; reached through world_backend()): the
+    # torch.distributed world on the process backend, this one process on the simulated
+    # one. What api/distributed, checkpoint and the replica check ask of a runtime.
+    def begin_world(self, *, timeout_s: float, check_collectives: bool | None = None
+                    ) -> None:
+        """Start this world's bookkeeping afresh (nothing of an earlier world survives),
+        with the run's settings: every wait bounded by ``timeout_s``; the heavy debug
+        check of every collective on or off (None: as it is, by default what
+        ``SHARDWISE_CHECK_COLLECTIVES`` says)."""
+        ...
+
+    def end_world(self) -> None:
+        """Forget this world's groups, streams and caches (shutdown, a failed start)."""
+        ...
+
+    def process_index(self) -> int:
+        """This process's rank in the world (0 in a world of one process)."""
+        ...
+
+    def process_count(self) -> int:
+        """How many processes the world holds."""
+        ...
+
+    def barrier(self, label: str) -> None:
+        """Wait until every process arrives at the barrier ``label`` (bounded); raises
+        :class:`CollectiveError` on all of them when one stays away or calls another."""
+        ...
+
+    def gather_world(self, x: torch.Tensor, label: str) -> torch.Tensor:
+        """Every process's ``x`` (one shape and dtype on all), stacked in rank order:
+        shape ``(process_count(), *x.shape)``; a collective over the world named ``label``."""
+        ...
+
+    def record_failure(self, text: str) -> str:
+        """Record ``text`` as the run's first failure unless one is recorded already;
+        returns the first failure ("" when it cannot be read)."""
+        ...
+
+    def first_failure(self) -> str:
+        """The run's first recorded failure ("" when none)."""
+        ...
+
+
+class Link(Protocol):
+    """One direction of point-to-point transfers between two devices (:meth:`Backend.link`):
+    a transfer is ``info`` (a JSON value: what the receiver needs to use the tensors)
+    and plain torch tensors, under a ``key`` both ends name alike (a mismatch raises
+    :class:`CollectiveError` on the receiver). Sends return at once; received tensors
+    are new leaves that never require grad."""
+
+    peer: int | None
+    """The rank at the other end (None: this process holds both ends)."""
+
+    def send(self, info: Any, tensors: Sequence[torch.Tensor], key: str) -> None: ...
+
+    def recv(self, key: str) -> tuple[Any, list[torch.Tensor]]: ...
+
 
 SpmdOutputs: TypeAlias = tuple[
     list[list[tuple[tuple[int, ...], torch.dtype]] | None],  # block shapes and dtypes
@@ -184,6 +265,19 @@ def world_started() -> bool:
     False
     """
     return _dist_available and dist.is_initialized()
+
+
+def world_backend() -> Backend:
+    """The backend of this process's world, for what concerns no mesh (a barrier, the
+    run's first failure, starting and ending the world): the torch.distributed backend
+    once its world is initialized, else the simulated one, whose world is this process.
+
+    >>> world_backend().process_count()   # not under torchrun: a world of one process
+    1
+    """
+    if _dist_available and dist.is_initialized():
+        return _module("process.backend")
+    return _module("simulated.backend")
 
 
 _WORLD: list[int] = []

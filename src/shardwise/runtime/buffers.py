@@ -37,8 +37,10 @@ from typing import Any
 import numpy as np
 import torch
 
-__all__ = ["MAPPED", "buffer_reuse", "by_address", "empty", "huge_pages", "pool_limit",
-           "set_buffer_reuse", "set_huge_pages", "set_pool_limit"]
+from shardwise.runtime.blocks import recording
+
+__all__ = ["MAPPED", "SMALL_BYTES", "buffer_reuse", "by_address", "empty", "huge_pages",
+           "out_buffer", "pool_limit", "set_buffer_reuse", "set_huge_pages", "set_pool_limit"]
 
 _M_TRIM_THRESHOLD, _M_MMAP_MAX = -1, -4  # glibc mallopt parameters (malloc.h)
 _GLIBC_MMAP_MAX, _GLIBC_TRIM_THRESHOLD = 65536, 128 * 1024  # glibc's defaults
@@ -102,6 +104,10 @@ MAPPED = 32 * 2**20  # glibc maps blocks above this fresh in every mode (its thr
 #: threshold (128 KiB) and MAPPED fresh or not depending on its dynamic threshold (the
 #: history of frees), so such a result cost 1x or ~3x a copy from one process to the next
 POOLED = 4 * 2**20
+SMALL_BYTES = 1 << 18
+"""Tensors of at most this many bytes (per Partial group) take the few-calls path:
+there a torch call (~1-3 us) costs more than copying the data."""
+
 _HUGE = 2 * 2**20     # the huge page size on x86-64 and arm64 (4 KiB base pages)
 _MADV_HUGEPAGE = 14   # asm-generic/mman-common.h
 
@@ -279,3 +285,19 @@ def empty(shape: Sequence[int], like: torch.Tensor) -> torch.Tensor:
     if nbytes > MAPPED:  # surely a fresh mapping: never advise the heap's memory
         _advise_huge(t.data_ptr(), nbytes)
     return t
+
+
+def out_buffer(shape: Sequence[int], like: torch.Tensor, inputs: Sequence[torch.Tensor]
+               ) -> torch.Tensor | None:
+    """The ``out=`` buffer of a result computed from ``inputs``: one from
+    :func:`empty` (the pool) when glibc may map it fresh (above 4 MiB),
+    else None (a plain allocation); always None while autograd records ``inputs``
+    (``out=`` is not differentiable).
+
+    >>> x = torch.ones(8)
+    >>> out_buffer((8,), x, [x]) is None  # small: torch allocates as usual
+    True
+    """
+    if math.prod(shape) * like.element_size() <= POOLED or recording(inputs):
+        return None
+    return empty(shape, like)

@@ -31,6 +31,18 @@ from shardwise.runtime.local import run_blocks
 from shardwise.runtime.owner import GradOwner
 from shardwise.runtime.process import collectives as D
 from shardwise.runtime.process import functions as F
+from shardwise.runtime.process.control import (  # the world block of the protocol
+    barrier,
+    begin_world,
+    end_world,
+    first_failure,
+    gather_world,
+    process_count,
+    process_index,
+    record_failure,
+)
+from shardwise.runtime.process.groups import prepare_stage_groups as prepare_stages
+from shardwise.runtime.process.links import flush_links, link
 from shardwise.runtime.process.spmd import run_spmd, spmd_outputs
 from shardwise.runtime.process.world import WORLD
 from shardwise.sharding.devices import accelerator_type
@@ -52,6 +64,19 @@ __all__ = [
     "run_spmd",
     "run_step",
     "spmd_outputs",
+    # point-to-point and pipeline stages
+    "flush_links",
+    "link",
+    "prepare_stages",
+    # the world block
+    "barrier",
+    "begin_world",
+    "end_world",
+    "first_failure",
+    "gather_world",
+    "process_count",
+    "process_index",
+    "record_failure",
 ]
 
 Shards = list  # list[torch.Tensor | None]

@@ -79,7 +79,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.utils import _pytree as pytree
 
 from shardwise.runtime import buffers
 from shardwise.runtime.process import diagnose
@@ -90,6 +89,13 @@ from shardwise.runtime.process.p2p_backends import (
     poll,
 )
 from shardwise.runtime.process.world import WORLD
+from shardwise.runtime.trees import (  # (the transfers' trees: re-exported)
+    check_value,
+    flatten,
+    spec_of,
+    spec_text,
+    unflatten,
+)
 from shardwise.sharding.errors import CollectiveError
 
 __all__ = ["check_backend", "check_value", "flatten", "flush", "message_device",
@@ -105,7 +111,6 @@ _ALIGN = 16
 _FREE = 8                 # sent CPU messages a stream keeps for its next sends
 _TAG_BASE = 1 << 20       # clear of tag 0, which the collectives' exchanges use
 _OVERFLOW = 1 << 22       # + a stream's tag: its payloads that follow their header (Gloo)
-_LEAF_VALUES = (type(None), bool, int, float, str)
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
 # A CPU message is written and read by address (ctypes): a pipeline hop runs on caches
 # its stage's compute left cold, where each torch call (a slice, a view, a copy) costs
@@ -186,73 +191,6 @@ def stream_tag(src: int, dst: int) -> int:
     return _TAG_BASE + (src << 10) + dst
 
 
-_SPECS: dict[Any, str] = {}   # TreeSpec -> its JSON (a step repeats a few structures)
-
-
-def spec_text(spec: Any) -> str:
-    """``treespec_dumps(spec)``, cached (tens of us per call; a hash is ~3 us)."""
-    text = _SPECS.get(spec)
-    if text is None:
-        if len(_SPECS) > 256:
-            _SPECS.clear()
-        text = _SPECS[spec] = pytree.treespec_dumps(spec)
-    return text
-
-
-@functools.lru_cache(maxsize=256)
-def spec_of(text: str) -> Any:
-    """The TreeSpec of :func:`spec_text`'s text (cached)."""
-    return pytree.treespec_loads(text)
-
-
-def _is_tensor_leaf(x: Any) -> bool:
-    return isinstance(x, torch.Tensor) and type(x) not in pytree.SUPPORTED_NODES
-
-
-_LEAF_TEXT = pytree.treespec_dumps(pytree.tree_flatten(0)[1])
-_TUPLE_TEXTS: dict[int, str] = {}    # n -> the text of a tuple of n leaves
-_TUPLE_SIZES: dict[str, int] = {}    # and back
-
-
-def flatten(tree: Any) -> tuple[list[Any], str]:
-    """``tree``'s leaves and its structure as :func:`spec_text` writes it. A tensor and a
-    flat tuple of tensors (a stage's usual output and input gradients) skip the pytree
-    walk, ~20 us of Python on a hop's cold cache.
-
-    >>> leaves, text = flatten((torch.ones(1), torch.zeros(2)))
-    >>> len(leaves), unflatten(leaves, text)[1].shape
-    (2, torch.Size([2]))
-    >>> unflatten(*flatten({"x": [1, None]}))
-    {'x': [1, None]}
-    """
-    if _is_tensor_leaf(tree):
-        return [tree], _LEAF_TEXT
-    if type(tree) is tuple and all(map(_is_tensor_leaf, tree)):
-        n = len(tree)
-        text = _TUPLE_TEXTS.get(n)
-        if text is None:
-            text = _TUPLE_TEXTS[n] = pytree.treespec_dumps(pytree.tree_flatten(tree)[1])
-            _TUPLE_SIZES[text] = n
-        return list(tree), text
-    leaves, spec = pytree.tree_flatten(tree)
-    return leaves, spec_text(spec)
-
-
-def unflatten(leaves: Sequence[Any], text: str) -> Any:
-    """The tree of :func:`flatten`'s ``(leaves, text)`` (any leaves in their place)."""
-    if text == _LEAF_TEXT:
-        return leaves[0]
-    n = _TUPLE_SIZES.get(text)
-    if n is None:
-        spec = spec_of(text)
-        if not (spec.type is tuple and all(c.is_leaf() for c in spec.children())):
-            return pytree.tree_unflatten(list(leaves), spec)
-        n = _TUPLE_SIZES[text] = spec.num_children   # (a tuple of leaves: known now)
-    if len(leaves) != n:
-        return pytree.tree_unflatten(list(leaves), spec_of(text))  # (raises, naming both)
-    return tuple(leaves)
-
-
 def _pg(pg: Any) -> Any:
     """``pg``, or the default group (looked up once per world: c10d's lookup checks
     the world each time, ~10 us on a hop's cold cache)."""
@@ -288,22 +226,6 @@ def _refuse(stream: _Stream, what: Callable[[], str]) -> None:
         f"{what()} refused: this stream failed earlier and its "
         f"transfers no longer pair up. Stop the program (or shutdown() and initialize() "
         f"again). The earlier error: {stream.failed[:400]}")
-
-
-def check_value(x: Any, who: str) -> None:
-    """Refuse a leaf that is neither a tensor nor a value a transfer carries as it is
-    (None, bool, int, float, str), naming ``who`` sends it.
-
-    >>> check_value(2.5, "send")
-    >>> check_value(object(), "send")
-    Traceback (most recent call last):
-    ...
-    shardwise.sharding.errors.CollectiveError: send: cannot send a leaf of type object ...
-    """
-    if not isinstance(x, _LEAF_VALUES):
-        raise CollectiveError(
-            f"{who}: cannot send a leaf of type {type(x).__name__} ({x!r:.60}); a value "
-            "must be a tree (tuple, list, dict) of tensors, None, bool, int, float or str.")
 
 
 def send(tree: Any, peer: int, tag: int, key: str, pg: Any = None) -> None:

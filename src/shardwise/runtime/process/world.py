@@ -3,9 +3,10 @@
 Invariants:
 - Everything cached per world lives on :data:`WORLD`: process groups by (mesh, axes)
   and torch process groups by member ranks, the point-to-point streams' own groups
-  (by sender, receiver and tag), the mesh -> process index, the pipeline stage
-  meshes, meshes checked against the world size, the agreement channels, groups that
-  failed, and the multi-process step specs (which hold groups).
+  (by sender, receiver and tag), the point-to-point links (``links.py``), the mesh ->
+  process index, the pipeline stage meshes, meshes checked against the world size, the
+  agreement channels, groups that failed, and the multi-process step specs (which hold
+  groups).
   ``WORLD.reset()`` (``shutdown()`` and ``initialize()``) clears them all at once,
   so nothing of an old world survives into a new one; it also counts
   ``WORLD.generation`` up, by which the point-to-point layer forgets its streams.
@@ -52,6 +53,7 @@ class World:
     groups: dict[Any, Any] = field(default_factory=dict)
     pgs: dict[tuple[int, ...], Any] = field(default_factory=dict)  # sorted ranks -> group
     streams: dict[tuple[int, int, int], Any] = field(default_factory=dict)  # (src, dst, tag)
+    links: dict[Any, Any] = field(default_factory=dict)   # (src mesh, dst mesh, k, stages)
     stages: set[Any] = field(default_factory=set)        # pipeline stage meshes
     index: dict[Any, int | None] = field(default_factory=dict)
     checked: set[Any] = field(default_factory=set)      # meshes that fit the world
@@ -63,8 +65,8 @@ class World:
     def reset(self) -> None:
         """Forget every cache of this world (settings stay)."""
         self.generation += 1
-        for cache in (self.groups, self.pgs, self.streams, self.stages, self.index, self.checked,
-                      self.channels, self.broken, self.specs):
+        for cache in (self.groups, self.pgs, self.streams, self.links, self.stages, self.index,
+                      self.checked, self.channels, self.broken, self.specs):
             cache.clear()
 
 

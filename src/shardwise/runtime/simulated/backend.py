@@ -12,7 +12,7 @@ Invariants:
 - Execution recipes (which source block feeds which target block) are
   computed once per (layout, layout, shape) and cached, with the choice of
   torch calls made once too (host meshes):
-  - small tensors (at most ``host_paths.SMALL_BYTES``): all_to_all-like moves gather whole
+  - small tensors (at most ``buffers.SMALL_BYTES``): all_to_all-like moves gather whole
     and cut views (two torch calls instead of two per device); small sums of
     more than 3 terms are one ``stack().sum()`` when no gradient is recorded;
   - large tensors: targets are built block by block into contiguous buffers;
@@ -28,7 +28,8 @@ Invariants:
   the C heap, so a fresh 64 MiB output costs a copy, not ~3 copies of page faults.
 
 Modules: ``runtime/blocks`` (the recipes), ``host_paths`` (the compiled host fast
-path), ``collectives`` (the group reductions, shared with shard_map and the graph ops),
+path), ``runtime/collectives`` (the group reductions, shared with shard_map and the
+graph ops),
 ``runtime/buffers`` (buffer reuse); this one runs the planner's steps with them.
 """
 
@@ -42,13 +43,26 @@ from typing import Any, TypeAlias
 import torch
 
 from shardwise.planner import Plan, Step, StepKind, check_handlers, permute_sources
-from shardwise.runtime import Decided, blocks
+from shardwise.runtime import Decided, blocks, buffers
+from shardwise.runtime import collectives as C
 from shardwise.runtime.blocks import rep_indices
 from shardwise.runtime.buffers import buffer_reuse, set_buffer_reuse
 from shardwise.runtime.local import Local, Whole, run_blocks, run_whole
 from shardwise.runtime.owner import GradOwner
-from shardwise.runtime.simulated import collectives as C
 from shardwise.runtime.simulated import host_paths as hp
+from shardwise.runtime.simulated.control import (  # the world, its links and stages
+    barrier,
+    begin_world,
+    end_world,
+    first_failure,
+    flush_links,
+    gather_world,
+    link,
+    prepare_stages,
+    process_count,
+    process_index,
+    record_failure,
+)
 from shardwise.runtime.simulated.spmd import run_spmd, spmd_outputs
 from shardwise.sharding.layout import Layout
 from shardwise.sharding.mesh import DeviceMesh
@@ -74,6 +88,19 @@ __all__ = [
     "run_step",
     "set_buffer_reuse",
     "spmd_outputs",
+    # point-to-point and pipeline stages
+    "flush_links",
+    "link",
+    "prepare_stages",
+    # the world block
+    "barrier",
+    "begin_world",
+    "end_world",
+    "first_failure",
+    "gather_world",
+    "process_count",
+    "process_index",
+    "record_failure",
 ]
 
 Shards: TypeAlias = "list[torch.Tensor]"
@@ -101,7 +128,7 @@ def assemble(shards: Sequence[torch.Tensor], src: Layout, dst: Layout,
 def _assemble_on_host(shards: Sequence[torch.Tensor], src: Layout, dst: Layout,
                       shape: tuple[int, ...], nbytes: int) -> Shards:
     direct, via = hp.routes(src, dst, shape)
-    big = nbytes > hp.SMALL_BYTES
+    big = nbytes > buffers.SMALL_BYTES
     if via is not None and not big:
         return hp.assemble_host(hp.assemble_host(shards, via[0], False), via[1], False)
     return hp.assemble_host(shards, direct, big)
@@ -197,7 +224,7 @@ def reduce_scatter(shards: Sequence[torch.Tensor], before: Layout, after: Layout
         if whole:  # one result on the host: cut it (views of it)
             ones = [C.reduce(shards, op)] * len(shards)
             if direct is not None:
-                return hp.assemble_host(ones, direct, nbytes > hp.SMALL_BYTES)
+                return hp.assemble_host(ones, direct, nbytes > buffers.SMALL_BYTES)
             return _assemble_on_host(ones, mid, after, shape, nbytes)
         reduced = reduce(shards, before, axes, op)
         return assemble(_dedupe(reduced, mid), mid, after, shape)

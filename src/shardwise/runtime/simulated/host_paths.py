@@ -15,15 +15,11 @@ import torch
 
 from shardwise.runtime import blocks, buffers
 from shardwise.runtime.blocks import Node, recording
+from shardwise.runtime.buffers import out_buffer
 from shardwise.sharding.layout import Layout
 from shardwise.sharding.mesh import DeviceMesh
 
-__all__ = ["MMAP_MAX", "SMALL_BYTES", "assemble_host", "is_host", "out_buffer", "recording",
-           "routes", "slice_index"]
-
-SMALL_BYTES = 1 << 18
-"""Tensors of at most this many bytes (per Partial group) take the few-calls path:
-there a torch call (~1-3 us) costs more than copying the data."""
+__all__ = ["MMAP_MAX", "assemble_host", "is_host", "recording", "routes", "slice_index"]
 
 # A compiled node: ("piece", split, i) = piece i of the split-th shared split,
 # ("leaf", src_device, index | None) with ``index`` a tuple of slices (one basic-indexing
@@ -192,22 +188,6 @@ def _exec(node: Node, shards: Sequence[torch.Tensor], cuts: list[Any], big: bool
             return view
         return _cat(parts, node[1])
     return torch.cat(parts, dim=node[1])
-
-
-def out_buffer(shape: Sequence[int], like: torch.Tensor, inputs: Sequence[torch.Tensor]
-               ) -> torch.Tensor | None:
-    """The ``out=`` buffer of a result computed from ``inputs``: one from
-    :func:`buffers.empty` (the pool) when glibc may map it fresh (above 4 MiB),
-    else None (a plain allocation); always None while autograd records ``inputs``
-    (``out=`` is not differentiable).
-
-    >>> x = torch.ones(8)
-    >>> out_buffer((8,), x, [x]) is None  # small: torch allocates as usual
-    True
-    """
-    if math.prod(shape) * like.element_size() <= buffers.POOLED or recording(inputs):
-        return None
-    return buffers.empty(shape, like)
 
 
 def _cat(parts: Sequence[torch.Tensor], dim: int) -> torch.Tensor:

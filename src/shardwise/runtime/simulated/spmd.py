@@ -10,8 +10,8 @@ Invariants:
   shapes), then computes its own result from its group's values. Deposits
   alternate between two buffers, so one barrier per collective is enough: a
   device can only overwrite a buffer after everyone has passed the next barrier.
-- Results are computed by the simulated collectives (``collectives.py``, shared with
-  the backend and the graph ops): differentiable torch ops into fresh tensors, so
+- Results are computed by the in-process collectives (``runtime/collectives.py``, shared
+  with the backend and the graph ops): differentiable torch ops into fresh tensors, so
   the one autograd graph spanning the threads gives the exact gradient of the
   global computation.
 - Returning from ``fn`` is a rendezvous too, so a device that skips a collective
@@ -32,8 +32,8 @@ from typing import Any
 import torch
 
 from shardwise.runtime import SpmdOutputs, spmd
+from shardwise.runtime import collectives as C
 from shardwise.runtime import observe as comm
-from shardwise.runtime.simulated import collectives as C
 from shardwise.sharding.errors import ShardingError
 from shardwise.sharding.mesh import DeviceMesh
 from shardwise.sharding.placements import ReduceOp
@@ -188,7 +188,7 @@ def _note(err: BaseException, text: str) -> None:
         add(text)
 
 
-# --- per-device results from the group's values: the simulated collectives ----------------
+# --- per-device results from the group's values: the in-process collectives -------------
 RULES: dict[str, Callable[[Sequence[torch.Tensor], int, tuple[Any, ...]], torch.Tensor]] = {
     "psum": lambda vals, pos, p: C.reduce(vals, ReduceOp.SUM),
     "pmax": lambda vals, pos, p: C.reduce(vals, ReduceOp.MAX),

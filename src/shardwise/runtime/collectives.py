@@ -1,7 +1,9 @@
-"""The simulated collectives, written once: what one group of devices computes from its
-members' values (a list in member order), every device in this process. The backend's
-steps (``backend.py``), shard_map's device threads (``spmd.py``) and the per-device
-graph ops (``shardwise.graph``) all compute their collectives here.
+"""The collectives of values this process holds, written once: what one group of devices
+computes from its members' values (a list in member order), every member's value here.
+The simulated backend's steps (``simulated/backend.py``), shard_map's device threads
+(``simulated/spmd.py``) and the per-device graph ops (``shardwise.graph``) all compute
+their collectives here; no backend chooses anything in them, so they sit beside the
+protocol, not inside a backend.
 
     reduce          op over the members' values (one result)
     all_gather      the members' values concatenated along a dim
@@ -30,8 +32,8 @@ from collections.abc import Sequence
 
 import torch
 
-from shardwise.runtime import check_reduce
-from shardwise.runtime.simulated import host_paths as hp
+from shardwise.runtime import buffers, check_reduce
+from shardwise.runtime.blocks import recording
 from shardwise.sharding.placements import ReduceOp
 from shardwise.sharding.shapes import split_bounds
 
@@ -43,7 +45,7 @@ _PAIRWISE = {ReduceOp.MAX: torch.maximum, ReduceOp.MIN: torch.minimum, ReduceOp.
 def reduce(vals: Sequence[torch.Tensor], op: ReduceOp, exact: bool = False) -> torch.Tensor:
     """Reduce ``vals`` by ``op`` left to right into ONE fresh buffer (one value: that
     value itself). The first op allocates (above 32 MiB from the result pool when
-    nothing records, see :func:`host_paths.out_buffer`: a fresh 64 MiB buffer costs
+    nothing records, see :func:`buffers.out_buffer`: a fresh 64 MiB buffer costs
     ~3 copies in page faults), the rest accumulate in place. While a gradient is
     recorded, MAX/MIN are one ``stack().amax(0)`` (ties split evenly) and PROD stays
     out of place (no ``out=`` under autograd).
@@ -58,24 +60,24 @@ def reduce(vals: Sequence[torch.Tensor], op: ReduceOp, exact: bool = False) -> t
         return first
     if op is ReduceOp.SUM or op is ReduceOp.AVG:
         if (not exact and len(vals) > 3 and (first.is_floating_point() or first.is_complex())
-                and first.nbytes * len(vals) <= hp.SMALL_BYTES and not hp.recording(vals)):
+                and first.nbytes * len(vals) <= buffers.SMALL_BYTES and not recording(vals)):
             # Small: 2 torch calls instead of len(vals) - 1 (call overhead dominates). Not
             # while recording: the input gradients would be views of one expanded buffer,
             # which torch's AccumulateGrad keeps as .grad and later accumulates in place.
             out = torch.stack(list(vals)).sum(0)
             return out.div_(len(vals)) if op is ReduceOp.AVG else out
-        out = torch.add(first, vals[1], out=hp.out_buffer(first.shape, first, vals))
+        out = torch.add(first, vals[1], out=buffers.out_buffer(first.shape, first, vals))
         for v in vals[2:]:
             out.add_(v)
         if op is ReduceOp.AVG:
             out.div_(len(vals))
         return out
-    tracked = hp.recording(vals)  # (forward-mode AD has no out= variants either)
+    tracked = recording(vals)  # (forward-mode AD has no out= variants either)
     if tracked and op is not ReduceOp.PROD:
         stacked = torch.stack(list(vals))
         return stacked.amax(0) if op is ReduceOp.MAX else stacked.amin(0)
     fn = _PAIRWISE[op]
-    out = fn(first, vals[1], out=hp.out_buffer(first.shape, first, vals))
+    out = fn(first, vals[1], out=buffers.out_buffer(first.shape, first, vals))
     for v in vals[2:]:
         out = fn(out, v) if tracked else fn(out, v, out=out)
     return out
