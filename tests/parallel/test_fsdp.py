@@ -476,6 +476,6 @@ def test_a_parameter_swapped_for_blocks_takes_the_block_gather() -> None:
     w = model[0].weight
     assert whole_value(w) is not None
     with torch.no_grad():
-        w.data = w.detach()._map_unique(lambda s: s.clone())  # blocks, no whole
+        w.data = w.detach().map_blocks(lambda s: s.clone())  # blocks, no whole
     assert whole_value(w) is None
     _assert_sgd_like_torch(model, ref, mesh, steps=2)

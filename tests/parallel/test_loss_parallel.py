@@ -130,7 +130,7 @@ def test_whole_values_and_blocks_count_and_compute_alike(kwargs: dict[str, objec
     logits, target = _case(10, ignored=int(kwargs.get("ignore_index", -100)))
     t = sw.tensor(target, sharding=PlacementMapping(MESH, [Sharded(0), Replicated()]))
     whole = sw.tensor(logits, sharding=PlacementMapping(MESH, [Sharded(0), Sharded(1)]))
-    blocks = whole.detach()._map_unique(lambda s: s.clone().requires_grad_())
+    blocks = whole.detach().map_blocks(lambda s: s.clone().requires_grad_())
     whole.requires_grad_()
     assert whole_value(whole) is not None and whole_value(blocks) is None
     got = []

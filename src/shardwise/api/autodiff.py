@@ -35,7 +35,7 @@ def _fresh(t: Any, where: str) -> Tensor:
             f"{where} must be a shardwise.Tensor to differentiate with respect to it; got "
             f"{type(t).__name__}. Wrap it with shardwise.tensor(...)."
         )
-    return t._map_unique(lambda s: s.detach().requires_grad_(True))
+    return t.map_blocks(lambda s: s.detach().requires_grad_(True))
 
 
 def _scalar_roots(out: Any, what: str) -> Tensor:
@@ -47,7 +47,7 @@ def _scalar_roots(out: Any, what: str) -> Tensor:
             f"{what} needs a function with a scalar output; it returned {out!r}. "
             "Reduce it (e.g. .sum()) or use vjp."
         )
-    return out._roots()
+    return out.reduced()
 
 
 def _grads_for(inputs: Sequence[Tensor], outs: Tensor, cot: Tensor | None,
@@ -71,7 +71,7 @@ def _grads_for(inputs: Sequence[Tensor], outs: Tensor, cot: Tensor | None,
             retain_graph=retain, allow_unused=True,
         )
     by_id = dict(zip(leaves.keys(), grads))
-    return [t._grads_held([by_id.get(id(b)) for b in t._local.buffers()]) for t in inputs]
+    return [t.grads_of([by_id.get(id(b)) for b in t.held.buffers()]) for t in inputs]
 
 
 def value_and_grad(fn: Callable[..., Any], argnums: int | Sequence[int] = 0,
@@ -134,7 +134,7 @@ def vjp(fn: Callable[..., Any], *primals: Any) -> tuple[Any, Callable[[Any], tup
     if not isinstance(out, Tensor):
         raise ShardingTypeError(f"vjp: the function must return a shardwise.Tensor, got "
                                 f"{type(out).__name__}.")
-    roots = out._roots()
+    roots = out.reduced()
 
     def vjp_fn(cotangent: Any) -> tuple[Tensor, ...]:
         cot = as_layout_of(cotangent, roots)
@@ -165,14 +165,14 @@ def jvp(fn: Callable[..., Any], primals: Sequence[Any],
                                         f"{type(p).__name__}.")
             tl = as_layout_of(tan, _tangent_like(p))
             pairs = dict(zip((id(s) for s in p.shards), tl.shards))
-            duals.append(p._map_unique(
+            duals.append(p.map_blocks(
                 lambda s, pairs=pairs: fwAD.make_dual(s.detach(), pairs[id(s)].detach())))
         out = fn(*duals)
         if not isinstance(out, Tensor):
             raise ShardingTypeError(f"jvp: the function must return a shardwise.Tensor, got "
                                     f"{type(out).__name__}.")
-        primal_out = out._map_unique(lambda s: fwAD.unpack_dual(s).primal.detach())
-        tangent_out = out._map_unique(lambda s: _tangent(s),
+        primal_out = out.map_blocks(lambda s: fwAD.unpack_dual(s).primal.detach())
+        tangent_out = out.map_blocks(lambda s: _tangent(s),
                                       _tangent_like(out).dist_layout)
     return primal_out, tangent_out
 

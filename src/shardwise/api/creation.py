@@ -80,7 +80,7 @@ def _leafify(t: Tensor, requires_grad: bool) -> Tensor:
     if not (t.dtype.is_floating_point or t.dtype.is_complex):
         raise ShardingTypeError(f"requires_grad=True needs a floating or complex dtype. Got "
                                 f"{t.dtype}; pass dtype=torch.float32 (or cast) first.")
-    return t._map_unique(lambda s: s.detach().requires_grad_(True))
+    return t.map_blocks(lambda s: s.detach().requires_grad_(True))
 
 
 def tensor(data: Any, device: Any = None, sharding: Any = None, *,
@@ -100,7 +100,7 @@ def tensor(data: Any, device: Any = None, sharding: Any = None, *,
             if layout != data.dist_layout:
                 out = with_open_dims(to_layout(data, layout), sharding)
         if dtype is not None and out.dtype != dtype:
-            out = out._map_unique(lambda s: s.to(dtype))
+            out = out.map_blocks(lambda s: s.to(dtype))
         return _leafify(out.detach(), requires_grad) if requires_grad else out
     value = _as_torch(data, dtype)
     layout = _target(device, sharding, value.ndim)
@@ -254,4 +254,4 @@ def randn(shape: Sequence[int] | int, *, seed: int = 0, dtype: torch.dtype | Non
 
 def zeros_like(t: Tensor) -> Tensor:
     """Zeros in ``t``'s layout (no Partial axes: zeros reduce to zeros by SUM)."""
-    return t._map_unique(torch.zeros_like)
+    return t.map_blocks(torch.zeros_like)

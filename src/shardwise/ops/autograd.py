@@ -16,7 +16,7 @@ Invariants:
   ``backward`` does); its seed gradient, a shardwise Tensor in any layout or plain
   data of its global shape (None for a scalar: ones), is laid out like that value.
 - A gradient comes back in its input's layout (the Partial(SUM) axes Replicated, as
-  ``.grad`` shows them, :meth:`~shardwise.tensors.grad.GradMixin._grad_layout`);
+  ``.grad`` shows them);
   with ``create_graph=True`` it records its own graph, so a gradient penalty's
   backward works.
 - ``allow_unused`` / ``materialize_grads`` are torch's, per input: an input none of
@@ -63,7 +63,7 @@ def _roots(outputs: Sequence[Any], seeds: Sequence[Any]
             outs.append(o)             # is gathered
             gs.append(g.to_torch() if isinstance(g, Tensor) else g)
             continue
-        r = o._roots()
+        r = o.reduced()
         if g is None and r.requires_grad:
             if r.numel() != 1:
                 raise RuntimeError(
@@ -72,13 +72,13 @@ def _roots(outputs: Sequence[Any], seeds: Sequence[Any]
                     "gradient=, same global shape).")
             g = torch.ones((), dtype=o.dtype).expand(o.shape)
         seed = None if g is None else as_layout_of(g, r)
-        buffers = r._local.buffers()
+        buffers = r.held.buffers()
         if not any(b.requires_grad for b in buffers):
             buffers = buffers[:1]  # torch names it: "does not require grad"
         for i, b in enumerate(buffers):
             if b.requires_grad or len(buffers) == 1:
                 outs.append(b)
-                gs.append(None if seed is None else r._local.part(seed._local, i, r._layout))
+                gs.append(None if seed is None else r.held.part(seed.held, i, r.dist_layout))
     return outs, gs
 
 
@@ -86,16 +86,16 @@ def _leaves(x: Any) -> list[torch.Tensor]:
     """The torch tensors autograd accumulates ``x``'s gradient into."""
     if not isinstance(x, Tensor):
         return [x]
-    return list(x._local.buffers())
+    return list(x.held.buffers())
 
 
-def _wrap(x: Any, got: Sequence[torch.Tensor | None]) -> Any:
+def _gradient(x: Any, got: Sequence[torch.Tensor | None]) -> Any:
     """``x``'s gradient from the gradients of its :func:`_leaves` (None if all None)."""
     if not isinstance(x, Tensor):
         return got[0]
     if all(g is None for g in got):
         return None
-    return x._grads_held(got)
+    return x.grads_of(got)
 
 
 @register(torch.autograd.grad)
@@ -134,7 +134,7 @@ def grad(outputs: Any, inputs: Any, grad_outputs: Any = None,
     result: list[Any] = []
     at = 0
     for x, group in zip(inputs, leaves):
-        g = _wrap(x, got[at:at + len(group)])
+        g = _gradient(x, got[at:at + len(group)])
         at += len(group)
         if g is None:
             if not allow:

@@ -123,7 +123,7 @@ def einsum(equation: str, *operands: Any) -> Tensor:
 
 # --- reductions ---------------------------------------------------------------------------
 def _dims(x: Tensor, dim: Any, op: str) -> tuple[int, ...]:
-    n = len(x._shape)
+    n = x.ndim
     if type(dim) is int and -n <= dim < n:  # one dim in range: the common call
         return (dim % n,)
     dims = (dim,) if isinstance(dim, int) else tuple(dim or ())
@@ -137,7 +137,7 @@ def _reducer(op: str, fn: Callable[[torch.Tensor, tuple[int, ...], bool], torch.
              doc: str) -> Callable[..., Tensor]:
     def run(x: Tensor, dim: Any = None, keepdim: bool = False) -> Tensor:
         t = x if type(x) is Tensor else _need(x, op)
-        n = len(t._shape)  # (one dim in range, the common call: _dims's first case)
+        n = t.ndim  # (one dim in range, the common call: _dims's first case)
         dims = (dim % n,) if type(dim) is int and -n <= dim < n else _dims(t, dim, op)
         # a 0-d value reduces over no dim, still in torch's result dtype (bool sums to int64)
         return apply(op, (t,), lambda s: fn(s, dims, keepdim), dims, keepdim)
@@ -196,7 +196,7 @@ def permute(x: Tensor, *dims: Any) -> Tensor:
     t = _need(x, "permute")
     if len(dims) == 1 and isinstance(dims[0], (list, tuple)):
         dims = tuple(dims[0])
-    n = max(len(t._shape), 1)
+    n = max(t.ndim, 1)
     perm = tuple(normalize_dim(d, n, "permute dim") for d in dims)
     return apply("permute", (t,), lambda s: s.permute(perm), perm)
 
@@ -204,7 +204,7 @@ def permute(x: Tensor, *dims: Any) -> Tensor:
 def transpose(x: Tensor, dim0: int, dim1: int) -> Tensor:
     """Swap two dims; each keeps its sharding (no communication)."""
     t = _need(x, "transpose")
-    n = len(t._shape)
+    n = t.ndim
     a = normalize_dim(dim0, max(n, 1), "transpose dim0")  # a 0-d tensor has dim 0 (-1)
     b = normalize_dim(dim1, max(n, 1), "transpose dim1")
     if n == 0:

@@ -121,9 +121,9 @@ def clone(x: Any, memory_format: Any = None) -> Any:
 
 @register(TensorMethod.contiguous)
 def contiguous(x: Any, memory_format: Any = None) -> Any:
-    if all(b.is_contiguous() for b in x._local.buffers()):
+    if all(b.is_contiguous() for b in x.held.buffers()):
         return x
-    return x._map_buffers(lambda s: s.contiguous())
+    return x.map_buffers(lambda s: s.contiguous())
 
 
 @register(TensorMethod.cpu)
@@ -135,5 +135,5 @@ def cpu(x: Any, *args: Any, **kwargs: Any) -> Any:
           TensorMethod.resolve_neg, torch.resolve_neg)
 def conj(x: Any) -> Any:
     if x.is_complex():
-        return x._map_unique(torch.conj)
+        return x.map_blocks(torch.conj)
     return x

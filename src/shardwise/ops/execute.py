@@ -41,13 +41,14 @@ from typing import Any
 import torch
 
 from shardwise.propagation.binding import Factors, bind
-from shardwise.propagation.decide import Decision, decide
+from shardwise.propagation.decide import Decision
 from shardwise.runtime import backend_for, world_started
 from shardwise.sharding.errors import ShardingError, ShardingTypeError
 from shardwise.sharding.layout import Layout
 from shardwise.sharding.shapes import local_shape
 from shardwise.tensors import cache
 from shardwise.tensors.cache import Decided, records
+from shardwise.tensors.keys import decision_key
 from shardwise.tensors.tensor import Tensor, place
 
 __all__ = ["DECISIONS_MAX", "apply", "apply_elementwise", "apply_outputs", "clear_decisions",
@@ -72,11 +73,11 @@ def _operands(op: str, operands: Sequence[Any]) -> list[Any]:
             f"{op} needs at least one shardwise.Tensor operand. Got "
             f"{[type(x).__name__ for x in operands]}; wrap data with shardwise.tensor(...)."
         )
-    mesh = first._layout.mesh
+    mesh = first.mesh
     out = list(operands)
     for i, x in enumerate(out):
         if isinstance(x, Tensor):
-            if x._layout.mesh is not mesh and x._layout.mesh != mesh:
+            if x.mesh is not mesh and x.mesh != mesh:
                 raise ShardingError(
                     f"{op}: operand {i} lives on {x.mesh!r} but operand 0 on {mesh!r}; "
                     "compute ops need one mesh. Move one with "
@@ -102,8 +103,8 @@ def _operands(op: str, operands: Sequence[Any]) -> list[Any]:
 _STARTED = (torch.distributed.is_initialized if torch.distributed.is_available()
             else world_started)
 
-#: ``Tensor._wrap``, bound once (a classmethod looked up on the class binds anew each call)
-_wrap = Tensor._wrap
+#: ``Tensor.from_held``, bound once (a classmethod looked up on the class binds anew each call)
+_wrap = Tensor.from_held
 _CONSTS = (int, float, bool, complex)  # Python numbers: broadcast constants, as _is_const
 
 #: the decision cache: decision_key(...) -> :class:`~shardwise.tensors.cache.Decided`.
@@ -111,43 +112,6 @@ _CONSTS = (int, float, bool, complex)  # Python numbers: broadcast constants, as
 _DECISIONS: dict[tuple[Any, ...], Decided] = {}
 DECISIONS_MAX = 4096
 """The decision cache's bound: distinct (op, operand layouts, shapes...) keys kept."""
-
-
-def decision_key(op: str, shaped: bool, params: tuple[Any, ...], operands: Sequence[Any]
-                 ) -> tuple[Any, ...] | None:
-    """The decision cache's key of ``op`` on ``operands`` (module doc), or None where
-    the decision cannot be cached (an operand a plain torch tensor or another type,
-    converted or refused per call). The one function that builds it; one and two
-    Tensors keeping nothing (every op's common case) are keyed without a loop.
-
-    >>> decision_key("neg", False, (), (torch.ones(2),)) is None
-    True
-    """
-    n = len(operands)
-    if n == 1:
-        x = operands[0]
-        if type(x) is Tensor and x._cache is None:
-            return (op, shaped, params, x._layout, x._shape, x._open, x._dtype)
-    elif n == 2:
-        x, y = operands
-        if type(x) is Tensor and type(y) is Tensor and x._cache is None and y._cache is None:
-            return (op, shaped, params, x._layout, x._shape, x._open, x._dtype,
-                    y._layout, y._shape, y._open, y._dtype)
-    key: list[Any] = [op, shaped, params]
-    kept = False
-    for x in operands:
-        if isinstance(x, Tensor):
-            key += (x._layout, x._shape, x._open, x._dtype)
-            kept = kept or bool(x._cache)
-        elif type(x) in _CONSTS:
-            key.append(None)
-        else:  # torch tensors and the rest: converted or refused by _operands
-            return None
-    if kept:  # the layouts operands keep are priced by decide: part of the key (both
-        # requests', so the key needs no question of how the runtime will run the op)
-        key.append(cache.kept_layouts(
-            [x if isinstance(x, Tensor) else None for x in operands], None))
-    return tuple(key)
 
 
 def decision_cache_info() -> tuple[int, int]:
@@ -209,7 +173,7 @@ def apply(op: str, operands: Sequence[Any], fn: Callable[..., torch.Tensor], *pa
         # the operands may keep layouts now: the second identical call's key
         again = decision_key(op, shaped, params, operands)
         if again is not None and again not in _DECISIONS:
-            _store(again, _decided(hit.factors, [x if isinstance(x, Tensor) else None
+            _store(again, Decided.of(hit.factors, [x if isinstance(x, Tensor) else None
                                                  for x in args]))
     return out
 
@@ -223,25 +187,15 @@ def _decide(op: str, operands: Sequence[Any], fn: Callable[..., torch.Tensor],
     args = _operands(op, operands)
     tensors: list[Tensor | None] = [x if isinstance(x, Tensor) else None for x in args]
     wrapping = [i for i, x in enumerate(tensors)  # integer or bool Partial operands
-                if x is not None and x._layout.is_partial and not _sums_exactly(x._dtype)]
-    factors = bind(op, tuple(() if x is None else x._shape for x in tensors), *params)
+                if x is not None and x.dist_layout.is_partial and not _sums_exactly(x.dtype)]
+    factors = bind(op, tuple(() if x is None else tuple(x.shape) for x in tensors), *params)
     if wrapping:
         _reduce_wrapping_partials(wrapping, args, tensors, fn, factors, shaped)
-    hit = _decided(factors, tensors)
+    hit = Decided.of(factors, tensors)
     if key is None or wrapping:  # (a wrapping operand was reduced first: not cached)
         return args, hit, False
     _store(key, hit)
     return args, hit, True
-
-
-def _decided(factors: Factors, tensors: Sequence[Tensor | None]) -> Decided:
-    """The decision for ``tensors`` (None: a constant) under ``factors``, pricing the
-    layouts each keeps now as free."""
-    layouts = tuple(None if x is None else x._layout for x in tensors)
-    dec = decide(factors, layouts, tuple(None if x is None else x._open for x in tensors),
-                 tuple(0 if x is None else x._dtype.itemsize for x in tensors),
-                 cache.kept_layouts(tensors, cache.runs_whole(tensors)))
-    return Decided(factors, dec, layouts)
 
 
 def decision_of(op: str, operands: Sequence[Any], *params: Any) -> Decision | None:
@@ -260,12 +214,12 @@ def decision_of(op: str, operands: Sequence[Any], *params: Any) -> Decision | No
         return hit.dec
     if key is None or not all(isinstance(x, Tensor) for x in operands):
         return None
-    mesh = operands[0]._layout.mesh
+    mesh = operands[0].mesh
     for x in operands:
-        if x._layout.mesh != mesh or (x._layout.is_partial and not _sums_exactly(x._dtype)):
+        if x.mesh != mesh or (x.dist_layout.is_partial and not _sums_exactly(x.dtype)):
             return None  # (apply names the two meshes in its error, or reduces first)
-    factors = bind(op, tuple(x._shape for x in operands), *params)
-    hit = _decided(factors, operands)
+    factors = bind(op, tuple(tuple(x.shape) for x in operands), *params)
+    hit = Decided.of(factors, operands)
     _store(key, hit)
     return hit.dec
 
@@ -276,8 +230,8 @@ def _meta_dtype(fn: Callable[..., torch.Tensor], args: Sequence[Any], dec: Decis
     call: list[Any] = []
     for x, req in zip(args, dec.required):
         if isinstance(x, Tensor) and req is not None:
-            shape = local_shape(x._shape, req, req.mesh.coord_of(0))
-            call.append(torch.empty(shape, dtype=x._dtype, device="meta"))
+            shape = local_shape(tuple(x.shape), req, req.mesh.coord_of(0))
+            call.append(torch.empty(shape, dtype=x.dtype, device="meta"))
         else:
             call.append(x)
     if shaped:
@@ -299,7 +253,7 @@ def _reduce_wrapping_partials(wrapping: list[int], args: list[Any],
     their own dtype (wrapping), so the rule's Partial pass-through (``x * 1.5``,
     ``x.sum()``) would add them up in the result's dtype instead: another value. The
     check costs a meta call, paid only where such an operand exists."""
-    call = [torch.empty(x._shape, dtype=x._dtype, device="meta") if isinstance(x, Tensor)
+    call = [torch.empty(x.shape, dtype=x.dtype, device="meta") if isinstance(x, Tensor)
             else x for x in args]
     if shaped:
         call.append(factors.out_shape)
@@ -310,8 +264,8 @@ def _reduce_wrapping_partials(wrapping: list[int], args: list[Any],
     for i in wrapping:
         t = tensors[i]
         assert t is not None
-        if dtype != t._dtype:
-            args[i] = tensors[i] = cache.relayout(t, t._layout.without_partial())
+        if dtype != t.dtype:
+            args[i] = tensors[i] = cache.relayout(t, t.dist_layout.without_partial())
 
 
 #: an elementwise op: :func:`apply` with its rule (the elementwise families' entry point;
@@ -344,35 +298,35 @@ def apply_outputs(op: str, operands: Sequence[Any],
         return r[0]
 
     out = apply(op, operands, leading, *params)
-    layout = out._layout
+    layout = out.dist_layout
+    shape0 = tuple(out.shape)
     assert not layout.is_partial, f"{op}: a multi-output rule leaves no Partial"
-    n = len(out._shape) if lead is None else lead
+    n = len(shape0) if lead is None else lead
 
     def placed(value_shape: tuple[int, ...]) -> tuple[Layout, tuple[bool, ...] | None]:
-        if value_shape[:n] != out._shape[:n]:
+        if value_shape[:n] != shape0[:n]:
             return Layout.replicated(layout.mesh, len(value_shape)), None
         dims = layout.dims[:n] + ((),) * (len(value_shape) - n)
-        opened = None if out._open is None else out._open[:n] + (True,) * (
-            len(value_shape) - n)
-        return Layout(layout.mesh, dims, layout.partial), opened
+        opened = out.open_dims[:n] + (True,) * (len(value_shape) - n)
+        return Layout(layout.mesh, dims, layout.partial), None if all(opened) else opened
 
     # each further output is held as output 0 is (the same buffers' companions)
     outs: list[Tensor] = [out]
-    local = out._local
+    local = out.held
     first = local.first()
     extra = rest[id(first)] if first is not None else ()
     for j, e in enumerate(extra):
         assert first is not None
-        shape = (tuple(out._shape[:n]) + tuple(e.shape[n:])
+        shape = (shape0[:n] + tuple(e.shape[n:])
                  if tuple(e.shape[:n]) == tuple(first.shape[:n]) else tuple(e.shape))
         lay, opened = placed(shape)
         held = local.map(functools.partial(companion, rest, j), lay)
-        outs.append(Tensor._wrap(held, lay, torch.Size(shape), e.dtype, e.device, opened))
+        outs.append(Tensor.from_held(held, lay, torch.Size(shape), e.dtype, e.device, opened))
     if first is None:  # no device of this mesh here: shapes and dtypes from meta
         meta = [torch.empty(x.shape, dtype=x.dtype, device="meta")
                 if isinstance(x, Tensor) else x for x in operands]
         for e in tuple(fn(*meta))[1:]:
-            shape = tuple(out._shape[:n]) + tuple(e.shape[n:])
+            shape = shape0[:n] + tuple(e.shape[n:])
             lay, opened = placed(shape)
             outs.append(Tensor([None] * lay.mesh.num_devices, lay, shape, e.dtype,
                                open_dims=opened))

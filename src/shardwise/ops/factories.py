@@ -31,7 +31,7 @@ def _like(fn: Any, x: Any, *args: Any, **kwargs: Any) -> Tensor:
     """``fn(x_block, ...)`` per distinct block, in x's layout without its Partial axes
     (only the blocks' shapes are read: a Partial ``x`` is never reduced for it)."""
     kwargs.pop("memory_format", None)
-    return x._map_buffers(lambda s: fn(s, *args, **kwargs), x.dist_layout.without_partial())
+    return x.map_buffers(lambda s: fn(s, *args, **kwargs), x.dist_layout.without_partial())
 
 
 for _name in ("zeros_like", "ones_like", "empty_like", "full_like"):

@@ -68,10 +68,10 @@ def _write(self: Tensor, value: Tensor, name: str) -> Tensor:
     if value.mesh != self.mesh:
         raise ShardingError(f"{name}: the operands live on {value.mesh!r} and {self.mesh!r}.")
     layout = self.dist_layout
-    src = value._local
+    src = value.held
     if value.dist_layout != layout:  # (a value held whole moves as metadata, counted)
         src = src.moved(value.plan_to(layout), layout)
-    local = self._local
+    local = self.held
     for i, b in enumerate(local.buffers()):
         b.copy_(local.part(src, i, layout))
     return self
@@ -100,7 +100,7 @@ def _inplace(name: str, method: Any, out_of_place: Callable[..., Any] | None
         if _same_layout_rows(t, list(args) + list(kwargs.values())):
             # the optimizers' hot path: the method on each buffer of t (its whole value,
             # or each distinct block) with the operands' pieces at the same place
-            local = t._local
+            local = t.held
             tensors = [i for i, a in enumerate(args) if isinstance(a, Tensor)]
             tkw = [key for key, v in kwargs.items() if isinstance(v, Tensor)]
             call = list(args)
@@ -108,10 +108,10 @@ def _inplace(name: str, method: Any, out_of_place: Callable[..., Any] | None
             for j, b in enumerate(local.buffers()):
                 for i in tensors:
                     a = args[i]
-                    call[i] = local.part(a._local, j, a._layout, a._shape)
+                    call[i] = local.part(a.held, j, a.dist_layout, a.shape)
                 for key in tkw:
                     a = kwargs[key]
-                    kw[key] = local.part(a._local, j, a._layout, a._shape)
+                    kw[key] = local.part(a.held, j, a.dist_layout, a.shape)
                 method(b, *call, **kw)
             return t
         if out_of_place is None:
@@ -174,7 +174,7 @@ def copy_(self: Any, src: Any, non_blocking: bool = False) -> Any:
 def zero_(self: Any) -> Any:
     # zeros are a valid Partial value too (they reduce to zeros), unlike other writes
     t = _target(self, "zero_")
-    for b in t._local.buffers():
+    for b in t.held.buffers():
         b.zero_()
     return t
 

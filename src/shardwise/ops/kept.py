@@ -132,8 +132,9 @@ def _extra_results(first: Tensor, extras: dict[int, list[torch.Tensor]],
         dims = tuple(lay.dims[where[k]] if k >= 0 else () for k in outs[j + 1])
         layout = Layout(lay.mesh, dims, (None,) * lay.mesh.ndim)
         # held as the first result is: each of its buffers' companion
-        held = first._local.map(functools.partial(companion, extras, j), layout)
+        held = first.held.map(functools.partial(companion, extras, j), layout)
         got = held.first()
         assert got is not None
-        result.append(Tensor.held(held, layout, shapes[j + 1], got.dtype, got.device))
+        result.append(Tensor.from_held(held, layout, torch.Size(shapes[j + 1]), got.dtype,
+                                       got.device, None))
     return result

@@ -184,7 +184,7 @@ def _values_and_indices(op: str, x: Any, fn: Callable[[torch.Tensor], Any], *par
         return v
 
     vals = apply(op, (x,), values, *params)
-    return vals, vals._map_buffers(lambda v: indices[id(v)], dtype=torch.int64)
+    return vals, vals.map_buffers(lambda v: indices[id(v)], dtype=torch.int64)
 
 
 def _with_indices(name: str, fn: Any, x: Any, dim: Any, keepdim: bool) -> Any:
@@ -258,7 +258,7 @@ def _along(name: str, fn: Any) -> Callable[..., Any]:
     def handler(x: Any, dim: Any = None, *args: Any, **kwargs: Any) -> Any:
         if dim is None:
             raise ShardingError(f"{name} needs dim= (torch's implicit dim is deprecated).")
-        n = (len(x._shape) if type(x) is Tensor else x.ndim) or 1
+        n = x.ndim or 1
         # a dim in range, the common call, skips building the error's text
         d = dim % n if type(dim) is int and -n <= dim < n else normalize_dim(
             dim, n, f"{name} dim")

@@ -32,7 +32,7 @@ from shardwise.ops.fallbacks import ShardwiseFallbackWarning
 from shardwise.runtime import observe
 from shardwise.sharding.errors import ShardingError, ShardingTypeError
 from shardwise.sharding.layout import Layout, normalize_dim
-from shardwise.tensors.tensor import HANDLERS, Tensor, _route_eager, place
+from shardwise.tensors.tensor import HANDLERS, Tensor, place, route
 
 __all__ = ["ShardwiseFallbackWarning", "TensorMethod", "describe", "fallback", "on_mesh",
            "reduce_dims", "refuse_write", "register", "shape_args", "write_out"]
@@ -45,7 +45,7 @@ def register(*funcs: Any) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
 
     >>> @register(torch.special.entr)          # elementwise: no communication
     ... def entr(x):
-    ...     return x._map_unique(torch.special.entr)
+    ...     return x.map_blocks(torch.special.entr)
     >>> mesh = DeviceMesh.cpu(2, "x")
     >>> t = shardwise.tensor([0.5, 1.0], sharding=PlacementMapping(mesh, [Sharded(0)]))
     >>> torch.special.entr(t).dist_layout == t.dist_layout
@@ -254,7 +254,7 @@ def fallback(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], *,
     if (short.endswith("_") and not short.endswith("__")) or short in _INPLACE_DUNDERS or (
             kwargs.get("out") is not None) or short == "__setitem__":
         target = args[0] if args else None
-        if (isinstance(target, Tensor) and target._layout.is_fully_replicated
+        if (isinstance(target, Tensor) and target.dist_layout.is_fully_replicated
                 and kwargs.get("out") is None):
             return _write_replicated(func, name, target, args, kwargs)
         raise refuse_write(name, args)
@@ -288,7 +288,7 @@ def _write_replicated(func: Any, name: str, target: Tensor, args: tuple[Any, ...
     fallbacks.report(name, (args[1:], kwargs), lambda: describe(args))
     with observe.counted_as("fallback_gather"):
         rest_args, plain_kwargs = _gather(args[1:]), _gather(kwargs)
-    for buffer in target._local.buffers():
+    for buffer in target.held.buffers():
         func(buffer, *rest_args, **plain_kwargs)
     return target if func is not TensorMethod.__setitem__ else None
 
@@ -324,7 +324,7 @@ def write_out(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
             for t in (*args, *rest.values(), *(out if isinstance(out, (list, tuple)) else [out]))):
         raise RuntimeError(f"{name}(): functions with out=... arguments don't support "
                            "automatic differentiation, but one of the arguments requires grad.")
-    result = _route_eager(func, args, rest)
+    result = route(func, args, rest)
     outs = tuple(out) if isinstance(out, (list, tuple)) else (out,)
     results = tuple(result) if isinstance(result, (list, tuple)) else (result,)
     if len(outs) != len(results):

@@ -66,7 +66,7 @@ def blockwise(fn: Callable[..., torch.Tensor], operands: Sequence[Tensor], layou
         shards: Sequence[torch.Tensor | None] = x.shards
         if axes and x.requires_grad:
             shards = backend_for(mesh).diverge(shards, lay, axes,  # type: ignore[arg-type]
-                                               owner=x._grad_owner)
+                                               owner=x.grad_owner)
         cols.append(shards)
     memo: dict[tuple[Any, ...], torch.Tensor] = {}
     out: list[torch.Tensor | None] = []

@@ -178,9 +178,9 @@ def _shard(p: torch.Tensor, name: str, mesh: DeviceMesh, axis: int) -> Param:
             # a mesh this process holds wholly: the parameter keeps its global value
             # (blocks cut from it as views), so its gathers are copies of it and the
             # optimizer's ops run once on it, not once per block
-            t = Tensor.from_whole(value._global().clone(), target)
+            t = Tensor.from_whole(value.global_value().clone(), target)
         else:
-            t = value.relayout(target)._map_unique(lambda s: s.clone())
+            t = value.relayout(target).map_blocks(lambda s: s.clone())
     param = nn.Parameter(t, requires_grad=p.requires_grad)
     assert isinstance(param, Tensor)  # nn.Parameter keeps the subclass
     return Param([], param, here, dim)

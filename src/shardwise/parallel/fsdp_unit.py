@@ -308,7 +308,7 @@ class Unit:
         values = []
         for i, fp in enumerate(self.params):
             t, dtype = fp.sharded.detach(), self.dtype(i)
-            values.append(t if t.dtype == dtype else t._map_unique(
+            values.append(t if t.dtype == dtype else t.map_blocks(
                 lambda s, d=dtype: s.to(d)))
         out: list[Blocks] = [[] for _ in self.params]
         for idx, flat in self.groups:
@@ -351,7 +351,7 @@ class Unit:
             full = Tensor(shards, fp.gathered, fp.sharded.shape, self.dtype(i))
             # the unit sums this gradient over its axis (a reduce_scatter, counted
             # there): the runtime's diverge neither all_reduces nor counts it
-            full._grad_owner = GradOwner((self.axis,),
+            full.grad_owner = GradOwner((self.axis,),
                                          None if self.local else self._hand_off(call, i))
             for owner, name in fp.owners:
                 owner._parameters[name] = full  # type: ignore[assignment]
@@ -367,7 +367,7 @@ class Unit:
         owner = GradOwner((self.axis,), None)
         for i, fp in enumerate(self.params):
             full = Tensor.from_whole(outs[i], fp.gathered)
-            full._grad_owner = owner  # the unit sums this gradient over its axis
+            full.grad_owner = owner  # the unit sums this gradient over its axis
             for module, name in fp.owners:
                 module._parameters[name] = full  # type: ignore[assignment]
         # only cast copies take memory: views of the parameters need no freeing

@@ -48,7 +48,7 @@ import torch.autograd.forward_ad as fwAD
 
 from shardwise.planner import Plan, make_plan
 from shardwise.propagation.binding import Factors
-from shardwise.propagation.decide import Decision
+from shardwise.propagation.decide import Decision, decide
 from shardwise.runtime import observe as comm
 from shardwise.runtime.local import COPY_BYTES, Local, Whole, local_mesh, versions
 from shardwise.runtime.owner import GradOwner
@@ -292,6 +292,17 @@ class Decided:
         # autograd records through them (a diverge), 3 the operand cache's
         self.own = tuple(0 if req is None else (2 if div else 1) if here else 3
                          for req, div, here in zip(dec.required, dec.diverge, self.in_place))
+
+    @classmethod
+    def of(cls, factors: Factors, tensors: Sequence[Operand | None]) -> Decided:
+        """The decision for ``tensors`` (None: a constant) under ``factors``, pricing the
+        layouts each keeps now as free."""
+        layouts = tuple(None if x is None else x._layout for x in tensors)
+        dec = decide(factors, layouts,
+                     tuple(None if x is None else x._open for x in tensors),
+                     tuple(0 if x is None else x._dtype.itemsize for x in tensors),
+                     kept_layouts(tensors, runs_whole(tensors)))
+        return cls(factors, dec, layouts)
 
     def blocks(self, args: Sequence[Any]) -> Sequence[Sequence[torch.Tensor | None] | None]:
         """Each operand's blocks in its required layout (None for a constant): its own

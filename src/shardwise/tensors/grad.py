@@ -99,7 +99,7 @@ class GradMixin(RelayoutMixin):
 
     def detach(self) -> Self:
         """The same value, cut from the autograd graph (shares memory)."""
-        return self._map_buffers(lambda s: s.detach())
+        return self.map_buffers(lambda s: s.detach())
 
     def _grad_layout(self) -> Layout:
         partial = tuple(
@@ -108,7 +108,7 @@ class GradMixin(RelayoutMixin):
         )
         return self._layout.with_partial(partial)
 
-    def _grads_held(self, grads: Sequence[torch.Tensor | None]) -> Self:
+    def grads_of(self, grads: Sequence[torch.Tensor | None]) -> Self:
         """The gradients of this value's buffers (``Local.buffers``' order; None: none
         arrived) as a Tensor in its gradient layout (:meth:`_grad_layout`)."""
         layout = self._grad_layout()
@@ -125,7 +125,7 @@ class GradMixin(RelayoutMixin):
         if seen is not None and len(seen[0]) == len(grads) and all(
                 a is b for a, b in zip(seen[0], grads)):
             return seen[1]
-        out = self._grads_held(grads)
+        out = self.grads_of(grads)
         self._grad_view = (grads, out)
         return out
 
@@ -177,7 +177,7 @@ class GradMixin(RelayoutMixin):
         buffers = self._local.buffers()
 
         def on_last(i: int, grads: list[Any]) -> torch.Tensor | None:
-            out = hook(self._grads_held(grads))
+            out = hook(self.grads_of(grads))
             if out is None:
                 return None
             if len(buffers) > 1:
@@ -238,8 +238,9 @@ class GradMixin(RelayoutMixin):
                 f"be a shardwise.Tensor of shape {tuple(self._shape)} on {self.mesh!r} (e.g. "
                 "g * 2 of the gradient it was given), or None to keep it.")
 
-    def _roots(self) -> Self:
-        """This value with Partial axes reduced (the differentiable global)."""
+    def reduced(self) -> Self:
+        """This value with Partial axes reduced (differentiable; the same Tensor where
+        it has none): what backward starts from."""
         if not self._layout.is_partial:
             return self
         return cache.relayout(self, self._layout.without_partial())

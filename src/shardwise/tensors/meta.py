@@ -70,9 +70,10 @@ class MetaMixin:
                        open_dims: tuple[bool, ...] | None = None) -> Self: ...
 
         @classmethod
-        def _wrap(cls, local: Local, layout: Layout, size: torch.Size, dtype: torch.dtype,
-                  device: torch.device, open_dims: tuple[bool, ...] | None,
-                  shape: tuple[int, ...] | None = None) -> Self: ...
+        def from_held(cls, local: Local, layout: Layout, size: torch.Size,
+                      dtype: torch.dtype, device: torch.device,
+                      open_dims: tuple[bool, ...] | None,
+                      shape: tuple[int, ...] | None = None) -> Self: ...
 
     # --- open / closed dims (sharding propagation) -------------------------------------
     @property
@@ -166,6 +167,30 @@ class MetaMixin:
                 "Use .mesh.devices, .sharding, or gather it with to_device(x, device)."
             )
         return mesh.devices[0]
+
+    @property
+    def held(self) -> Local:
+        """What this process holds of the value, as the runtime holds it (a
+        :class:`~shardwise.runtime.local.Local`: its blocks, or the simulated runtime's
+        whole value): shardwise's own modules read it (buffers, blocks); never write it.
+
+        >>> x = shardwise.tensor(torch.ones(4), sharding=PlacementMapping(
+        ...     DeviceMesh.cpu(2, "x"), [Sharded(0)]))
+        >>> [tuple(b.shape) for b in x.held.blocks]
+        [(2,), (2,)]
+        """
+        return self._local
+
+    @property
+    def grad_owner(self) -> GradOwner | None:
+        """Who sums this value's gradient over which mesh axes itself (a ``fully_shard``
+        unit's gathered parameter), or None: set once, by the value's producer."""
+        return self._grad_owner
+
+    @grad_owner.setter
+    def grad_owner(self, owner: GradOwner) -> None:
+        assert self._grad_owner is None, "a value's gradient owner is set once"
+        self._grad_owner = owner
 
     @property
     def _shards(self) -> tuple[torch.Tensor, ...]:

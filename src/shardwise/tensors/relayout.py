@@ -33,8 +33,9 @@ __all__ = ["RelayoutMixin", "record_plan", "run_plan"]
 class RelayoutMixin(MetaMixin):
     """Layout changes of a Tensor's value (module doc)."""
 
-    def _global(self) -> torch.Tensor:
-        """The global value as one torch tensor (differentiable; may alias a shard)."""
+    def global_value(self) -> torch.Tensor:
+        """The global value as one torch tensor (differentiable; may alias a shard: read
+        it, or use :meth:`to_torch` for a copy of one's own)."""
         target = Layout.replicated(self.mesh, self.ndim)
         local = self._local
         if target != self._layout:
@@ -53,7 +54,7 @@ class RelayoutMixin(MetaMixin):
 
     def _held(self, local: Local, layout: Layout) -> Self:
         """A Tensor of this value's shape and dtype holding ``local`` in ``layout``."""
-        return type(self)._wrap(local, layout, self._size, self._dtype, self._device, None)
+        return type(self).from_held(local, layout, self._size, self._dtype, self._device, None)
 
     def plan_to(self, target: Layout) -> Plan:
         if target.mesh != self.mesh:
@@ -73,17 +74,17 @@ class RelayoutMixin(MetaMixin):
         """Indices of the first device holding each distinct local tensor."""
         return self._local.unique()
 
-    def _map_unique(self, fn: Any, layout: Layout | None = None) -> Self:
+    def map_blocks(self, fn: Any, layout: Layout | None = None) -> Self:
         """Apply ``fn`` once per distinct local block, keeping the sharing pattern (a
         value held whole is cut into its blocks first: the result is held as blocks)."""
         layout = layout or self._layout
         local = self._local.as_blocks().map(fn, layout)
         first = local.first()
-        return type(self)._wrap(local, layout, self._size,
+        return type(self).from_held(local, layout, self._size,
                                 self._dtype if first is None else first.dtype,
                                 self._device if first is None else first.device, self._open)
 
-    def _map_buffers(self, fn: Any, layout: Layout | None = None,
+    def map_buffers(self, fn: Any, layout: Layout | None = None,
                      dtype: torch.dtype | None = None) -> Self:
         """Apply ``fn`` once per buffer this value is held in (its whole value, or each
         distinct block): elementwise functions (casts, clones, detaching), which keep
@@ -92,6 +93,6 @@ class RelayoutMixin(MetaMixin):
         layout = layout or self._layout
         local = self._local.map(fn, layout)
         first = local.first()
-        return type(self)._wrap(local, layout, self._size,
+        return type(self).from_held(local, layout, self._size,
                                 (dtype or self._dtype) if first is None else first.dtype,
                                 self._device if first is None else first.device, self._open)

@@ -79,7 +79,7 @@ FALLBACK: list[Callable[..., Any]] = []
 WRITE_OUT: list[Callable[[Any, tuple[Any, ...], dict[str, Any]], Any]] = []
 
 
-def _route_eager(func: Any, args: Any, kwargs: Any) -> Any:
+def route(func: Any, args: Any, kwargs: Any) -> Any:
     """One torch function on shardwise Tensors: its handler, else the fallback. The
     collectives it runs carry ``func`` in their program position (restored after: a
     rank's extra local op leaves nothing behind)."""
@@ -97,15 +97,15 @@ def _route_eager(func: Any, args: Any, kwargs: Any) -> Any:
             return handler(*args, **kwargs)
         if not FALLBACK:  # the registry is filled by the API floor's ops, named here as
             importlib.import_module(REGISTRY)  # a plugin (no static upward import)
-            return _route_eager(func, args, kwargs)
+            return route(func, args, kwargs)
         return FALLBACK[0](func, tuple(args), kwargs or {})
     finally:
         here.op = before
 
 
-#: :func:`_route_eager` for torch.compile: Dynamo runs it eagerly (a graph break), as
+#: :func:`route` for torch.compile: Dynamo runs it eagerly (a graph break), as
 #: the layout logic is Python. Eager calls skip the disabling wrapper (~3 us a call).
-_route = torch.compiler.disable(_route_eager)
+_route = torch.compiler.disable(route)
 
 
 class _CompilingFlag:
@@ -186,15 +186,19 @@ class Tensor(GradMixin, RelayoutMixin, MetaMixin,  # type: ignore[misc,override]
             dtype = first.dtype
         device = first.device if first is not None else backend_for(layout.mesh).device_of(
             layout.mesh, 0)
-        return cls._wrap(Blocks(parts), layout, torch.Size(shape), dtype, device, open_dims)
+        return cls.from_held(Blocks(parts), layout, torch.Size(shape), dtype, device, open_dims)
 
     @classmethod
-    def _wrap(cls, local: Local, layout: Layout, size: torch.Size, dtype: torch.dtype,
-              device: torch.device, open_dims: tuple[bool, ...] | None,
-              shape: tuple[int, ...] | None = None) -> Tensor:
+    def from_held(cls, local: Local, layout: Layout, size: torch.Size, dtype: torch.dtype,
+                  device: torch.device, open_dims: tuple[bool, ...] | None,
+                  shape: tuple[int, ...] | None = None) -> Tensor:
+        """Internal (shardwise's own modules): the Tensor of what the runtime holds,
+        ``local`` (:mod:`shardwise.runtime.local`), laid out as ``layout``, of global
+        ``size`` (``shape``: ``tuple(size)``, when the caller has it); ``device``: the
+        torch device of its blocks."""
         # The wrapper holds no data (its C-level requires_grad stays False): values and
         # autograd live on what the runtime holds (``_local``), and every torch function
-        # is routed to the registry. ``shape``: ``tuple(size)`` when the caller has it.
+        # is routed to the registry.
         self = torch.Tensor._make_wrapper_subclass(cls, size, dtype=dtype, device=device)
         self._local = local
         self._layout = layout
@@ -207,19 +211,12 @@ class Tensor(GradMixin, RelayoutMixin, MetaMixin,  # type: ignore[misc,override]
         return self
 
     @classmethod
-    def held(cls, local: Local, layout: Layout, shape: Sequence[int], dtype: torch.dtype,
-             device: torch.device, open_dims: tuple[bool, ...] | None = None) -> Tensor:
-        """Internal: the Tensor of what the runtime holds, ``local``, laid out as
-        ``layout`` (``device``: the torch device of its blocks)."""
-        return cls._wrap(local, layout, torch.Size(shape), dtype, device, open_dims)
-
-    @classmethod
     def from_whole(cls, whole: torch.Tensor, layout: Layout,
                    open_dims: tuple[bool, ...] | None = None) -> Tensor:
         """Internal: the Tensor whose global value is ``whole``, held as the runtime
         holds it (:func:`~shardwise.runtime.local.hold`: the value itself on a mesh this
         process holds wholly, ops then running once on it; else its blocks, cut)."""
-        return cls._wrap(hold(whole, layout), layout, whole.shape, whole.dtype, whole.device,
+        return cls.from_held(hold(whole, layout), layout, whole.shape, whole.dtype, whole.device,
                          open_dims)
 
     @classmethod
@@ -228,12 +225,12 @@ class Tensor(GradMixin, RelayoutMixin, MetaMixin,  # type: ignore[misc,override]
         if _COMPILER._is_compiling_flag:
             return _route(func, args, kwargs)
         if kwargs:
-            return _route_eager(func, args, kwargs)
-        # _route_eager's commonest call inlined (one frame less on every op): no
+            return route(func, args, kwargs)
+        # route's commonest call inlined (one frame less on every op): no
         # keywords, a registered handler, run as the program position's op
         handler = HANDLERS.get(func)
         if handler is None:
-            return _route_eager(func, args, kwargs)
+            return route(func, args, kwargs)
         here = HERE
         before = here.op
         here.op = func
@@ -292,7 +289,7 @@ class Tensor(GradMixin, RelayoutMixin, MetaMixin,  # type: ignore[misc,override]
             return memo[id(self)]
         leaf_grad = self.is_leaf and self.requires_grad
         with torch.no_grad():
-            out = self._map_buffers(lambda s: s.clone())
+            out = self.map_buffers(lambda s: s.clone())
         if leaf_grad:
             out._local = out._local.with_grad(True, out._layout)
         for key, value in self.__dict__.items():
@@ -337,7 +334,7 @@ class Tensor(GradMixin, RelayoutMixin, MetaMixin,  # type: ignore[misc,override]
     def to_torch(self) -> torch.Tensor:
         """The global value as a new torch tensor (Partial axes reduced), on the
         first device of the mesh. Differentiable."""
-        out = self._global()
+        out = self.global_value()
         try:
             storages = {s.untyped_storage()._cdata for s in self._local.buffers()}
             alias = out.untyped_storage()._cdata in storages
@@ -458,7 +455,7 @@ def with_open_dims(t: Tensor, sharding: object) -> Tensor:
         want = None
     if want == t._open or (want is not None and len(want) != t.ndim):
         return t
-    return Tensor._wrap(t._local.alias(), t._layout, t._size, t._dtype, t._device, want)
+    return Tensor.from_held(t._local.alias(), t._layout, t._size, t._dtype, t._device, want)
 
 
 # --- placing values (core: used by creation, the ops and autograd) -------------------------
@@ -495,7 +492,7 @@ def to_layout(x: Tensor, layout: Layout) -> Tensor:
     """
     if layout.mesh == x.mesh:
         return x.relayout(layout)
-    return place(x._global(), layout)
+    return place(x.global_value(), layout)
 
 
 def rehome(x: Tensor, mesh: DeviceMesh, blocks: Sequence[torch.Tensor | None] | None = None
@@ -523,7 +520,7 @@ def rehome(x: Tensor, mesh: DeviceMesh, blocks: Sequence[torch.Tensor | None] | 
         return Tensor(blocks, layout, x._shape, x._dtype, open_dims=x._open)
     local = x._local.rehome(layout)
     first = local.first()
-    return Tensor._wrap(local, layout, x._size, x._dtype,
+    return Tensor.from_held(local, layout, x._size, x._dtype,
                         x._device if first is None else first.device, x._open)
 
 
