@@ -11,16 +11,18 @@ Invariants:
   before its forward (after the mixed-precision cast; one flat all_gather per dtype,
   :mod:`~shardwise.parallel.fsdp_flat`, and the planner for parameters no flat
   buffer can take) and swaps the gathered values into their modules for that forward.
-- One autograd node per unit forward (``_Gather``) maps the sharded leaf blocks to
-  the gathered blocks; its backward sums the gathered gradient over the FSDP axis and
-  cuts it back to the sharded layout: one reduce_scatter per flat buffer.
+- One path: one autograd node per unit forward (``_Gather``) maps the buffers of the
+  sharded parameters (``Local.buffers``) to those of the gathered values; its
+  backward sums the gathered gradient over the FSDP axis and cuts it back to the
+  sharded layout: one reduce_scatter per flat buffer. :meth:`Unit.gather` and
+  :meth:`Unit.reduce` are its two halves.
 - Whole values: on a mesh this process holds wholly every sharded parameter holds
   its global value (``fully_shard`` makes it so; its blocks are views of it). The
-  unit's node is then ``_GatherWhole``: the gathered value of a parameter is a view
-  of that global value (a cast copy under ``param_dtype``), its ops run once on it,
-  and autograd hands the backward the gradient summed over every device, which is
-  the reduce_scatter's result in the whole's form. The all_gathers and
-  reduce_scatters are counted as the flat buffers would run them.
+  gathered value of a parameter is then a view of that global value (a cast copy
+  under ``param_dtype``), its ops run once on it, and autograd hands the backward the
+  gradient summed over every device, which is the reduce_scatter's result in the
+  whole's form. The all_gathers and reduce_scatters are counted as the flat buffers
+  would run them.
 - With ``reshard_after_forward`` autograd never holds a gathered block: saved-tensor
   hooks store a reference instead and the first unpack in backward re-gathers the unit
   (for whole values: views of the parameters again, or new cast copies).
@@ -35,6 +37,7 @@ Invariants:
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -80,7 +83,9 @@ class _Call:
         self.shares: dict[int, torch.Tensor] = {}
         self.regathered: list[list[torch.Tensor]] | None = None  # per param: per storage
         self.hooks: Any = None
-        self.freed = False  # whole values: gathered copies freed after forward
+        self.held: list[Any] = []  # per param: its gathered value as the runtime holds it
+        self.outputs: list[range] = []  # per param: its buffers' outputs of the gather
+        self.freed = False  # gathered copies freed after forward (views of the params: not)
 
     def share(self, j: int, g: torch.Tensor) -> None:
         have = self.shares.get(j)
@@ -89,12 +94,14 @@ class _Call:
     def storage_block(self, i: int, ordinal: int) -> torch.Tensor:
         if self.regathered is None:
             with torch.no_grad():
-                if self.unit.wholes:
-                    self.regathered = [[w] for w in self.unit.gather_wholes()]
-                else:
-                    self.regathered = [_storages(blocks)[1]
-                                       for blocks in self.unit.gather_all()]
+                self.regathered = [_storages(held.buffers())[1]
+                                   for held in self.unit.gather()]
         return self.regathered[i][ordinal]
+
+
+def _get(got: dict[int, torch.Tensor], b: torch.Tensor) -> torch.Tensor:
+    """The gather's output for the gathered buffer ``b`` (autograd's own tensor)."""
+    return got[id(b)]
 
 
 def _storages(shards: Any) -> tuple[list[int], list[torch.Tensor]]:
@@ -146,52 +153,26 @@ def _unpack(saved: Any) -> torch.Tensor:
 
 class _Gather(torch.autograd.Function):
     """all_gather over the FSDP axis in forward; reduce_scatter of the gradient in
-    backward (one of each per flat buffer of the unit)."""
+    backward (one of each per flat buffer of the unit, :meth:`Unit.gather` and
+    :meth:`Unit.reduce`). Its inputs are the buffers of the sharded parameters, its
+    outputs those of the gathered values (``Local.buffers``: the blocks, or on a mesh
+    held wholly the whole values)."""
 
     @staticmethod
     def forward(ctx: Any, call: _Call, *leaves: torch.Tensor) -> Any:
         ctx.call = call
         ctx.set_materialize_grads(False)
         outs: list[torch.Tensor] = []
-        for blocks in call.unit.gather_all():
-            seen: dict[int, int] = {}
-            index: list[int | None] = []
-            for s in blocks:
-                if s is None:
-                    index.append(None)
-                    continue
-                j = seen.get(id(s))
-                if j is None:
-                    j = seen[id(s)] = len(outs)
-                    outs.append(s)
-                    call.blocks.append((s.shape, s.dtype, s.device))
-                index.append(j)
-            call.index.append(index)
+        for held in call.unit.gather():
+            buffers = held.buffers()
+            call.held.append(held)
+            call.outputs.append(range(len(outs), len(outs) + len(buffers)))
+            outs.extend(buffers)
+            if not call.unit.wholes:  # which output each device's block is (hand_off)
+                at = {id(b): j for b, j in zip(buffers, call.outputs[-1])}
+                call.index.append([None if b is None else at[id(b)] for b in held.blocks])
+        call.blocks = [(b.shape, b.dtype, b.device) for b in outs]
         return tuple(outs)
-
-    @staticmethod
-    def backward(ctx: Any, *grads: torch.Tensor | None) -> Any:
-        call: _Call = ctx.call
-        with position.at(position.backward_of(call.unit.site)), \
-                position.issuing("reduce_scatter gradients"):
-            out = call.unit.reduce(call, grads)
-        call.regathered = None
-        return (None, *out)
-
-
-class _GatherWhole(torch.autograd.Function):
-    """The whole-value form of :class:`_Gather` (a mesh this process holds wholly, every
-    parameter holding its global value): forward copies each sharded parameter's whole
-    (cast to ``param_dtype``), which *is* the gathered value, and counts the unit's
-    all_gathers; backward receives the gradient autograd already summed over every
-    device (the reduce_scatter's sum, counted there) in the whole's form, cast through
-    ``reduce_dtype`` as the reduce_scatter would."""
-
-    @staticmethod
-    def forward(ctx: Any, call: _Call, *wholes: torch.Tensor) -> Any:
-        ctx.call = call
-        ctx.set_materialize_grads(False)
-        return tuple(call.unit.gather_wholes(wholes))
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor | None) -> Any:
@@ -201,8 +182,11 @@ class _GatherWhole(torch.autograd.Function):
             # gathered views of the parameters hold no memory of their own, so none
             # was freed and autograd kept them: count the re-gather it stands for
             unit.record_gathers()
+        with position.at(position.backward_of(unit.site)), \
+                position.issuing("reduce_scatter gradients"):
+            out = unit.reduce(call, grads)
         call.regathered = None
-        return (None, *unit.reduce_wholes(grads))
+        return (None, *out)
 
 
 class _Share(torch.autograd.Function):
@@ -337,46 +321,56 @@ class Unit:
             for other, other_name in fp.owners[1:]:
                 other._parameters[other_name] = now
 
+    def gather(self) -> list[Any]:
+        """Per parameter, its gathered value (cast to ``param_dtype`` first) as the
+        runtime holds it (a ``Local``): the blocks of the flat all_gathers (and the
+        planner's, for parameters no flat buffer takes); on whole values (a mesh this
+        process holds wholly, :attr:`wholes`) the parameter's own value (a view, or a
+        cast copy), counted as those all_gathers."""
+        if self.wholes:
+            return [Tensor.from_whole(w, fp.gathered).held
+                    for w, fp in zip(self.gather_wholes(), self.params)]
+        return [Tensor(blocks, fp.gathered, fp.sharded.shape, self.dtype(i)).held
+                for i, (blocks, fp) in enumerate(zip(self.gather_all(), self.params))]
+
+    def leaves(self) -> list[torch.Tensor]:
+        """The sharded parameters' buffers the gather differentiates: their whole values
+        where :meth:`gather` runs on them, else their distinct blocks (views of a whole
+        value, which autograd flows through)."""
+        return [b for fp in self.params for b in (
+            fp.sharded.held if self.wholes else fp.sharded.held.as_blocks()).buffers()]
+
     def unshard(self) -> None:
         self.refresh()
         call = self.call = _Call(self)
         self.wholes = self._all_whole()
-        if self.wholes:
-            self._unshard_wholes(call)
-            return
-        leaves = [s for fp in self.params for s in fp.sharded.unique_shards()[1]]
-        outs = _Gather.apply(call, *leaves)
+        outs = _Gather.apply(call, *self.leaves())
         for i, fp in enumerate(self.params):
-            shards = [None if j is None else outs[j] for j in call.index[i]]
-            full = Tensor(shards, fp.gathered, fp.sharded.shape, self.dtype(i))
+            held = call.held[i]
+            got = {id(b): outs[j] for b, j in zip(held.buffers(), call.outputs[i])}
+            held = held.map(functools.partial(_get, got), fp.gathered)
+            full = Tensor.from_held(held, fp.gathered, fp.sharded.shape, self.dtype(i),
+                                    fp.sharded.device, None)
             # the unit sums this gradient over its axis (a reduce_scatter, counted
             # there): the runtime's diverge neither all_reduces nor counts it
             full.grad_owner = GradOwner((self.axis,),
-                                         None if self.local else self._hand_off(call, i))
+                                        None if self.local else self._hand_off(call, i))
             for owner, name in fp.owners:
                 owner._parameters[name] = full  # type: ignore[assignment]
-            if self.reshard:
-                for ordinal, ptr in enumerate(_storages(shards)[0]):
-                    _LIVE[ptr] = (call, i, ordinal)
+        call.held = []  # (the gathered values live in their modules only: freeable)
         if self.reshard:
-            call.hooks = torch.autograd.graph.saved_tensors_hooks(_pack, _unpack)
-            call.hooks.__enter__()
-
-    def _unshard_wholes(self, call: _Call) -> None:
-        outs = _GatherWhole.apply(call, *[cache.whole_of(fp.sharded) for fp in self.params])
-        owner = GradOwner((self.axis,), None)
-        for i, fp in enumerate(self.params):
-            full = Tensor.from_whole(outs[i], fp.gathered)
-            full.grad_owner = owner  # the unit sums this gradient over its axis
-            for module, name in fp.owners:
-                module._parameters[name] = full  # type: ignore[assignment]
-        # only cast copies take memory: views of the parameters need no freeing
-        if self.reshard and any(w._base is None for w in outs):
-            for i, w in enumerate(outs):
-                _LIVE[w.untyped_storage().data_ptr()] = (call, i, 0)
-            call.freed = True
-            call.hooks = torch.autograd.graph.saved_tensors_hooks(_pack, _unpack)
-            call.hooks.__enter__()
+            # gathered copies are freed after forward (autograd keeps a reference and
+            # the first unpack in backward re-gathers); views of the parameters are not
+            own = {b.untyped_storage().data_ptr() for b in self.leaves()}
+            for i in range(len(self.params)):
+                ptrs = _storages([outs[j] for j in call.outputs[i]])[0]
+                if any(p not in own for p in ptrs):
+                    call.freed = True
+                    for ordinal, ptr in enumerate(ptrs):
+                        _LIVE[ptr] = (call, i, ordinal)
+            if call.freed:
+                call.hooks = torch.autograd.graph.saved_tensors_hooks(_pack, _unpack)
+                call.hooks.__enter__()
 
     @staticmethod
     def _hand_off(call: _Call, i: int) -> Callable[[int, torch.Tensor], torch.Tensor]:
@@ -407,6 +401,16 @@ class Unit:
 
     # --- backward ---------------------------------------------------------------------
     def reduce(self, call: _Call, grads: tuple[torch.Tensor | None, ...]) -> list[Any]:
+        """The gradients of the sharded parameters' buffers (``_Gather``'s inputs) from
+        those of the gathered values' (its outputs): on whole values autograd summed
+        them over every device already (:meth:`reduce_wholes`), else
+        :meth:`reduce_blocks`."""
+        if self.wholes:
+            return self.reduce_wholes(tuple(grads[r.start] for r in call.outputs))
+        return self.reduce_blocks(call, grads)
+
+    def reduce_blocks(self, call: _Call, grads: tuple[torch.Tensor | None, ...]
+                      ) -> list[Any]:
         """The sharded leaves' gradients: gathered-block gradients that arrive summed
         (autograd's accumulation, or the runtime's diverge) are cut to the sharded
         block; shares handed over by ``diverge`` are reduce-scattered."""
