@@ -264,6 +264,17 @@ def test_as_strided_reads_the_tensors_own_elements(name: str, place: Any) -> Non
     check(STRIDED[name], [(_value((3, 3)), pm(M4, place))])
 
 
+@pytest.mark.parametrize("place", [Sharded(0), Sharded(1), Replicated()])
+def test_as_strided_scatter_writes_the_tensors_own_elements(place: Any) -> None:
+    fn = lambda t, s: torch.as_strided_scatter(t, s, (2, 2), (1, 2), 1)  # noqa: E731
+    check(fn, [(_value((3, 3)), pm(M4, place)), (_value((2, 2), 1), pm(M4, Replicated()))])
+    t = _value((4, 5)).t()  # torch writes in the order of these strides
+    for x in (sw.tensor(t, sharding=pm(M4, place)),
+              sw.tensor(t, sharding=pm(M4, place), requires_grad=True)):
+        with pytest.raises(ShardingError, match=r"Cannot as_strided_scatter .* lies in"):
+            torch.as_strided_scatter(x, torch.ones(2, 2), (2, 2), (1, 2))
+
+
 def _sharing(v: torch.Tensor, place: Any, grad: bool) -> sw.Tensor:
     """``v`` on M4 (1-D) from blocks that are views of ``v`` itself (from_local)."""
     blocks = [v] * 4 if place == Replicated() else list(v.split([3, 3, 2, 2]))
@@ -285,10 +296,16 @@ def test_as_strided_on_a_view_is_torchs_or_refused(place: Any, grad: bool) -> No
         (got.to_torch() * w).sum().backward()
         (want * w).sum().backward()
         torch.testing.assert_close(x.grad.to_torch(), view.grad)
-    with pytest.raises(ShardingError, match="Cannot as_strided .*storage offset 5,"):
+    with pytest.raises(ShardingError, match=r"Cannot as_strided .*storage offset 5,"):
         torch.as_strided(x, (2, 2), (1, 2), 0)  # torch reads base[0:4]: not x's elements
-    with pytest.raises(ShardingError, match="its own 10 elements.*Got a read of storage position 13"):
+    with pytest.raises(ShardingError, match=r"its own 10 elements.*storage position 13"):
         torch.as_strided(x, (2, 2), (1, 2), 10)  # x's storage is its own 10 elements
+    # as_strided_scatter writes where as_strided reads (into a copy of the view)
+    src = _value((2, 2), 6)
+    assert torch.equal(torch.as_strided_scatter(x, src, (2, 2), (1, 2)).to_torch(),
+                       torch.as_strided_scatter(view, src, (2, 2), (1, 2)))
+    with pytest.raises(ShardingError, match=r"Cannot as_strided_scatter .*storage offset 5,"):
+        torch.as_strided_scatter(x, src, (2, 2), (1, 2), 4)  # torch drops one: base[4]
 
 
 def test_as_strided_refuses_where_torch_would_read_elsewhere() -> None:
