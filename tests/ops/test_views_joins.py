@@ -300,6 +300,8 @@ def test_as_strided_on_a_view_is_torchs_or_refused(place: Any, grad: bool) -> No
         torch.as_strided(x, (2, 2), (1, 2), 0)  # torch reads base[0:4]: not x's elements
     with pytest.raises(ShardingError, match=r"its own 10 elements.*storage position 13"):
         torch.as_strided(x, (2, 2), (1, 2), 10)  # x's storage is its own 10 elements
+    with pytest.raises(ShardingError, match=r"its own 10 elements"):
+        torch.as_strided(x, (2,), (10**12,))  # refused before any position is listed
     # as_strided_scatter writes where as_strided reads (into a copy of the view)
     src = _value((2, 2), 6)
     assert torch.equal(torch.as_strided_scatter(x, src, (2, 2), (1, 2)).to_torch(),

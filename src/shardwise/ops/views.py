@@ -313,7 +313,6 @@ def _reads(name: str, x: Any, size: tuple[int, ...], stride: tuple[int, ...],
     end = offset + sum((n - 1) * s for n, s in zip(size, stride)) + 1 if all(size) else 0
     torch.as_strided(torch.empty(max(end, 0), dtype=x.dtype, device="meta"), size, stride,
                      storage_offset)
-    reads = torch.arange(max(end, 0)).as_strided(size, stride, offset).contiguous()
     call = f"size={list(size)}, stride={list(stride)}, storage_offset={storage_offset}"
     if end > x.numel():
         raise ShardingError(
@@ -322,6 +321,7 @@ def _reads(name: str, x: Any, size: tuple[int, ...], stride: tuple[int, ...],
             "(storage_offset() 0, a contiguous stride()), and a sharded value has no "
             f"other. Got a read of storage position {end - 1}; count positions from the "
             f"Tensor's first element, or {name} the tensor it was viewed from.")
+    reads = torch.arange(max(end, 0)).as_strided(size, stride, offset).contiguous()
     if not reads.numel():
         return reads
     held = _held(x)
