@@ -7,6 +7,25 @@ Replicated. The same call runs on plain torch and the two are compared.
 
 Invariants:
 
+- Inputs are the samples' tensors as torch gives them: views with storage offsets,
+  non-contiguous strides, 0-d and size-0 tensors, and the samples' own arguments
+  (a left-out ``dim`` stays left out). A Tensor is built from each one of two ways,
+  and torch runs on the tensor that Tensor holds: ``copy`` (``shardwise.tensor``,
+  which copies as torch's ``clone`` does: strides kept, a storage of its own; torch
+  runs on that clone) and ``shared`` (``shardwise.from_local`` of the blocks cut from
+  the sample's tensor, sharing its memory: torch runs on the tensor itself, offsets
+  and strides included). ``copy`` runs every sample; ``shared`` the samples with a
+  view or a non-contiguous tensor (the only ones where the two hold different
+  memory).
+- Execution paths: ``fwd``, ``int`` and ``bool`` run on Tensors without autograd
+  (``copy``: held whole; ``shared``: blocks run on their derived whole); ``bwd`` on
+  block leaves (``requires_grad=True``: autograd per block) and ``grad`` on whole
+  leaves (``.requires_grad_()`` on a Tensor held whole) for ``copy``, on block
+  leaves for ``shared``.
+- Samples: per mode the first :data:`SAMPLES` on every placement; then, in ``fwd``
+  and ``bwd``, each later one among the first :data:`SCAN` that brings a feature none
+  before it had (:func:`features`: another call signature, a 0-d, size-0,
+  non-contiguous or viewed tensor) on one Sharded placement (S0 and S-1 in turn).
 - Modes: ``fwd`` (float32, or the op's first dtype without float32), ``bwd``
   (``loss.backward()``) and ``grad`` (``torch.autograd.grad``) for ops that support
   autograd, ``int`` (int64) and ``bool`` forward for ops that support those dtypes.
@@ -54,9 +73,11 @@ from torch.testing._internal.common_methods_invocations import op_db
 from torch.testing._internal.opinfo.core import OpInfo
 
 import shardwise as sw
-from shardwise import DeviceMesh, PlacementMapping, Replicated, Sharded
+from shardwise import DeviceMesh
 from shardwise.ops import registry
 from shardwise.sharding.errors import ShardingError
+from shardwise.sharding.layout import Layout
+from tests.helpers.shardcheck import block
 
 MESH = DeviceMesh.cpu(4, "x")
 PLACEMENTS = ("S0", "S-1", "R")
@@ -67,6 +88,10 @@ OUTCOMES = ("rule", "fallback", "refused", "graph-lost", "wrong", "internal")
 ALLOWED = ("rule", "fallback", "refused", "graph-lost")
 #: samples per op and placement, per mode (every op is covered; more cost CI time)
 SAMPLES = {"fwd": 3, "bwd": 2, "grad": 1, "int": 2, "bool": 1}
+#: samples looked at per mode for a new feature (the later ones run on one placement):
+#: the forward and block leaves; more cost CI time
+SCAN = {"fwd": 12, "bwd": 12}
+PATHS = ("copy", "shared")
 #: ops whose results are uninitialized memory: shape, dtype and layout only
 UNINITIALIZED = frozenset({"empty", "empty_like", "new_empty", "new_empty_strided",
                            "empty_strided", "empty_permuted"})
@@ -115,10 +140,11 @@ class Outcome:
 
 
 # --- the two sides -------------------------------------------------------------------------
-def _placement(t: torch.Tensor, placement: str) -> Any:
+def _layout(t: torch.Tensor, placement: str) -> Layout:
     if t.ndim == 0 or placement == "R":
-        return Replicated()
-    return Sharded(0 if placement == "S0" else t.ndim - 1)
+        return Layout.replicated(MESH, t.ndim)
+    d = 0 if placement == "S0" else t.ndim - 1
+    return Layout(MESH, tuple((0,) if e == d else () for e in range(t.ndim)), (None,))
 
 
 def _plain(t: torch.Tensor) -> bool:
@@ -137,16 +163,41 @@ def _map(x: Any, f: Callable[[torch.Tensor], Any]) -> Any:
 
 
 def _copy(t: torch.Tensor) -> torch.Tensor:
-    """A fresh leaf with ``t``'s value and strides and its requires_grad."""
+    """What ``shardwise.tensor`` holds of ``t``: a fresh leaf, torch's clone (strides
+    kept, a storage of its own), with ``t``'s requires_grad."""
     c = t.detach().clone()
     return c.requires_grad_() if t.requires_grad else c
 
 
-def _to_sw(placement: str) -> Callable[[torch.Tensor], Any]:
+def _twin(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as the sample gives it, in memory of its own: a copy of its whole storage
+    viewed with its size, strides and storage offset (a fresh leaf, with ``t``'s
+    requires_grad), so a write into one sample's run never reaches another's."""
+    if t.is_conj() or t.is_neg():  # lazy bits a storage copy would drop
+        return _copy(t)
+    d = t.detach()
+    c = torch.empty(0, dtype=t.dtype, device=t.device)
+    c.set_(d.untyped_storage().clone(), d.storage_offset(), d.size(), d.stride())
+    return c.requires_grad_() if t.requires_grad else c
+
+
+def _reference(path: str) -> Callable[[torch.Tensor], torch.Tensor]:
+    return _copy if path == "copy" else _twin
+
+
+def _to_sw(placement: str, path: str, whole_leaf: bool = False
+           ) -> Callable[[torch.Tensor], Any]:
+    """The Tensor a sample's tensor becomes on ``path`` (module doc); ``whole_leaf``:
+    a leaf requiring grad held whole (``.requires_grad_()``), not as block leaves."""
     def f(t: torch.Tensor) -> Any:
-        sharding = PlacementMapping(MESH, [_placement(t, placement)])
-        return sw.tensor(t.detach().clone(), sharding=sharding,
-                         requires_grad=t.requires_grad)
+        lay, grad = _layout(t, placement), t.requires_grad
+        if path == "shared":
+            mine = _twin(t).detach()
+            blocks = [mine[block(MESH, lay, t.shape, k)] for k in range(MESH.num_devices)]
+            return sw.from_local(blocks, lay, tuple(t.shape), requires_grad=grad)
+        if whole_leaf and grad:
+            return sw.tensor(t.detach(), sharding=lay).requires_grad_()
+        return sw.tensor(t.detach(), sharding=lay, requires_grad=grad)
     return f
 
 
@@ -239,9 +290,11 @@ def _first_diff(got: torch.Tensor, exp: torch.Tensor, how: str) -> str:
 
 
 # --- one call ------------------------------------------------------------------------------
-def _run_fwd(op: OpInfo, s: Any, placement: str, uninit: bool) -> tuple[str, str]:
+def _run_fwd(op: OpInfo, s: Any, placement: str, path: str, uninit: bool
+             ) -> tuple[str, str]:
     args = (s.input, *s.args)
-    ref_args, ref_kwargs = _map(args, _copy), _map(s.kwargs, _copy)
+    ref = _reference(path)
+    ref_args, ref_kwargs = _map(args, ref), _map(s.kwargs, ref)
     torch.manual_seed(0)
     try:
         with warnings.catch_warnings():
@@ -249,7 +302,8 @@ def _run_fwd(op: OpInfo, s: Any, placement: str, uninit: bool) -> tuple[str, str
             exp = op.op(*ref_args, **ref_kwargs)
     except Exception:
         return "skip", ""
-    sw_args, sw_kwargs = _map(args, _to_sw(placement)), _map(s.kwargs, _to_sw(placement))
+    to_sw = _to_sw(placement, path)
+    sw_args, sw_kwargs = _map(args, to_sw), _map(s.kwargs, to_sw)
     return _call(lambda: op.op(*sw_args, **sw_kwargs), exp, True, uninit,
                  inputs=lambda: (_back([sw_args, sw_kwargs]), _back([ref_args, ref_kwargs])))
 
@@ -301,9 +355,10 @@ def _loss(out: list[Any], ws: list[torch.Tensor | None]) -> Any:
     return total
 
 
-def _run_bwd(op: OpInfo, s: Any, placement: str, mode: str) -> tuple[str, str]:
+def _run_bwd(op: OpInfo, s: Any, placement: str, path: str, mode: str) -> tuple[str, str]:
     args = (s.input, *s.args)
-    ref_args, ref_kwargs = _map(args, _copy), _map(s.kwargs, _copy)
+    ref = _reference(path)
+    ref_args, ref_kwargs = _map(args, ref), _map(s.kwargs, ref)
     ref_leaves = _leaves([ref_args, ref_kwargs])
     if not ref_leaves:
         return "skip", ""
@@ -319,7 +374,8 @@ def _run_bwd(op: OpInfo, s: Any, placement: str, mode: str) -> tuple[str, str]:
             exp = list(torch.autograd.grad(loss, ref_leaves, allow_unused=True))
     except Exception:
         return "skip", ""
-    sw_args, sw_kwargs = _map(args, _to_sw(placement)), _map(s.kwargs, _to_sw(placement))
+    to_sw = _to_sw(placement, path, whole_leaf=mode == "grad")
+    sw_args, sw_kwargs = _map(args, to_sw), _map(s.kwargs, to_sw)
     leaves = _sw_leaves([sw_args, sw_kwargs])
 
     def step() -> list[Any]:
@@ -352,13 +408,51 @@ class _Mismatch(Exception):
 
 
 # --- one op --------------------------------------------------------------------------------
-def _samples(op: OpInfo, dtype: torch.dtype, n: int, requires_grad: bool) -> list[Any]:
+def features(s: Any) -> set[Any]:
+    """What a sample exercises beyond its values: its call signature (how many
+    positional arguments, which keywords are given, which are None) and each kind of
+    tensor among its arguments (``0-d``, ``size-0`` of each rank, ``non-contiguous``,
+    ``view``: a storage offset or a storage holding more than the tensor)."""
+    args = (s.input, *s.args)
+    tensors = _tensors([*args, *s.kwargs.values()])
+    out: set[Any] = {("call", len(args), tuple(sorted(s.kwargs)),
+                      tuple(k for k, v in s.kwargs.items() if v is None),
+                      tuple(i for i, a in enumerate(args) if a is None))}
+    for t in tensors:
+        if not _plain(t):
+            continue
+        if t.ndim == 0:
+            out.add("0-d")
+        if t.numel() == 0:
+            out.add(("size-0", t.ndim))
+        if not t.is_contiguous():
+            out.add("non-contiguous")
+        if t.storage_offset() or t.untyped_storage().nbytes() > t.numel() * t.element_size():
+            out.add("view")
+    return out
+
+
+def _viewed(s: Any) -> bool:
+    return bool(features(s) & {"view", "non-contiguous"})
+
+
+def _samples(op: OpInfo, dtype: torch.dtype, n: int, scan: int, requires_grad: bool
+             ) -> list[tuple[Any, bool]]:
+    """(sample, whether it is a later one run for a new feature): the first ``n``, then
+    each of the first ``scan`` that brings a feature none before it had."""
     torch.manual_seed(zlib.crc32(key(op).encode()))
     try:
         it: Iterator[Any] = iter(op.sample_inputs("cpu", dtype, requires_grad=requires_grad))
-        return [s for _, s in zip(range(n), it)]
+        drawn = [s for _, s in zip(range(max(n, scan)), it)]
     except Exception:
         return []
+    out, seen = [], set()
+    for i, s in enumerate(drawn):
+        f = features(s)
+        if i < n or f - seen:
+            out.append((s, i >= n))
+            seen |= f
+    return out
 
 
 def _fwd_dtype(op: OpInfo) -> torch.dtype:
@@ -384,14 +478,19 @@ def run_op(op: OpInfo) -> Outcome:
     if fwd != torch.bool and torch.bool in dtypes:
         plans.append(("bool", torch.bool, False))
     for mode, dtype, grad in plans:
-        for s in _samples(op, dtype, SAMPLES[mode], grad):
-            for placement in PLACEMENTS:
-                if grad:
-                    o, note = _run_bwd(op, s, placement, mode)
-                else:
-                    o, note = _run_fwd(op, s, placement, uninit)
-                if o != "skip":
-                    result.add(mode, placement, o, note)
+        later = 0
+        for s, extra in _samples(op, dtype, SAMPLES[mode], SCAN.get(mode, 0), grad):
+            placements = PLACEMENTS if not extra else (PLACEMENTS[later % 2],)
+            later += extra
+            paths = PATHS if _viewed(s) else PATHS[:1]
+            for placement in placements:
+                for path in paths:
+                    if grad:
+                        o, note = _run_bwd(op, s, placement, path, mode)
+                    else:
+                        o, note = _run_fwd(op, s, placement, path, uninit)
+                    if o != "skip":
+                        result.add(mode, placement, o, f"{path}: {note}" if note else "")
     result.seconds = time.perf_counter() - t0
     return result
 
@@ -479,5 +578,6 @@ if __name__ == "__main__":
     main(sys.argv[1:])
 
 
-__all__ = ["ALLOWED", "MODES", "OUTCOMES", "PLACEMENTS", "Outcome", "all_ops", "diff",
-           "key", "main", "parse", "run_op", "summary", "table_line", "write_table"]
+__all__ = ["ALLOWED", "MODES", "OUTCOMES", "PATHS", "PLACEMENTS", "Outcome", "all_ops", "diff",
+           "features", "key", "main", "parse", "run_op", "summary", "table_line",
+           "write_table"]

@@ -10,7 +10,10 @@ import pytest
 import torch
 
 import shardwise as sw
+from shardwise import Sharded
 from tests.helpers.computecheck import LINE, lay, run, values
+from tests.helpers.meshes import M4
+from tests.helpers.opcheck import R, check, pm
 
 R2, S0, S1 = lay(LINE, None, None), lay(LINE, "x", None), lay(LINE, None, "x")
 SHAPES = [(5, 6), (3, 4)]  # uneven, size-0 blocks over 4 devices
@@ -140,3 +143,40 @@ def test_setitem_leaf_refused_like_torch() -> None:
     with pytest.raises(RuntimeError) as got:
         x[0] = 1.0
     assert "leaf" in str(want.value) and "leaf" in str(got.value)
+
+
+# --- issue 33: samples as torch's OpInfo gives them -------------------------------------------
+PLACES = [Sharded(0), Sharded(1), R]
+
+
+@pytest.mark.parametrize("pi", PLACES)
+@pytest.mark.parametrize("px", PLACES)
+def test_take_along_dim_without_dim_flattens_both(px: object, pi: object) -> None:
+    # torch flattens x and the indices: (5, 5) and (5, 2) give (10,), not take's (5, 2)
+    gen = torch.Generator().manual_seed(0)
+    x, i = values(5, 5), torch.randint(0, 25, (5, 2), generator=gen)
+    check(torch.take_along_dim, [(x, pm(M4, px)), (i, pm(M4, pi))])
+
+
+@pytest.mark.parametrize("pi", PLACES)
+@pytest.mark.parametrize("px", PLACES)
+def test_take_along_dim_counts_negative_indices_from_the_end(px: object, pi: object) -> None:
+    gen = torch.Generator().manual_seed(1)
+    x, i = values(5, 5), torch.randint(-5, 5, (5, 5), generator=gen)
+    check(lambda a, b: torch.take_along_dim(a, b, 1), [(x, pm(M4, px)), (i, pm(M4, pi))])
+    check(lambda a, b: torch.take_along_dim(a, b, dim=-1), [(x, pm(M4, px)), (i, pm(M4, pi))])
+
+
+@pytest.mark.parametrize("px", [Sharded(0), R])
+def test_gather_takes_an_empty_index_of_another_rank(px: object) -> None:
+    # torch takes an empty index of any rank (it raised IndexError inside shardwise)
+    x = values(5)
+    for index in (torch.zeros(2, 0, dtype=torch.int64), torch.zeros(0, dtype=torch.int64)):
+        for pi in (Sharded(0), R):
+            check(lambda a, b: torch.gather(a, 0, b), [(x, pm(M4, px)), (index, pm(M4, pi))])
+
+
+def test_gather_of_0d_values_and_indices() -> None:
+    x = values(1).reshape(())
+    for index in (torch.tensor(0), torch.tensor([0, 0])):
+        check(lambda a, b: torch.gather(a, 0, b), [(x, pm(M4, R)), (index, pm(M4, R))])

@@ -186,3 +186,35 @@ def test_dropout2d_backward() -> None:
     t = sw.tensor(x, sharding=lay(LINE, "x", None, None), requires_grad=True)
     F.dropout2d(t, 0.5).sum().backward()
     assert torch.equal(t.grad.to_torch(), ref.grad)
+
+
+# --- issue 33: torch's OpInfo samples the stricter harness ran ------------------------------
+def test_native_batch_norm_without_weights_or_stats() -> None:
+    # torch.native_batch_norm's running stats are optional (None); only
+    # _native_batch_norm_legit has an overload without them (a TypeError before)
+    fn = lambda x: torch.native_batch_norm(x, None, None, None, None, True, 0.5,  # noqa: E731
+                                           1e-5)[0]
+    for lx in lays(3):
+        run(fn, fn, [(values(5, 2, 3), lx)])
+
+
+def test_batch_norm_of_an_empty_1d_input() -> None:
+    # torch takes an input without a channel dim when it is empty (refused before)
+    fn = lambda x, m: F.batch_norm(x, m, None, training=True)  # noqa: E731
+    for training in (True, False):
+        got = F.batch_norm(sw.tensor(torch.zeros(0), sharding=lay(LINE, "x")), torch.zeros(0),
+                           torch.ones(0), training=training)
+        assert got.shape == (0,)
+    with pytest.raises(RuntimeError, match="running_mean should contain 0 elements"):
+        fn(sw.tensor(torch.ones(3), sharding=lay(LINE, "x")), torch.zeros(3))
+
+
+@pytest.mark.parametrize("lt", [lay(LINE, "x", None), lay(LINE, None, "x")])
+def test_embedding_scale_grad_by_freq(lt: object) -> None:
+    # each id's gradient is divided by its count over all the ids, which a block of ids
+    # does not see: the gathered fallback, exact (the gradient was silently wrong)
+    ids = torch.tensor([[1, 1, 2], [3, 1, 0], [1, 5, 7], [1, 2, 2]])
+    fn = lambda i, t: F.embedding(i, t, scale_grad_by_freq=True)  # noqa: E731
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", sw.ShardwiseFallbackWarning)
+        run(fn, fn, [(ids, lay(LINE, "x", None)), (values(8, 6), lt)])

@@ -94,6 +94,14 @@ def test_unbatched_and_whole_ops() -> None:
     check(lambda v: torch.linalg.vander(v, N=3), [(rand(5, 2), pm(M4, S0))])
 
 
+@pytest.mark.parametrize("shape, place", [((5,), S0), ((2, 5), S1), ((2, 5), S0)])
+def test_vander_defaults_to_the_global_last_dim(shape: tuple[int, ...], place: Sharded
+                                                ) -> None:
+    # N defaults to x.shape[-1]: a block of a sharded last dim holds only part of it
+    # (block leaves asserted a (2, 2) block where the layout gives (2, 5), issue 33)
+    check(torch.linalg.vander, [(rand(*shape), pm(M4, place))])
+
+
 MATMUL = [  # (name, fn, operand shapes, placements per operand)
     ("addmm", lambda i, a, b: torch.addmm(i, a, b, beta=0.5, alpha=2), [(6,), (5, 3), (3, 6)],
      [S0, S0, S1]),

@@ -15,6 +15,8 @@ Invariants:
   only shrinks.
 - ``wrong`` and ``internal`` are never in the list: a wrong value or an exception
   from inside shardwise always fails.
+- Every op listed as ``refused`` has its reason in :data:`REFUSALS` (why a distributed
+  value cannot honour that sample), and every reason a refusal listed.
 - ``graph-lost`` (``torch.autograd.grad`` returns None: it has no handler and runs
   through the fallback on gathered copies) is listed only until that path keeps the
   graph.
@@ -43,11 +45,7 @@ EXPECTED: dict[str, str] = {
     "_segment_reduce.lengths": "fwd=fallback bwd=fallback grad=fallback",
     "_segment_reduce.offsets": "fwd=fallback bwd=fallback grad=fallback",
     "argwhere": "fwd=fallback int=fallback bool=fallback",
-    "as_strided": "fwd=fallback bwd=fallback grad=fallback int=fallback bool=fallback",
-    "as_strided.partial_views":
-        "fwd=fallback bwd=fallback grad=fallback int=fallback bool=fallback",
-    "as_strided_copy": "fwd=fallback bwd=fallback grad=fallback int=fallback bool=fallback",
-    "as_strided_scatter": "fwd=fallback bwd=fallback grad=fallback int=fallback bool=fallback",
+    "as_strided.partial_views": "fwd=refused bwd=refused int=refused",
     "bincount": "fwd=fallback int=fallback",
     "hash_tensor": "fwd=fallback int=fallback bool=fallback",
     "histogram": "fwd=fallback",
@@ -64,8 +62,12 @@ EXPECTED: dict[str, str] = {
     "masked_select": "fwd=fallback bwd=fallback grad=fallback int=fallback bool=fallback",
     "max_pool2d_with_indices_backward": "fwd=fallback bwd=fallback grad=fallback",
     "new_empty_strided": "fwd=fallback int=fallback bool=fallback",
+    "nn.functional.cosine_similarity": "fwd=fallback bwd=fallback",
     "nn.functional.ctc_loss": "fwd=fallback bwd=fallback grad=fallback",
+    "nn.functional.embedding": "fwd=refused",
+    "nn.functional.embedding_bag": "fwd=refused",
     "nn.functional.multi_head_attention_forward": "fwd=fallback bwd=fallback grad=fallback",
+    "nn.functional.normalize": "fwd=fallback bwd=fallback",
     "nn.functional.pdist": "fwd=fallback bwd=fallback grad=fallback",
     "nonzero": "fwd=fallback int=fallback bool=fallback",
     "nonzero_static": "fwd=fallback int=fallback bool=fallback",
@@ -82,6 +84,19 @@ EXPECTED: dict[str, str] = {
     "unique": "fwd=fallback int=fallback bool=fallback",
     "unique_consecutive": "fwd=fallback int=fallback bool=fallback",
     # --- END EXPECTED ---
+}
+
+
+#: why each op EXPECTED lists as ``refused`` is refused (what the samples ask for)
+REFUSALS: dict[str, str] = {
+    "as_strided.partial_views":
+        "torch's samples read storage around a view (offset 0 is before base[5:15], 10 "
+        "past the ten elements of its copy): a Tensor's storage is its own elements",
+    "nn.functional.embedding": "max_norm renormalizes rows of the table in place",
+    "nn.functional.embedding_bag": "max_norm renormalizes rows of the table in place",
+    "resize_": "a Tensor keeps the shape and layout it was made with",
+    "sparse.sampled_addmm": "backward through a sparse CSR result: torch cannot sum CSR "
+                            "blocks",
 }
 
 
@@ -108,6 +123,14 @@ def test_the_list_holds_known_ops_and_allowed_outcomes() -> None:
             assert outcome in opinfo.ALLOWED and outcome != "rule", (
                 f"EXPECTED[{name!r}] lists {mode}={outcome}: only fallback, refused and "
                 "graph-lost may be listed (a wrong value or internal error is a bug to fix)")
+
+
+def test_every_refusal_has_its_reason() -> None:
+    refused = {name for name, entry in EXPECTED.items()
+               if "refused" in opinfo.parse(entry).values()}
+    assert refused == set(REFUSALS), (
+        f"give REFUSALS a reason for {sorted(refused - set(REFUSALS))}, and remove "
+        f"{sorted(set(REFUSALS) - refused)}")
 
 
 def test_every_op_is_covered() -> None:

@@ -16,7 +16,9 @@ from hypothesis import strategies as st
 import shardwise as sw
 from shardwise import Partial, PlacementMapping, Replicated, Sharded
 from shardwise.ops.registry import ShardwiseFallbackWarning
+from shardwise.sharding.errors import ShardingError
 from tests.helpers.meshes import M2, M4, M22
+from tests.helpers.opcheck import check, pm
 
 
 def _value(shape: tuple[int, ...], seed: int = 0, dtype: torch.dtype = torch.float32
@@ -242,3 +244,82 @@ def test_tensor_split_on_random_shards(shape: list[int], dim: int, arg: Any, see
     spec[seed % len(shape)] = ("dp", "tp")
     got = torch.tensor_split(sw.shard(v, M22, spec), arg, dim)
     _same(_plain(got), list(want), f"tensor_split {shape} {arg} dim {dim}")
+
+
+# --- as_strided: the Tensor's own elements, row-major, are its storage (issue 33) -----------
+STRIDED = {
+    "offset": lambda t: torch.as_strided(t, (2, 2), (1, 2), 1),
+    "overlapping": lambda t: t.as_strided((3, 2), (0, 3), 4),  # one element read thrice
+    "larger": lambda t: torch.as_strided(t, (2, 1, 1, 2), (1, 7, 7, 1)),
+    "0-d": lambda t: torch.as_strided(t, (), (), 8),
+    "empty": lambda t: torch.as_strided(t, (2, 0), (1, 1), 20),
+    "copy": lambda t: torch.as_strided_copy(t, (2, 2), (3, 1), 2),
+}
+
+
+@pytest.mark.parametrize("place", [Sharded(0), Sharded(1), Replicated()])
+@pytest.mark.parametrize("name", sorted(STRIDED))
+def test_as_strided_reads_the_tensors_own_elements(name: str, place: Any) -> None:
+    # whole leaves and block leaves: values and gradients are torch's on a contiguous value
+    check(STRIDED[name], [(_value((3, 3)), pm(M4, place))])
+
+
+@pytest.mark.parametrize("place", [Sharded(0), Sharded(1), Replicated()])
+def test_as_strided_scatter_writes_the_tensors_own_elements(place: Any) -> None:
+    fn = lambda t, s: torch.as_strided_scatter(t, s, (2, 2), (1, 2), 1)  # noqa: E731
+    check(fn, [(_value((3, 3)), pm(M4, place)), (_value((2, 2), 1), pm(M4, Replicated()))])
+    t = _value((4, 5)).t()  # torch writes in the order of these strides
+    for x in (sw.tensor(t, sharding=pm(M4, place)),
+              sw.tensor(t, sharding=pm(M4, place), requires_grad=True)):
+        with pytest.raises(ShardingError, match=r"Cannot as_strided_scatter .* lies in"):
+            torch.as_strided_scatter(x, torch.ones(2, 2), (2, 2), (1, 2))
+
+
+def _sharing(v: torch.Tensor, place: Any, grad: bool) -> sw.Tensor:
+    """``v`` on M4 (1-D) from blocks that are views of ``v`` itself (from_local)."""
+    blocks = [v] * 4 if place == Replicated() else list(v.split([3, 3, 2, 2]))
+    return sw.from_local(blocks, PlacementMapping(M4, [place]), tuple(v.shape),
+                         requires_grad=grad)
+
+
+@pytest.mark.parametrize("grad", [False, True])
+@pytest.mark.parametrize("place", [Sharded(0), Replicated()])
+def test_as_strided_on_a_view_is_torchs_or_refused(place: Any, grad: bool) -> None:
+    # torch's partial_views sample: base[5:15] lies at storage offset 5 of base's storage
+    base = _value((20,))
+    view = base[5:15].detach().requires_grad_(grad)
+    x = _sharing(base[5:15], place, grad)
+    got, want = torch.as_strided(x, (2, 2), (1, 2)), torch.as_strided(view, (2, 2), (1, 2))
+    assert torch.equal(got.to_torch(), want)  # the default offset is the view's own
+    if grad:
+        w = _value((2, 2), 5)
+        (got.to_torch() * w).sum().backward()
+        (want * w).sum().backward()
+        torch.testing.assert_close(x.grad.to_torch(), view.grad)
+    with pytest.raises(ShardingError, match=r"Cannot as_strided .*storage offset 5,"):
+        torch.as_strided(x, (2, 2), (1, 2), 0)  # torch reads base[0:4]: not x's elements
+    with pytest.raises(ShardingError, match=r"its own 10 elements.*storage position 13"):
+        torch.as_strided(x, (2, 2), (1, 2), 10)  # x's storage is its own 10 elements
+    with pytest.raises(ShardingError, match=r"its own 10 elements"):
+        torch.as_strided(x, (2,), (10**12,))  # refused before any position is listed
+    # as_strided_scatter writes where as_strided reads (into a copy of the view)
+    src = _value((2, 2), 6)
+    assert torch.equal(torch.as_strided_scatter(x, src, (2, 2), (1, 2)).to_torch(),
+                       torch.as_strided_scatter(view, src, (2, 2), (1, 2)))
+    with pytest.raises(ShardingError, match=r"Cannot as_strided_scatter .*storage offset 5,"):
+        torch.as_strided_scatter(x, src, (2, 2), (1, 2), 4)  # torch drops one: base[4]
+
+
+def test_as_strided_refuses_where_torch_would_read_elsewhere() -> None:
+    base = _value((4, 5))
+    for place in (Sharded(0), Sharded(1), Replicated()):
+        mapping = PlacementMapping(M4, [place])
+        for x in (sw.tensor(base, sharding=mapping)[1:3],  # a view: storage offset 5
+                  sw.tensor(base.t(), sharding=mapping),  # torch's clone keeps the strides
+                  sw.tensor(base.t(), sharding=mapping, requires_grad=True)):
+            with pytest.raises(ShardingError, match="lies in memory as torch laid it out"):
+                torch.as_strided(x, (2, 2), (1, 2), 0)
+        blocks = sw.tensor(base.t(), sharding=mapping, requires_grad=True) * 2
+        if place != Replicated():  # separate buffers: in what order would torch lay it?
+            with pytest.raises(ShardingError, match="no one tensor holds this value"):
+                torch.as_strided(blocks, (2, 2), (1, 2))

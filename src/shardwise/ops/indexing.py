@@ -89,7 +89,8 @@ def _shared(tensors: list[Any], dim: int | None) -> list[tuple[int, ...] | None]
     ts = [t for t in tensors if isinstance(t, torch.Tensor) and t.ndim]
     if not ts:
         return [None] * len(tensors)
-    n = ts[0].ndim
+    # ranks may differ (torch takes an empty index of any rank): then nothing is shared
+    n = max(t.ndim for t in ts)
     same = [d != dim and all(t.ndim == n and t.shape[d] == ts[0].shape[d] for t in ts)
             for d in range(n)]
     return [tuple(d if same[d] else -1 for d in range(t.ndim))
@@ -105,11 +106,17 @@ def gather(x: Any, dim: int, index: Any, *, sparse_grad: bool = False) -> Any:
     """``out[i][j] = x[index[i][j]][j]`` (dim 0): the index shards freely along ``dim``
     (its position there reads nothing of x)."""
     d = _dim(x, dim, "gather")
+    return _along("gather", lambda s, i: torch.gather(s, d, i, sparse_grad=sparse_grad),
+                  x, d, index)
+
+
+def _along(name: str, fn: Any, x: Any, d: int, index: Any) -> Any:
+    """gather and take_along_dim: x's ``d`` whole, the dims x and the index share shard
+    freely together, and the index's ``d`` too (its position there reads nothing of x)."""
     fx, fi = _shared([x, index], d)
     if fi is not None:
         fi = tuple(d if e == d else f for e, f in enumerate(fi))
-    return apply_kept("gather", lambda s, i: torch.gather(s, d, i, sparse_grad=sparse_grad),
-                      [x, index], [fx, fi], [fi or ()])
+    return apply_kept(name, fn, [x, index], [fx, fi], [fi or ()])
 
 
 def _scatter(name: str, fn: Any) -> Any:
@@ -162,13 +169,15 @@ def take(x: Any, index: Any) -> Any:
 
 @register(torch.take_along_dim, TensorMethod.take_along_dim)
 def take_along_dim(x: Any, indices: Any, dim: Any = None) -> Any:
+    """gather's layout, torch's own op on each block (it broadcasts x and the indices,
+    and counts negative indices from the end along ``dim``); without ``dim`` on both
+    flattened, as torch flattens them."""
     if dim is None:
-        return take(x, indices)
-    return gather(x, dim, indices) if x.ndim == indices.ndim and all(
-        a == b or e == _dim(x, dim, "take_along_dim")
-        for e, (a, b) in enumerate(zip(x.shape, indices.shape))) else apply_kept(
-        "take_along_dim", lambda s, i: torch.take_along_dim(s, i, dim),
-        on_mesh([x, indices]), [_whole(x), _whole(indices)])
+        x, indices = (C.reshape(t, (t.numel(),)) for t in on_mesh([x, indices]))
+        return _along("take_along_dim", torch.take_along_dim, x, 0, indices)
+    d = _dim(x, dim, "take_along_dim")
+    return _along("take_along_dim", lambda s, i: torch.take_along_dim(s, i, d), x, d,
+                  indices)
 
 
 @register(torch.put, TensorMethod.put)

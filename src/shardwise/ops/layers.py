@@ -25,7 +25,7 @@ import torch.nn.functional as F
 
 from shardwise.ops.compute import ZeroGrad
 from shardwise.ops.kept import apply_kept, lead
-from shardwise.ops.registry import register
+from shardwise.ops.registry import describe, register
 from shardwise.sharding.errors import ShardingError
 from shardwise.tensors.tensor import Tensor
 
@@ -315,9 +315,10 @@ def _empty_block(name: str, run: Callable[..., Any], xs: torch.Tensor, rm: Any, 
 def batch_norm(x: Any, running_mean: Any, running_var: Any, weight: Any = None,
                bias: Any = None, training: bool = False, momentum: float = 0.1,
                eps: float = 1e-5, *args: Any) -> Any:
-    if x.ndim < 2:
-        raise ShardingError(f"batch_norm: expected an input of 2 or more dims (N, C, ...), "
-                            f"got shape {list(x.shape)}.")
+    if x.ndim < 2:  # no channel dim: torch's own rules (it takes an empty 1-D input), whole
+        ops = [x, running_mean, running_var, weight, bias]
+        return apply_kept("batch_norm", lambda xs, rm, rv, w, b: F.batch_norm(
+            xs, rm, rv, w, b, training, momentum, eps), ops, [_whole(t) for t in ops])
     return _norm_with_stats(
         "batch_norm", x, (running_mean, running_var), (weight, bias), training,
         lambda xs, rm, rv, w, b: F.batch_norm(xs, rm, rv, w, b, training, momentum, eps))
@@ -337,14 +338,15 @@ def instance_norm(x: Any, running_mean: Any = None, running_var: Any = None,
 
 def _native_bn(fn: Any, name: str) -> Callable[..., Any]:
     def handler(x: Any, weight: Any, bias: Any, *rest: Any) -> Any:
-        if len(rest) == 3:  # the overload without running stats: (training, momentum, eps)
+        no_stats = len(rest) == 3  # the overload without them: (training, momentum, eps)
+        if no_stats:
             rest = (None, None, *rest)
         running_mean, running_var, training, momentum, eps = rest
         # eval mode returns empty statistics: laid out whole
         return _norm_with_stats(
             name, x, (running_mean, running_var), (weight, bias), training,
-            lambda xs, rm, rv, w, b: fn(xs, w, b, training, momentum, eps) if rm is None
-            and rv is None else fn(xs, w, b, rm, rv, training, momentum, eps),
+            lambda xs, rm, rv, w, b: fn(xs, w, b, training, momentum, eps) if no_stats
+            else fn(xs, w, b, rm, rv, training, momentum, eps),
             extra_outs=2 if training else 0)
 
     return handler
@@ -377,8 +379,11 @@ def embedding_bag(ids: Any, weight: Any, offsets: Any = None, max_norm: Any = No
                   include_last_offset: bool = False, padding_idx: Any = None) -> Any:
     """2-D bags shard by bag; the embedding dim shards freely (each column alone)."""
     if max_norm is not None:
-        raise ShardingError("F.embedding_bag(max_norm=...) renormalizes the table in place; "
-                            "it is not supported on a shardwise.Tensor table.")
+        raise ShardingError(
+            f"Cannot run F.embedding_bag(max_norm={max_norm}) on a shardwise.Tensor table "
+            f"({describe([weight])}): it renormalizes the looked-up rows of the table in "
+            "place, a write with no sharding rule. Got max_norm; renormalize those rows "
+            "yourself under torch.no_grad() (table[ids] = ...) and call without it.")
     b = 1 if ids.ndim == 2 else 0
     bags = lead(ids.ndim, b)
 

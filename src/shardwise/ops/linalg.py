@@ -166,8 +166,10 @@ for _f in (torch.linalg.solve, torch.linalg.solve_ex, torch.linalg.lstsq):
 
 @register(torch.linalg.vander)
 def vander(x: Any, *, N: Any = None) -> Any:
-    # every element its own row of powers: x's dims all batch, a new core of size N
-    return batched(torch.linalg.vander, [x], (0,), lambda s: torch.linalg.vander(s, N=N),
+    # every element its own row of powers: x's dims all batch, a new core of size N; N
+    # defaults to x's last dim, which a block holds only part of: the global size here
+    n = x.shape[-1] if N is None and x.ndim else N
+    return batched(torch.linalg.vander, [x], (0,), lambda s: torch.linalg.vander(s, N=n),
                    (x,), {"N": N})
 
 

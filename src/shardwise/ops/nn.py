@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from shardwise.ops import compute as C
 from shardwise.ops import matmuls
 from shardwise.ops.execute import apply, decision_of, records
-from shardwise.ops.registry import TensorMethod, fallback, on_mesh, register
+from shardwise.ops.registry import TensorMethod, describe, fallback, on_mesh, register
 from shardwise.runtime import observe as comm
 from shardwise.sharding.errors import ShardingError
 from shardwise.sharding.layout import Layout
@@ -147,10 +147,19 @@ def rms_norm(x: Any, normalized_shape: Sequence[int], weight: Any = None,
 
 @register(F.embedding)
 def embedding(ids: Any, weight: Any, padding_idx: Any = None, max_norm: Any = None,
-              *args: Any, **kwargs: Any) -> Any:
+              norm_type: float = 2.0, scale_grad_by_freq: bool = False,
+              sparse: bool = False) -> Any:
     if max_norm is not None:
-        raise ShardingError("F.embedding(max_norm=...) renormalizes the table in "
-                            "place; it is not supported on a shardwise.Tensor table.")
+        raise ShardingError(
+            f"Cannot run F.embedding(max_norm={max_norm}) on a shardwise.Tensor table "
+            f"({describe([weight])}): it renormalizes the looked-up rows of the table in "
+            "place, a write with no sharding rule. Got max_norm; renormalize those rows "
+            "yourself under torch.no_grad() (table[ids] = ...) and call without it.")
+    if scale_grad_by_freq or sparse:
+        # each id's gradient is scaled by its count over all the ids (or made sparse),
+        # which no block of ids sees: torch's own call on the gathered values
+        return fallback(F.embedding, (ids, weight, padding_idx, max_norm, norm_type,
+                                      scale_grad_by_freq, sparse), {})
     ops = on_mesh([ids, weight]) if not isinstance(ids, Tensor) else [ids, weight]
     return apply("embedding", ops, lambda i, w: F.embedding(i, w, padding_idx))
 

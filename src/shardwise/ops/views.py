@@ -11,6 +11,14 @@ Invariants:
   (the getitem rule), dim moves are permutes.
 - ``torch.X_copy`` is the view ``X`` followed by a clone: never an alias of its input
   (a later write to one does not show in the other, as in torch).
+- ``as_strided`` reads a storage (``as_strided_scatter`` writes one), and a Tensor's
+  storage is its own elements in row-major order (``stride()`` contiguous,
+  ``storage_offset()`` 0): the elements it reads are taken (``take``, a rule; the
+  writes are torch's own op on the whole value), or it raises ``ShardingError`` where
+  torch would read others or it cannot tell: past those elements, where the one tensor
+  holding the value here lies otherwise in memory (a view into a larger storage, a
+  non-contiguous value), or where no one tensor holds it (blocks in separate buffers,
+  Partial sums).
 """
 
 from __future__ import annotations
@@ -23,7 +31,10 @@ import torch
 from shardwise.ops import compute as C
 from shardwise.ops import shapes as V
 from shardwise.ops.execute import apply
-from shardwise.ops.registry import TensorMethod, register
+from shardwise.ops.kept import apply_kept
+from shardwise.ops.registry import TensorMethod, describe, on_mesh, register
+from shardwise.runtime.blocks import tiling_view
+from shardwise.sharding.errors import ShardingError
 from shardwise.sharding.layout import normalize_dim
 from shardwise.tensors.tensor import Tensor
 
@@ -268,6 +279,94 @@ def matrix_conj_transpose(x: Any) -> Any:
     """``x.mH``, ``torch.adjoint``: the last two dims swapped and conjugated."""
     _ = meta(x).mH  # torch's check: at least 2 dims
     return torch.conj(C.transpose(x, -2, -1))
+
+
+# --- as_strided: a read of the Tensor's own elements ---------------------------------------
+@register(torch.as_strided, TensorMethod.as_strided, torch.as_strided_copy)
+def as_strided(x: Any, size: Sequence[int], stride: Sequence[int],
+               storage_offset: int | None = None) -> Any:
+    """torch's ``as_strided`` on the Tensor's own elements, row-major, as its storage:
+    the elements read, taken (gradients summed where one is read twice, as torch's);
+    a ShardingError where torch would read other elements (module doc). A copy, as
+    ``as_strided_copy``: a write to it does not reach ``x``."""
+    return torch.take(x, _reads("as_strided", x, tuple(size), tuple(stride), storage_offset))
+
+
+@register(torch.as_strided_scatter, TensorMethod.as_strided_scatter)
+def as_strided_scatter(x: Any, src: Any, size: Sequence[int], stride: Sequence[int],
+                       storage_offset: int | None = None) -> Any:
+    """``x`` with ``src`` written where ``as_strided`` reads (refused where that read
+    is): torch's own op, its values and gradients, on the whole value, row-major."""
+    x, src = on_mesh([x, src])
+    _reads("as_strided_scatter", x, tuple(size), tuple(stride), storage_offset)
+    return apply_kept("as_strided_scatter", lambda a, b: torch.as_strided_scatter(
+        a.contiguous(), b, size, stride, storage_offset), [x, src],
+        [(-1,) * x.ndim, (-1,) * src.ndim])
+
+
+def _reads(name: str, x: Any, size: tuple[int, ...], stride: tuple[int, ...],
+           storage_offset: int | None) -> torch.Tensor:
+    """The row-major indices of ``x``'s elements that ``as_strided`` reads, shaped
+    ``size``; raises (naming the op ``name``) where torch would read others."""
+    offset = 0 if storage_offset is None else int(storage_offset)
+    # one past the last position read (torch checks the arguments first, then bounds)
+    end = offset + sum((n - 1) * s for n, s in zip(size, stride)) + 1 if all(size) else 0
+    torch.as_strided(torch.empty(max(end, 0), dtype=x.dtype, device="meta"), size, stride,
+                     storage_offset)
+    call = f"size={list(size)}, stride={list(stride)}, storage_offset={storage_offset}"
+    if end > x.numel():
+        raise ShardingError(
+            f"Cannot {name} a shardwise Tensor ({describe([x])}) with {call}: a "
+            f"shardwise Tensor's storage is its own {x.numel()} elements, row-major "
+            "(storage_offset() 0, a contiguous stride()), and a sharded value has no "
+            f"other. Got a read of storage position {end - 1}; count positions from the "
+            f"Tensor's first element, or {name} the tensor it was viewed from.")
+    reads = torch.arange(max(end, 0)).as_strided(size, stride, offset).contiguous()
+    if not reads.numel():
+        return reads
+    held = _held(x)
+    if held is None:
+        # blocks in separate buffers (or Partial sums): how torch would lay the value out
+        # in memory is nowhere to be seen, so what it would read is unknown
+        raise ShardingError(
+            f"Cannot {name} a shardwise Tensor ({describe([x])}) with {call}: it "
+            "reads the storage of one tensor, and no one tensor holds this value here "
+            "(its blocks live in separate buffers, or are Partial sums). Got a sharded "
+            f"value; {name} its gathered value, row-major, instead "
+            f"(torch.{name}(x.to_torch().contiguous(), ...)).")
+    if held.is_contiguous() and held.storage_offset() == 0:
+        return reads  # (laid out as the Tensor reports itself: torch reads these too)
+    base = int(held.storage_offset())
+    at = torch.tensor(base)  # each element's position in held's storage, row-major
+    for n, s in zip(held.shape, held.stride()):
+        at = at.unsqueeze(-1) + torch.arange(n) * s
+    torch_reads = reads if storage_offset is not None else reads + base
+    if not torch.equal(at.reshape(-1)[reads], torch_reads):
+        raise _laid_out(name, x, call, held)
+    return reads
+
+
+def _held(x: Any) -> torch.Tensor | None:
+    """The one torch tensor holding ``x``'s value here, laid out in memory as torch laid
+    it out: its whole value, or the buffer its blocks tile; None where no one does
+    (Partial, blocks in separate buffers)."""
+    if x.dist_layout.is_partial:
+        return None
+    blocks = x.shards
+    shape = tuple(x.shape)
+    held = next((b for b in blocks if b is not None and tuple(b.shape) == shape), None)
+    return held if held is not None else tiling_view(blocks, x.dist_layout, shape)
+
+
+def _laid_out(name: str, x: Any, call: str, held: torch.Tensor) -> ShardingError:
+    return ShardingError(
+        f"Cannot {name} a shardwise Tensor ({describe([x])}) with {call}: a shardwise "
+        "Tensor's storage is its own elements, row-major (storage_offset() 0, a "
+        "contiguous stride()), but this value lies in memory as torch laid it out "
+        f"(storage offset {held.storage_offset()}, strides {tuple(held.stride())}), where "
+        "torch would read other elements. Got a view or a non-contiguous value; "
+        f"{name} its gathered value, row-major, instead (torch.{name}(x.to_torch()."
+        "contiguous(), ...)), counting positions from its first element.")
 
 
 # --- the *_copy twins: the view, then a clone ---------------------------------------------
