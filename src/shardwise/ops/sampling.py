@@ -9,7 +9,7 @@ Invariants:
 - ``bernoulli(p)``: torch draws one uniform per element (in ``p``'s dtype, or float32
   below it) and compares it with ``p``; the comparison runs shard-wise.
 - Ops whose draws depend on the values (multinomial, rrelu in training) run on the
-  ``"kept"`` rule with every dim whole: one call on the replicated value.
+  ``"free_dims"`` rule with every dim whole: one call on the replicated value.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from shardwise.ops import compute as C
 from shardwise.ops.conversions import to
 from shardwise.ops.execute import apply_elementwise
-from shardwise.ops.kept import apply_kept
+from shardwise.ops.free_dims import apply_free_dims
 from shardwise.ops.registry import TensorMethod, on_mesh, register
 from shardwise.tensors.tensor import Tensor, place
 
@@ -92,9 +92,9 @@ register(F.feature_alpha_dropout)(_alpha_dropout(True))
 def native_dropout_backward(grad: Any, mask: Any, scale: float) -> Any:
     """``grad * mask * scale`` elementwise: every dim shards freely."""
     free = tuple(range(grad.ndim))
-    return apply_kept("native_dropout_backward",
-                      lambda g, m: torch.ops.aten.native_dropout_backward(g, m, scale),
-                      on_mesh([grad, mask]), [free, free], [free])
+    return apply_free_dims("native_dropout_backward",
+                           lambda g, m: torch.ops.aten.native_dropout_backward(g, m, scale),
+                           on_mesh([grad, mask]), [free, free], [free])
 
 
 # --- draws over the global shape ------------------------------------------------------------
@@ -165,7 +165,7 @@ def multinomial(x: Any, num_samples: int, replacement: bool = False, *,
                 generator: Any = None) -> Any:
     """Each row's draws follow the previous rows': one call on the whole value."""
     whole = (-1,) * x.ndim
-    return apply_kept("multinomial", lambda s: torch.multinomial(
+    return apply_free_dims("multinomial", lambda s: torch.multinomial(
         s, num_samples, replacement, generator=generator), [x], [whole])
 
 
@@ -175,5 +175,5 @@ def rrelu(x: Any, lower: float = 1.0 / 8, upper: float = 1.0 / 3, training: bool
     """In training a slope is drawn per negative element (the draws follow the values):
     one call on the whole value; in eval it is elementwise, every dim free."""
     free = (-1,) * x.ndim if training else tuple(range(x.ndim))
-    return apply_kept("rrelu", lambda s: F.rrelu(s, lower, upper, training), [x], [free],
-                      [free])
+    return apply_free_dims("rrelu", lambda s: F.rrelu(s, lower, upper, training), [x], [free],
+                           [free])

@@ -378,16 +378,16 @@ def _index_select(shapes: tuple[tuple[int, ...], ...], dim: int) -> str:
     return " ".join(ins) + ", i -> " + " ".join(out)
 
 
-# --- "kept" (the nn-layer, fft, indexing and random families): dims that shard freely -----
-def _kept(shapes: tuple[tuple[int, ...], ...], free: tuple[tuple[int, ...], ...],
-          out: tuple[tuple[int, int], ...]) -> str:
+# --- "free_dims" (the nn-layer, fft, indexing and random families): dims that shard freely
+def _free_dims(shapes: tuple[tuple[int, ...], ...], free: tuple[tuple[int, ...], ...],
+               out: tuple[tuple[int, int], ...]) -> str:
     """Operand ``i``'s dim ``d`` is the shared factor ``f{k}`` when ``free[i][d] == k >= 0``
     (it shards freely: the op treats each of its indices alone, a batch or channel dim)
     and whole (``!``) when it is ``-1``; output dim ``e`` is ``f{k}`` for ``out[e] ==
     (k, size)``, ``k >= 0``, else a whole dim of ``size``. Every ``f{k}`` of the operands
     appears in the output (no reduction, so never a Partial).
 
-    >>> _kept(((8, 3, 5), (4, 3, 2)), ((0, -1, -1), (-1, -1, -1)), ((0, 8), (-1, 4), (-1, 4)))
+    >>> _free_dims(((8, 3, 5), (4, 3, 2)), ((0, -1, -1), (-1, -1, -1)), ((0, 8), (-1, 4), (-1, 4)))
     'f0 w0_1! w0_2!, w1_0! w1_1! w1_2! -> f0 o1!=4 o2!=4'
     """
     terms = [" ".join(f"f{k}" if k >= 0 else f"w{i}_{d}!" for d, k in enumerate(fs[:len(s)]))
@@ -486,8 +486,8 @@ RULES.update({
     "isin": Rule("a, t! -> a", NONLINEAR, build=_isin),
     # index_select along one whole dim of the source
     "index_select": Rule("a d! b, i -> a i b", NONLINEAR, build=_index_select),
-    # --- nn layers, fft, indexing, random (ops/kept.py): free dims shard, the rest whole
-    "kept": Rule("f0 w!, f0 -> f0 o!=N", NONLINEAR, build=_kept),
+    # --- nn layers, fft, indexing, random (ops/free_dims.py): free dims shard, the rest whole
+    "free_dims": Rule("f0 w!, f0 -> f0 o!=N", NONLINEAR, build=_free_dims),
 })
 
 
