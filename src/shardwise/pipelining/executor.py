@@ -43,6 +43,7 @@ import torch.utils._pytree as pytree
 from shardwise.pipelining.actions import Action, Kind, Table, format_table, read_csv, write_csv
 from shardwise.pipelining.stage import Pipe
 from shardwise.pipelining.transport import Transport, detached, transport_for
+from shardwise.runtime.trees import is_tensor_leaf
 from shardwise.sharding.errors import ShardingError, ShardingTypeError
 
 __all__ = [
@@ -330,9 +331,9 @@ class _Step:
         if s == self.pipe.n_stages - 1:
             return [out], [torch.full_like(out, self.scale)]
         grads = self._take(s + 1, s, f"B{i}")
-        outs = [out] if _tensor_leaf(out) else pytree.tree_leaves(out)
+        outs = [out] if is_tensor_leaf(out) else pytree.tree_leaves(out)
         gs = (list(grads) if type(grads) is tuple and all(
-            g is None or _tensor_leaf(g) for g in grads)
+            g is None or is_tensor_leaf(g) for g in grads)
               else pytree.tree_leaves(grads, is_leaf=lambda x: x is None))
         pairs = [(o, g) for o, g in zip(outs, gs, strict=True)
                  if isinstance(o, torch.Tensor) and o.requires_grad and g is not None]
@@ -404,15 +405,11 @@ class _Step:
             torch.autograd.backward(outs, seeds, inputs=params)
 
 
-def _tensor_leaf(x: Any) -> bool:
-    return isinstance(x, torch.Tensor) and type(x) not in pytree.SUPPORTED_NODES
-
-
 def _flat(tree: Any) -> tuple[list[Any], Callable[[list[Any]], Any]]:
     """``tree``'s leaves and the function that puts leaves back in its place; a flat
     tuple of tensors (a stage's usual inputs) skips the pytree walk (a hop's critical
     path: ~20 us of Python on its cold cache)."""
-    if type(tree) is tuple and all(map(_tensor_leaf, tree)):
+    if type(tree) is tuple and all(map(is_tensor_leaf, tree)):
         return list(tree), tuple
     leaves, spec = pytree.tree_flatten(tree)
     return leaves, functools.partial(pytree.tree_unflatten, treespec=spec)

@@ -24,7 +24,7 @@ from torch.utils import _pytree as pytree
 
 from shardwise.sharding.errors import CollectiveError
 
-__all__ = ["check_value", "flatten", "spec_of", "spec_text", "unflatten"]
+__all__ = ["check_value", "flatten", "is_tensor_leaf", "spec_of", "spec_text", "unflatten"]
 
 _LEAF_VALUES = (type(None), bool, int, float, str)
 
@@ -47,7 +47,9 @@ def spec_of(text: str) -> Any:
     return pytree.treespec_loads(text)
 
 
-def _is_tensor_leaf(x: Any) -> bool:
+def is_tensor_leaf(x: Any) -> bool:
+    """A tensor that the pytree walk keeps as one leaf (not a subclass registered as a
+    node)."""
     return isinstance(x, torch.Tensor) and type(x) not in pytree.SUPPORTED_NODES
 
 
@@ -67,9 +69,9 @@ def flatten(tree: Any) -> tuple[list[Any], str]:
     >>> unflatten(*flatten({"x": [1, None]}))
     {'x': [1, None]}
     """
-    if _is_tensor_leaf(tree):
+    if is_tensor_leaf(tree):
         return [tree], _LEAF_TEXT
-    if type(tree) is tuple and all(map(_is_tensor_leaf, tree)):
+    if type(tree) is tuple and all(map(is_tensor_leaf, tree)):
         n = len(tree)
         text = _TUPLE_TEXTS.get(n)
         if text is None:
