@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from shardwise.ops import compute as C
+from shardwise.ops import compute
 from shardwise.ops.execute import apply
 from shardwise.ops.free_dims import apply_free_dims
 from shardwise.ops.inplace import write_into
@@ -38,8 +38,8 @@ __all__: list[str] = []
 
 @register(TensorMethod.__getitem__)
 def getitem(x: Any, index: Any) -> Any:
-    if C.is_basic_index(index):
-        return C.getitem(x, index)
+    if compute.is_basic_index(index):
+        return compute.getitem(x, index)
     picked = _one_integer_index(x, index)
     if picked is not None:  # x[ids], x[:, ids]: an index_select, never a gather of x
         return torch.index_select(x, *picked)
@@ -266,7 +266,7 @@ def setitem(x: Any, index: Any, value: Any) -> None:
             "write into a shardwise.Tensor, or gather the value with .to_torch() first.")
     items = index if isinstance(index, tuple) else (index,)
     at = [k for k, it in enumerate(items) if isinstance(it, torch.Tensor)]
-    free_x = _setitem_free(x, index, value) if not at and C.is_basic_index(index) else None
+    free_x = _setitem_free(x, index, value) if not at and compute.is_basic_index(index) else None
 
     def call(s: torch.Tensor, v: Any, *ix: torch.Tensor) -> torch.Tensor:
         full = list(items)
@@ -289,7 +289,7 @@ def _setitem_free(x: Tensor, index: Any, value: Any
                   ) -> tuple[tuple[int, ...], tuple[int, ...] | None]:
     """(x's factors, the value's) for a basic index: a dim of x taken whole by the index
     shards freely, with the value's dim that meets it (right-aligned) when of its size."""
-    norm = normalize_index(C._index_key(index), tuple(x.shape))
+    norm = normalize_index(compute._index_key(index), tuple(x.shape))
     fx = [-1] * x.ndim
     out: list[int] = []  # per dim of x[index]: x's dim (>= 0) or -1
     d = 0

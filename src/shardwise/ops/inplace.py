@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from shardwise.ops import compute as C
+from shardwise.ops import compute
 from shardwise.ops.conversions import to
 from shardwise.ops.elementwise import LINEAR, NONLINEAR, OPERATORS
 from shardwise.ops.factories import zeros_like
@@ -159,7 +159,7 @@ def copy_(self: Any, src: Any, non_blocking: bool = False) -> Any:
     if isinstance(src, Tensor):
         value: Tensor = src if src.dtype == t.dtype else to(src, t.dtype)
         if value.shape != t.shape:
-            value = C.add(value, zeros_like(t))  # broadcast to t's shape
+            value = compute.add(value, zeros_like(t))  # broadcast to t's shape
         return _write(t, value, "copy_")
     value = torch.as_tensor(src).to(t.dtype).expand(t.shape)  # type: ignore[assignment]
     return _write(t, place(value, Layout.replicated(t.mesh, t.ndim)), "copy_")

@@ -388,4 +388,4 @@ def embedding_bag(ids: Any, weight: Any, offsets: Any = None, max_norm: Any = No
 
     return apply_free_dims("embedding_bag", call, [ids, weight, offsets, per_sample_weights],
                            [bags, (-1, 1), _whole(offsets), None if per_sample_weights is None
-                       else bags], [(0 if b else -1, 1)])
+                            else bags], [(0 if b else -1, 1)])

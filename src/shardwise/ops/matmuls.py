@@ -25,7 +25,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from shardwise.ops import compute as C
+from shardwise.ops import compute
 from shardwise.ops.execute import apply
 from shardwise.ops.registry import TensorMethod, fallback, on_mesh, register
 from shardwise.sharding.layout import normalize_dim
@@ -125,7 +125,7 @@ def inner(a: Any, b: Any, *, out: Any = None) -> Any:
     if out is not None or not (torch.is_tensor(a) and torch.is_tensor(b)):
         return fallback(torch.inner, args, kwargs)
     if a.ndim == 0 or b.ndim == 0:  # torch's inner is then a product
-        return C.mul(*on_mesh([a, b]))
+        return compute.mul(*on_mesh([a, b]))
     return _contract(torch.inner, a, b, [(a.ndim - 1, b.ndim - 1)], torch.inner, args,
                      kwargs)
 
