@@ -20,8 +20,7 @@ Invariants:
   right before the consuming action; stages on one rank hand over a detached value.
   A full ``B`` of plain host tensors sends its input gradients from their autograd hooks,
   once every one is computed: the same values, before autograd accumulates them and
-  winds down (~0.1 ms earlier on each backward hop). Each stage's backward is its own
-  graph.
+  winds down. Each stage's backward is its own graph.
 - One process runs the rows of every pipeline rank it holds (all of them on the
   simulated mesh), taking each row's next action once what it consumes is there; a
   table whose actions can never become ready raises instead of hanging. Communication,
@@ -407,8 +406,8 @@ class _Step:
 
 def _flat(tree: Any) -> tuple[list[Any], Callable[[list[Any]], Any]]:
     """``tree``'s leaves and the function that puts leaves back in its place; a flat
-    tuple of tensors (a stage's usual inputs) skips the pytree walk (a hop's critical
-    path: ~20 us of Python on its cold cache)."""
+    tuple of tensors (a stage's usual inputs) skips the pytree walk (Python, on a hop's
+    critical path, where the cache is cold)."""
     if type(tree) is tuple and all(map(is_tensor_leaf, tree)):
         return list(tree), tuple
     leaves, spec = pytree.tree_flatten(tree)

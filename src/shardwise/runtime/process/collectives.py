@@ -124,9 +124,9 @@ def all_gather(x: torch.Tensor, dim: int, g: Group, sizes: Sequence[int], tag: s
 def _all_gather_by_exchange(x: torch.Tensor, dim: int, g: Group, sizes: Sequence[int],
                             agreed: Callable[[], None]) -> torch.Tensor:
     """all_gather as point-to-point sends of this block to every peer, each received
-    straight into its place in the result. Why on CPU: Gloo's all_gather was measured
-    1.5x slower (64 MiB on 4 ranks: 190-207 ms against 114-132 ms). Uneven pieces
-    need no padding, and members land in member order whatever torch's rank order."""
+    straight into its place in the result. Why on CPU: Gloo's all_gather measured
+    slower (DESIGN's decisions log has the figures). Uneven pieces need no padding,
+    and members land in member order whatever torch's rank order."""
     xm = x.movedim(dim, 0).contiguous()
     out = buffers.empty((sum(sizes), *xm.shape[1:]), xm)
     starts = [0]
@@ -242,8 +242,7 @@ def _reduce_scatter_by_exchange(x: torch.Tensor, dim: int, g: Group, sizes: Sequ
     """reduce_scatter as one all_to_all (member j gets everyone's piece j) and a local
     reduction. Why on CPU: Gloo's reduce_scatter is a clone, a whole-tensor ring
     all_reduce and a copy, which moves 2(n-1)/n of the tensor per rank; this moves
-    (n-1)/n (measured 1.4-1.7x faster for 64 MiB on 4 ranks). No padding for uneven
-    pieces: all_to_all takes per-peer sizes."""
+    (n-1)/n. No padding for uneven pieces: all_to_all takes per-peer sizes."""
     xm = x.movedim(dim, 0)
     rest = math.prod(xm.shape[1:])
     pieces = g.by_slot(list(xm.split(list(sizes), 0)))

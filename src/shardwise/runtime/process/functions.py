@@ -28,7 +28,8 @@ Invariants:
 - Specs are immutable values (the backend caches them per step); the transport and
   its agreement check are :mod:`shardwise.runtime.process.collectives`' alone.
 - Forward-mode tangents apply ``spec.tangent``: the forward itself for linear specs.
-- :func:`run` skips ``Function.apply`` when autograd records nothing (it costs ~10 us).
+- :func:`run` skips ``Function.apply`` when autograd records nothing (its cost buys
+  nothing there).
 - Every member of a group runs the same spec (also one that keeps its block), so the
   members' collectives, forward and backward, pair up.
 - A tensor that a torch.func transform wrapped never enters a collective (:func:`run`

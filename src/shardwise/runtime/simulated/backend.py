@@ -25,7 +25,7 @@ Invariants:
   gradient is being recorded) are returned as views of it: no copy (large
   tensors; the check costs more than a small copy).
 - Buffer reuse is opt-in (:func:`set_buffer_reuse`): it keeps freed buffers in
-  the C heap, so a fresh 64 MiB output costs a copy, not ~3 copies of page faults.
+  the C heap, so a fresh 64 MiB output costs a copy, not its pages' faults.
 
 Modules: ``runtime/blocks`` (the recipes), ``host_paths`` (the compiled host fast
 path), ``runtime/collectives`` (the group reductions, shared with shard_map and the
@@ -212,8 +212,8 @@ def reduce_scatter(shards: Sequence[torch.Tensor], before: Layout, after: Layout
     ``after`` lays it out. On the host, results above glibc's mmap limit (32 MiB)
     reduce each target block on its own: a contiguous buffer of 1/n of the bytes,
     which the C heap reuses instead of page-faulting a fresh mmap, and whose
-    accumulation stays in cache longer (measured 1.06-1.6x faster at 64 MiB; at 4 MiB
-    the n*(n-1) smaller calls were 1.2x slower). Otherwise reduce whole and slice."""
+    accumulation stays in cache longer (below, the n*(n-1) smaller calls cost more
+    than they save). Otherwise reduce whole and slice."""
     plan = None
     host, whole, mid, direct = _scatter_route(before, after, axes, shape)
     nbytes = _nbytes(shards, shape)
