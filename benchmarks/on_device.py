@@ -172,13 +172,13 @@ def _example(main: Callable[[list[str]], int], argv: list[str]) -> Row:
 
 def world(device: str, size: str) -> Rows:
     """A world of this one process: collectives, agreement, p2p loopback."""
-    from benchmarks import world_of_one as W
+    from benchmarks import world_of_one
 
-    W.start(device, timeout_s=30.0)
+    world_of_one.start(device, timeout_s=30.0)
     try:
-        yield "world.collectives", lambda: W.collectives(device)
-        yield "world.agreement", lambda: W.agreement(device)
-        yield "world.p2p", lambda: W.p2p_loopback(device)
+        yield "world.collectives", lambda: world_of_one.collectives(device)
+        yield "world.agreement", lambda: world_of_one.agreement(device)
+        yield "world.p2p", lambda: world_of_one.p2p_loopback(device)
     finally:
         import shardwise.distributed as sd
 

@@ -157,16 +157,15 @@ def _stages(args: argparse.Namespace, n: int) -> list[SleepStage]:
 
 
 def _shardwise_step(name: str, args: argparse.Namespace, p: int) -> tuple[Any, Any]:
-    from shardwise import DeviceMesh
-    from shardwise import pipelining as P
+    from shardwise import DeviceMesh, pipelining
 
     v, style = SCHEDULES[name]
-    pipe = P.pipeline(_stages(args, p * v), DeviceMesh.cpu(p, "pp"), stages_per_rank=v,
-                      style=style)
-    cls = {"GPipe": P.ScheduleGPipe, "1F1B": P.Schedule1F1B,
-           "Interleaved1F1B": P.ScheduleInterleaved1F1B,
-           "InterleavedZeroBubble": P.ScheduleInterleavedZeroBubble,
-           "ZBVZeroBubble": P.ScheduleZBVZeroBubble}[name]
+    pipe = pipelining.pipeline(_stages(args, p * v), DeviceMesh.cpu(p, "pp"), stages_per_rank=v,
+                               style=style)
+    cls = {"GPipe": pipelining.ScheduleGPipe, "1F1B": pipelining.Schedule1F1B,
+           "Interleaved1F1B": pipelining.ScheduleInterleaved1F1B,
+           "InterleavedZeroBubble": pipelining.ScheduleInterleavedZeroBubble,
+           "ZBVZeroBubble": pipelining.ScheduleZBVZeroBubble}[name]
     sched = cls(pipe, n_microbatches=args.microbatches, loss_fn=F.mse_loss)
     return sched, lambda x, t, losses: sched.step(x, target=t, losses=losses)
 

@@ -49,10 +49,10 @@ class _Calls:
     """Counts what reaches the backend: agreement control messages and data exchanges."""
 
     def __init__(self) -> None:
-        from shardwise.runtime.process import agreement as A
+        from shardwise.runtime.process import agreement as process_agreement
 
         self.control = self.data = 0
-        self._agree, self._run = A.agree, A.run
+        self._agree, self._run = process_agreement.agree, process_agreement.run
 
         def agree(*args: Any, **kwargs: Any) -> Any:
             self.control += 1
@@ -62,12 +62,12 @@ class _Calls:
             self.data += 1
             return self._run(*args, **kwargs)
 
-        A.agree, A.run = agree, run
+        process_agreement.agree, process_agreement.run = agree, run
 
     def close(self) -> None:
-        from shardwise.runtime.process import agreement as A
+        from shardwise.runtime.process import agreement as process_agreement
 
-        A.agree, A.run = self._agree, self._run
+        process_agreement.agree, process_agreement.run = self._agree, self._run
 
 
 def _same(got: torch.Tensor, want: torch.Tensor, what: str, exact: bool = True) -> None:
@@ -194,16 +194,16 @@ def agreement(device: str) -> tuple[bool, str, dict[str, Any]]:
     """The agreement check's control message over the backend: a barrier (header only),
     then a small all_reduce folded into the message."""
     import shardwise.distributed as sd
-    from shardwise.runtime.process import agreement as A
-    from shardwise.runtime.process import collectives as C
+    from shardwise.runtime.process import agreement as process_agreement
+    from shardwise.runtime.process import collectives as process_collectives
     from shardwise.sharding.placements import ReduceOp
 
-    world = C.world_group()
+    world = process_collectives.world_group()
     sd.barrier("gpu check")
     x = (torch.arange(12.0) / 7).to(_device(device))
-    fp = A.fingerprint("all_reduce", ReduceOp.SUM, world.label, tuple(x.shape), x.dtype,
-                       "gpu check", (), 0)
-    out = A.agree(world.pg, world.ranks, world.label, fp, x)
+    fp = process_agreement.fingerprint("all_reduce", ReduceOp.SUM, world.label, tuple(x.shape),
+                                       x.dtype, "gpu check", (), 0)
+    out = process_agreement.agree(world.pg, world.ranks, world.label, fp, x)
     assert out is not None
     _same(out.to(x.device), x, "the folded all_reduce")
     backend = dist.get_backend()

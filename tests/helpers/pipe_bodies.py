@@ -238,12 +238,13 @@ def body_shape_disagrees(n: int) -> None:
 
 # --- the executor on processes: every schedule equals single-device torch -------------
 def _schedules() -> dict[str, tuple[object, int, str]]:
-    from shardwise import pipelining as P
+    from shardwise import pipelining
 
-    return {"GPipe": (P.ScheduleGPipe, 1, "loop"), "1F1B": (P.Schedule1F1B, 1, "loop"),
-            "Interleaved1F1B": (P.ScheduleInterleaved1F1B, 2, "loop"),
-            "InterleavedZeroBubble": (P.ScheduleInterleavedZeroBubble, 2, "loop"),
-            "ZBVZeroBubble": (P.ScheduleZBVZeroBubble, 2, "v")}
+    return {"GPipe": (pipelining.ScheduleGPipe, 1, "loop"),
+            "1F1B": (pipelining.Schedule1F1B, 1, "loop"),
+            "Interleaved1F1B": (pipelining.ScheduleInterleaved1F1B, 2, "loop"),
+            "InterleavedZeroBubble": (pipelining.ScheduleInterleavedZeroBubble, 2, "loop"),
+            "ZBVZeroBubble": (pipelining.ScheduleZBVZeroBubble, 2, "v")}
 
 
 def _check_step(pipe, sched, ref, x, t, m, loss, what,  # type: ignore[no-untyped-def]

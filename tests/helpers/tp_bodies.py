@@ -7,13 +7,13 @@ from __future__ import annotations
 import torch
 
 import shardwise as sw
-from tests.helpers import gpt_plans as G
+from tests.helpers import gpt_plans
 
 
 def _check(plan: dict[str, object], n: int) -> dict[str, object]:
-    mesh = G.mesh_of(2, n // 2)
-    run = G.train(mesh, plan)
-    G.assert_parity(run)
+    mesh = gpt_plans.mesh_of(2, n // 2)
+    run = gpt_plans.train(mesh, plan)
+    gpt_plans.assert_parity(run)
     # each process holds only its own block of a tp-sharded weight
     w = run["model"].get_parameter("layers.0.mlp.w1.weight")
     assert len(w.addressable_shards) == 1
@@ -24,7 +24,7 @@ def _check(plan: dict[str, object], n: int) -> dict[str, object]:
 
 def body_gpt_megatron(n: int) -> None:
     """10 AdamW steps with the Megatron plan: losses and parameters as torch's."""
-    run = _check(G.megatron_plan(), n)
+    run = _check(gpt_plans.megatron_plan(), n)
     c = run["ref"].config
     assert set(run["comm"].counts) == {"all_reduce"}
     activation = 8 // 2 * c.seq * c.dim * 4
@@ -33,15 +33,15 @@ def body_gpt_megatron(n: int) -> None:
 
 def body_gpt_sequence_parallel(n: int) -> None:
     """10 AdamW steps with sequence parallelism: losses and parameters as torch's."""
-    run = _check(G.sequence_plan(), n)
+    run = _check(gpt_plans.sequence_plan(), n)
     counts = run["comm"].counts
     assert counts["all_gather"] == counts["reduce_scatter"] == 2 * run["ref"].config.layers + 1
 
 
 def body_gpt_megatron_fsdp(n: int) -> None:
     """TP x FSDP: the Megatron plan, then fully_shard over dp per block and on the root."""
-    run = G.train(G.mesh_of(2, n // 2), G.megatron_plan(), fsdp=True)
-    G.assert_parity(run)
+    run = gpt_plans.train(gpt_plans.mesh_of(2, n // 2), gpt_plans.megatron_plan(), fsdp=True)
+    gpt_plans.assert_parity(run)
     w = run["model"].get_parameter("layers.0.mlp.w1.weight")
     (block,) = w.addressable_shards.values()
     assert block.shape[0] == w.shape[0] // n  # rows over tp, then over dp
@@ -52,7 +52,7 @@ def body_loss_parallel(n: int) -> None:
     from shardwise import PlacementMapping, Sharded
     from shardwise.parallel import loss_parallel
 
-    mesh = G.mesh_of(2, n // 2)
+    mesh = gpt_plans.mesh_of(2, n // 2)
     g = torch.Generator().manual_seed(3)
     logits = torch.randn(8, 10, generator=g)
     target = torch.randint(0, 10, (8,), generator=g)

@@ -21,7 +21,7 @@ from shardwise.parallel import (
     SequenceParallel,
     parallelize_module,
 )
-from tests.helpers import gpt_plans as G
+from tests.helpers import gpt_plans
 from tests.helpers.shardcheck import whole_value
 
 
@@ -38,11 +38,12 @@ MESHES = [(2, 2), (2, 4)]
 
 
 @pytest.mark.parametrize("shape", MESHES, ids=lambda s: f"{s[0]}x{s[1]}")
-@pytest.mark.parametrize("plan", [G.megatron_plan, G.sequence_plan], ids=["megatron", "sp"])
+@pytest.mark.parametrize("plan", [gpt_plans.megatron_plan, gpt_plans.sequence_plan],
+                         ids=["megatron", "sp"])
 def test_gpt_training_matches_torch(shape: tuple[int, int], plan: object) -> None:
-    mesh = G.mesh_of(*shape)
-    run = G.train(mesh, plan())  # type: ignore[operator]
-    G.assert_parity(run)
+    mesh = gpt_plans.mesh_of(*shape)
+    run = gpt_plans.train(mesh, plan())  # type: ignore[operator]
+    gpt_plans.assert_parity(run)
     model = run["model"]
     tp = mesh.axis_index("tp")
     # each device holds 1/tp of every planned weight and of its AdamW state
@@ -65,8 +66,8 @@ def _block_input(mesh: DeviceMesh, seq_sharded: bool) -> sw.Tensor:
 
 @pytest.mark.parametrize("shape", MESHES, ids=lambda s: f"{s[0]}x{s[1]}")
 def test_megatron_block_forward_is_two_all_reduces(shape: tuple[int, int]) -> None:
-    mesh = G.mesh_of(*shape)
-    run = G.train(mesh, G.megatron_plan(), steps=1)
+    mesh = gpt_plans.mesh_of(*shape)
+    run = gpt_plans.train(mesh, gpt_plans.megatron_plan(), steps=1)
     c = run["ref"].config
     x = _block_input(mesh, seq_sharded=False)
     with CommCounter() as cc:
@@ -89,8 +90,8 @@ def test_megatron_block_forward_is_two_all_reduces(shape: tuple[int, int]) -> No
 
 @pytest.mark.parametrize("shape", MESHES, ids=lambda s: f"{s[0]}x{s[1]}")
 def test_sequence_parallel_block_is_gather_scatter_pairs(shape: tuple[int, int]) -> None:
-    mesh = G.mesh_of(*shape)
-    run = G.train(mesh, G.sequence_plan(), steps=1)
+    mesh = gpt_plans.mesh_of(*shape)
+    run = gpt_plans.train(mesh, gpt_plans.sequence_plan(), steps=1)
     c = run["ref"].config
     x = _block_input(mesh, seq_sharded=True)
     with CommCounter() as cc:
@@ -111,7 +112,7 @@ def test_unplanned_parameters_are_untouched() -> None:
     gpt = example_gpt()
     model = gpt.GPT(gpt.Config())
     before = {n: p for n, p in model.named_parameters()}
-    parallelize_module(model, G.mesh_of(2, 2), G.megatron_plan())
+    parallelize_module(model, gpt_plans.mesh_of(2, 2), gpt_plans.megatron_plan())
     for name in ("pos.weight", "layers.0.ln1.weight", "layers.1.ln2.bias", "norm.weight"):
         p = model.get_parameter(name)
         assert p is before[name] and not isinstance(p, sw.Tensor), name
@@ -135,7 +136,7 @@ def test_one_dimensional_mesh_needs_no_axis() -> None:
 
 def test_errors_name_the_value_and_the_fix() -> None:
     gpt = example_gpt()
-    mesh = G.mesh_of(2, 2)
+    mesh = gpt_plans.mesh_of(2, 2)
     model = gpt.GPT(gpt.Config())
     with pytest.raises(ShardingError, match=r"'layers\.\*\.attn\.wz' matches no submodule"
                        r"(.|\n)*layers\.0\.attn\.wq(.|\n)*fix the name"):
@@ -167,7 +168,7 @@ def test_errors_name_the_value_and_the_fix() -> None:
 
 
 def test_input_on_another_mesh_is_refused() -> None:
-    lin = parallelize_module(torch.nn.Linear(4, 6), G.mesh_of(2, 2), ColwiseParallel())
+    lin = parallelize_module(torch.nn.Linear(4, 6), gpt_plans.mesh_of(2, 2), ColwiseParallel())
     x = sw.tensor(torch.ones(3, 4), sharding=PlacementMapping(DeviceMesh.cpu(2, "tp"),
                                                               [Replicated()]))
     with pytest.raises(ShardingError, match=r"input 0 lives on DeviceMesh\(tp=2\).*to_device"):
@@ -175,7 +176,7 @@ def test_input_on_another_mesh_is_refused() -> None:
 
 
 def test_embeddings_rowwise_and_colwise_match_torch() -> None:
-    mesh = G.mesh_of(2, 2)
+    mesh = gpt_plans.mesh_of(2, 2)
     torch.manual_seed(1)
     for style, table, result in ((RowwiseParallel(), Sharded(0), Replicated()),
                                  (ColwiseParallel(), Sharded(1), Sharded(2))):
@@ -204,7 +205,7 @@ def test_prepare_module_input_kwargs_and_output() -> None:
         def forward(self, a: torch.Tensor, *, b: torch.Tensor) -> tuple[torch.Tensor, ...]:
             return a, b
 
-    mesh = G.mesh_of(2, 2)
+    mesh = gpt_plans.mesh_of(2, 2)
     m = parallelize_module(Two(), mesh, PrepareModuleInput(
         input_layouts=Replicated(), desired_input_layouts=Sharded(0),
         input_kwarg_layouts={"b": Replicated()}, desired_input_kwarg_layouts={"b": Sharded(1)}))
@@ -249,7 +250,7 @@ def test_tied_weights_stay_one_parameter() -> None:
                                   lambda: torch.nn.Dropout(0.25)],
                          ids=["rmsnorm", "layernorm", "dropout"])
 def test_sequence_parallel_per_position_modules(make: object) -> None:
-    mesh = G.mesh_of(2, 2)
+    mesh = gpt_plans.mesh_of(2, 2)
     torch.manual_seed(0)
     ref = make()  # type: ignore[operator]
     module = parallelize_module(make(), mesh, SequenceParallel())  # type: ignore[operator]

@@ -9,7 +9,7 @@ import torch
 
 import shardwise as sw
 from shardwise.parallel import memory_per_device
-from tests.helpers import gpt_plans as G
+from tests.helpers import gpt_plans
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -31,9 +31,9 @@ def _bytes(model: torch.nn.Module, opt: torch.optim.Optimizer) -> int:
 @pytest.mark.parametrize("plan", ["megatron", "sequence"])
 @pytest.mark.parametrize("shape", [(2, 2), (2, 4)], ids=["2x2", "2x4"])
 def test_tp_x_fsdp_gpt_matches_torch(plan: str, shape: tuple[int, int]) -> None:
-    mesh = G.mesh_of(*shape)
-    run = G.train(mesh, getattr(G, f"{plan}_plan")(), fsdp=True)
-    G.assert_parity(run)
+    mesh = gpt_plans.mesh_of(*shape)
+    run = gpt_plans.train(mesh, getattr(gpt_plans, f"{plan}_plan")(), fsdp=True)
+    gpt_plans.assert_parity(run)
     model = run["model"]
     w1 = model.get_parameter("layers.0.mlp.w1.weight")
     assert w1.dist_layout.dims[0] == (1, 0)  # rows split over tp, then over dp within
@@ -52,18 +52,19 @@ def test_tp_x_fsdp_gpt_matches_torch(plan: str, shape: tuple[int, int]) -> None:
 def test_meta_device_init_matches_torch(fsdp: bool) -> None:
     """Built on the meta device, planned, made real with to_empty, initialized by the
     modules' own reset_parameters: the same weights and training as torch's."""
-    run = G.train(G.mesh_of(2, 2), G.megatron_plan(), steps=3, fsdp=fsdp, meta=True)
+    run = gpt_plans.train(gpt_plans.mesh_of(2, 2), gpt_plans.megatron_plan(), steps=3, fsdp=fsdp,
+                          meta=True)
     for name, p in run["model"].named_parameters():  # no block left on meta
         blocks = p.shards if isinstance(p, sw.Tensor) else [p]
         assert all(b.device.type == "cpu" for b in blocks), name
-    G.assert_parity(run)
+    gpt_plans.assert_parity(run)
 
 
 def test_clip_grad_norm_is_one_all_reduce_per_mesh_axis_group() -> None:
     """clip_grad_norm_ on TP x FSDP: torch's foreach path, one all_reduce per distinct
     group of mesh axes sharding the gradients (dp alone; dp and tp), not one per
     parameter; the norm and the clipped gradients equal single-device torch's."""
-    run = G.train(G.mesh_of(2, 2), G.megatron_plan(), steps=1, fsdp=True)
+    run = gpt_plans.train(gpt_plans.mesh_of(2, 2), gpt_plans.megatron_plan(), steps=1, fsdp=True)
     model, ref = run["model"], run["ref"]
     grads = [p.grad for p in model.parameters()]
     groups = {frozenset(g.dist_layout.sharded_axes) for g in grads}

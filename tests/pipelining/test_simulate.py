@@ -25,7 +25,7 @@ from shardwise.pipelining import (
     validate,
     write_csv,
 )
-from shardwise.pipelining.schedules import dependencies
+from shardwise.pipelining.tables import dependencies
 from shardwise.sharding import ShardingError
 
 SIZES = [(p, m) for p in range(1, 7) for m in range(1, 4 * p + 1)]

@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 import shardwise as sw
 from shardwise import DeviceMesh, PlacementMapping, Sharded
-from shardwise.pipelining import transport_process as T
+from shardwise.pipelining import transport_process
 from shardwise.pipelining.transport_process import ProcessTransport
 from shardwise.runtime.process import backend as process_backend
 from shardwise.runtime.process import p2p
@@ -97,7 +97,7 @@ def test_a_received_block_lands_on_the_meshs_device(fake: dict[str, Any],
     when the transport is built (once per end of a link), never per transfer."""
     sub = STAGES[1]
     x = sw.tensor(torch.ones(4, 4), sharding=PlacementMapping(sub, [Sharded(0)]))
-    meta = T._layout_meta(x)
+    meta = transport_process._layout_meta(x)
     asked: list[tuple[DeviceMesh, int]] = []
     monkeypatch.setattr(process_backend, "device_of", lambda mesh, k: asked.append((mesh, k))
                         or torch.device("meta"))
@@ -114,12 +114,12 @@ def test_a_received_block_lands_on_the_meshs_device(fake: dict[str, Any],
     assert asked == [(STAGES[0], 0)] * 2  # the send and the receive end, not per transfer
     same = torch.ones(2, 4)
     link = t._recvs[(1, 0)][0]
-    assert T._rebuild(meta, same, STAGES[0], 0, "F0", link, torch.device("cpu")
-                      )._shards[0] is same
+    assert transport_process._rebuild(meta, same, STAGES[0], 0, "F0", link, torch.device("cpu")
+                                      )._shards[0] is same
 
 
 def test_a_leaf_a_transfer_cannot_carry_is_refused_naming_its_type() -> None:
     with pytest.raises(CollectiveError, match=r"^Pipeline send: cannot send a leaf of type "
                                               r"object .*None, bool, int, float or str"):
-        T._part(object(), STAGES[0], 0)
-    assert T._part(2.5, STAGES[0], 0) == (["v", 2.5], None)
+        transport_process._part(object(), STAGES[0], 0)
+    assert transport_process._part(2.5, STAGES[0], 0) == (["v", 2.5], None)

@@ -10,7 +10,16 @@ import torch
 
 import shardwise as sw
 from shardwise.propagation.binding import bind, normalize_index
-from shardwise.propagation.rules import MATMUL, RULES, Passes, Rule
+from shardwise.propagation.rules import (
+    ELEMENTWISE_LINEAR,
+    ELEMENTWISE_NONLINEAR,
+    ELEMENTWISE_RULE,
+    ELEMENTWISE_SHARED,
+    MATMUL,
+    RULES,
+    Passes,
+    Rule,
+)
 from shardwise.sharding import DeviceMesh, ReduceOp
 from tests.helpers.computecheck import LINE, MESH, lay, values
 
@@ -181,6 +190,15 @@ def test_errors_from_torch_say_op_and_shapes() -> None:
     with pytest.raises(sw.ShardingError, match=r"softmax failed on the local blocks .* global "
                                                r"shapes \[\[4\]\]"):
         a.softmax(0)
+
+
+def test_every_elementwise_name_has_its_rule() -> None:
+    """The one list of elementwise names (which ops/elementwise.py registers) names only
+    rules the table holds."""
+    named = [*ELEMENTWISE_LINEAR.items(), *((n, ELEMENTWISE_RULE.get(n, n))
+                                            for n in ELEMENTWISE_NONLINEAR + ELEMENTWISE_SHARED)]
+    assert [(n, r) for n, r in named if r not in RULES] == []
+    assert len({n for n, _ in named}) == len(named)
 
 
 def test_family_builders_are_registered_with_their_rules(monkeypatch: pytest.MonkeyPatch

@@ -15,10 +15,8 @@ import torch
 import torch.distributed as dist
 
 from shardwise import DeviceMesh
-from shardwise.pipelining import stage as S
-from shardwise.runtime.process import agreement as A
-from shardwise.runtime.process import diagnose, p2p
-from shardwise.runtime.process import groups as G
+from shardwise.pipelining import stage
+from shardwise.runtime.process import agreement, diagnose, groups, p2p
 from shardwise.runtime.process.world import WORLD
 from shardwise.sharding.errors import CollectiveError, ShardingError
 from tests.helpers.fake_world import clean_world
@@ -40,7 +38,7 @@ def world(monkeypatch: pytest.MonkeyPatch) -> Iterator[dict[str, Any]]:
     monkeypatch.setattr(dist, "new_group", new_group)
     monkeypatch.setattr(dist.distributed_c10d, "_set_pg_timeout",
                         lambda timeout, pg: state["timeouts"].append((timeout, pg)))
-    monkeypatch.setattr(A, "agree", lambda *args, **kwargs: None)
+    monkeypatch.setattr(agreement, "agree", lambda *args, **kwargs: None)
     with clean_world():
         yield state
 
@@ -89,7 +87,7 @@ def _stages(shape: tuple[int, ...], names: tuple[str, ...], v: int, style: str
             ) -> tuple[DeviceMesh, list[DeviceMesh]]:
     mesh = DeviceMesh.cpu(shape, names)
     p = mesh.axis_size("pp")
-    return mesh, [S._stage_mesh(mesh, "pp", S._rank(s, p, style)) for s in range(p * v)]
+    return mesh, [stage._stage_mesh(mesh, "pp", stage._rank(s, p, style)) for s in range(p * v)]
 
 
 # (mesh, stages per rank, style) -> (groups prepare_stage_groups creates without and
@@ -110,14 +108,14 @@ def test_one_group_per_stream_on_nccl_none_on_gloo(
         style: str, without: int, with_streams: int) -> None:
     world["size"] = math.prod(shape)
     mesh, stages = _stages(shape, names, v, style)
-    G.prepare_stage_groups(mesh, "pp", stages)
+    groups.prepare_stage_groups(mesh, "pp", stages)
     assert len(world["made"]) == without and not WORLD.streams
     WORLD.reset()
     world["made"].clear()
     world["backend"] = "nccl"
-    G.prepare_stage_groups(mesh, "pp", stages)
+    groups.prepare_stage_groups(mesh, "pp", stages)
     assert len(world["made"]) == with_streams
-    pairs = G.stream_pairs(stages)
+    pairs = groups.stream_pairs(stages)
     assert list(WORLD.streams) == pairs and len(set(pairs)) == len(pairs)
     assert world["made"][without:] == [tuple(sorted(k[:2])) for k in pairs]
     # every stream its own group, even between the same two ranks (interleaved)
@@ -127,7 +125,7 @@ def test_one_group_per_stream_on_nccl_none_on_gloo(
     mine = [WORLD.streams[k] for k in pairs if 0 in k[:2]]
     assert [pg for _, pg in world["timeouts"]] == mine
     # a second pipeline on the same stages makes none
-    G.prepare_stage_groups(mesh, "pp", stages)
+    groups.prepare_stage_groups(mesh, "pp", stages)
     assert len(world["made"]) == with_streams
 
 
@@ -135,9 +133,9 @@ def test_the_stream_layout_of_pp2_x_tp2() -> None:
     mesh = DeviceMesh.cpu((2, 2), ("pp", "tp"))
     stages = [mesh.submesh(pp=0), mesh.submesh(pp=1)]
     up, down = p2p.stream_tag(0, 1), p2p.stream_tag(1, 0)
-    assert G.stream_pairs(stages) == [(0, 2, up), (1, 3, up), (2, 0, down), (3, 1, down)]
+    assert groups.stream_pairs(stages) == [(0, 2, up), (1, 3, up), (2, 0, down), (3, 1, down)]
     # interleaved: three streams from rank 0 to rank 2 (stages 0 -> 1, 2 -> 1, 2 -> 3)
-    inter = G.stream_pairs(stages * 2)
+    inter = groups.stream_pairs(stages * 2)
     assert [k for k in inter if k[:2] == (0, 2)] == [
         (0, 2, up), (0, 2, p2p.stream_tag(2, 1)), (0, 2, p2p.stream_tag(2, 3))]
 

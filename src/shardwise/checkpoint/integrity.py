@@ -12,8 +12,8 @@ Invariants:
   where a range does not match one written stretch (a format DCP may add later):
   then the range is read back from the file.
 - CRC-32 is zlib's (CRC-32/ISO-HDLC): :func:`crc32` returns ``zlib.crc32``'s value,
-  computed by zlib-ng (a dependency: carry-less-multiply folding, ~7x zlib 1.2's
-  speed) where it is installed, else by zlib. The files are the same either way.
+  computed by zlib-ng (a dependency: carry-less-multiply folding, several times zlib
+  1.2's speed) where it is installed, else by zlib. The files are the same either way.
 - ``.metadata`` ends with a trailer, ``shardwise.crc32=`` and the 8 hex digits of the
   CRC-32 of the pickle before it. ``pickle.load`` stops at the pickle's end, so DCP's
   own reader (``dcp.load``, other tools) reads the file, and ignores the extra
@@ -65,9 +65,9 @@ _METADATA_TMP = ".metadata.tmp"  # the name DCP's finish() writes before its ren
 
 
 # --- CRC-32, fast ------------------------------------------------------------------------------
-# zlib 1.2's crc32 runs at ~3-4 GB/s on one core, slower than a load from the page cache;
-# zlib-ng's computes the same CRC with carry-less multiplies (PCLMULQDQ/VPCLMULQDQ on
-# x86-64, PMULL on ARM) at ~25 GB/s. Both release the GIL for large buffers. Without
+# zlib 1.2's crc32 runs slower on one core than a load from the page cache; zlib-ng's
+# computes the same CRC with carry-less multiplies (PCLMULQDQ/VPCLMULQDQ on x86-64,
+# PMULL on ARM), several times faster. Both release the GIL for large buffers. Without
 # zlib-ng, pieces of a large buffer are summed on several threads and their CRCs combined
 # (zlib's crc32_combine, which Python's zlib does not expose).
 _crc32: Callable[..., int]
@@ -174,7 +174,7 @@ class _Summing(io.RawIOBase):
     ``tell()`` calls: DCP's ``_write_item`` calls ``tell()`` right before and right
     after each chunk, so a stretch is one chunk (checked again when it is used).
     Each buffer is summed right before it is written: the write then reads it from
-    the cache (with zlib-ng the CRC costs ~1/20 of the write). The metadata file
+    the cache (with zlib-ng the CRC costs a small part of the write). The metadata file
     (``trailer``) gets its trailer when DCP asks for the descriptor to fsync it (the
     pickle is complete then; one fsync covers both), else when it is closed."""
 
@@ -311,7 +311,7 @@ def split_trailer(data: bytes) -> tuple[bytes, int | None]:
     return data, None
 
 
-_SMALL = 1 << 20  # a smaller chunk is read, not mapped: setting a map up costs ~50 us
+_SMALL = 1 << 20  # a smaller chunk is read, not mapped: setting a map up costs more
 
 
 def check_chunk(path: Path, begin: int, end: int, expected: int | None,

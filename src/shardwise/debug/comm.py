@@ -19,7 +19,10 @@ Invariants:
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Callable
 from typing import Any, NamedTuple
+
+from shardwise.debug.counting import Counting, Listener
 
 __all__ = ["CommCounter", "LineCount"]
 
@@ -34,7 +37,7 @@ class LineCount(NamedTuple):
     nbytes: int
 
 
-class CommCounter:
+class CommCounter(Counting):
     """``with CommCounter() as cc:`` counts collectives (and bytes per device) by kind.
 
     >>> mesh = DeviceMesh.cpu(2, "x")
@@ -48,17 +51,11 @@ class CommCounter:
     """
 
     def __init__(self) -> None:
-        self.counts: Counter[str] = Counter()
+        super().__init__()  # counts, total: forward; events: forward and backward
         self.bytes: Counter[str] = Counter()
         self.log: list[tuple[str, int, Any]] = []
         self.backward_counts: Counter[str] = Counter()
         self.backward_bytes: Counter[str] = Counter()
-        self.events: list[Any] = []  # runtime.observe.Event, forward and backward
-
-    @property
-    def total(self) -> int:
-        """Forward collectives."""
-        return sum(self.counts.values())
 
     @property
     def backward_total(self) -> int:
@@ -101,17 +98,11 @@ class CommCounter:
                          f"{fmt_bytes(r.nbytes):>12}  {code[r.where][:60]}")
         return "\n".join(lines)
 
-    def __enter__(self) -> CommCounter:
+    def _listeners(self) -> tuple[Callable[[Listener], None], Callable[[Listener], None]]:
         # imported here: ``import shardwise.debug`` stays torch-free (the runtime is torch)
         from shardwise.runtime import observe
 
-        observe.add(self._record)
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        from shardwise.runtime import observe
-
-        observe.remove(self._record)
+        return observe.add, observe.remove
 
     def __repr__(self) -> str:
         parts = ", ".join(f"{k}: {v} ({self.bytes[k]} B)" for k, v in sorted(self.counts.items()))

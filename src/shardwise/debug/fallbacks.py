@@ -8,13 +8,15 @@ Invariants:
 
 from __future__ import annotations
 
-from collections import Counter
+from collections.abc import Callable
 from typing import Any
+
+from shardwise.debug.counting import Counting, Listener
 
 __all__ = ["FallbackCounter"]
 
 
-class FallbackCounter:
+class FallbackCounter(Counting):
     """``with FallbackCounter() as fc:`` counts fallback runs by op name, with the
     bytes each device received to gather their operands and the user lines.
 
@@ -28,34 +30,19 @@ class FallbackCounter:
     True
     """
 
-    def __init__(self) -> None:
-        self.counts: Counter[str] = Counter()
-        self.events: list[Any] = []  # shardwise.ops.fallbacks.Fallback(op, nbytes, where)
-
-    @property
-    def total(self) -> int:
-        """Fallback runs."""
-        return sum(self.counts.values())
-
     @property
     def nbytes(self) -> int:
         """Bytes each device received for the fallbacks' gathers, all runs."""
         return sum(e.nbytes for e in self.events)
 
-    def _record(self, event: Any) -> None:
+    def _record(self, event: Any) -> None:  # a shardwise.ops.fallbacks.Fallback
         self.events.append(event)
         self.counts[event.op] += 1
 
-    def __enter__(self) -> FallbackCounter:
+    def _listeners(self) -> tuple[Callable[[Listener], None], Callable[[Listener], None]]:
         from shardwise.ops import fallbacks
 
-        fallbacks.add_listener(self._record)
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        from shardwise.ops import fallbacks
-
-        fallbacks.remove_listener(self._record)
+        return fallbacks.add_listener, fallbacks.remove_listener
 
     def __repr__(self) -> str:
         parts = ", ".join(f"{k}: {v}" for k, v in sorted(self.counts.items()))

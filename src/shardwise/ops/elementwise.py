@@ -26,6 +26,7 @@ import torch.nn.functional as F
 
 from shardwise.ops.execute import apply, apply_elementwise
 from shardwise.ops.registry import TensorMethod, register
+from shardwise.propagation import rules
 from shardwise.tensors.tensor import Tensor
 
 __all__ = ["LINEAR", "NONLINEAR", "OPERATORS"]
@@ -86,55 +87,12 @@ def _elementwise(rule: str, func: Any, flags: bool = False) -> Callable[..., Any
     return handler
 
 
+# the names are the rule table's: one list, which the rules are made from
 #: linear ops (a Partial operand may stay Partial): name -> its rule
-LINEAR = {"add": "add", "sub": "sub", "subtract": "sub", "neg": "neg", "negative": "neg",
-          "positive": "ew_linear", "mul": "mul", "multiply": "mul", "div": "div",
-          "divide": "div", "true_divide": "div"}
+LINEAR = rules.ELEMENTWISE_LINEAR
 #: the other elementwise ops, each its own rule unless _RULE_OF names another
-NONLINEAR = [
-    "abs", "relu", "gelu", "silu", "sigmoid", "tanh", "exp", "log", "sqrt", "pow",
-    "maximum", "minimum", "eq", "ne", "lt", "le", "gt", "ge", "where",
-    "rsqrt", "reciprocal", "sin", "cos", "erf", "exp2", "expm1", "log1p", "log2", "log10",
-    "floor", "ceil", "round", "trunc", "frac", "sign", "sgn", "square", "logical_not",
-    "isnan", "isinf", "isfinite", "bitwise_not", "nan_to_num", "clamp", "clip", "clamp_min",
-    "clamp_max", "leaky_relu", "elu", "softplus", "hardtanh", "mish", "hardswish",
-    "hardsigmoid", "relu6", "logit", "float_power", "fmax", "fmin", "logical_and",
-    "logical_or", "logical_xor", "bitwise_and", "bitwise_or", "bitwise_xor",
-    "bitwise_left_shift", "bitwise_right_shift", "masked_fill",
-    "lerp", "addcmul", "addcdiv", "atan2", "remainder", "fmod", "floor_divide", "copysign",
-    "hypot", "xlogy", "threshold", "logsigmoid", "softsign", "tanhshrink", "greater",
-    "greater_equal", "less", "less_equal", "not_equal", "absolute", "arctan2",
-]
-_RULE_OF = {"clip": "clamp", "absolute": "abs", "arctan2": "atan2", "greater": "gt",
-            "greater_equal": "ge", "less": "lt", "less_equal": "le", "not_equal": "ne",
-            "logsigmoid": "log_sigmoid", "relu6": "relu6"}
-
-# --- issue 20 (helper ew): more elementwise ops, all on the one shared nonlinear rule ----
-#: torch's other elementwise ops (unary, binary, and (n, x) / (x, p) with a number):
-#: each value depends on the elements at its own position only, so they share the rule
-#: "elementwise" (``x.acos_()`` and kin follow from this list in inplace.py)
-SHARED = [
-    "acos", "acosh", "asin", "asinh", "atan", "atanh", "arccos", "arccosh", "arcsin",
-    "arcsinh", "arctan", "arctanh", "cosh", "sinh", "tan", "sinc", "deg2rad", "rad2deg",
-    "i0", "erfc", "erfinv", "digamma", "lgamma", "mvlgamma", "polygamma", "logaddexp",
-    "logaddexp2", "ldexp", "heaviside", "lcm", "gcd", "nextafter", "igamma", "igammac",
-    "signbit", "isposinf", "isneginf", "isreal", "isclose", "angle", "conj_physical",
-    "complex", "polar", "rsub", "fill", "celu", "selu", "softshrink", "hardshrink", "fix",
-    # torch.special's elementwise functions (its other aliases are covered above)
-    "i0e", "i1", "i1e", "ndtr", "ndtri", "log_ndtr", "erfcx", "xlog1py", "zeta", "entr",
-    "gammaln", "psi", "multigammaln", "gammainc", "gammaincc", "airy_ai", "bessel_j0",
-    "bessel_j1", "bessel_y0", "bessel_y1", "modified_bessel_i0", "modified_bessel_i1",
-    "modified_bessel_k0", "modified_bessel_k1", "scaled_modified_bessel_k0",
-    "scaled_modified_bessel_k1", "spherical_bessel_j0", "chebyshev_polynomial_t",
-    "chebyshev_polynomial_u", "chebyshev_polynomial_v", "chebyshev_polynomial_w",
-    "shifted_chebyshev_polynomial_t", "shifted_chebyshev_polynomial_u",
-    "shifted_chebyshev_polynomial_v", "shifted_chebyshev_polynomial_w",
-    "hermite_polynomial_h", "hermite_polynomial_he", "laguerre_polynomial_l",
-    "legendre_polynomial_p",
-]
-NONLINEAR += SHARED
-_RULE_OF.update((n, "elementwise") for n in SHARED)
-# --- end of issue 20 (helper ew) section -------------------------------------------------
+NONLINEAR = [*rules.ELEMENTWISE_NONLINEAR, *rules.ELEMENTWISE_SHARED]
+_RULE_OF = rules.ELEMENTWISE_RULE
 
 for _name, _rule in [*LINEAR.items(), *((n, _RULE_OF.get(n, n)) for n in NONLINEAR)]:
     for _f in _aliases(_name):

@@ -11,7 +11,7 @@ Invariants:
 - Any other advanced index falls back (exact values, a Replicated result, a warning).
 - The index of ``index_select`` is an operand: a plain torch tensor is Replicated; a
   0-d index is one id, as in torch.
-- gather, scatter, ``index_*``, take, put... run on the ``"kept"`` rule: a dim shards
+- gather, scatter, ``index_*``, take, put... run on the ``"free_dims"`` rule: a dim shards
   freely where every operand has it at one size and the op reads or writes each of its
   indices alone; the indexed dim, a dim whose sizes differ, and the flat-indexed or
   order-dependent operands (take's source, put, index_put, masked_scatter) stay whole.
@@ -23,10 +23,10 @@ from typing import Any
 
 import torch
 
-from shardwise.ops import compute as C
+from shardwise.ops import compute
 from shardwise.ops.execute import apply
+from shardwise.ops.free_dims import apply_free_dims
 from shardwise.ops.inplace import write_into
-from shardwise.ops.kept import apply_kept
 from shardwise.ops.registry import TensorMethod, fallback, on_mesh, register
 from shardwise.propagation.binding import normalize_index
 from shardwise.sharding.errors import ShardingTypeError
@@ -38,8 +38,8 @@ __all__: list[str] = []
 
 @register(TensorMethod.__getitem__)
 def getitem(x: Any, index: Any) -> Any:
-    if C.is_basic_index(index):
-        return C.getitem(x, index)
+    if compute.is_basic_index(index):
+        return compute.getitem(x, index)
     picked = _one_integer_index(x, index)
     if picked is not None:  # x[ids], x[:, ids]: an index_select, never a gather of x
         return torch.index_select(x, *picked)
@@ -75,12 +75,12 @@ def index_select(x: Any, dim: int, index: Any) -> Any:
     d = normalize_dim(dim, max(x.ndim, 1), "index_select dim")
     ops = on_mesh([x, index])
     if not x.ndim or not index.ndim:  # a 0-d source or index: no dim to keep
-        return apply_kept("index_select", lambda s, i: torch.index_select(s, d, i), ops,
-                          [_whole(x), _whole(index)])
+        return apply_free_dims("index_select", lambda s, i: torch.index_select(s, d, i), ops,
+                               [_whole(x), _whole(index)])
     return apply("index_select", ops, lambda s, i: torch.index_select(s, d, i), d)
 
 
-# --- gather, scatter, index_*, take, put, search: the "kept" rule ----------------------------
+# --- gather, scatter, index_*, take, put, search: the "free_dims" rule ----------------------------
 # A dim shards freely where every operand has it at one size and the op reads or writes
 # each of its indices alone; the indexed dim and any dim whose sizes differ stay whole.
 def _shared(tensors: list[Any], dim: int | None) -> list[tuple[int, ...] | None]:
@@ -116,7 +116,7 @@ def _along(name: str, fn: Any, x: Any, d: int, index: Any) -> Any:
     fx, fi = _shared([x, index], d)
     if fi is not None:
         fi = tuple(d if e == d else f for e, f in enumerate(fi))
-    return apply_kept(name, fn, [x, index], [fx, fi], [fi or ()])
+    return apply_free_dims(name, fn, [x, index], [fx, fi], [fi or ()])
 
 
 def _scatter(name: str, fn: Any) -> Any:
@@ -126,8 +126,8 @@ def _scatter(name: str, fn: Any) -> Any:
             src = kwargs.pop("value", kwargs.pop("src", None))
         d = _dim(x, dim, name)
         free = _shared([x, index, src], d)
-        return apply_kept(name, lambda s, i, v: fn(s, d, i, v, *args, **kwargs),
-                          [x, index, src], free, [free[0] or ()])
+        return apply_free_dims(name, lambda s, i, v: fn(s, d, i, v, *args, **kwargs),
+                               [x, index, src], free, [free[0] or ()])
 
     return handler
 
@@ -145,8 +145,8 @@ def _index_family(name: str, fn: Any) -> Any:
         d = _dim(x, dim, name)
         fx, _, fs = _shared([x, index, source], d)
         fi = None if not isinstance(index, torch.Tensor) or not index.ndim else (-1,)
-        return apply_kept(name, lambda s, i, v: fn(s, d, i, v, *args, **kwargs),
-                          [x, index, source], [fx, fi, fs], [fx or ()])
+        return apply_free_dims(name, lambda s, i, v: fn(s, d, i, v, *args, **kwargs),
+                               [x, index, source], [fx, fi, fs], [fx or ()])
 
     return handler
 
@@ -164,7 +164,7 @@ def _whole(t: Any) -> tuple[int, ...] | None:
 def take(x: Any, index: Any) -> Any:
     """Flat indices into the whole of x: the index shards freely."""
     free = tuple(range(index.ndim))
-    return apply_kept("take", torch.take, on_mesh([x, index]), [_whole(x), free], [free])
+    return apply_free_dims("take", torch.take, on_mesh([x, index]), [_whole(x), free], [free])
 
 
 @register(torch.take_along_dim, TensorMethod.take_along_dim)
@@ -173,7 +173,7 @@ def take_along_dim(x: Any, indices: Any, dim: Any = None) -> Any:
     and counts negative indices from the end along ``dim``); without ``dim`` on both
     flattened, as torch flattens them."""
     if dim is None:
-        x, indices = (C.reshape(t, (t.numel(),)) for t in on_mesh([x, indices]))
+        x, indices = (compute.reshape(t, (t.numel(),)) for t in on_mesh([x, indices]))
         return _along("take_along_dim", torch.take_along_dim, x, 0, indices)
     d = _dim(x, dim, "take_along_dim")
     return _along("take_along_dim", lambda s, i: torch.take_along_dim(s, i, d), x, d,
@@ -182,8 +182,8 @@ def take_along_dim(x: Any, indices: Any, dim: Any = None) -> Any:
 
 @register(torch.put, TensorMethod.put)
 def put(x: Any, index: Any, source: Any, accumulate: bool = False) -> Any:
-    return apply_kept("put", lambda s, i, v: torch.put(s, i, v, accumulate),
-                      [x, index, source], [_whole(x), _whole(index), _whole(source)])
+    return apply_free_dims("put", lambda s, i, v: torch.put(s, i, v, accumulate),
+                           [x, index, source], [_whole(x), _whole(index), _whole(source)])
 
 
 @register(torch.index_put, TensorMethod.index_put)
@@ -198,14 +198,14 @@ def index_put(x: Any, indices: Any, values: Any, accumulate: bool = False) -> An
         return torch.index_put(s, full, v, accumulate)
 
     ops = [x, values, *[idx[k] for k in at]]
-    return apply_kept("index_put", call, ops, [_whole(t) for t in ops])
+    return apply_free_dims("index_put", call, ops, [_whole(t) for t in ops])
 
 
 @register(torch.masked_scatter, TensorMethod.masked_scatter)
 def masked_scatter(x: Any, mask: Any, source: Any) -> Any:
     """The source is read in the order of the mask over the whole tensor: all whole."""
     ops = [x, mask, source]
-    return apply_kept("masked_scatter", torch.masked_scatter, ops, [_whole(t) for t in ops])
+    return apply_free_dims("masked_scatter", torch.masked_scatter, ops, [_whole(t) for t in ops])
 
 
 for _fn in (torch._unsafe_masked_index, torch._unsafe_masked_index_put_accumulate):
@@ -220,7 +220,7 @@ for _fn in (torch._unsafe_masked_index, torch._unsafe_masked_index_put_accumulat
             return _f(s, m, full, f)
 
         ops = [x, mask, fill, *[idx[k] for k in at]]
-        return apply_kept(_f.__name__, call, ops, [_whole(t) for t in ops])
+        return apply_free_dims(_f.__name__, call, ops, [_whole(t) for t in ops])
 
     register(_fn)(_masked)
 
@@ -242,7 +242,7 @@ def searchsorted(sorted_sequence: Any, values: Any, **kwargs: Any) -> Any:
         free_v = out = tuple(d if lead_ok and d < values.ndim - 1 else -1
                              for d in range(values.ndim))
         free_s = (*free_v[:-1], -1)
-    return apply_kept("searchsorted", lambda s, v, so: torch.searchsorted(
+    return apply_free_dims("searchsorted", lambda s, v, so: torch.searchsorted(
         s, v, sorter=so, **kwargs), [sorted_sequence, values, sorter],
         [free_s, free_v, free_s if sorter is not None else None], [out])
 
@@ -250,23 +250,23 @@ def searchsorted(sorted_sequence: Any, values: Any, **kwargs: Any) -> Any:
 @register(torch.bucketize)
 def bucketize(values: Any, boundaries: Any, **kwargs: Any) -> Any:
     free = tuple(range(values.ndim)) if isinstance(values, torch.Tensor) else None
-    return apply_kept("bucketize", lambda v, b: torch.bucketize(v, b, **kwargs),
-                      [values, boundaries], [free, _whole(boundaries)], [free or ()])
+    return apply_free_dims("bucketize", lambda v, b: torch.bucketize(v, b, **kwargs),
+                           [values, boundaries], [free, _whole(boundaries)], [free or ()])
 
 
 @register(torch.isin)
 def isin(elements: Any, test_elements: Any, **kwargs: Any) -> Any:
     """Each element alone against the whole set: the elements shard freely."""
     free = tuple(range(elements.ndim)) if isinstance(elements, torch.Tensor) else None
-    return apply_kept("isin", lambda e, t: torch.isin(e, t, **kwargs),
-                      [elements, test_elements], [free, _whole(test_elements)], [free or ()])
+    return apply_free_dims("isin", lambda e, t: torch.isin(e, t, **kwargs),
+                           [elements, test_elements], [free, _whole(test_elements)], [free or ()])
 
 
 # --- x[index] = value ----------------------------------------------------------------------
 @register(TensorMethod.__setitem__)
 def setitem(x: Any, index: Any, value: Any) -> None:
     """``x[index] = value`` as torch does it, written into x's own buffers: the new value
-    is ``x`` with the write applied (the ``"kept"`` rule: the dims a basic index keeps
+    is ``x`` with the write applied (the ``"free_dims"`` rule: the dims a basic index keeps
     whole, ``x[:, 1] = v`` shards dim 0 freely; an advanced index keeps every dim
     whole), then copied into x (``copy_``: autograd records the write as torch does)."""
     if not isinstance(x, Tensor):
@@ -275,7 +275,7 @@ def setitem(x: Any, index: Any, value: Any) -> None:
             "write into a shardwise.Tensor, or gather the value with .to_torch() first.")
     items = index if isinstance(index, tuple) else (index,)
     at = [k for k, it in enumerate(items) if isinstance(it, torch.Tensor)]
-    free_x = _setitem_free(x, index, value) if not at and C.is_basic_index(index) else None
+    free_x = _setitem_free(x, index, value) if not at and compute.is_basic_index(index) else None
 
     def call(s: torch.Tensor, v: Any, *ix: torch.Tensor) -> torch.Tensor:
         full = list(items)
@@ -290,7 +290,7 @@ def setitem(x: Any, index: Any, value: Any) -> None:
         free: list[tuple[int, ...] | None] = [_whole(t) for t in ops]
     else:
         free = [free_x[0], free_x[1]]
-    new = apply_kept("setitem", call, ops, free, [free[0] or ()])
+    new = apply_free_dims("setitem", call, ops, free, [free[0] or ()])
     write_into(x, new, "x[...] = value")
 
 
@@ -298,7 +298,7 @@ def _setitem_free(x: Tensor, index: Any, value: Any
                   ) -> tuple[tuple[int, ...], tuple[int, ...] | None]:
     """(x's factors, the value's) for a basic index: a dim of x taken whole by the index
     shards freely, with the value's dim that meets it (right-aligned) when of its size."""
-    norm = normalize_index(C._index_key(index), tuple(x.shape))
+    norm = normalize_index(compute._index_key(index), tuple(x.shape))
     fx = [-1] * x.ndim
     out: list[int] = []  # per dim of x[index]: x's dim (>= 0) or -1
     d = 0

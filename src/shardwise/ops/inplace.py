@@ -20,11 +20,11 @@ from typing import Any
 
 import torch
 
-from shardwise.ops import compute as C
+from shardwise.ops import compute
 from shardwise.ops.conversions import to
 from shardwise.ops.elementwise import LINEAR, NONLINEAR, OPERATORS
 from shardwise.ops.factories import zeros_like
-from shardwise.ops.registry import TensorMethod, describe, register, shape_args
+from shardwise.ops.registry import TensorMethod, describe, register, shape_args, type_name
 from shardwise.sharding.errors import ShardingError, ShardingTypeError
 from shardwise.sharding.layout import Layout
 from shardwise.tensors.tensor import HANDLERS, Tensor, place
@@ -124,16 +124,11 @@ def _inplace(name: str, method: Any, out_of_place: Callable[..., Any] | None
         value = out_of_place(t, *args, **kwargs)
         if not torch.can_cast(value.dtype, t.dtype):  # torch's rule, and its words
             raise RuntimeError(
-                f"result type {_type_name(value.dtype)} can't be cast to the desired output "
-                f"type {_type_name(t.dtype)} ({name} on {t!r}).")
+                f"result type {type_name(value.dtype)} can't be cast to the desired output "
+                f"type {type_name(t.dtype)} ({name} on {t!r}).")
         return _write(t, value, name)
 
     return handler
-
-
-def _type_name(dtype: torch.dtype) -> str:
-    """torch's name of a dtype in its casting errors (``Float``, ``Long``, ``Bool``)."""
-    return torch.empty((), dtype=dtype).type().rpartition(".")[2].removesuffix("Tensor")
 
 
 # x.add_(y), x.relu_()...: the out-of-place handler is the elementwise one, when it has
@@ -164,7 +159,7 @@ def copy_(self: Any, src: Any, non_blocking: bool = False) -> Any:
     if isinstance(src, Tensor):
         value: Tensor = src if src.dtype == t.dtype else to(src, t.dtype)
         if value.shape != t.shape:
-            value = C.add(value, zeros_like(t))  # broadcast to t's shape
+            value = compute.add(value, zeros_like(t))  # broadcast to t's shape
         return _write(t, value, "copy_")
     value = torch.as_tensor(src).to(t.dtype).expand(t.shape)  # type: ignore[assignment]
     return _write(t, place(value, Layout.replicated(t.mesh, t.ndim)), "copy_")

@@ -19,8 +19,7 @@ from typing import Any
 
 import torch
 
-from shardwise.ops import compute as C
-from shardwise.ops import shapes as V
+from shardwise.ops import compute, shapes
 from shardwise.ops.registry import TensorMethod, on_mesh, register, shape_args
 from shardwise.ops.views import meta
 from shardwise.sharding.layout import Layout
@@ -45,18 +44,18 @@ def _metas(ts: Sequence[Any]) -> list[torch.Tensor]:
 # --- broadcasts ---------------------------------------------------------------------------
 @register(torch.broadcast_to, TensorMethod.broadcast_to)
 def broadcast_to(x: Any, size: Sequence[int]) -> Any:
-    return V.expand(x, tuple(torch.broadcast_to(meta(x), size).shape))
+    return shapes.expand(x, tuple(torch.broadcast_to(meta(x), size).shape))
 
 
 @register(torch.broadcast_tensors)
 def broadcast_tensors(*tensors: Any) -> Any:
     shape = tuple(torch.broadcast_tensors(*_metas(tensors))[0].shape) if tensors else ()
-    return tuple(V.expand(t, shape) for t in on_mesh(tensors))
+    return tuple(shapes.expand(t, shape) for t in on_mesh(tensors))
 
 
 @register(torch.ravel, TensorMethod.ravel)
 def ravel(x: Any) -> Any:
-    return C.reshape(x, (x.numel(),))
+    return compute.reshape(x, (x.numel(),))
 
 
 def _atleast(name: str) -> Any:
@@ -64,10 +63,10 @@ def _atleast(name: str) -> Any:
 
     def handler(*args: Any) -> Any:
         ts = _tensors(args)
-        shapes = [tuple(m.shape) for m in func(*_metas(ts))] if len(ts) > 1 else [
+        sizes = [tuple(m.shape) for m in func(*_metas(ts))] if len(ts) > 1 else [
             tuple(func(meta(ts[0])).shape)]
-        out = tuple(C.reshape(t, s) if isinstance(t, Tensor) else func(t)
-                    for t, s in zip(ts, shapes))
+        out = tuple(compute.reshape(t, s) if isinstance(t, Tensor) else func(t)
+                    for t, s in zip(ts, sizes))
         return out if len(args) > 1 or isinstance(args[0], (list, tuple)) else out[0]
 
     return handler
@@ -85,8 +84,8 @@ def _stack(name: str, dim_of: Any) -> Any:
     def handler(tensors: Sequence[Any], *, out: Any = None) -> Any:
         func(_metas(tensors))  # torch's checks (ranks, shapes, count)
         ts = on_mesh(list(tensors))
-        return V.cat([C.reshape(t, s) for t, s in zip(ts, _prepared(name, ts))],
-                     dim_of(ts), out=out)
+        return shapes.cat([compute.reshape(t, s) for t, s in zip(ts, _prepared(name, ts))],
+                          dim_of(ts), out=out)
 
     return handler
 
@@ -115,9 +114,9 @@ def repeat(x: Any, *sizes: Any) -> Any:
     out = meta(x).repeat(reps)  # torch's checks (fewer sizes than dims raises)
     shape = (1,) * (len(reps) - x.ndim) + tuple(x.shape)
     wide = tuple(d for s in shape for d in (1, s))
-    expanded = V.expand(C.reshape(x, wide), tuple(d for r, s in zip(reps, shape)
+    expanded = shapes.expand(compute.reshape(x, wide), tuple(d for r, s in zip(reps, shape)
                                                    for d in (r, s)))
-    return C.reshape(expanded, tuple(out.shape))
+    return compute.reshape(expanded, tuple(out.shape))
 
 
 @register(torch.tile, TensorMethod.tile)
@@ -138,7 +137,7 @@ def sum_to_size(x: Any, *size: Any) -> Any:
     dims = [*range(lead), *(lead + i for i, s in enumerate(target)
                             if s == 1 and x.shape[lead + i] != 1)]
     summed = x.sum(dims, keepdim=True)
-    return C.reshape(summed, target)
+    return compute.reshape(summed, target)
 
 
 # --- grids --------------------------------------------------------------------------------
@@ -154,7 +153,7 @@ def meshgrid(*tensors: Any, indexing: str | None = None) -> Any:
     out = []
     for t, d in zip(on_mesh(ts), order):
         line = tuple(s if i == d else 1 for i, s in enumerate(shape))
-        out.append(V.expand(C.reshape(t, line), shape))
+        out.append(shapes.expand(compute.reshape(t, line), shape))
     return tuple(out)
 
 
@@ -165,7 +164,7 @@ def cartesian_prod(*tensors: Any) -> Any:
     if len(ts) == 1:
         return ts[0]
     grids = meshgrid(*ts, indexing="ij")
-    return V.stack([ravel(g) for g in grids], 1)
+    return shapes.stack([ravel(g) for g in grids], 1)
 
 
 @register(torch.combinations)
@@ -178,7 +177,7 @@ def combinations(x: Any, r: int = 2, with_replacement: bool = False) -> Any:
     if picks.ndim == 1:  # no combination: torch's empty result
         return torch.index_select(x, 0, picks)
     rows: Any = torch.index_select(x, 0, picks.reshape(-1))
-    return C.reshape(rows, tuple(picks.shape))
+    return compute.reshape(rows, tuple(picks.shape))
 
 
 def _zeros(like: Tensor, shape: tuple[int, ...], dtype: torch.dtype) -> Tensor:
@@ -192,15 +191,15 @@ def block_diag(*tensors: Any) -> Any:
     """Each tensor as a (rows, cols) block between zeros, the rows stacked: cat twice."""
     dtype = torch.block_diag(*_metas(tensors)).dtype  # torch's checks and promotion
     ts = on_mesh(list(tensors))
-    mats = [t if t.ndim == 2 else C.reshape(t, (1, t.numel())) for t in ts]  # 0-d, 1-d
+    mats = [t if t.ndim == 2 else compute.reshape(t, (1, t.numel())) for t in ts]  # 0-d, 1-d
     width = sum(m.shape[1] for m in mats)
     rows, left = [], 0
     for m in mats:
         r, c = m.shape
-        rows.append(V.cat([_zeros(m, (r, left), dtype), m.to(dtype),
-                           _zeros(m, (r, width - left - c), dtype)], 1))
+        rows.append(shapes.cat([_zeros(m, (r, left), dtype), m.to(dtype),
+                                _zeros(m, (r, width - left - c), dtype)], 1))
         left += c
-    return V.cat(rows, 0)
+    return shapes.cat(rows, 0)
 
 
 @register(torch._chunk_cat)
@@ -216,7 +215,7 @@ def chunk_cat(tensors: Sequence[Any], dim: int, num_chunks: int, *, out: Any = N
         padded = -(-size // num_chunks) * num_chunks
         if padded != size:
             pad = (*t.shape[:d], padded - size, *t.shape[d + 1:])
-            t = V.cat([t, _zeros(t, pad, t.dtype)], d)
+            t = shapes.cat([t, _zeros(t, pad, t.dtype)], d)
         rest = t.numel() // max(math.prod(t.shape[:d]) * num_chunks, 1)
-        parts.append(C.reshape(t, (*t.shape[:d], num_chunks, rest)))
-    return V.cat(parts, d + 1, out=out)
+        parts.append(compute.reshape(t, (*t.shape[:d], num_chunks, rest)))
+    return shapes.cat(parts, d + 1, out=out)

@@ -3,7 +3,7 @@ pad, unfold, pixel/channel shuffles, batch/instance/group/local-response norms,
 grid_sample, embedding_bag.
 
 Invariants:
-- Every op runs on the ``"kept"`` rule (:mod:`shardwise.ops.kept`): the batch dim of a
+- Every op runs on the ``"free_dims"`` rule (:mod:`shardwise.ops.free_dims`): the batch dim of a
   batched input shards freely, the channels and spatial dims stay whole (the planner
   gathers them first); conv with ``groups == 1`` may also shard its output channels
   with a weight sharded on them (and batch norm its channels), no communication.
@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from shardwise.ops.compute import ZeroGrad
-from shardwise.ops.kept import apply_kept, lead
+from shardwise.ops.free_dims import apply_free_dims, lead
 from shardwise.ops.registry import describe, register
 from shardwise.sharding.errors import ShardingError
 from shardwise.tensors.tensor import Tensor
@@ -61,8 +61,8 @@ def _conv(fn: Any, spatial: int, transposed: bool) -> Callable[..., Any]:
                 return fn(xs, one, None, *args, **kwargs).narrow(b, 0, 0)
             return fn(xs, ws, bs, *args, **kwargs)
 
-        return apply_kept(fn.__name__, call, [x, weight, bias], [lead(x.ndim, b), w, bf],
-                          [out])
+        return apply_free_dims(fn.__name__, call, [x, weight, bias], [lead(x.ndim, b), w, bf],
+                               [out])
 
     return handler
 
@@ -94,7 +94,7 @@ def _per_batch(fn: Any, spatial: int | None, name: str, tail: int = 0) -> Callab
                 return _empty_result(fn, xs, args, kwargs)
             return fn(xs, *args, **kwargs)
 
-        return apply_kept(label, call, [x], [ins], None if not b else _lead_outs(call, x, b))
+        return apply_free_dims(label, call, [x], [ins], None if not b else _lead_outs(call, x, b))
 
     return handler
 
@@ -167,7 +167,7 @@ def pad(x: Any, pad: Any, mode: str = "constant", value: Any = None) -> Any:
     else:
         free = lead(x.ndim, 1 if x.ndim == k + 2 else 0)
     out = tuple(f if f >= 0 else -1 for f in free)
-    return apply_kept("pad", lambda xs: F.pad(xs, amounts, mode, value), [x], [free], [out])
+    return apply_free_dims("pad", lambda xs: F.pad(xs, amounts, mode, value), [x], [free], [out])
 
 
 # --- fractional max pool: random samples drawn over the global shape ------------------------
@@ -190,8 +190,8 @@ def _fractional(inner: Any, spatial: int) -> Callable[..., Any]:
             return inner(xs, kernel_size, output_size, output_ratio, True, _random_samples=rs)
 
         out = lead(x.ndim, b)
-        vals, idx = apply_kept(f"fractional_max_pool{spatial}d", call, [x, _random_samples],
-                               [lead(x.ndim, b), samples_free], [out, out])
+        vals, idx = apply_free_dims(f"fractional_max_pool{spatial}d", call, [x, _random_samples],
+                                    [lead(x.ndim, b), samples_free], [out, out])
         return (vals, idx) if return_indices else vals
 
     return handler
@@ -211,8 +211,8 @@ def _unpool(fn: Any, spatial: int) -> Callable[..., Any]:
             size = list(kwargs["output_size"])
             if len(size) == spatial + 2:  # a full size names the batch: the block's
                 kwargs = dict(kwargs, output_size=size[-spatial:])
-        return apply_kept(fn.__name__, lambda xs, ix: fn(xs, ix, *args, **kwargs),
-                          [x, indices], [ins, ins], [lead(x.ndim, b)])
+        return apply_free_dims(fn.__name__, lambda xs, ix: fn(xs, ix, *args, **kwargs),
+                               [x, indices], [ins, ins], [lead(x.ndim, b)])
 
     return handler
 
@@ -226,15 +226,15 @@ for _n in (1, 2, 3):
 @register(F.group_norm)
 def group_norm(x: Any, num_groups: int, weight: Any = None, bias: Any = None,
                eps: float = 1e-5) -> Any:
-    return apply_kept("group_norm", lambda xs, w, b: F.group_norm(xs, num_groups, w, b, eps),
-                      [x, weight, bias], [lead(x.ndim, 1), _whole(weight), _whole(bias)],
-                      [lead(x.ndim, 1)])
+    return apply_free_dims("group_norm", lambda xs, w, b: F.group_norm(xs, num_groups, w, b, eps),
+                           [x, weight, bias], [lead(x.ndim, 1), _whole(weight), _whole(bias)],
+                           [lead(x.ndim, 1)])
 
 
 @register(torch.native_group_norm)
 def native_group_norm(x: Any, weight: Any, bias: Any, n: int, c: int, hw: int, group: int,
                       eps: float) -> Any:
-    return apply_kept(
+    return apply_free_dims(
         "native_group_norm",
         lambda xs, w, b: torch.native_group_norm(xs, w, b, xs.shape[0], c, hw, group, eps),
         [x, weight, bias], [lead(x.ndim, 1), _whole(weight), _whole(bias)],
@@ -246,7 +246,7 @@ def native_layer_norm(x: Any, normalized_shape: Any, weight: Any, bias: Any,
                       eps: float) -> Any:
     k = x.ndim - len(normalized_shape)
     shape = list(normalized_shape)
-    return apply_kept(
+    return apply_free_dims(
         "native_layer_norm", lambda xs, w, b: torch.native_layer_norm(xs, shape, w, b, eps),
         [x, weight, bias], [lead(x.ndim, k), _whole(weight), _whole(bias)],
         [lead(x.ndim, k)] * 3)
@@ -290,7 +290,7 @@ def _norm_with_stats(name: str, x: Any, stats: tuple[Any, Any], params: tuple[An
         return tuple(rs) if len(rs) > 1 else rs[0]
 
     n_upd = sum(s is not None for s in stats) if update else 0
-    r = apply_kept(name, call, ops, free, outs + [c] * n_upd)
+    r = apply_free_dims(name, call, ops, free, outs + [c] * n_upd)
     if not update:
         return r
     rs = list(r)
@@ -317,7 +317,7 @@ def batch_norm(x: Any, running_mean: Any, running_var: Any, weight: Any = None,
                eps: float = 1e-5, *args: Any) -> Any:
     if x.ndim < 2:  # no channel dim: torch's own rules (it takes an empty 1-D input), whole
         ops = [x, running_mean, running_var, weight, bias]
-        return apply_kept("batch_norm", lambda xs, rm, rv, w, b: F.batch_norm(
+        return apply_free_dims("batch_norm", lambda xs, rm, rv, w, b: F.batch_norm(
             xs, rm, rv, w, b, training, momentum, eps), ops, [_whole(t) for t in ops])
     return _norm_with_stats(
         "batch_norm", x, (running_mean, running_var), (weight, bias), training,
@@ -360,8 +360,8 @@ register(torch._native_batch_norm_legit)(
 # --- grid_sample and embedding_bag ----------------------------------------------------------
 def _grid(fn: Any, name: str) -> Callable[..., Any]:
     def handler(x: Any, grid: Any, *args: Any, **kwargs: Any) -> Any:
-        return apply_kept(name, lambda xs, gs: fn(xs, gs, *args, **kwargs), [x, grid],
-                          [lead(x.ndim, 1), lead(grid.ndim, 1)], [lead(x.ndim, 1)])
+        return apply_free_dims(name, lambda xs, gs: fn(xs, gs, *args, **kwargs), [x, grid],
+                               [lead(x.ndim, 1), lead(grid.ndim, 1)], [lead(x.ndim, 1)])
 
     return handler
 
@@ -391,6 +391,6 @@ def embedding_bag(ids: Any, weight: Any, offsets: Any = None, max_norm: Any = No
         return F.embedding_bag(i, w, o, None, norm_type, scale_grad_by_freq, mode, sparse,
                                p, include_last_offset, padding_idx)
 
-    return apply_kept("embedding_bag", call, [ids, weight, offsets, per_sample_weights],
-                      [bags, (-1, 1), _whole(offsets), None if per_sample_weights is None
-                       else bags], [(0 if b else -1, 1)])
+    return apply_free_dims("embedding_bag", call, [ids, weight, offsets, per_sample_weights],
+                           [bags, (-1, 1), _whole(offsets), None if per_sample_weights is None
+                            else bags], [(0 if b else -1, 1)])

@@ -31,10 +31,6 @@ from shardwise.tensors.tensor import Tensor
 __all__ = ["aligned", "batched", "whole"]
 
 
-def _is_tensor(x: Any) -> bool:
-    return isinstance(x, torch.Tensor)
-
-
 def _broadcast(shapes: Sequence[Sequence[int]]) -> tuple[int, ...] | None:
     try:
         return tuple(torch.broadcast_shapes(*(torch.Size(s) for s in shapes)))
@@ -47,7 +43,7 @@ def _probe(call: Callable[..., Any], tensors: Sequence[Any], cores: Sequence[int
     """torch's result on meta tensors of the global shapes: (the result, each output's
     shape, whether the shapes are the global ones). Ops without a meta kernel run on
     an empty batch instead (shapes then lead with that batch of 0)."""
-    metas = [torch.empty(t.shape, dtype=t.dtype, device="meta") if _is_tensor(t) else t
+    metas = [torch.empty(t.shape, dtype=t.dtype, device="meta") if torch.is_tensor(t) else t
              for t in tensors]
     try:
         r = call(*metas)
@@ -56,11 +52,11 @@ def _probe(call: Callable[..., Any], tensors: Sequence[Any], cores: Sequence[int
         if not empty:
             raise
         empties = [torch.zeros((0, *t.shape[t.ndim - k:]), dtype=t.dtype)
-                   if _is_tensor(t) else t for t, k in zip(tensors, cores)]
+                   if torch.is_tensor(t) else t for t, k in zip(tensors, cores)]
         r = call(*empties)
         glob = False
     outs = r if isinstance(r, (tuple, list)) else (r,)
-    return r, [tuple(o.shape) if _is_tensor(o) else () for o in outs], glob
+    return r, [tuple(o.shape) if torch.is_tensor(o) else () for o in outs], glob
 
 
 def batched(func: Any, tensors: Sequence[Any], cores: Sequence[int],
@@ -89,7 +85,7 @@ def batched(func: Any, tensors: Sequence[Any], cores: Sequence[int],
         return fallback(func, args, kwargs)
     out_core = shapes[0][len(lead):]
     for o, s in zip(r if isinstance(r, (tuple, list)) else (r,), shapes):
-        if not _is_tensor(o) or (s[:len(lead)] != lead and 0 not in s):
+        if not torch.is_tensor(o) or (s[:len(lead)] != lead and 0 not in s):
             return fallback(func, args, kwargs)
     params = (tuple(cores), tuple(out_core))
     if not isinstance(r, (tuple, list)):
@@ -107,13 +103,13 @@ def _matrix_op(func: Any, cores: Sequence[int] | Callable[..., Sequence[int]],
         if kwargs.get("out") is not None:
             return fallback(func, args, kwargs)  # raises: a write without a rule
         n = 0
-        while n < len(args) and _is_tensor(args[n]):
+        while n < len(args) and torch.is_tensor(args[n]):
             n += 1
         ts, rest = list(args[:n]), args[n:]
         cs = list(cores(*ts) if callable(cores) else cores)[:n]
         if len(cs) != n:
             return fallback(func, args, kwargs)
-        names = [k for k in tensor_kwargs if _is_tensor(kwargs.get(k))]
+        names = [k for k in tensor_kwargs if torch.is_tensor(kwargs.get(k))]
         if any(isinstance(v, Tensor) for k, v in kwargs.items() if k not in names):
             return fallback(func, args, kwargs)
         plain = {k: v for k, v in kwargs.items() if k not in names}
@@ -190,9 +186,9 @@ def _whole_op(func: Any, shape_of: Callable[..., tuple[int, ...]] | None = None
     def handler(*args: Any, **kwargs: Any) -> Any:
         if kwargs.get("out") is not None:
             return fallback(func, args, kwargs)
-        names = [k for k, v in kwargs.items() if _is_tensor(v)]
+        names = [k for k, v in kwargs.items() if torch.is_tensor(v)]
         n = 0
-        while n < len(args) and _is_tensor(args[n]):
+        while n < len(args) and torch.is_tensor(args[n]):
             n += 1
         ts = list(args[:n]) + [kwargs[k] for k in names]
         plain = {k: v for k, v in kwargs.items() if k not in names}
@@ -257,7 +253,7 @@ def aligned(func: Any, tensors: Sequence[Any], whole: Sequence[int],
         r, shapes, glob = _probe(call, ts, [t.ndim for t in ts])
     except NotImplementedError:
         return fallback(func, args, kwargs)
-    if not glob or (isinstance(r, (tuple, list)) and (len(r) != 1 or not _is_tensor(r[0]))):
+    if not glob or (isinstance(r, (tuple, list)) and (len(r) != 1 or not torch.is_tensor(r[0]))):
         return fallback(func, args, kwargs)
     shape = shapes[0]
     keep = [q for q in range(n) if q not in ws]
@@ -316,7 +312,7 @@ def vecdot(x: Any, y: Any, *, dim: int = -1, out: Any = None) -> Any:
 @register(torch.dist, TensorMethod.dist)
 def dist(a: Any, b: Any, p: Any = 2) -> Any:
     frame = _broadcast([a.shape, b.shape])
-    if frame is None or not _is_tensor(b) or _is_tensor(p):
+    if frame is None or not torch.is_tensor(b) or torch.is_tensor(p):
         return fallback(torch.dist, (a, b, p), {})
     return aligned(torch.dist, [a, b], range(len(frame)), lambda x, y: torch.dist(x, y, p),
                    (a, b, p), {})
@@ -325,7 +321,7 @@ def dist(a: Any, b: Any, p: Any = 2) -> Any:
 @register(F.pairwise_distance, torch.pairwise_distance)
 def pairwise_distance(x1: Any, x2: Any, p: float = 2.0, eps: float = 1e-6,
                       keepdim: bool = False) -> Any:
-    frame = _broadcast([x1.shape, x2.shape]) if _is_tensor(x2) else None
+    frame = _broadcast([x1.shape, x2.shape]) if torch.is_tensor(x2) else None
     if not frame:
         return fallback(F.pairwise_distance, (x1, x2, p, eps, keepdim), {})
     return aligned(F.pairwise_distance, [x1, x2], [-1], lambda a, b: F.pairwise_distance(
@@ -334,7 +330,7 @@ def pairwise_distance(x1: Any, x2: Any, p: float = 2.0, eps: float = 1e-6,
 
 @register(F.cosine_similarity, torch.cosine_similarity)
 def cosine_similarity(x1: Any, x2: Any, dim: int = 1, eps: float = 1e-8) -> Any:
-    frame = _broadcast([x1.shape, x2.shape]) if _is_tensor(x2) else None
+    frame = _broadcast([x1.shape, x2.shape]) if torch.is_tensor(x2) else None
     if not frame:
         return fallback(F.cosine_similarity, (x1, x2, dim, eps), {})
     return aligned(F.cosine_similarity, [x1, x2], [normalize_dim(dim, len(frame))],
@@ -358,7 +354,7 @@ def _spaced(func: Any) -> Callable[..., Any]:
     def handler(y: Any, x: Any = None, *, dx: Any = None, dim: int = -1) -> Any:
         args = (y,) if x is None else (y, x)
         kwargs = {"dim": dim, **({"dx": dx} if dx is not None else {})}
-        if not _is_tensor(x) and x is not None:  # trapz(y, dx, dim) spells dx positionally
+        if not torch.is_tensor(x) and x is not None:  # trapz(y, dx, dim) spells dx positionally
             return fallback(func, args, kwargs)
         if y.ndim == 0:
             return fallback(func, args, kwargs)
@@ -385,14 +381,14 @@ def diff(x: Any, n: int = 1, dim: int = -1, prepend: Any = None, append: Any = N
     if x.ndim == 0:
         return fallback(torch.diff, args, {})
     d = normalize_dim(dim, x.ndim, "diff dim")
-    extra = [t for t in (prepend, append) if _is_tensor(t)]
+    extra = [t for t in (prepend, append) if torch.is_tensor(t)]
     if any(t.ndim != x.ndim for t in extra):  # a 0-d prepend/append is expanded by torch
         return fallback(torch.diff, args, {})
 
     def call(s: torch.Tensor, *pa: torch.Tensor) -> torch.Tensor:
         it = iter(pa)
-        p = next(it) if _is_tensor(prepend) else prepend
-        a = next(it) if _is_tensor(append) else append
+        p = next(it) if torch.is_tensor(prepend) else prepend
+        a = next(it) if torch.is_tensor(append) else append
         return torch.diff(s, n, dim, p, a)
 
     return aligned(torch.diff, [x, *extra], [d], call, args, {})

@@ -26,7 +26,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from shardwise.ops import compute as C
+from shardwise.ops import compute
 from shardwise.ops.conversions import to
 from shardwise.ops.execute import apply
 from shardwise.ops.linalg import whole
@@ -40,9 +40,9 @@ def _reduce(per: Any, reduction: str, name: str) -> Any:
     if reduction == "none":
         return per
     if reduction == "sum":
-        return C.sum(per)
+        return compute.sum(per)
     if reduction == "mean":
-        return C.mean(per)
+        return compute.mean(per)
     raise ValueError(f"{name}: {reduction!r} is not a valid value for reduction "
                      "('none', 'mean' or 'sum').")
 
@@ -81,11 +81,12 @@ def _pointwise(fn: Any, tensors: tuple[str, ...]) -> Callable[..., Any]:
         if fn is F.gaussian_nll_loss and "var" in names:
             x, var = a["input"], a["var"]
             if tuple(var.shape) != tuple(x.shape) and tuple(var.shape) == tuple(x.shape[:-1]):
-                a["var"] = C.reshape(on_mesh([x, var])[1], (*var.shape, 1))  # torch's unsqueeze
+                # torch's unsqueeze
+                a["var"] = compute.reshape(on_mesh([x, var])[1], (*var.shape, 1))
         per = _run("pointwise_loss", fn, a, names)
         if reduction == "batchmean":  # kl_div: the sum over the batch's size
-            total = C.sum(per)
-            return C.div(total, a["input"].shape[0]) if a["input"].ndim else total
+            total = compute.sum(per)
+            return compute.div(total, a["input"].shape[0]) if a["input"].ndim else total
         return _reduce(per, reduction, fn.__name__)
 
     return handler
@@ -111,16 +112,16 @@ for _fn, _tensors in _POINTWISE.items():
 def _class_weighted_mean(per: Any, target: Any, weight: Any, ignore_index: int) -> Any:
     """nll_loss/cross_entropy's mean over hard targets: the sum over the summed weights
     of the counted samples (their count without a weight)."""
-    total = C.sum(per)
-    kept = C.ne(target, ignore_index)
+    total = compute.sum(per)
+    kept = compute.ne(target, ignore_index)
     if weight is None:
-        return C.div(total, C.sum(to(kept, per.dtype)))
+        return compute.div(total, compute.sum(to(kept, per.dtype)))
     classes = weight.shape[0]
 
     def picked(t: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         return torch.where(t != ignore_index, w[t.clamp(0, classes - 1)], 0).to(per.dtype)
 
-    return C.div(total, C.sum(apply("class_pick", on_mesh([target, weight]), picked)))
+    return compute.div(total, compute.sum(apply("class_pick", on_mesh([target, weight]), picked)))
 
 
 def _classes(fn: Any, roles: dict[str, str], weighted_mean: bool = False

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from shardwise.ops import compute as C
+from shardwise.ops import compute
 from shardwise.ops.execute import apply
 from shardwise.ops.registry import TensorMethod, fallback, on_mesh, register
 from shardwise.sharding.layout import normalize_dim
@@ -34,15 +34,11 @@ from shardwise.tensors.tensor import Tensor
 __all__ = ["scaled_addmm"]
 
 
-def _is_tensor(x: Any) -> bool:
-    return isinstance(x, torch.Tensor)
-
-
 # --- the matmul family ---------------------------------------------------------------------
 def _addmm(func: Any, kind: str) -> Callable[..., Any]:
     def handler(input: Any, a: Any, b: Any, *, beta: Any = 1, alpha: Any = 1,
                 out: Any = None) -> Any:
-        if out is not None or not _is_tensor(input) or isinstance(beta, Tensor) or (
+        if out is not None or not torch.is_tensor(input) or isinstance(beta, Tensor) or (
                 isinstance(alpha, Tensor)):
             return fallback(func, (input, a, b), {"beta": beta, "alpha": alpha, "out": out})
         return apply("addmm", on_mesh([input, a, b]), lambda i, x, y: func(
@@ -65,7 +61,7 @@ def _product(rule: str, func: Any, ranks: tuple[int, int]) -> Callable[..., Any]
     Partial(SUM) (no communication)."""
 
     def handler(a: Any, b: Any, *, out: Any = None) -> Any:
-        if out is not None or not (_is_tensor(a) and _is_tensor(b)) or (
+        if out is not None or not (torch.is_tensor(a) and torch.is_tensor(b)) or (
                 a.ndim, b.ndim) != ranks:
             return fallback(func, (a, b), {"out": out} if out is not None else {})
         return apply(rule, on_mesh([a, b]), func)
@@ -105,7 +101,7 @@ def _contract(func: Any, a: Any, b: Any, pairs: Sequence[tuple[int, int]],
 @register(torch.tensordot, TensorMethod.__dict__.get("tensordot"))
 def tensordot(a: Any, b: Any, dims: Any = 2, out: Any = None) -> Any:
     args, kwargs = (a, b), {"dims": dims, **({"out": out} if out is not None else {})}
-    if out is not None or not (_is_tensor(a) and _is_tensor(b)) or _is_tensor(dims):
+    if out is not None or not (torch.is_tensor(a) and torch.is_tensor(b)) or torch.is_tensor(dims):
         return fallback(torch.tensordot, args, kwargs)
     if isinstance(dims, int):
         if dims < 0 or dims > min(a.ndim, b.ndim):
@@ -126,17 +122,17 @@ def tensordot(a: Any, b: Any, dims: Any = 2, out: Any = None) -> Any:
 @register(torch.inner, TensorMethod.inner)
 def inner(a: Any, b: Any, *, out: Any = None) -> Any:
     args, kwargs = (a, b), ({"out": out} if out is not None else {})
-    if out is not None or not (_is_tensor(a) and _is_tensor(b)):
+    if out is not None or not (torch.is_tensor(a) and torch.is_tensor(b)):
         return fallback(torch.inner, args, kwargs)
     if a.ndim == 0 or b.ndim == 0:  # torch's inner is then a product
-        return C.mul(*on_mesh([a, b]))
+        return compute.mul(*on_mesh([a, b]))
     return _contract(torch.inner, a, b, [(a.ndim - 1, b.ndim - 1)], torch.inner, args,
                      kwargs)
 
 
 @register(torch.kron, TensorMethod.kron)
 def kron(a: Any, b: Any, *, out: Any = None) -> Any:
-    if out is not None or not (_is_tensor(a) and _is_tensor(b)):
+    if out is not None or not (torch.is_tensor(a) and torch.is_tensor(b)):
         return fallback(torch.kron, (a, b), {"out": out} if out is not None else {})
     return apply("kron", on_mesh([a, b]), torch.kron)
 
@@ -144,7 +140,7 @@ def kron(a: Any, b: Any, *, out: Any = None) -> Any:
 @register(torch.linalg.multi_dot)
 def multi_dot(tensors: Sequence[Any], *, out: Any = None) -> Any:
     ts = list(tensors)
-    if out is not None or len(ts) < 2 or not all(_is_tensor(t) for t in ts) or any(
+    if out is not None or len(ts) < 2 or not all(torch.is_tensor(t) for t in ts) or any(
             t.ndim not in (1, 2) for t in ts) or any(t.ndim != 2 for t in ts[1:-1]):
         return fallback(torch.linalg.multi_dot, (tensors,), {"out": out} if out is not None
                         else {})
@@ -197,7 +193,7 @@ def grouped_mm(mat_a: Any, mat_b: Any, offs: Any = None, bias: Any = None,
     not be aligned) runs one mm per group instead: the same products, allclose."""
     args, kwargs = (mat_a, mat_b), {"offs": offs, "bias": bias, "out_dtype": out_dtype}
     ts = [mat_a, mat_b] + ([offs] if offs is not None else [])
-    if bias is not None or out_dtype is not None or not all(_is_tensor(t) for t in ts) or (
+    if bias is not None or out_dtype is not None or not all(torch.is_tensor(t) for t in ts) or (
             (mat_a.ndim, mat_b.ndim) not in ((2, 3), (3, 3), (2, 2), (3, 2))) or (
             (offs is None) != (mat_a.ndim == mat_b.ndim == 3)) or (
             offs is not None and (offs.ndim != 1 or offs.dtype != torch.int32)) or (
@@ -224,7 +220,7 @@ def grouped_mm(mat_a: Any, mat_b: Any, offs: Any = None, bias: Any = None,
 @register(F.bilinear)
 def bilinear(x1: Any, x2: Any, weight: Any, bias: Any = None) -> Any:
     ops = [x1, x2, weight] + ([bias] if bias is not None else [])
-    if not all(_is_tensor(t) for t in ops) or x1.ndim < 1 or x2.ndim < 1 or weight.ndim != 3:
+    if not all(torch.is_tensor(t) for t in ops) or x1.ndim < 1 or x2.ndim < 1 or weight.ndim != 3:
         return fallback(F.bilinear, (x1, x2, weight, bias), {})
     return apply("bilinear" if bias is None else "bilinear_bias", on_mesh(ops),
                  lambda *xs: F.bilinear(*xs))
@@ -232,6 +228,6 @@ def bilinear(x1: Any, x2: Any, weight: Any, bias: Any = None) -> Any:
 
 @register(torch.cdist)
 def cdist(x1: Any, x2: Any, p: float = 2.0, compute_mode: Any = None) -> Any:
-    if not (_is_tensor(x1) and _is_tensor(x2)) or x1.ndim < 2 or x2.ndim < 2:
+    if not (torch.is_tensor(x1) and torch.is_tensor(x2)) or x1.ndim < 2 or x2.ndim < 2:
         return fallback(torch.cdist, (x1, x2, p, compute_mode), {})
     return apply("cdist", on_mesh([x1, x2]), lambda a, b: torch.cdist(a, b, p, compute_mode))

@@ -30,8 +30,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from shardwise.ops import compute as C
-from shardwise.ops import matmuls
+from shardwise.ops import compute, matmuls
 from shardwise.ops.execute import apply, decision_of, records
 from shardwise.ops.registry import TensorMethod, describe, fallback, on_mesh, register
 from shardwise.runtime import observe as comm
@@ -70,7 +69,7 @@ def linear(x: Any, weight: Any, bias: Any = None) -> Any:
             # rule still lays the bias out and decides the output layout
             y = apply("linear", (x, weight), lambda xs, ws: F.linear(xs, ws, b))
             return apply("add", (y, bias), lambda ys, _: ys, views={1: b})
-        return C.add(apply("linear", (x, weight), F.linear), bias)
+        return compute.add(apply("linear", (x, weight), F.linear), bias)
     # the add would keep y's layout and use the bias whole: one call, torch's addmm
     return apply("linear", (x, weight), lambda xs, ws: F.linear(xs, ws, b))
 
@@ -96,7 +95,7 @@ def _bias_block(bias: Tensor) -> torch.Tensor | None:
 @register(torch.matmul, TensorMethod.matmul, TensorMethod.__matmul__, torch.mm,
           TensorMethod.mm, torch.bmm, TensorMethod.bmm)
 def matmul(a: Any, b: Any) -> Any:
-    return C.matmul(a, b)
+    return compute.matmul(a, b)
 
 
 @register(torch.addmm, TensorMethod.addmm)
@@ -109,17 +108,17 @@ def addmm(bias: Any, a: Any, b: Any, *, beta: Any = 1, alpha: Any = 1, out: Any 
         # whole values: torch's own addmm once (torch's bits), as F.linear does
         y = apply("matmul", (a, b), lambda xs, ys: torch.addmm(w, xs, ys))
         return apply("add", (y, bias), lambda ys, _: ys, views={1: w})
-    return C.add(C.matmul(a, b), bias)
+    return compute.add(compute.matmul(a, b), bias)
 
 
 @register(TensorMethod.__rmatmul__)
 def rmatmul(a: Any, b: Any) -> Any:
-    return C.matmul(b, a)
+    return compute.matmul(b, a)
 
 
 @register(torch.einsum)
 def einsum(equation: str, *operands: Any) -> Any:
-    return C.einsum(equation, *operands)
+    return compute.einsum(equation, *operands)
 
 
 @register(F.layer_norm, torch.layer_norm)
@@ -169,13 +168,13 @@ def dropout(x: Any, p: float = 0.5, training: bool = True, inplace: bool = False
     if not training or p == 0.0:
         return x
     if p == 1.0:
-        return C.mul(x, 0.0)
+        return compute.mul(x, 0.0)
     # torch's CPU dropout: mask = empty_like(x).bernoulli_(1 - p) / (1 - p); x * mask.
     # Drawn over the global shape, so values equal single-device torch's for a seed.
     noise = torch.empty(x.shape, dtype=x.dtype, device=x.device).bernoulli_(1 - p)
     noise.div_(1 - p)
     mask = place(noise, x.dist_layout.without_partial())
-    return C.mul(x, mask)
+    return compute.mul(x, mask)
 
 
 @register(F.scaled_dot_product_attention)
@@ -252,16 +251,16 @@ def _pointwise_loss(fn: Any, term: Callable[[Any], Any]) -> Callable[..., Any]:
         if size_average is not None or reduce is not None or weight is not None:
             return fallback(fn, (a, b), dict(size_average=size_average, reduce=reduce,
                                              reduction=reduction))
-        per = term(C.sub(*on_mesh([a, b])))
-        return per if reduction == "none" else (C.sum(per) if reduction == "sum"
-                                                 else C.mean(per))
+        per = term(compute.sub(*on_mesh([a, b])))
+        return per if reduction == "none" else (compute.sum(per) if reduction == "sum"
+                                                 else compute.mean(per))
 
     return loss
 
 
 def _square(d: Any) -> Any:
-    return C.mul(d, d)
+    return compute.mul(d, d)
 
 
 register(F.mse_loss)(_pointwise_loss(F.mse_loss, _square))
-register(F.l1_loss)(_pointwise_loss(F.l1_loss, C.abs_))
+register(F.l1_loss)(_pointwise_loss(F.l1_loss, compute.abs_))

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from shardwise.ops import compute as C
+from shardwise.ops import compute
 from shardwise.ops.conversions import to
 from shardwise.ops.execute import apply, apply_outputs
 from shardwise.ops.registry import TensorMethod, fallback, on_mesh, reduce_dims, register
@@ -36,23 +36,23 @@ __all__: list[str] = []
 @register(torch.sum, TensorMethod.sum)
 def sum_(x: Any, dim: Any = None, keepdim: bool = False, *, dtype: Any = None) -> Any:
     t = x if dtype is None else to(x, dtype)
-    return C.sum(t, dim, keepdim)
+    return compute.sum(t, dim, keepdim)
 
 
 @register(torch.mean, TensorMethod.mean)
 def mean(x: Any, dim: Any = None, keepdim: bool = False, *, dtype: Any = None) -> Any:
     t = x if dtype is None else to(x, dtype)
-    return C.mean(t, dim, keepdim)
+    return compute.mean(t, dim, keepdim)
 
 
 @register(torch.amax, TensorMethod.amax)
 def amax(x: Any, dim: Any = (), keepdim: bool = False) -> Any:
-    return C.amax(x, dim if dim != () else None, keepdim)
+    return compute.amax(x, dim if dim != () else None, keepdim)
 
 
 @register(torch.amin, TensorMethod.amin)
 def amin(x: Any, dim: Any = (), keepdim: bool = False) -> Any:
-    return C.amin(x, dim if dim != () else None, keepdim)
+    return compute.amin(x, dim if dim != () else None, keepdim)
 
 
 @register(torch.linalg.vector_norm, torch.norm, TensorMethod.norm)
@@ -77,19 +77,20 @@ def norm_reduction(x: Any, ord: Any = 2, dim: Any = None, keepdim: bool = False,
     elementwise finish (the root) that gives the norm: ``_foreach_norm`` stacks the
     reductions of many tensors to reduce them in one collective."""
     t = x if dtype is None else to(x, dtype)
-    a = C.abs_(t)
+    a = compute.abs_(t)
     if ord == math.inf:
-        return C.amax(a, dim, keepdim), _same
+        return compute.amax(a, dim, keepdim), _same
     if ord == -math.inf:
-        return C.amin(a, dim, keepdim), _same
+        return compute.amin(a, dim, keepdim), _same
     if ord == 0:  # a count: torch's result still requires grad (no gradient flows)
-        count = C.with_zero_grad(to(C.ne(t, 0), t.dtype), t, undefined=True)
-        return C.sum(count, dim, keepdim), _same
+        count = compute.with_zero_grad(to(compute.ne(t, 0), t.dtype), t, undefined=True)
+        return compute.sum(count, dim, keepdim), _same
     if ord == 1:
-        return C.sum(a, dim, keepdim), _same
+        return compute.sum(a, dim, keepdim), _same
     if ord == 2:
-        return C.sum(C.mul(a, a), dim, keepdim), C.sqrt
-    return C.sum(C.pow(a, ord), dim, keepdim), lambda total: C.pow(total, 1.0 / ord)
+        return compute.sum(compute.mul(a, a), dim, keepdim), compute.sqrt
+    return (compute.sum(compute.pow(a, ord), dim, keepdim),
+            lambda total: compute.pow(total, 1.0 / ord))
 
 
 def _same(total: Any) -> Any:
@@ -228,8 +229,8 @@ for _name in ("median", "nanmedian"):
     register(getattr(torch, _name), getattr(TensorMethod, _name))(_median(_name))
 
 
-register(torch.max, TensorMethod.max)(_extreme("max", torch.max, C.amax))
-register(torch.min, TensorMethod.min)(_extreme("min", torch.min, C.amin))
+register(torch.max, TensorMethod.max)(_extreme("max", torch.max, compute.amax))
+register(torch.min, TensorMethod.min)(_extreme("min", torch.min, compute.amin))
 
 
 @register(torch.topk, TensorMethod.topk)

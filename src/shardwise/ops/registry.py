@@ -35,7 +35,7 @@ from shardwise.sharding.layout import Layout, normalize_dim
 from shardwise.tensors.tensor import HANDLERS, Tensor, place, route
 
 __all__ = ["ShardwiseFallbackWarning", "TensorMethod", "describe", "fallback", "on_mesh",
-           "reduce_dims", "refuse_write", "register", "shape_args", "write_out"]
+           "reduce_dims", "refuse_write", "register", "shape_args", "type_name", "write_out"]
 
 TensorMethod = torch.Tensor
 
@@ -339,8 +339,8 @@ def write_out(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
 
 def _write_one(name: str, out: Any, result: Any) -> None:
     if not torch.can_cast(result.dtype, out.dtype):  # torch's check and message
-        raise RuntimeError(f"result type {_type_name(result.dtype)} can't be cast to the "
-                           f"desired output type {_type_name(out.dtype)}")
+        raise RuntimeError(f"result type {type_name(result.dtype)} can't be cast to the "
+                           f"desired output type {type_name(out.dtype)}")
     if isinstance(out, Tensor):
         if out.shape != result.shape:
             raise ShardingError(
@@ -356,6 +356,6 @@ def _write_one(name: str, out: Any, result: Any) -> None:
     out.copy_(value)
 
 
-def _type_name(dtype: torch.dtype) -> str:
+def type_name(dtype: torch.dtype) -> str:
     """torch's name of a dtype in its casting errors (``Float``, ``Long``, ``Bool``)."""
     return torch.empty((), dtype=dtype).type().rpartition(".")[2].removesuffix("Tensor")

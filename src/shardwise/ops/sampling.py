@@ -9,7 +9,7 @@ Invariants:
 - ``bernoulli(p)``: torch draws one uniform per element (in ``p``'s dtype, or float32
   below it) and compares it with ``p``; the comparison runs shard-wise.
 - Ops whose draws depend on the values (multinomial, rrelu in training) run on the
-  ``"kept"`` rule with every dim whole: one call on the replicated value.
+  ``"free_dims"`` rule with every dim whole: one call on the replicated value.
 """
 
 from __future__ import annotations
@@ -21,10 +21,10 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from shardwise.ops import compute as C
+from shardwise.ops import compute
 from shardwise.ops.conversions import to
 from shardwise.ops.execute import apply_elementwise
-from shardwise.ops.kept import apply_kept
+from shardwise.ops.free_dims import apply_free_dims
 from shardwise.ops.registry import TensorMethod, on_mesh, register
 from shardwise.tensors.tensor import Tensor, place
 
@@ -50,7 +50,7 @@ def _feature_dropout(fn: Any) -> Callable[..., Any]:
         if not training or p == 0.0 or x.numel() == 0:
             return x
         mask = fn(torch.ones(tuple(x.shape), dtype=x.dtype, device=x.device), p, True)
-        return C.mul(x, _like(mask, x))
+        return compute.mul(x, _like(mask, x))
 
     return handler
 
@@ -70,7 +70,7 @@ def _alpha_dropout(feature: bool) -> Callable[..., Any]:
         if p == 0 or not training or x.numel() == 0:
             return x
         if p == 1:
-            return C.mul(x, torch.zeros((), dtype=x.dtype, device=x.device))
+            return compute.mul(x, torch.zeros((), dtype=x.dtype, device=x.device))
         shape = tuple(x.shape)
         if feature:  # one draw per (sample, channel)
             shape = shape[:2] + (1,) * (len(shape) - 2)
@@ -78,7 +78,7 @@ def _alpha_dropout(feature: bool) -> Callable[..., Any]:
         a = 1.0 / math.sqrt((_ALPHA * _ALPHA * p + 1) * (1 - p))
         b = noise.add(-1).mul_(_ALPHA * a).add_(_ALPHA * a * p)
         noise.mul_(a)
-        return C.add(C.mul(x, _like(noise, x)), _like(b, x))
+        return compute.add(compute.mul(x, _like(noise, x)), _like(b, x))
 
     return handler
 
@@ -92,9 +92,9 @@ register(F.feature_alpha_dropout)(_alpha_dropout(True))
 def native_dropout_backward(grad: Any, mask: Any, scale: float) -> Any:
     """``grad * mask * scale`` elementwise: every dim shards freely."""
     free = tuple(range(grad.ndim))
-    return apply_kept("native_dropout_backward",
-                      lambda g, m: torch.ops.aten.native_dropout_backward(g, m, scale),
-                      on_mesh([grad, mask]), [free, free], [free])
+    return apply_free_dims("native_dropout_backward",
+                           lambda g, m: torch.ops.aten.native_dropout_backward(g, m, scale),
+                           on_mesh([grad, mask]), [free, free], [free])
 
 
 # --- draws over the global shape ------------------------------------------------------------
@@ -103,12 +103,12 @@ def bernoulli(x: Any, p: Any = None, *, generator: Any = None) -> Any:
     if p is not None:  # a scalar probability: x gives only the shape and dtype
         drawn = torch.empty(tuple(x.shape), dtype=x.dtype, device=x.device)
         return _zero_grad_of(_like(drawn.bernoulli_(p, generator=generator), x), x)
-    if bool(C.lt(x, 0).any()) or bool(C.gt(x, 1).any()):
+    if bool(compute.lt(x, 0).any()) or bool(compute.gt(x, 1).any()):
         raise RuntimeError("Expected p_in >= 0 && p_in <= 1 to be true, but got false.  "
                            "(bernoulli on a shardwise.Tensor of probabilities)")
     draw = torch.float64 if x.dtype == torch.float64 else torch.float32
     u = torch.rand(tuple(x.shape), dtype=draw, device=x.device, generator=generator)
-    return _zero_grad_of(to(C.lt(_like(u, x), x), x.dtype), x)
+    return _zero_grad_of(to(compute.lt(_like(u, x), x), x.dtype), x)
 
 
 def _zero_grad_of(drawn: Any, x: Any) -> Any:
@@ -116,7 +116,7 @@ def _zero_grad_of(drawn: Any, x: Any) -> Any:
     with respect to the probabilities is zero, and the sample requires grad)."""
     if not (x.requires_grad and torch.is_grad_enabled()):
         return drawn
-    return C.with_zero_grad(drawn, x)
+    return compute.with_zero_grad(drawn, x)
 
 
 @register(torch.normal)
@@ -128,7 +128,7 @@ def normal(mean: Any, std: Any = 1.0, *args: Any, generator: Any = None, **kwarg
         return torch.normal(*[t.to_torch() if isinstance(t, Tensor) else t
                               for t in (mean, std, *args)], generator=generator, **kwargs)
     like = mean if isinstance(mean, Tensor) else std
-    if isinstance(std, Tensor) and bool(C.lt(std, 0).any()):
+    if isinstance(std, Tensor) and bool(compute.lt(std, 0).any()):
         raise RuntimeError("normal expects all elements of std >= 0.0")
     if isinstance(std, torch.Tensor):
         shape = torch.broadcast_shapes(tuple(mean.shape) if isinstance(mean, torch.Tensor)
@@ -144,13 +144,13 @@ def normal(mean: Any, std: Any = 1.0, *args: Any, generator: Any = None, **kwarg
 def _scaled(z: torch.Tensor, std: Any, mean: Any) -> torch.Tensor:
     with torch.no_grad():  # torch's normal_out_impl: mul_(std) then add_(mean)
         value = z * std + mean
-    return C.ZeroGrad.apply(value, False, std, mean)
+    return compute.ZeroGrad.apply(value, False, std, mean)
 
 
 def _shifted(z: torch.Tensor, mean: Any) -> torch.Tensor:
     with torch.no_grad():
         value = z + mean
-    return C.ZeroGrad.apply(value, False, mean)
+    return compute.ZeroGrad.apply(value, False, mean)
 
 
 def _on(z: torch.Tensor, like: Tensor) -> Tensor:
@@ -165,7 +165,7 @@ def multinomial(x: Any, num_samples: int, replacement: bool = False, *,
                 generator: Any = None) -> Any:
     """Each row's draws follow the previous rows': one call on the whole value."""
     whole = (-1,) * x.ndim
-    return apply_kept("multinomial", lambda s: torch.multinomial(
+    return apply_free_dims("multinomial", lambda s: torch.multinomial(
         s, num_samples, replacement, generator=generator), [x], [whole])
 
 
@@ -175,5 +175,5 @@ def rrelu(x: Any, lower: float = 1.0 / 8, upper: float = 1.0 / 3, training: bool
     """In training a slope is drawn per negative element (the draws follow the values):
     one call on the whole value; in eval it is elementwise, every dim free."""
     free = (-1,) * x.ndim if training else tuple(range(x.ndim))
-    return apply_kept("rrelu", lambda s: F.rrelu(s, lower, upper, training), [x], [free],
-                      [free])
+    return apply_free_dims("rrelu", lambda s: F.rrelu(s, lower, upper, training), [x], [free],
+                           [free])

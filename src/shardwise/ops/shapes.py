@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from shardwise.ops import compute as C
+from shardwise.ops import compute
 from shardwise.ops.execute import apply
 from shardwise.ops.registry import (
     TensorMethod,
@@ -43,22 +43,22 @@ def reshape(x: Any, *shape: Any) -> Any:
     if len(shape) == 1 and isinstance(shape[0], torch.dtype):
         raise ShardingError("x.view(dtype) reinterprets bytes; use x.to(dtype) on a "
                             "shardwise.Tensor.")
-    return C.reshape(x, shape_args(shape))
+    return compute.reshape(x, shape_args(shape))
 
 
 @register(TensorMethod.view_as, TensorMethod.reshape_as)
 def view_as(x: Any, other: Any) -> Any:
-    return C.reshape(x, tuple(other.shape))
+    return compute.reshape(x, tuple(other.shape))
 
 
 @register(TensorMethod.flatten, torch.flatten)
 def flatten(x: Any, start_dim: int = 0, end_dim: int = -1) -> Any:
     if x.ndim == 0:
-        return C.reshape(x, (1,))
+        return compute.reshape(x, (1,))
     a = normalize_dim(start_dim, x.ndim, "flatten start_dim")
     b = normalize_dim(end_dim, x.ndim, "flatten end_dim")
     shape = (*x.shape[:a], math.prod(x.shape[a:b + 1]), *x.shape[b + 1:])
-    return C.reshape(x, shape)
+    return compute.reshape(x, shape)
 
 
 @register(TensorMethod.unflatten, torch.unflatten)
@@ -68,7 +68,7 @@ def unflatten(x: Any, dim: int, sizes: Sequence[int]) -> Any:
     if -1 in sizes:
         rest = math.prod(s for s in sizes if s != -1)
         sizes[sizes.index(-1)] = x.shape[d] // rest
-    return C.reshape(x, (*x.shape[:d], *sizes, *x.shape[d + 1:]))
+    return compute.reshape(x, (*x.shape[:d], *sizes, *x.shape[d + 1:]))
 
 
 @register(TensorMethod.squeeze, torch.squeeze)
@@ -79,13 +79,13 @@ def squeeze(x: Any, dim: Any = None) -> Any:
         ds = dim if isinstance(dim, (list, tuple)) else (dim,)
         dims = {normalize_dim(d, max(x.ndim, 1), "squeeze dim") for d in ds}
         dims = {d for d in dims if x.ndim and x.shape[d] == 1}
-    return C.reshape(x, tuple(n for d, n in enumerate(x.shape) if d not in dims))
+    return compute.reshape(x, tuple(n for d, n in enumerate(x.shape) if d not in dims))
 
 
 @register(TensorMethod.unsqueeze, torch.unsqueeze)
 def unsqueeze(x: Any, dim: int) -> Any:
     d = normalize_dim(dim, x.ndim + 1, "unsqueeze dim")
-    return C.reshape(x, (*x.shape[:d], 1, *x.shape[d:]))
+    return compute.reshape(x, (*x.shape[:d], 1, *x.shape[d:]))
 
 
 @register(torch.repeat_interleave, TensorMethod.repeat_interleave)
@@ -102,7 +102,7 @@ def repeat_interleave(x: Any, repeats: Any, dim: Any = None, *,
     if isinstance(repeats, Tensor):
         repeats = repeats.to_torch()
     if dim is None:
-        x, dim = C.reshape(x, (x.numel(),)), 0
+        x, dim = compute.reshape(x, (x.numel(),)), 0
     if isinstance(repeats, torch.Tensor):
         d = normalize_dim(dim, max(x.ndim, 1), "repeat_interleave dim")
         rows = torch.repeat_interleave(torch.arange(max(x.shape[d] if x.ndim else 1, 1)),
@@ -113,7 +113,7 @@ def repeat_interleave(x: Any, repeats: Any, dim: Any = None, *,
     shape = tuple(x.shape)
     wide = (*shape[:d + 1], repeats, *shape[d + 1:])
     merged = (*shape[:d], shape[d] * repeats, *shape[d + 1:])
-    return C.reshape(x.unsqueeze(d + 1).expand(wide), merged)
+    return compute.reshape(x.unsqueeze(d + 1).expand(wide), merged)
 
 
 # RoPE (torchtitan's Llama): the pairs become complex numbers and back, blockwise
@@ -130,18 +130,18 @@ def view_as_real(x: Any) -> Any:
 # --- dim order ---------------------------------------------------------------------------
 @register(TensorMethod.permute, torch.permute)
 def permute(x: Any, *dims: Any) -> Any:
-    return C.permute(x, shape_args(dims))
+    return compute.permute(x, shape_args(dims))
 
 
 @register(TensorMethod.transpose, torch.transpose, TensorMethod.swapaxes, torch.swapaxes,
           TensorMethod.swapdims, torch.swapdims)
 def transpose(x: Any, dim0: int, dim1: int) -> Any:
-    return C.transpose(x, dim0, dim1)
+    return compute.transpose(x, dim0, dim1)
 
 
 @register(TensorMethod.t, torch.t)
 def t(x: Any) -> Any:
-    return C.transpose(x, 0, 1) if x.ndim == 2 else x
+    return compute.transpose(x, 0, 1) if x.ndim == 2 else x
 
 
 _GETTER = "__get__"  # torch's property getters (not visible to mypy on the stubs)
@@ -150,13 +150,13 @@ _GETTER = "__get__"  # torch's property getters (not visible to mypy on the stub
 @register(getattr(TensorMethod.T, _GETTER))
 def reversed_dims(x: Any) -> Any:
     """``x.T``: every dim in reverse order."""
-    return C.permute(x, tuple(reversed(range(x.ndim)))) if x.ndim != 0 else x
+    return compute.permute(x, tuple(reversed(range(x.ndim)))) if x.ndim != 0 else x
 
 
 @register(getattr(TensorMethod.mT, _GETTER))
 def matrix_transpose(x: Any) -> Any:
     """``x.mT``: the last two dims swapped."""
-    return C.transpose(x, -2, -1)
+    return compute.transpose(x, -2, -1)
 
 
 # --- broadcast and join ------------------------------------------------------------------
@@ -189,14 +189,14 @@ def cat(tensors: Sequence[Any], dim: int = 0, **kwargs: Any) -> Any:
     kept = [t for t in ts if not (t.ndim == 1 and t.shape[0] == 0)]
     if kept and len(kept) < len(ts) and any(t.ndim != 1 for t in kept):
         ts = kept
-    return C.cat(on_mesh(ts), dim)
+    return compute.cat(on_mesh(ts), dim)
 
 
 @register(torch.stack)
 def stack(tensors: Sequence[Any], dim: int = 0) -> Any:
     ts = on_mesh(tensors)
     d = normalize_dim(dim, ts[0].ndim + 1, "stack dim")
-    return C.cat([unsqueeze(t, d) for t in ts], d)
+    return compute.cat([unsqueeze(t, d) for t in ts], d)
 
 
 # --- pieces ------------------------------------------------------------------------------
@@ -218,13 +218,13 @@ def narrow(x: Any, dim: int, start: Any, length: int) -> Any:
         raise RuntimeError("narrow(): length must be non-negative.")
     if start + length > n:
         raise RuntimeError(f"start ({start}) + length ({length}) exceeds dimension size ({n}).")
-    return C.getitem(x, (slice(None),) * d + (slice(start, start + length),))
+    return compute.getitem(x, (slice(None),) * d + (slice(start, start + length),))
 
 
 @register(TensorMethod.select, torch.select)
 def select(x: Any, dim: int, index: int) -> Any:
     d = normalize_dim(dim, x.ndim, "select dim")
-    return C.getitem(x, (slice(None),) * d + (index,))
+    return compute.getitem(x, (slice(None),) * d + (index,))
 
 
 @register(TensorMethod.split, torch.split)

@@ -2,7 +2,7 @@
 freely (each 1-D transform reads one whole line of its dim).
 
 Invariants:
-- Every transform runs on the ``"kept"`` rule with torch's own function on each block;
+- Every transform runs on the ``"free_dims"`` rule with torch's own function on each block;
   the output has the input's rank, and each dim that is not transformed keeps its
   factor (and so its sharding).
 - The transformed dims are torch's: ``dim`` given, else the last ``len(s)`` dims when
@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from shardwise.ops.kept import apply_kept
+from shardwise.ops.free_dims import apply_free_dims
 from shardwise.ops.registry import register
 from shardwise.sharding.layout import normalize_dim
 
@@ -54,8 +54,9 @@ def _transform(fn: Any, default: int | None) -> Callable[..., Any]:
         dim = args[1] if len(args) > 1 else kwargs.get("dim")
         whole = _dims(x, dim, s, default) if x.ndim else set()
         free = tuple(-1 if d in whole else d for d in range(x.ndim))
-        return apply_kept(f"fft.{fn.__name__}", lambda xs: _empty_safe(fn, xs, *args, **kwargs),
-                          [x], [free], [free])
+        return apply_free_dims(f"fft.{fn.__name__}",
+                               lambda xs: _empty_safe(fn, xs, *args, **kwargs),
+                               [x], [free], [free])
 
     return handler
 
@@ -75,7 +76,7 @@ def _shift(fn: Any) -> Callable[..., Any]:
     def handler(x: Any, dim: Any = None) -> Any:
         whole = _dims(x, dim, None, None) if x.ndim else set()
         free = tuple(-1 if d in whole else d for d in range(x.ndim))
-        return apply_kept(f"fft.{fn.__name__}", lambda xs: fn(xs, dim), [x], [free], [free])
+        return apply_free_dims(f"fft.{fn.__name__}", lambda xs: fn(xs, dim), [x], [free], [free])
 
     return handler
 

@@ -28,8 +28,7 @@ from typing import Any
 
 import torch
 
-from shardwise.ops import compute as C
-from shardwise.ops import shapes as V
+from shardwise.ops import compute, shapes
 from shardwise.ops.execute import apply
 from shardwise.ops.kept import apply_kept
 from shardwise.ops.registry import TensorMethod, describe, on_mesh, register
@@ -91,7 +90,7 @@ def diag(x: Any, diagonal: int = 0) -> Any:
 @register(torch.diagflat, TensorMethod.diagflat)
 def diagflat(x: Any, offset: int = 0) -> Any:
     out = torch.diagflat(meta(x), offset)
-    flat = C.reshape(x, (x.numel(),))
+    flat = compute.reshape(x, (x.numel(),))
     return apply("diag_embed", (flat,), lambda s: torch.diagflat(s, offset), 0, 1,
                  out.shape[0])
 
@@ -108,7 +107,7 @@ def trace(x: Any) -> Any:
 def unfold(x: Any, dimension: int, size: int, step: int) -> Any:
     out = meta(x).unfold(dimension, size, step)
     if x.ndim == 0:
-        return C.reshape(x, tuple(out.shape))
+        return compute.reshape(x, tuple(out.shape))
     d = normalize_dim(dimension, x.ndim, "unfold dimension")
     return apply("unfold", (x,), lambda s: s.unfold(d, size, step), d, out.shape[d], size)
 
@@ -143,7 +142,7 @@ def diagonal_scatter(x: Any, src: Any, offset: int = 0, dim1: int = 0, dim2: int
 # --- splits and slices: basic indexing ----------------------------------------------------
 def _slices(x: Any, dim: int, bounds: Sequence[tuple[int | None, int | None]]) -> tuple[Any, ...]:
     d = normalize_dim(dim, x.ndim, "split dim")
-    return tuple(C.getitem(x, (slice(None),) * d + (slice(a, b),)) for a, b in bounds)
+    return tuple(compute.getitem(x, (slice(None),) * d + (slice(a, b),)) for a, b in bounds)
 
 
 def _pieces(x: Any, dim: int, pieces: Sequence[torch.Tensor]) -> tuple[Any, ...]:
@@ -215,7 +214,7 @@ for _name, _dim_of in (("hsplit", lambda n: 1 if n > 1 else 0), ("vsplit", lambd
 def aten_slice(x: Any, dim: int = 0, start: Any = None, end: Any = None, step: int = 1) -> Any:
     torch.ops.aten.slice.Tensor(meta(x), dim, start, end, step)
     d = normalize_dim(dim, x.ndim, "slice dim")
-    return C.getitem(x, (slice(None),) * d + (slice(start, end, step),))
+    return compute.getitem(x, (slice(None),) * d + (slice(start, end, step),))
 
 
 # --- dims that move -----------------------------------------------------------------------
@@ -234,19 +233,19 @@ def movedim(x: Any, source: Any, destination: Any) -> Any:
         order[d] = s
     rest = iter(d for d in range(n) if d not in src)
     perm = tuple(o if o is not None else next(rest) for o in order)
-    return C.permute(x, perm) if n else x
+    return compute.permute(x, perm) if n else x
 
 
 @register(torch.fliplr, TensorMethod.fliplr)
 def fliplr(x: Any) -> Any:
     torch.fliplr(meta(x))
-    return V.flip(x, [1])
+    return shapes.flip(x, [1])
 
 
 @register(torch.flipud, TensorMethod.flipud)
 def flipud(x: Any) -> Any:
     torch.flipud(meta(x))
-    return V.flip(x, [0])
+    return shapes.flip(x, [0])
 
 
 @register(torch.rot90, TensorMethod.rot90)
@@ -256,11 +255,11 @@ def rot90(x: Any, k: int = 1, dims: tuple[int, ...] | list[int] = (0, 1)) -> Any
     a, b = dims
     k %= 4
     if k == 1:
-        return C.transpose(V.flip(x, [b]), a, b)
+        return compute.transpose(shapes.flip(x, [b]), a, b)
     if k == 2:
-        return V.flip(x, list(dims))
+        return shapes.flip(x, list(dims))
     if k == 3:
-        return C.transpose(V.flip(x, [a]), a, b)
+        return compute.transpose(shapes.flip(x, [a]), a, b)
     return apply("clone", (x,), torch.clone)
 
 
@@ -271,14 +270,14 @@ _GETTER = "__get__"  # torch's property getters (not visible to mypy on the stub
 def conj_transpose(x: Any) -> Any:
     """``x.H``: a matrix's conjugate transpose (a 0-d tensor's conjugate)."""
     _ = meta(x).H  # torch's check: matrices (or 0-d) only
-    return torch.conj(C.transpose(x, 0, 1) if x.ndim == 2 else x)
+    return torch.conj(compute.transpose(x, 0, 1) if x.ndim == 2 else x)
 
 
 @register(getattr(TensorMethod.mH, _GETTER), torch.adjoint, TensorMethod.adjoint)
 def matrix_conj_transpose(x: Any) -> Any:
     """``x.mH``, ``torch.adjoint``: the last two dims swapped and conjugated."""
     _ = meta(x).mH  # torch's check: at least 2 dims
-    return torch.conj(C.transpose(x, -2, -1))
+    return torch.conj(compute.transpose(x, -2, -1))
 
 
 # --- as_strided: a read of the Tensor's own elements ---------------------------------------
@@ -379,15 +378,15 @@ def _copy_of(view: Callable[..., Any]) -> Callable[..., Any]:
 
 
 COPIES: dict[Any, Callable[..., Any]] = {
-    torch.view_copy: V.reshape, torch.permute_copy: V.permute, torch.t_copy: V.t,
-    torch.transpose_copy: V.transpose, torch.squeeze_copy: V.squeeze,
-    torch.unsqueeze_copy: V.unsqueeze, torch.expand_copy: V.expand,
+    torch.view_copy: shapes.reshape, torch.permute_copy: shapes.permute, torch.t_copy: shapes.t,
+    torch.transpose_copy: shapes.transpose, torch.squeeze_copy: shapes.squeeze,
+    torch.unsqueeze_copy: shapes.unsqueeze, torch.expand_copy: shapes.expand,
     torch.alias_copy: lambda x: x, torch.diagonal_copy: diagonal,
-    torch.narrow_copy: V.narrow, TensorMethod.narrow_copy: V.narrow,
-    torch.unbind_copy: V.unbind, torch.unfold_copy: unfold, torch.select_copy: V.select,
-    torch.split_copy: V.split, torch.split_with_sizes_copy: _splitter(torch.split_with_sizes),
-    torch.slice_copy: aten_slice, torch.view_as_real_copy: V.view_as_real,
-    torch.view_as_complex_copy: V.view_as_complex,
+    torch.narrow_copy: shapes.narrow, TensorMethod.narrow_copy: shapes.narrow,
+    torch.unbind_copy: shapes.unbind, torch.unfold_copy: unfold, torch.select_copy: shapes.select,
+    torch.split_copy: shapes.split, torch.split_with_sizes_copy: _splitter(torch.split_with_sizes),
+    torch.slice_copy: aten_slice, torch.view_as_real_copy: shapes.view_as_real,
+    torch.view_as_complex_copy: shapes.view_as_complex,
 }
 for _f, _view in COPIES.items():
     register(_f)(_copy_of(_view))

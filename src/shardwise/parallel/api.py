@@ -15,13 +15,12 @@ Invariants:
 from __future__ import annotations
 
 from collections.abc import Mapping
-from fnmatch import fnmatchcase
 from typing import TypeVar
 
 import torch.nn as nn
 
 from shardwise.parallel import replicas
-from shardwise.parallel.hf import gather_on_save
+from shardwise.parallel.hf import gather_on_save, name_matches
 from shardwise.parallel.placing import axis_of, keeping_ties
 from shardwise.parallel.style import ParallelStyle
 from shardwise.sharding.errors import ShardingError, ShardingTypeError
@@ -30,11 +29,6 @@ from shardwise.sharding.mesh import DeviceMesh
 __all__ = ["parallelize_module"]
 
 M = TypeVar("M", bound=nn.Module)
-
-
-def _matches(pattern: str, name: str) -> bool:
-    parts, names = pattern.split("."), name.split(".")
-    return len(parts) == len(names) and all(fnmatchcase(n, p) for p, n in zip(parts, names))
 
 
 def _style(value: object, where: str) -> ParallelStyle:
@@ -106,7 +100,7 @@ def parallelize_module(module: M, mesh: DeviceMesh,
         if not isinstance(pattern, str):
             raise ShardingTypeError(f"Plan keys are submodule names (str). Got {pattern!r}.")
         st = _style(style, repr(pattern))
-        hits = [n for n in named if n and _matches(pattern, n)]
+        hits = [n for n in named if n and name_matches(pattern, n)]
         if not hits:
             names = [n for n in named if n]
             shown = ", ".join(names[:24]) + (f", ... ({len(names)} in all)"

@@ -47,7 +47,7 @@ from shardwise.sharding.errors import ShardingError, ShardingTypeError
 from shardwise.sharding.mesh import DeviceMesh
 from shardwise.sharding.placements import Placement, Replicated, Sharded
 
-__all__ = ["ShardParameters", "gather_on_save", "hf_plan"]
+__all__ = ["ShardParameters", "gather_on_save", "hf_plan", "name_matches"]
 
 
 class ShardParameters(ParallelStyle):
@@ -125,7 +125,14 @@ _STYLES: dict[str, tuple[StyleFactory | None, Callable[[int], Placement] | None]
 }
 
 
-def _matches(pattern: str, name: str) -> bool:
+def name_matches(pattern: str, name: str) -> bool:
+    """Whether module or parameter ``name`` matches plan key ``pattern``, one dotted
+    component at a time with ``fnmatch`` (``*`` stands for one component, as in
+    transformers' plans and ``parallelize_module``'s).
+
+    >>> name_matches("layers.*.wq", "layers.3.wq"), name_matches("layers.*", "layers.3.wq")
+    (True, False)
+    """
     parts, names = pattern.split("."), name.split(".")
     return len(parts) == len(names) and all(fnmatchcase(n, p) for p, n in zip(parts, names))
 
@@ -207,10 +214,10 @@ def hf_plan(model: nn.Module, plan: Mapping[str, str] | None = None
                 f"{', '.join(sorted(_STYLES))}. Pass plan={{{pattern!r}: <one of those>}} "
                 "to replace it, or write that module's shardwise style by hand.")
         module_style, param_placement = _STYLES[kind]
-        for name in (n for n in modules if _matches(pattern, n)):
+        for name in (n for n in modules if name_matches(pattern, n)):
             if module_style is not None:
                 styles[name] = module_style()
-        for name in (n for n in params if _matches(pattern, n)):
+        for name in (n for n in params if name_matches(pattern, n)):
             if param_placement is None:
                 continue
             owner, _, pname = name.rpartition(".")

@@ -2,14 +2,13 @@
 
 ``pipeline(model, mesh, split_points=[...])`` cuts a model into stages on the mesh's
 ``pp`` axis (:mod:`~shardwise.pipelining.stage`); a schedule class
-(:mod:`~shardwise.pipelining.schedule`) runs one training step over them, moving
+(:mod:`~shardwise.pipelining.executor`) runs one training step over them, moving
 activations through a transport (:mod:`~shardwise.pipelining.transport`); every
 schedule is an action table (:mod:`~shardwise.pipelining.actions`).
 """
 
 from shardwise.pipelining.actions import Action, Kind, parse_table, read_csv, write_csv
-from shardwise.pipelining.grads import clip_grad_norm_
-from shardwise.pipelining.schedule import (
+from shardwise.pipelining.executor import (
     PipelineSchedule,
     Schedule1F1B,
     ScheduleFromTable,
@@ -18,9 +17,10 @@ from shardwise.pipelining.schedule import (
     ScheduleInterleavedZeroBubble,
     ScheduleZBVZeroBubble,
 )
-from shardwise.pipelining.schedules import SCHEDULES, compute_table, lower, stage_ranks, validate
+from shardwise.pipelining.grads import clip_grad_norm_
 from shardwise.pipelining.simulate import Simulation, Span, simulate
 from shardwise.pipelining.stage import Pipe, Stage, pipeline
+from shardwise.pipelining.tables import SCHEDULES, compute_table, lower, stage_ranks, validate
 from shardwise.pipelining.transport import SimTransport, Transport
 
 __all__ = [

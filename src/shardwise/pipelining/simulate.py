@@ -2,7 +2,7 @@
 
 ``simulate(sched, forward=1.0, backward=2.0, weight=None, p2p=0.0)`` runs the table on
 an idealised machine: each rank runs its actions one at a time in table order; an
-action starts when its rank is free and its dependencies (``schedules.dependencies``)
+action starts when its rank is free and its dependencies (``tables.dependencies``)
 are done, ``p2p`` later for a dependency on another rank. Compute actions cost their
 stage's time, SEND/RECV/UNSHARD/RESHARD cost nothing (a RECV waits for its SEND plus
 ``p2p``, so a lowered table predicts the same step as its compute table).
@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from shardwise.pipelining.actions import Action, Kind, Table
-from shardwise.pipelining.schedules import dependencies, stage_ranks, validate
+from shardwise.pipelining.tables import dependencies, stage_ranks, validate
 from shardwise.sharding.errors import ShardingError
 
 __all__ = ["Simulation", "Span", "simulate"]

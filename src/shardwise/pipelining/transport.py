@@ -1,6 +1,6 @@
 """How activations and their gradients travel between pipeline stages.
 
-The executor (:mod:`shardwise.pipelining.schedule`) calls ``send`` right after a stage's
+The executor (:mod:`shardwise.pipelining.executor`) calls ``send`` right after a stage's
 forward (or backward) when the receiving stage is held by another pipeline rank, and
 ``recv`` right before the receiving stage's forward (or backward). A ``value`` is a
 pytree (tuple/list/dict) of shardwise Tensors, torch tensors, None and Python scalars;

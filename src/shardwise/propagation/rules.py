@@ -48,7 +48,8 @@ from shardwise.sharding.errors import ShardingError
 from shardwise.sharding.placements import ReduceOp
 from shardwise.sharding.shapes import reshape_groups
 
-__all__ = ["MATMUL", "RULES", "Passes", "Rule", "normalize_index"]
+__all__ = ["ELEMENTWISE_LINEAR", "ELEMENTWISE_NONLINEAR", "ELEMENTWISE_RULE", "ELEMENTWISE_SHARED",
+           "MATMUL", "RULES", "Passes", "Rule", "normalize_index"]
 
 
 class Passes(Enum):
@@ -378,16 +379,16 @@ def _index_select(shapes: tuple[tuple[int, ...], ...], dim: int) -> str:
     return " ".join(ins) + ", i -> " + " ".join(out)
 
 
-# --- "kept" (the nn-layer, fft, indexing and random families): dims that shard freely -----
-def _kept(shapes: tuple[tuple[int, ...], ...], free: tuple[tuple[int, ...], ...],
-          out: tuple[tuple[int, int], ...]) -> str:
+# --- "free_dims" (the nn-layer, fft, indexing and random families): dims that shard freely
+def _free_dims(shapes: tuple[tuple[int, ...], ...], free: tuple[tuple[int, ...], ...],
+               out: tuple[tuple[int, int], ...]) -> str:
     """Operand ``i``'s dim ``d`` is the shared factor ``f{k}`` when ``free[i][d] == k >= 0``
     (it shards freely: the op treats each of its indices alone, a batch or channel dim)
     and whole (``!``) when it is ``-1``; output dim ``e`` is ``f{k}`` for ``out[e] ==
     (k, size)``, ``k >= 0``, else a whole dim of ``size``. Every ``f{k}`` of the operands
     appears in the output (no reduction, so never a Partial).
 
-    >>> _kept(((8, 3, 5), (4, 3, 2)), ((0, -1, -1), (-1, -1, -1)), ((0, 8), (-1, 4), (-1, 4)))
+    >>> _free_dims(((8, 3, 5), (4, 3, 2)), ((0, -1, -1), (-1, -1, -1)), ((0, 8), (-1, 4), (-1, 4)))
     'f0 w0_1! w0_2!, w1_0! w1_1! w1_2! -> f0 o1!=4 o2!=4'
     """
     terms = [" ".join(f"f{k}" if k >= 0 else f"w{i}_{d}!" for d, k in enumerate(fs[:len(s)]))
@@ -439,21 +440,61 @@ RULES: dict[str, Rule] = {
 }
 
 
-# torch-native ops (shardwise.ops.torch_api routes torch functions here)
-_NONLINEAR_EW = (
+# --- torch's elementwise ops by name: the one list (shardwise.ops.elementwise registers
+# torch.<name>, Tensor.<name>, F.<name> and torch.special.<name> of each, on its rule) ----
+#: linear ops (a Partial operand may stay Partial): name -> its rule
+ELEMENTWISE_LINEAR = {
+    "add": "add", "sub": "sub", "subtract": "sub", "neg": "neg", "negative": "neg",
+    "positive": "ew_linear", "mul": "mul", "multiply": "mul", "div": "div",
+    "divide": "div", "true_divide": "div"}
+#: the other elementwise ops, each its own rule unless ELEMENTWISE_RULE names another
+ELEMENTWISE_NONLINEAR = (
+    "abs", "relu", "gelu", "silu", "sigmoid", "tanh", "exp", "log", "sqrt", "pow",
+    "maximum", "minimum", "eq", "ne", "lt", "le", "gt", "ge", "where",
     "rsqrt", "reciprocal", "sin", "cos", "erf", "exp2", "expm1", "log1p", "log2", "log10",
     "floor", "ceil", "round", "trunc", "frac", "sign", "sgn", "square", "logical_not",
-    "isnan", "isinf", "isfinite", "bitwise_not", "nan_to_num", "clamp", "clamp_min",
+    "isnan", "isinf", "isfinite", "bitwise_not", "nan_to_num", "clamp", "clip", "clamp_min",
     "clamp_max", "leaky_relu", "elu", "softplus", "hardtanh", "mish", "hardswish",
     "hardsigmoid", "relu6", "logit", "float_power", "fmax", "fmin", "logical_and",
     "logical_or", "logical_xor", "bitwise_and", "bitwise_or", "bitwise_xor",
     "bitwise_left_shift", "bitwise_right_shift", "masked_fill",
     "lerp", "addcmul", "addcdiv", "atan2", "remainder", "fmod", "floor_divide", "copysign",
-    "hypot", "xlogy", "threshold", "dropout", "to", "div_rounding", "log_sigmoid",
-    "softsign", "tanhshrink",
+    "hypot", "xlogy", "threshold", "logsigmoid", "softsign", "tanhshrink", "greater",
+    "greater_equal", "less", "less_equal", "not_equal", "absolute", "arctan2",
 )
-for _name in _NONLINEAR_EW:
-    RULES[_name] = Rule(UNARY, NONLINEAR, build=_elementwise)
+#: torch's other elementwise ops (unary, binary, and (n, x) / (x, p) with a number):
+#: each value depends on the elements at its own position only, so they share the rule
+#: "elementwise" (issue 20)
+ELEMENTWISE_SHARED = (
+    "acos", "acosh", "asin", "asinh", "atan", "atanh", "arccos", "arccosh", "arcsin",
+    "arcsinh", "arctan", "arctanh", "cosh", "sinh", "tan", "sinc", "deg2rad", "rad2deg",
+    "i0", "erfc", "erfinv", "digamma", "lgamma", "mvlgamma", "polygamma", "logaddexp",
+    "logaddexp2", "ldexp", "heaviside", "lcm", "gcd", "nextafter", "igamma", "igammac",
+    "signbit", "isposinf", "isneginf", "isreal", "isclose", "angle", "conj_physical",
+    "complex", "polar", "rsub", "fill", "celu", "selu", "softshrink", "hardshrink", "fix",
+    # torch.special's elementwise functions (its other aliases are covered above)
+    "i0e", "i1", "i1e", "ndtr", "ndtri", "log_ndtr", "erfcx", "xlog1py", "zeta", "entr",
+    "gammaln", "psi", "multigammaln", "gammainc", "gammaincc", "airy_ai", "bessel_j0",
+    "bessel_j1", "bessel_y0", "bessel_y1", "modified_bessel_i0", "modified_bessel_i1",
+    "modified_bessel_k0", "modified_bessel_k1", "scaled_modified_bessel_k0",
+    "scaled_modified_bessel_k1", "spherical_bessel_j0", "chebyshev_polynomial_t",
+    "chebyshev_polynomial_u", "chebyshev_polynomial_v", "chebyshev_polynomial_w",
+    "shifted_chebyshev_polynomial_t", "shifted_chebyshev_polynomial_u",
+    "shifted_chebyshev_polynomial_v", "shifted_chebyshev_polynomial_w",
+    "hermite_polynomial_h", "hermite_polynomial_he", "laguerre_polynomial_l",
+    "legendre_polynomial_p",
+)
+#: a nonlinear elementwise name -> its rule, where that is not the name itself
+ELEMENTWISE_RULE = {
+    "clip": "clamp", "absolute": "abs", "arctan2": "atan2", "greater": "gt",
+    "greater_equal": "ge", "less": "lt", "less_equal": "le", "not_equal": "ne",
+    "logsigmoid": "log_sigmoid", **{n: "elementwise" for n in ELEMENTWISE_SHARED}}
+# each name without a rule above gets the n-operand one; so do the rules that handlers
+# name themselves (dropout's mask, .to(dtype), div with a rounding mode)
+for _name in (*(ELEMENTWISE_RULE.get(n, n) for n in ELEMENTWISE_NONLINEAR),
+              "dropout", "to", "div_rounding"):
+    if _name not in RULES:
+        RULES[_name] = Rule(UNARY, NONLINEAR, build=_elementwise)
 RULES.update({
     "clone": Rule(UNARY, LINEAR, build=_elementwise),
     "ew_linear": Rule(UNARY, LINEAR, build=_elementwise),
@@ -486,8 +527,8 @@ RULES.update({
     "isin": Rule("a, t! -> a", NONLINEAR, build=_isin),
     # index_select along one whole dim of the source
     "index_select": Rule("a d! b, i -> a i b", NONLINEAR, build=_index_select),
-    # --- nn layers, fft, indexing, random (ops/kept.py): free dims shard, the rest whole
-    "kept": Rule("f0 w!, f0 -> f0 o!=N", NONLINEAR, build=_kept),
+    # --- nn layers, fft, indexing, random (ops/free_dims.py): free dims shard, the rest whole
+    "free_dims": Rule("f0 w!, f0 -> f0 o!=N", NONLINEAR, build=_free_dims),
 })
 
 

@@ -1,9 +1,9 @@
 """Fresh host buffers without the page-fault bill.
 
 glibc maps every block above its mmap threshold (at most 32 MiB) fresh and
-unmaps it on free, so each new 64 MiB result faults in 16384 4-KiB pages: on a
-2-core host that costs ~3 copies of its bytes (far more on a VM whose host
-backs guest pages lazily). Large results of shardwise ops come from
+unmaps it on free, so each new 64 MiB result faults in 16384 4-KiB pages, which
+costs more than copying its bytes (far more on a VM whose host backs guest pages
+lazily). Large results of shardwise ops come from
 :func:`empty`, which avoids that:
 
 - **The pool** (on by default, :func:`set_pool_limit`): a result above 4 MiB
@@ -13,7 +13,7 @@ backs guest pages lazily). Large results of shardwise ops come from
   result of that size faults nothing. At most 512 MiB stay idle.
 - **Huge pages** (with the pool off, or for a new mapping): blocks are advised
   to use transparent huge pages (``madvise(MADV_HUGEPAGE)``, when the kernel's
-  THP mode is ``madvise``): they fault in 2 MiB pages, 64 MiB costs ~1.5 copies.
+  THP mode is ``madvise``): they fault in 2 MiB pages, 512 times fewer faults.
 - :func:`set_buffer_reuse` (opt-in, process-wide, glibc ``mallopt``): glibc
   serves every block from its heap and keeps freed memory; :func:`empty` then
   leaves allocation to it.
@@ -67,7 +67,7 @@ def set_buffer_reuse(enabled: bool = True) -> bool:
 
     Why: glibc serves blocks above its mmap threshold (at most 32 MiB) with fresh
     ``mmap`` pages and unmaps them on free, so every fresh 64 MiB result page-faults
-    all its pages again: on a 2-core host that costs ~3 copies of the bytes.
+    all its pages again, which costs more than copying the bytes.
     Enabled, glibc serves every block from its heap (``M_MMAP_MAX = 0``) and keeps
     freed memory (``M_TRIM_THRESHOLD`` = 2 GiB), so a new result reuses the pages of
     one that died. Safe by construction: malloc never hands out memory a live
@@ -102,11 +102,11 @@ def buffer_reuse() -> bool:
 MAPPED = 32 * 2**20  # glibc maps blocks above this fresh in every mode (its threshold's cap)
 #: results above this come from the pool: glibc maps blocks between its default mmap
 #: threshold (128 KiB) and MAPPED fresh or not depending on its dynamic threshold (the
-#: history of frees), so such a result cost 1x or ~3x a copy from one process to the next
+#: history of frees), so such a result's cost changed from one process to the next
 POOLED = 4 * 2**20
 SMALL_BYTES = 1 << 18
 """Tensors of at most this many bytes (per Partial group) take the few-calls path:
-there a torch call (~1-3 us) costs more than copying the data."""
+there a torch call costs more than copying the data."""
 
 _HUGE = 2 * 2**20     # the huge page size on x86-64 and arm64 (4 KiB base pages)
 _MADV_HUGEPAGE = 14   # asm-generic/mman-common.h
@@ -252,7 +252,7 @@ def by_address(t: torch.Tensor) -> bool:
     """``t``'s values are its host memory, in order: a CPU, strided, contiguous tensor
     without a pending conjugate or negative bit. Its ``t.numel() * t.element_size()``
     bytes from ``t.data_ptr()`` may then be copied by address (what the process
-    runtime's hot paths do, where each torch call costs ~10-20 us on a cold cache).
+    runtime's hot paths do, where each torch call is costly on a cold cache).
 
     >>> x = torch.arange(6.0).reshape(2, 3)
     >>> by_address(x), by_address(x.t()), by_address(torch.ones(2, dtype=torch.cfloat).conj())

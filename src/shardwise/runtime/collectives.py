@@ -45,8 +45,8 @@ _PAIRWISE = {ReduceOp.MAX: torch.maximum, ReduceOp.MIN: torch.minimum, ReduceOp.
 def reduce(vals: Sequence[torch.Tensor], op: ReduceOp, exact: bool = False) -> torch.Tensor:
     """Reduce ``vals`` by ``op`` left to right into ONE fresh buffer (one value: that
     value itself). The first op allocates (above 32 MiB from the result pool when
-    nothing records, see :func:`buffers.out_buffer`: a fresh 64 MiB buffer costs
-    ~3 copies in page faults), the rest accumulate in place. While a gradient is
+    nothing records, see :func:`buffers.out_buffer`: a fresh large buffer page-faults
+    every page), the rest accumulate in place. While a gradient is
     recorded, MAX/MIN are one ``stack().amax(0)`` (ties split evenly) and PROD stays
     out of place (no ``out=`` under autograd).
 

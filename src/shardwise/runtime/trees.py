@@ -24,7 +24,7 @@ from torch.utils import _pytree as pytree
 
 from shardwise.sharding.errors import CollectiveError
 
-__all__ = ["check_value", "flatten", "spec_of", "spec_text", "unflatten"]
+__all__ = ["check_value", "flatten", "is_tensor_leaf", "spec_of", "spec_text", "unflatten"]
 
 _LEAF_VALUES = (type(None), bool, int, float, str)
 
@@ -32,7 +32,8 @@ _SPECS: dict[Any, str] = {}   # TreeSpec -> its JSON (a step repeats a few struc
 
 
 def spec_text(spec: Any) -> str:
-    """``treespec_dumps(spec)``, cached (tens of us per call; a hash is ~3 us)."""
+    """``treespec_dumps(spec)``, cached (a TreeSpec's hash costs far less than its
+    dump)."""
     text = _SPECS.get(spec)
     if text is None:
         if len(_SPECS) > 256:
@@ -47,7 +48,9 @@ def spec_of(text: str) -> Any:
     return pytree.treespec_loads(text)
 
 
-def _is_tensor_leaf(x: Any) -> bool:
+def is_tensor_leaf(x: Any) -> bool:
+    """A tensor that the pytree walk keeps as one leaf (not a subclass registered as a
+    node)."""
     return isinstance(x, torch.Tensor) and type(x) not in pytree.SUPPORTED_NODES
 
 
@@ -59,7 +62,7 @@ _TUPLE_SIZES: dict[str, int] = {}    # and back
 def flatten(tree: Any) -> tuple[list[Any], str]:
     """``tree``'s leaves and its structure as :func:`spec_text` writes it. A tensor and a
     flat tuple of tensors (a stage's usual output and input gradients) skip the pytree
-    walk, ~20 us of Python on a hop's cold cache.
+    walk, which is Python on a hop's cold cache.
 
     >>> leaves, text = flatten((torch.ones(1), torch.zeros(2)))
     >>> len(leaves), unflatten(leaves, text)[1].shape
@@ -67,9 +70,9 @@ def flatten(tree: Any) -> tuple[list[Any], str]:
     >>> unflatten(*flatten({"x": [1, None]}))
     {'x': [1, None]}
     """
-    if _is_tensor_leaf(tree):
+    if is_tensor_leaf(tree):
         return [tree], _LEAF_TEXT
-    if type(tree) is tuple and all(map(_is_tensor_leaf, tree)):
+    if type(tree) is tuple and all(map(is_tensor_leaf, tree)):
         n = len(tree)
         text = _TUPLE_TEXTS.get(n)
         if text is None:

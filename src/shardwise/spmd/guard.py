@@ -16,7 +16,7 @@ Invariants:
 - Writes that bypass torch's dispatcher (through ``.numpy()`` or a raw pointer)
   are not seen; shard_map's version-counter check after fn still reports the
   ordinary ones (``.data`` writes).
-- Cost: one Python call per torch op inside fn (a few µs), the price of never
+- Cost: one Python call per torch op inside fn, the price of never
   corrupting the caller's values.
 """
 

@@ -71,8 +71,8 @@ def shard_map(fn: Callable[..., Any] | None = None, mesh: DeviceMesh | None = No
             leaves replicated (costs one comparison, or collective, per output).
         timeout_s: simulated runtime: how long devices wait for each other at a
             collective before giving up (default ``distributed.DEFAULT_TIMEOUT_S``).
-        check_writes: stop fn before it writes to an input block (a few µs per torch
-            op in fn; ``False`` still reports such a write, but only after it).
+        check_writes: stop fn before it writes to an input block (one Python call per
+            torch op in fn; ``False`` still reports such a write, but only after it).
 
     >>> from shardwise import lax
     >>> mesh = DeviceMesh.cpu(4, "x")

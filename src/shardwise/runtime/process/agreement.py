@@ -66,6 +66,7 @@ from shardwise.runtime.process.channel import (  # re-exported: the runtime reac
     fingerprint,
     tails,
 )
+from shardwise.runtime.process.p2p_backends import message_device
 from shardwise.runtime.process.world import WORLD
 from shardwise.sharding.errors import CollectiveError
 from shardwise.sharding.placements import ReduceOp
@@ -177,7 +178,7 @@ def agree(pg: Any, ranks: tuple[int, ...], label: str, fp: Fingerprint,
     and when a member does not arrive within the timeout.
     """
     _refuse_broken(pg, ranks, label, fp)
-    ch = channel(pg, ranks, x.device if x is not None else device or _device_of(pg))
+    ch = channel(pg, ranks, x.device if x is not None else device or message_device(pg))
     ch.seq += 1
     k = ch.kind()
     if k.fused:  # a header as long as the predicted all_reduce (it is not this call)
@@ -321,13 +322,6 @@ def _fields(fp: Fingerprint) -> dict[str, str]:
     """This member's view of a mismatched collective, for the error: the fingerprint's
     fields and the program position that issued it (formatted here, off the hot path)."""
     return {**dict(zip(FIELDS, fp.values)), diagnose.POSITION: position.text()}
-
-
-def _device_of(pg: Any) -> torch.device:
-    """Where a header-only message with no data to follow lives (NCCL: this GPU)."""
-    if dist.get_backend(pg) == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
 
 
 def _post(ch: Channel, buf: torch.Tensor, op: ReduceOp, label: str, fp: Fingerprint) -> Any:

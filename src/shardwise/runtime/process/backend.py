@@ -29,8 +29,7 @@ from shardwise.planner import Plan, Step, StepKind, check_handlers, permute_sour
 from shardwise.runtime import blocks
 from shardwise.runtime.local import run_blocks
 from shardwise.runtime.owner import GradOwner
-from shardwise.runtime.process import collectives as D
-from shardwise.runtime.process import functions as F
+from shardwise.runtime.process import collectives, functions
 from shardwise.runtime.process.control import (  # the world block of the protocol
     barrier,
     begin_world,
@@ -82,11 +81,12 @@ __all__ = [
 Shards = list  # list[torch.Tensor | None]
 
 
-def _sizes(layout: Layout, grp: D.Group, dim: int, shape: tuple[int, ...]) -> list[int]:
-    return D.sizes_along(shape, layout, grp.members, dim, layout.mesh)
+def _sizes(layout: Layout, grp: collectives.Group, dim: int, shape: tuple[int, ...]) -> list[int]:
+    return collectives.sizes_along(shape, layout, grp.members, dim, layout.mesh)
 
 
-SpecOf: TypeAlias = Callable[[Step, D.Group, tuple[int, ...], tuple[int, ...]], F.Spec]
+SpecOf: TypeAlias = Callable[[Step, collectives.Group, tuple[int, ...], tuple[int, ...]],
+                             functions.Spec]
 
 
 def _tag(step: Step) -> str:
@@ -94,47 +94,47 @@ def _tag(step: Step) -> str:
     return f"{step.before} -> {step.after}"
 
 
-def _make_partial_spec(step: Step, grp: D.Group, coord: tuple[int, ...],
-                       shape: tuple[int, ...]) -> F.Spec:
+def _make_partial_spec(step: Step, grp: collectives.Group, coord: tuple[int, ...],
+                       shape: tuple[int, ...]) -> functions.Spec:
     assert step.reduce_op is not None
-    return F.MakePartial(grp, step.reduce_op, all(coord[a] == 0 for a in step.axes))
+    return functions.MakePartial(grp, step.reduce_op, all(coord[a] == 0 for a in step.axes))
 
 
-def _slice_spec(step: Step, grp: D.Group, coord: tuple[int, ...], shape: tuple[int, ...]
-                ) -> F.Spec:
+def _slice_spec(step: Step, grp: collectives.Group, coord: tuple[int, ...], shape: tuple[int, ...]
+                ) -> functions.Spec:
     assert step.dim is not None
     d = step.dim
     lo_before = local_bounds(shape, step.before, coord)[d][0]
     lo, hi = local_bounds(shape, step.after, coord)[d]
-    return F.Narrow(d, lo - lo_before, hi - lo, grp, _sizes(step.after, grp, d, shape),
-                    _tag(step))
+    return functions.Narrow(d, lo - lo_before, hi - lo, grp, _sizes(step.after, grp, d, shape),
+                            _tag(step))
 
 
-def _all_gather_spec(step: Step, grp: D.Group, coord: tuple[int, ...],
-                     shape: tuple[int, ...]) -> F.Spec:
+def _all_gather_spec(step: Step, grp: collectives.Group, coord: tuple[int, ...],
+                     shape: tuple[int, ...]) -> functions.Spec:
     assert step.dim is not None
-    return F.AllGather(step.dim, grp, _sizes(step.before, grp, step.dim, shape), _tag(step))
+    return functions.AllGather(step.dim, grp, _sizes(step.before, grp, step.dim, shape), _tag(step))
 
 
-def _all_to_all_spec(step: Step, grp: D.Group, coord: tuple[int, ...],
-                     shape: tuple[int, ...]) -> F.Spec:
+def _all_to_all_spec(step: Step, grp: collectives.Group, coord: tuple[int, ...],
+                     shape: tuple[int, ...]) -> functions.Spec:
     assert step.dim is not None and step.dim2 is not None
     send = _sizes(step.after, grp, step.dim2, shape)
     recv = _sizes(step.before, grp, step.dim, shape)
-    return F.AllToAll(step.dim, step.dim2, grp, send, recv, _tag(step))
+    return functions.AllToAll(step.dim, step.dim2, grp, send, recv, _tag(step))
 
 
-def _all_reduce_spec(step: Step, grp: D.Group, coord: tuple[int, ...],
-                     shape: tuple[int, ...]) -> F.Spec:
+def _all_reduce_spec(step: Step, grp: collectives.Group, coord: tuple[int, ...],
+                     shape: tuple[int, ...]) -> functions.Spec:
     assert step.reduce_op is not None
-    return F.AllReduce(grp, step.reduce_op, _tag(step))
+    return functions.AllReduce(grp, step.reduce_op, _tag(step))
 
 
-def _reduce_scatter_spec(step: Step, grp: D.Group, coord: tuple[int, ...],
-                         shape: tuple[int, ...]) -> F.Spec:
+def _reduce_scatter_spec(step: Step, grp: collectives.Group, coord: tuple[int, ...],
+                         shape: tuple[int, ...]) -> functions.Spec:
     assert step.dim is not None and step.reduce_op is not None
-    return F.ReduceScatter(step.dim, grp, _sizes(step.after, grp, step.dim, shape),
-                           step.reduce_op, _tag(step))
+    return functions.ReduceScatter(step.dim, grp, _sizes(step.after, grp, step.dim, shape),
+                                   step.reduce_op, _tag(step))
 
 
 # The spec of the one autograd family each step kind runs per device; permute steps
@@ -150,7 +150,7 @@ _SPEC_OF: dict[StepKind, SpecOf] = {
 check_handlers(_SPEC_OF, "the multi-process runtime", elsewhere=[StepKind.PERMUTE])
 
 
-def _spec(step: Step, shape: tuple[int, ...], k: int) -> F.Spec:
+def _spec(step: Step, shape: tuple[int, ...], k: int) -> functions.Spec:
     """The spec of ``step`` on mesh device ``k``, computed once (cached on WORLD.specs,
     cleared with the world: it holds the world's groups)."""
     key = (step, shape, k)
@@ -158,7 +158,7 @@ def _spec(step: Step, shape: tuple[int, ...], k: int) -> F.Spec:
     if hit is not None:
         return hit
     mesh = step.before.mesh
-    out = _SPEC_OF[step.kind](step, D.group(mesh, step.axes), mesh.coord_of(k), shape)
+    out = _SPEC_OF[step.kind](step, collectives.group(mesh, step.axes), mesh.coord_of(k), shape)
     WORLD.specs[key] = out
     return out
 
@@ -169,14 +169,14 @@ def run_step(step: Step, shards: Sequence[torch.Tensor | None], shape: tuple[int
         return permute(shards, step.after, permute_sources(step), shape)
     mesh = step.before.mesh
     out: list[torch.Tensor | None] = [None] * mesh.num_devices
-    k = D.my_index(mesh)
+    k = collectives.my_index(mesh)
     if k is not None:
         x = shards[k]
         assert x is not None, "a process must hold its own shard"
-        out[k] = F.run(_spec(step, shape, k), x)
+        out[k] = functions.run(_spec(step, shape, k), x)
     else:  # not in this mesh, but group creation is collective: take part in it
-        D.refuse_outsider(mesh, f"{step.kind.value} over axes {step.axes}")
-        D.group(mesh, step.axes)
+        collectives.refuse_outsider(mesh, f"{step.kind.value} over axes {step.axes}")
+        collectives.group(mesh, step.axes)
     return out
 
 
@@ -191,13 +191,13 @@ def relabel(shards: Sequence[torch.Tensor | None], layout: Layout, axes: tuple[i
             op: ReduceOp) -> Shards:
     """Replicated ``axes`` become Partial(op) holding the same local values."""
     mesh = layout.mesh
-    grp = D.group(mesh, axes) if axes else None
-    k = D.my_index(mesh)
+    grp = collectives.group(mesh, axes) if axes else None
+    k = collectives.my_index(mesh)
     out: list[torch.Tensor | None] = [None] * mesh.num_devices
     if k is not None:
         x = shards[k]
         assert x is not None
-        out[k] = F.run(F.Relabel(grp, op), x)
+        out[k] = functions.run(functions.Relabel(grp, op), x)
     return out
 
 
@@ -208,8 +208,8 @@ def diverge(shards: Sequence[torch.Tensor | None], layout: Layout, axes: tuple[i
     that ``owner`` sums itself (a fully_shard-gathered parameter: reduce_scatter, not
     all_reduce) hand the share to it instead."""
     mesh = layout.mesh
-    grp = D.group(mesh, axes)  # group creation is collective: every process takes part
-    k = D.my_index(mesh)
+    grp = collectives.group(mesh, axes)  # group creation is collective: every process takes part
+    k = collectives.my_index(mesh)
     out: list[torch.Tensor | None] = [None] * mesh.num_devices
     if k is not None:
         x = shards[k]
@@ -221,22 +221,22 @@ def diverge(shards: Sequence[torch.Tensor | None], layout: Layout, axes: tuple[i
                 if not rest:
                     out[k] = x
                     return out
-                grp = D.group(mesh, rest)
-        out[k] = F.run(F.Diverge(grp), x)
+                grp = collectives.group(mesh, rest)
+        out[k] = functions.run(functions.Diverge(grp), x)
     return out
 
 
 def make_partial(shards: Sequence[torch.Tensor | None], layout: Layout, axes: tuple[int, ...],
                  op: ReduceOp) -> Shards:
     mesh = layout.mesh
-    k = D.my_index(mesh)
+    k = collectives.my_index(mesh)
     out: list[torch.Tensor | None] = [None] * mesh.num_devices
-    grp = D.group(mesh, axes)
+    grp = collectives.group(mesh, axes)
     if k is not None:
         x = shards[k]
         assert x is not None
         coord = mesh.coord_of(k)
-        out[k] = F.run(F.MakePartial(grp, op, all(coord[a] == 0 for a in axes)), x)
+        out[k] = functions.run(functions.MakePartial(grp, op, all(coord[a] == 0 for a in axes)), x)
     return out
 
 
@@ -246,17 +246,17 @@ def permute(shards: Sequence[torch.Tensor | None], layout: Layout, source: Seque
     the Function, also one that keeps its block, so that all agree first (forward and
     backward)."""
     mesh = layout.mesh
-    grp = D.group(mesh, tuple(range(mesh.ndim)))  # collective creation: every process
-    k = D.my_index(mesh)
+    grp = collectives.group(mesh, tuple(range(mesh.ndim)))  # collective creation: every process
+    k = collectives.my_index(mesh)
     out: list[torch.Tensor | None] = [None] * mesh.num_devices
     if k is None:
-        D.refuse_outsider(mesh, "a permutation")
+        collectives.refuse_outsider(mesh, "a permutation")
         return out
     x = shards[k]
     assert x is not None
-    send_to, recv_from = _peers(mesh, tuple(source), k) or (F.KEEP, F.KEEP)
-    out[k] = F.run(F.Permute(send_to, recv_from, grp,
-                             f"{layout} {tuple(shape)} from {tuple(source)}"), x)
+    send_to, recv_from = _peers(mesh, tuple(source), k) or (functions.KEEP, functions.KEEP)
+    out[k] = functions.run(functions.Permute(send_to, recv_from, grp,
+                                             f"{layout} {tuple(shape)} from {tuple(source)}"), x)
     return out
 
 
@@ -276,21 +276,21 @@ def global_value(shards: Sequence[torch.Tensor | None], layout: Layout, shape: t
                  dtype: torch.dtype) -> torch.Tensor:
     """The global value of a fully replicated tensor, on every process."""
     mesh = layout.mesh
-    k = D.my_index(mesh)
+    k = collectives.my_index(mesh)
     owners = {d.id for d in mesh.devices}
-    world = D.world_group()
+    world = collectives.world_group()
     if len(owners) == world.size or (k is not None and mesh in WORLD.stages):
         # a pipeline stage's processes hold the value; the others never ask for it
         assert k is not None
         return shards[k]  # type: ignore[return-value]
-    D.refuse_outsider(mesh, "reading the global value (to_torch)")
+    collectives.refuse_outsider(mesh, "reading the global value (to_torch)")
     src = mesh.devices[0].id
     if k is not None and mesh.devices[k].id == src:
         x = shards[k]
         assert x is not None
-        return F.run(F.Broadcast(src, world), x)
+        return functions.run(functions.Broadcast(src, world), x)
     buf = torch.empty(shape, dtype=dtype, device=device_of(mesh, 0))
-    return D.broadcast(buf, src, world)
+    return collectives.broadcast(buf, src, world)
 
 
 def device_of(mesh: Any, k: int) -> torch.device:
@@ -302,7 +302,7 @@ def device_of(mesh: Any, k: int) -> torch.device:
 
 
 def owned(mesh: Any) -> list[int]:
-    k = D.my_index(mesh)
+    k = collectives.my_index(mesh)
     return [] if k is None else [k]
 
 
@@ -312,7 +312,7 @@ def assemble(shards: Sequence[torch.Tensor | None], src: Layout, dst: Layout,
     slicing this process's block out of a value every process holds."""
     mesh = dst.mesh
     out: list[torch.Tensor | None] = [None] * mesh.num_devices
-    k = D.my_index(mesh)
+    k = collectives.my_index(mesh)
     if k is None:
         return out
     rep_dst, nodes = blocks.assemble_recipe(src, dst, shape)

@@ -40,8 +40,8 @@ __all__ = ["CAP", "DATA", "FIELDS", "Channel", "Fingerprint", "Kind", "Message",
 
 DATA = 256            # elements of data every control message has room for (2 KiB as float64)
 # The most a control message carries (128 KiB as float64). Below it one Gloo round trip
-# costs more than the bytes (measured: a 4-rank all_reduce takes the same time from 16 to
-# 64Ki elements); above it, data travels natively, at half the bytes for float32.
+# costs more than the bytes (DESIGN's decisions log); above it, data travels natively,
+# at half the bytes for float32.
 CAP = 16384
 _LEARNED = 4096       # predictions a group keeps (all members forget them at the same call)
 CODE = 8              # fingerprint and sequence bytes in the tail

@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 from shardwise.runtime import buffers, check_reduce
-from shardwise.runtime.process import agreement as A
+from shardwise.runtime.process import agreement
 from shardwise.runtime.process.groups import (  # re-exported: the runtime reaches groups here
     Group,
     group,
@@ -49,7 +49,7 @@ __all__ = ["Group", "agree_permute", "all_gather", "all_reduce", "all_to_all", "
 
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-_TORCH_OP = A._TORCH_OP
+_TORCH_OP = agreement._TORCH_OP
 _FLAT = (torch.float32, torch.float64)  # the dtypes of agreement.fold_reduce (numpy)
 
 
@@ -63,22 +63,22 @@ def _agree(what: str, g: Group, shape: tuple[int, ...], dtype: Any, tag: str,
     fingerprint."""
     if WORLD.check_collectives:
         tag += " [debug check]"  # members that differ in the mode disagree here
-    fp = A.fingerprint(what, op, g.label, shape, dtype, tag, sizes, fold)
+    fp = agreement.fingerprint(what, op, g.label, shape, dtype, tag, sizes, fold)
     pending: list[Callable[[], None]] = []
     if WORLD.agreement:
-        A.agree(g.pg, g.ranks, g.label, fp, device=device, deferred=pending)
+        agreement.agree(g.pg, g.ranks, g.label, fp, device=device, deferred=pending)
 
     def done() -> None:
         for finish in pending:
             finish()
         if WORLD.check_collectives:
-            A.debug_check(g.pg, g.ranks, g.slot, g.label, fp)
+            agreement.debug_check(g.pg, g.ranks, g.slot, g.label, fp)
     return done
 
 
 def _call(what: str, g: Group, fn: Callable[[], Any]) -> Any:
     """Run the data exchange of an agreed collective (every one passes here once)."""
-    return A.run(what, g.label, g.ranks, fn, g.pg or dist.group.WORLD)
+    return agreement.run(what, g.label, g.ranks, fn, g.pg or dist.group.WORLD)
 
 
 def _shape(shape: Sequence[int], dims: dict[int, int]) -> tuple[int, ...]:
@@ -93,13 +93,13 @@ def all_gather(x: torch.Tensor, dim: int, g: Group, sizes: Sequence[int], tag: s
     if g.size == 1:
         return x
     shape = _shape(x.shape, {dim: sum(sizes)})
-    fold = A.gather_fold(x, math.prod(shape))
+    fold = agreement.gather_fold(x, math.prod(shape))
     if _fold_gather(x, math.prod(shape), g):  # the pieces ride in the control message
         xm = x.movedim(dim, 0).contiguous()
         rest = math.prod(xm.shape[1:])
-        fp = A.fingerprint("all_gather", None, g.label, shape, x.dtype, f"{tag} dim {dim}",
-                           tuple(sizes), fold)
-        flat = _call("all_gather", g, lambda: A.agree(
+        fp = agreement.fingerprint("all_gather", None, g.label, shape, x.dtype, f"{tag} dim {dim}",
+                                   tuple(sizes), fold)
+        flat = _call("all_gather", g, lambda: agreement.agree(
             g.pg, g.ranks, g.label, fp, xm, place=(sum(sizes[:g.pos]) * rest,
                                                    math.prod(shape))))
         return flat.view(sum(sizes), *xm.shape[1:]).movedim(0, dim)
@@ -124,9 +124,9 @@ def all_gather(x: torch.Tensor, dim: int, g: Group, sizes: Sequence[int], tag: s
 def _all_gather_by_exchange(x: torch.Tensor, dim: int, g: Group, sizes: Sequence[int],
                             agreed: Callable[[], None]) -> torch.Tensor:
     """all_gather as point-to-point sends of this block to every peer, each received
-    straight into its place in the result. Why on CPU: Gloo's all_gather was measured
-    1.5x slower (64 MiB on 4 ranks: 190-207 ms against 114-132 ms). Uneven pieces
-    need no padding, and members land in member order whatever torch's rank order."""
+    straight into its place in the result. Why on CPU: Gloo's all_gather measured
+    slower (DESIGN's decisions log has the figures). Uneven pieces need no padding,
+    and members land in member order whatever torch's rank order."""
     xm = x.movedim(dim, 0).contiguous()
     out = buffers.empty((sum(sizes), *xm.shape[1:]), xm)
     starts = [0]
@@ -143,7 +143,7 @@ def _all_gather_by_exchange(x: torch.Tensor, dim: int, g: Group, sizes: Sequence
             ops.append(dist.P2POp(dist.irecv, out.narrow(0, starts[frm], sizes[frm]),
                                   g.ranks[frm], g.pg))
     if ops:
-        _call("all_gather", g, lambda: A.wait_all(dist.batch_isend_irecv(ops)))
+        _call("all_gather", g, lambda: agreement.wait_all(dist.batch_isend_irecv(ops)))
     return out.movedim(0, dim)
 
 
@@ -151,39 +151,40 @@ def _checked(g: Group, x: torch.Tensor) -> int:
     """Room for data like ``x`` in ``g``'s next control message (0: none)."""
     if not WORLD.agreement or WORLD.check_collectives:
         return 0
-    return A.room(g.pg, g.ranks, x)
+    return agreement.room(g.pg, g.ranks, x)
 
 
 def _fold_gather(x: torch.Tensor, total: int, g: Group) -> bool:
     """The pieces of a gather (or broadcast) ride in the control message."""
     room = _checked(g, x)
-    return room > 0 and A.foldable_gather(x, total, room)
+    return room > 0 and agreement.foldable_gather(x, total, room)
 
 
 def _fold(x: torch.Tensor, op: ReduceOp, g: Group) -> bool:
     """A sum or mean of ``x`` rides in the control message (it is summed)."""
     room = _checked(g, x)
-    return room > 0 and A.foldable(x, op, room)
+    return room > 0 and agreement.foldable(x, op, room)
 
 
 def all_reduce(x: torch.Tensor, g: Group, op: ReduceOp, tag: str = "") -> torch.Tensor:
     check_reduce(x, op)
     if g.size == 1:
         return buffers.empty(x.shape, x).copy_(x)
-    fold = A.reduce_fold(x, op)
+    fold = agreement.reduce_fold(x, op)
     if WORLD.agreement and not WORLD.check_collectives:
-        ch = A.channel(g.pg, g.ranks, x.device)
+        ch = agreement.channel(g.pg, g.ranks, x.device)
         k = ch.kind()
-        fp = A.fingerprint("all_reduce", op, g.label, tuple(x.shape), x.dtype, tag, (), fold)
+        fp = agreement.fingerprint("all_reduce", op, g.label, tuple(x.shape), x.dtype, tag, (),
+                                   fold)
         if k.fused and fp.fuse == k:  # a repeated large all_reduce: the data is the message
-            fused: torch.Tensor = _call("all_reduce", g, lambda: A.agree_fused(
+            fused: torch.Tensor = _call("all_reduce", g, lambda: agreement.agree_fused(
                 g.pg, g.ranks, g.label, fp, x))
             return fused
-        if A.foldable(x, op, ch.room(x.dtype)):  # data in the control message
+        if agreement.foldable(x, op, ch.room(x.dtype)):  # data in the control message
             flat = x.dtype in _FLAT and x.device.type == "cpu"
             out: torch.Tensor = _call("all_reduce", g, (
-                lambda: A.fold_reduce(ch, g.label, fp, x, op, k)) if flat else (
-                lambda: A.agree(g.pg, g.ranks, g.label, fp, x, op)))
+                lambda: agreement.fold_reduce(ch, g.label, fp, x, op, k)) if flat else (
+                lambda: agreement.agree(g.pg, g.ranks, g.label, fp, x, op)))
             return out
     done = _agree("all_reduce", g, tuple(x.shape), x.dtype, tag, op, device=x.device,
                   fold=fold)
@@ -199,12 +200,12 @@ def reduce_scatter(x: torch.Tensor, dim: int, g: Group, sizes: Sequence[int],
     if g.size == 1:
         return x.clone()
     check_reduce(x, op)
-    fold = A.reduce_fold(x, op)
+    fold = agreement.reduce_fold(x, op)
     if _fold(x, op, g):  # data in the message
-        fp = A.fingerprint("reduce_scatter", op, g.label, tuple(x.shape), x.dtype,
-                           f"{tag} dim {dim}", tuple(sizes), fold)
+        fp = agreement.fingerprint("reduce_scatter", op, g.label, tuple(x.shape), x.dtype,
+                                   f"{tag} dim {dim}", tuple(sizes), fold)
         full: torch.Tensor = _call("reduce_scatter", g,
-                                   lambda: A.agree(g.pg, g.ranks, g.label, fp, x, op))
+                                   lambda: agreement.agree(g.pg, g.ranks, g.label, fp, x, op))
         return full.narrow(dim, sum(sizes[:g.pos]), sizes[g.pos])
     done = _agree("reduce_scatter", g, tuple(x.shape), x.dtype, f"{tag} dim {dim}", op,
                   tuple(sizes), x.device, fold)
@@ -241,8 +242,7 @@ def _reduce_scatter_by_exchange(x: torch.Tensor, dim: int, g: Group, sizes: Sequ
     """reduce_scatter as one all_to_all (member j gets everyone's piece j) and a local
     reduction. Why on CPU: Gloo's reduce_scatter is a clone, a whole-tensor ring
     all_reduce and a copy, which moves 2(n-1)/n of the tensor per rank; this moves
-    (n-1)/n (measured 1.4-1.7x faster for 64 MiB on 4 ranks). No padding for uneven
-    pieces: all_to_all takes per-peer sizes."""
+    (n-1)/n. No padding for uneven pieces: all_to_all takes per-peer sizes."""
     xm = x.movedim(dim, 0)
     rest = math.prod(xm.shape[1:])
     pieces = g.by_slot(list(xm.split(list(sizes), 0)))
@@ -316,7 +316,7 @@ def permute(x: torch.Tensor | None, send_to: int | None, recv_from: int | None,
     if ops:
         peers = (send_to or 0, recv_from or 0)
         pair = g or Group(None, (), peers, 0, f"ranks {peers}")
-        _call("ppermute", pair, lambda: A.wait_all(dist.batch_isend_irecv(ops)))
+        _call("ppermute", pair, lambda: agreement.wait_all(dist.batch_isend_irecv(ops)))
     return out
 
 
@@ -336,12 +336,13 @@ def broadcast(x: torch.Tensor, src_rank: int, g: Group, tag: str = "") -> torch.
     if g.size == 1:
         return x.clone(memory_format=torch.contiguous_format)
     tag = f"{tag} from rank {src_rank}"
-    fold = A.gather_fold(x, x.numel())
+    fold = agreement.gather_fold(x, x.numel())
     if _fold_gather(x, x.numel(), g):  # the source's data rides in the control message
-        fp = A.fingerprint("broadcast", None, g.label, tuple(x.shape), x.dtype, tag, (), fold)
+        fp = agreement.fingerprint("broadcast", None, g.label, tuple(x.shape), x.dtype, tag, (),
+                                   fold)
         piece = x if rank() == src_rank else x.reshape(-1)[:0]
-        flat = _call("broadcast", g, lambda: A.agree(g.pg, g.ranks, g.label, fp, piece,
-                                                     place=(0, x.numel())))
+        flat = _call("broadcast", g, lambda: agreement.agree(g.pg, g.ranks, g.label, fp, piece,
+                                                             place=(0, x.numel())))
         return flat.view(x.shape)
     done = _agree("broadcast", g, tuple(x.shape), x.dtype, tag, device=x.device, fold=fold)
     out = x.clone(memory_format=torch.contiguous_format)

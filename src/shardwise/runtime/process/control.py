@@ -17,8 +17,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from shardwise.runtime.process import agreement as A
-from shardwise.runtime.process import collectives as D
+from shardwise.runtime.process import agreement, collectives
 from shardwise.runtime.process.diagnose import first_failure
 from shardwise.runtime.process.diagnose import record as record_failure
 from shardwise.runtime.process.world import WORLD
@@ -55,7 +54,7 @@ def process_index() -> int:
     >>> process_index()   # rank 1 of a torchrun world  # doctest: +SKIP
     1
     """
-    return D.rank()
+    return collectives.rank()
 
 
 def process_count() -> int:
@@ -72,9 +71,9 @@ def barrier(label: str) -> None:
 
     >>> barrier("checkpoint written")   # on every rank  # doctest: +SKIP
     """
-    world = D.world_group()
-    A.agree(world.pg, world.ranks, world.label,
-            A.fingerprint(label, None, world.label, (), None))
+    world = collectives.world_group()
+    agreement.agree(world.pg, world.ranks, world.label,
+            agreement.fingerprint(label, None, world.label, (), None))
 
 
 def gather_world(x: torch.Tensor, label: str) -> torch.Tensor:
@@ -83,5 +82,5 @@ def gather_world(x: torch.Tensor, label: str) -> torch.Tensor:
     >>> gather_world(torch.tensor([process_index()]), "ranks").tolist()  # doctest: +SKIP
     [[0], [1]]
     """
-    world = D.world_group()
-    return D.all_gather(x.unsqueeze(0), 0, world, [1] * world.size, label)
+    world = collectives.world_group()
+    return collectives.all_gather(x.unsqueeze(0), 0, world, [1] * world.size, label)

@@ -28,7 +28,8 @@ Invariants:
 - Specs are immutable values (the backend caches them per step); the transport and
   its agreement check are :mod:`shardwise.runtime.process.collectives`' alone.
 - Forward-mode tangents apply ``spec.tangent``: the forward itself for linear specs.
-- :func:`run` skips ``Function.apply`` when autograd records nothing (it costs ~10 us).
+- :func:`run` skips ``Function.apply`` when autograd records nothing (its cost buys
+  nothing there).
 - Every member of a group runs the same spec (also one that keeps its block), so the
   members' collectives, forward and backward, pair up.
 - A tensor that a torch.func transform wrapped never enters a collective (:func:`run`
@@ -48,7 +49,7 @@ import torch.autograd.forward_ad as fwAD
 from torch.autograd import Function
 
 from shardwise.runtime.position import HERE, backward_of, current
-from shardwise.runtime.process import collectives as D
+from shardwise.runtime.process import collectives
 from shardwise.sharding.errors import ShardingError
 from shardwise.sharding.placements import ReduceOp
 
@@ -135,7 +136,7 @@ def run(spec: Spec, x: torch.Tensor) -> torch.Tensor:
     return spec.forward(x)
 
 
-def _reduce_grad(g: torch.Tensor, x: torch.Tensor, out: torch.Tensor, grp: D.Group,
+def _reduce_grad(g: torch.Tensor, x: torch.Tensor, out: torch.Tensor, grp: collectives.Group,
                  op: ReduceOp) -> torch.Tensor:
     """dL/dx for out = op over the group of x, given dL/dout = g (same on every member)."""
     if op is ReduceOp.SUM:
@@ -145,17 +146,18 @@ def _reduce_grad(g: torch.Tensor, x: torch.Tensor, out: torch.Tensor, grp: D.Gro
     if op is ReduceOp.PROD:
         return g * out / x
     mask = (x == out).to(g.dtype)  # MAX/MIN: ties split the gradient evenly
-    return g * mask / D.all_reduce(mask, grp, ReduceOp.SUM)
+    return g * mask / collectives.all_reduce(mask, grp, ReduceOp.SUM)
 
 
-def _reduce_tangent(t: torch.Tensor, x: torch.Tensor, out: torch.Tensor, grp: D.Group,
+def _reduce_tangent(t: torch.Tensor, x: torch.Tensor, out: torch.Tensor, grp: collectives.Group,
                     op: ReduceOp) -> torch.Tensor:
     if op in _LINEAR:
-        return D.all_reduce(t, grp, op)
+        return collectives.all_reduce(t, grp, op)
     if op is ReduceOp.PROD:
-        return out * D.all_reduce(t / x, grp, ReduceOp.SUM)
+        return out * collectives.all_reduce(t / x, grp, ReduceOp.SUM)
     mask = (x == out).to(t.dtype)
-    return D.all_reduce(t * mask, grp, ReduceOp.SUM) / D.all_reduce(mask, grp, ReduceOp.SUM)
+    return (collectives.all_reduce(t * mask, grp, ReduceOp.SUM)
+            / collectives.all_reduce(mask, grp, ReduceOp.SUM))
 
 
 # --- the collectives ------------------------------------------------------------------------
@@ -166,7 +168,7 @@ class Narrow(Spec):
     dim: int
     start: int
     length: int
-    grp: D.Group
+    grp: collectives.Group
     sizes: Sequence[int]
     tag: str
 
@@ -174,7 +176,8 @@ class Narrow(Spec):
         return x.narrow(self.dim, self.start, self.length)
 
     def transpose(self, g: torch.Tensor, x: Any, out: Any) -> torch.Tensor:
-        return D.all_gather(g, self.dim, self.grp, self.sizes, f"grad of slice {self.tag}")
+        return collectives.all_gather(g, self.dim, self.grp, self.sizes,
+                                      f"grad of slice {self.tag}")
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -182,22 +185,23 @@ class AllGather(Spec):
     """all_gather in forward; narrow in backward (per_device: reduce_scatter(sum))."""
 
     dim: int
-    grp: D.Group
+    grp: collectives.Group
     sizes: Sequence[int]
     tag: str
     per_device: bool = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return D.all_gather(x, self.dim, self.grp, self.sizes, self.tag)
+        return collectives.all_gather(x, self.dim, self.grp, self.sizes, self.tag)
 
     def transpose(self, g: torch.Tensor, x: Any, out: Any) -> torch.Tensor:
         grp, sizes = self.grp, self.sizes
         if self.per_device:  # = my piece of the psum of g
-            return D.reduce_scatter(g, self.dim, grp, sizes, ReduceOp.SUM, f"grad of {self.tag}")
+            return collectives.reduce_scatter(g, self.dim, grp, sizes, ReduceOp.SUM,
+                                              f"grad of {self.tag}")
         return g.narrow(self.dim, sum(sizes[: grp.pos]), sizes[grp.pos])
 
     def tangent(self, t: torch.Tensor, x: Any, out: Any) -> torch.Tensor:
-        return D.all_gather(t, self.dim, self.grp, self.sizes, f"tangent of {self.tag}")
+        return collectives.all_gather(t, self.dim, self.grp, self.sizes, f"tangent of {self.tag}")
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -206,21 +210,22 @@ class AllToAll(Spec):
 
     dim: int
     dim2: int
-    grp: D.Group
+    grp: collectives.Group
     send: Sequence[int]
     recv: Sequence[int]
     tag: str
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return D.all_to_all(x, self.dim, self.dim2, self.grp, self.send, self.recv, self.tag)
+        return collectives.all_to_all(x, self.dim, self.dim2, self.grp, self.send, self.recv,
+                                      self.tag)
 
     def transpose(self, g: torch.Tensor, x: Any, out: Any) -> torch.Tensor:
-        return D.all_to_all(g, self.dim2, self.dim, self.grp, self.recv, self.send,
-                            f"grad of {self.tag}")
+        return collectives.all_to_all(g, self.dim2, self.dim, self.grp, self.recv, self.send,
+                                      f"grad of {self.tag}")
 
     def tangent(self, t: torch.Tensor, x: Any, out: Any) -> torch.Tensor:
-        return D.all_to_all(t, self.dim, self.dim2, self.grp, self.send, self.recv,
-                            f"tangent of {self.tag}")
+        return collectives.all_to_all(t, self.dim, self.dim2, self.grp, self.send, self.recv,
+                                      f"tangent of {self.tag}")
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -228,7 +233,7 @@ class AllReduce(Spec):
     """all_reduce(op) in forward; dG/dp_i (sum: identity) in backward, of the psum of
     the gradient when per_device."""
 
-    grp: D.Group
+    grp: collectives.Group
     op: ReduceOp
     tag: str
     per_device: bool = False
@@ -238,11 +243,11 @@ class AllReduce(Spec):
         return self.op not in _LINEAR
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return D.all_reduce(x, self.grp, self.op, self.tag)
+        return collectives.all_reduce(x, self.grp, self.op, self.tag)
 
     def transpose(self, g: torch.Tensor, x: Any, out: Any) -> torch.Tensor:
         if self.per_device:
-            g = D.all_reduce(g, self.grp, ReduceOp.SUM, f"grad of {self.tag}")
+            g = collectives.all_reduce(g, self.grp, ReduceOp.SUM, f"grad of {self.tag}")
         return _reduce_grad(g, x, out, self.grp, self.op)
 
     def tangent(self, t: torch.Tensor, x: Any, out: Any) -> torch.Tensor:
@@ -254,7 +259,7 @@ class ReduceScatter(Spec):
     """reduce_scatter(op) in forward; all_gather, then dG/dp_i, in backward."""
 
     dim: int
-    grp: D.Group
+    grp: collectives.Group
     sizes: Sequence[int]
     op: ReduceOp
     tag: str
@@ -264,20 +269,21 @@ class ReduceScatter(Spec):
         return self.op is not ReduceOp.SUM
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return D.reduce_scatter(x, self.dim, self.grp, self.sizes, self.op, self.tag)
+        return collectives.reduce_scatter(x, self.dim, self.grp, self.sizes, self.op, self.tag)
 
     def transpose(self, g: torch.Tensor, x: Any, out: Any) -> torch.Tensor:
-        g_full = D.all_gather(g, self.dim, self.grp, self.sizes, f"grad of {self.tag}")
+        g_full = collectives.all_gather(g, self.dim, self.grp, self.sizes, f"grad of {self.tag}")
         if self.op is ReduceOp.SUM:
             return g_full
-        out_full = D.all_gather(out, self.dim, self.grp, self.sizes, f"grad of {self.tag}")
+        out_full = collectives.all_gather(out, self.dim, self.grp, self.sizes,
+                                          f"grad of {self.tag}")
         return _reduce_grad(g_full, x, out_full, self.grp, self.op)
 
     def tangent(self, t: torch.Tensor, x: Any, out: Any) -> torch.Tensor:
         if self.op in _LINEAR:
-            return D.reduce_scatter(t, self.dim, self.grp, self.sizes, self.op,
-                                    f"tangent of {self.tag}")
-        full = D.all_reduce(x, self.grp, self.op)
+            return collectives.reduce_scatter(t, self.dim, self.grp, self.sizes, self.op,
+                                              f"tangent of {self.tag}")
+        full = collectives.all_reduce(x, self.grp, self.op)
         tan = _reduce_tangent(t, x, full, self.grp, self.op)
         return tan.narrow(self.dim, sum(self.sizes[: self.grp.pos]), self.sizes[self.grp.pos])
 
@@ -292,7 +298,7 @@ class Permute(Spec):
 
     send_to: int | None
     recv_from: int | None
-    grp: D.Group
+    grp: collectives.Group
     tag: str
     shapes: tuple[tuple[int, ...], tuple[int, ...]] | None = None
 
@@ -311,14 +317,14 @@ class Permute(Spec):
 
 
 def _exchange(x: torch.Tensor, send_to: int | None, recv_from: int | None,
-              recv_shape: tuple[int, ...] | None, grp: D.Group, tag: str) -> torch.Tensor:
+              recv_shape: tuple[int, ...] | None, grp: collectives.Group, tag: str) -> torch.Tensor:
     """One send/recv among ``grp``'s members; a member that keeps its block (KEEP)
     still takes part in the agreement."""
     if send_to == KEEP:
-        D.agree_permute(grp, x, tag)()
+        collectives.agree_permute(grp, x, tag)()
         return x.view_as(x)
     like = x if recv_shape is None or recv_shape == tuple(x.shape) else x.new_empty(recv_shape)
-    return D.permute(x, send_to, recv_from, like, grp, tag)
+    return collectives.permute(x, send_to, recv_from, like, grp, tag)
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -327,10 +333,10 @@ class Broadcast(Spec):
     (every process holds the same replicated gradient)."""
 
     src: int
-    grp: D.Group
+    grp: collectives.Group
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return D.broadcast(x, self.src, self.grp)
+        return collectives.broadcast(x, self.src, self.grp)
 
     def transpose(self, g: torch.Tensor, x: Any, out: Any) -> torch.Tensor:
         return g
@@ -350,7 +356,7 @@ class MakePartial(Spec):
     """identity (root) or the identity element (others) in forward; identity for sum,
     a sum over the replicas otherwise, in backward."""
 
-    grp: D.Group
+    grp: collectives.Group
     op: ReduceOp
     root: bool
 
@@ -367,7 +373,7 @@ class MakePartial(Spec):
             return g * self.grp.size
         if op is ReduceOp.PROD and not self.root:
             g = torch.zeros_like(g)
-        return D.all_reduce(g, self.grp, ReduceOp.SUM)
+        return collectives.all_reduce(g, self.grp, ReduceOp.SUM)
 
     def tangent(self, t: torch.Tensor, x: Any, out: Any) -> torch.Tensor:
         if self.op in (ReduceOp.SUM, ReduceOp.PROD) and not self.root:
@@ -380,7 +386,7 @@ class Relabel(Spec):
     """identity in forward (local values become partials); in backward the sum of the
     partials' gradients over the replicas that were split."""
 
-    grp: D.Group | None
+    grp: collectives.Group | None
     op: ReduceOp
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -393,7 +399,7 @@ class Relabel(Spec):
         if self.op in _LINEAR:
             # Linear ops: dL/dp_i is the same on every replica, so their sum is a product.
             return g * grp.size
-        return D.all_reduce(g, grp, ReduceOp.SUM)
+        return collectives.all_reduce(g, grp, ReduceOp.SUM)
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -401,13 +407,13 @@ class Diverge(Spec):
     """identity in forward, all_reduce(sum) of the gradient over the replicas in backward
     (also shard_map's input boundary: a block every device of the group uses)."""
 
-    grp: D.Group
+    grp: collectives.Group
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return x.view_as(x)
 
     def transpose(self, g: torch.Tensor, x: Any, out: Any) -> torch.Tensor:
-        return D.all_reduce(g, self.grp, ReduceOp.SUM)
+        return collectives.all_reduce(g, self.grp, ReduceOp.SUM)
 
 
 @dataclass(frozen=True, slots=True, eq=False)

@@ -35,8 +35,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from shardwise.runtime.process import agreement as A
-from shardwise.runtime.process import p2p
+from shardwise.runtime.process import agreement, p2p
 from shardwise.runtime.process.world import WORLD
 from shardwise.sharding.errors import ShardingError
 from shardwise.sharding.layout import Layout
@@ -168,15 +167,15 @@ def group(mesh: DeviceMesh, axes: tuple[int, ...]) -> Group:
     world = world_group()
     # Creating groups is collective over the world, matched by call order: processes
     # creating different groups would pair them up silently, so they agree first.
-    A.agree(world.pg, world.ranks, world.label,
-            A.fingerprint("create process groups", None, label, (), None))
+    agreement.agree(world.pg, world.ranks, world.label,
+            agreement.fingerprint("create process groups", None, label, (), None))
     for members in mesh.groups(axes):
         ranks = tuple(sorted(mesh.devices[k].id for k in members))
         if 1 < len(ranks) < world.size and ranks not in WORLD.pgs:
             # every process calls this, member or not
-            WORLD.pgs[ranks] = A.run("creating process groups", world.label, world.ranks,
-                                     lambda r=ranks: dist.new_group(list(r),
-                                                                    timeout=A.timeout()))
+            WORLD.pgs[ranks] = agreement.run("creating process groups", world.label, world.ranks,
+                                             lambda r=ranks: dist.new_group(list(r),
+                                                                    timeout=agreement.timeout()))
     made = _known(mesh, axes, me, label)
     assert made is not None, "every member set was just given a group"
     WORLD.groups[key] = made
@@ -263,15 +262,15 @@ def stream_groups(stages: Sequence[DeviceMesh]) -> None:
     if not todo:
         return
     world = world_group()
-    A.agree(world.pg, world.ranks, world.label,
-            A.fingerprint("create process groups", None, f"point-to-point streams {todo}",
-                          (), None))
+    agreement.agree(world.pg, world.ranks, world.label,
+            agreement.fingerprint("create process groups", None, f"point-to-point streams {todo}",
+                                  (), None))
     nccl = dist.get_backend() == "nccl"
     for key in todo:
         ranks = sorted(key[:2])
-        pg = WORLD.streams[key] = A.run(
+        pg = WORLD.streams[key] = agreement.run(
             "creating process groups", world.label, world.ranks,
-            lambda r=ranks: dist.new_group(r, timeout=A.timeout()))
+            lambda r=ranks: dist.new_group(r, timeout=agreement.timeout()))
         if nccl and rank() in ranks:
             # NCCL's watchdog times every work from its enqueue and takes the process
             # down at the group's timeout; a stream's next receive is posted ahead and

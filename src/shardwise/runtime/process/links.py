@@ -26,8 +26,7 @@ import torch
 import torch.distributed as dist
 
 from shardwise.runtime.loopback import Loopback
-from shardwise.runtime.process import collectives as D
-from shardwise.runtime.process import p2p
+from shardwise.runtime.process import collectives, p2p
 from shardwise.runtime.process.world import WORLD
 from shardwise.sharding.errors import ShardingError
 from shardwise.sharding.mesh import DeviceMesh
@@ -93,7 +92,7 @@ def link(src: DeviceMesh, dst: DeviceMesh, k: int, stages: tuple[int, int]) -> L
     if made is not None:
         return made
     p2p.check_backend("The pipeline transport between processes")
-    sender, receiver, me = src.devices[k].id, dst.devices[k].id, D.rank()
+    sender, receiver, me = src.devices[k].id, dst.devices[k].id, collectives.rank()
     if sender == receiver == me:
         made = Loopback(f"device {k} of stage {stages[0]} -> stage {stages[1]}, rank {me}")
     elif me in (sender, receiver):

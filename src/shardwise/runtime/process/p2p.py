@@ -36,7 +36,7 @@ Invariants:
 - A receiver posts a stream's receives ahead of their messages, so data flows while
   the stage computes (Gloo moves a message only once its receive is posted). On Gloo
   a receive of message k first posts message k+1's (its size is known: ``depth`` 2),
-  then waits: the post (~0.1 ms on a cold cache) overlaps the wait, and never lies
+  then waits: the post (cold Gloo calls) overlaps the wait, and never lies
   between message k's arrival and the compute that waits for it. On NCCL (an enqueue
   on the GPU stream) the next receive is posted as soon as one is taken. A stream
   ends with one such receive posted; the next step's first transfer fills it.
@@ -45,8 +45,8 @@ Invariants:
   only in its wait; the executor flushes once per step). Having handed a message to
   Gloo, the sender yields its core (``sched_yield``): where busy threads outnumber
   cores, the receiver's Gloo thread and its waiting stage are woken onto the
-  sender's core and would wait for the sender's next Python (measured on 2 cores: a
-  hop's transfer 0.38 -> 0.23 ms); with a core to spare the call returns at once.
+  sender's core and would wait for the sender's next Python; with a core to spare
+  the call returns at once.
 - Every wait is bounded by the run's timeout, counted from the wait's start, never
   shorter (Gloo closes the connection when a point-to-point wait times out; on NCCL
   the host polls the work: ``p2p_backends.poll``). A peer that died, stalled past the
@@ -113,8 +113,8 @@ _TAG_BASE = 1 << 20       # clear of tag 0, which the collectives' exchanges use
 _OVERFLOW = 1 << 22       # + a stream's tag: its payloads that follow their header (Gloo)
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
 # A CPU message is written and read by address (ctypes): a pipeline hop runs on caches
-# its stage's compute left cold, where each torch call (a slice, a view, a copy) costs
-# ~10-20 us; the hop's dozen of them were a third of its time above torch's.
+# its stage's compute left cold, where each torch call (a slice, a view, a copy) is
+# costly, and a hop made a dozen of them.
 _memmove = ctypes.memmove
 _yield = os.sched_yield
 _string_at = ctypes.string_at
@@ -193,7 +193,7 @@ def stream_tag(src: int, dst: int) -> int:
 
 def _pg(pg: Any) -> Any:
     """``pg``, or the default group (looked up once per world: c10d's lookup checks
-    the world each time, ~10 us on a hop's cold cache)."""
+    the world each time, on a hop's cold cache)."""
     if pg is not None:
         return pg
     if _DEFAULT[0] is None:
@@ -282,7 +282,7 @@ def send_parts(info: Any, tensors: Sequence[torch.Tensor], peer: int, tag: int, 
         at += _up(n)
     n_tensors = at
     # the description goes out only when it differs from the stream's last one; marshal
-    # (one C call, where JSON's encoder is ~30 us of Python on a hop's cold cache) tells
+    # (one C call, where JSON's encoder runs Python on a hop's cold cache) tells
     # them apart type-exactly (True from 1, 0.0 from -0.0: the receiver gets these)
     try:
         mark: bytes | None = marshal.dumps(info)
@@ -395,8 +395,8 @@ def flush() -> None:
 def _wait(work: Any, deadline: float | None, stream: _Stream, what: Callable[[], str]
           ) -> None:
     """Wait for ``work`` until ``deadline`` (None: the run's timeout from now, as one
-    timedelta made once: building one and passing it by keyword cost ~60 us of a hop
-    on a cold cache, measured)."""
+    timedelta made once: building one and passing it by keyword is costly on a hop's
+    cold cache)."""
     start = time.monotonic()
     if deadline is None:
         left = WORLD.timeout_s
@@ -547,7 +547,7 @@ def _post(stream: _Stream, peer: int, tag: int, pg: Any, what: Callable[[], str]
     tensors the message holds if its description is the stream's last one (``(plan,
     views)``; None where they would not fit): made now, while the transfer is in
     flight, not after it arrived, when the stage waits for them (slicing and viewing
-    cost ~60 us on a hop's cold cache). Where the plan's tensors share one dtype the
+    are costly on a hop's cold cache). Where the plan's tensors share one dtype the
     message has it, so each tensor is one ``as_strided`` view (offsets and sizes are
     multiples of 16 bytes)."""
     plan = stream.parsed if views else None

@@ -58,7 +58,8 @@ def check_backend(what: str, pg: Any = None) -> str:
 
 def message_device(pg: Any = None) -> torch.device:
     """Where the messages over ``pg`` (default: the world's group) live: this process's
-    current GPU on NCCL (which sends device memory only), the CPU on Gloo.
+    current GPU on NCCL (which sends device memory only), the CPU on Gloo. The agreement's
+    header-only messages live there too.
 
     >>> message_device()  # doctest: +SKIP
     device(type='cpu')

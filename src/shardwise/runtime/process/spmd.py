@@ -35,8 +35,7 @@ from typing import Any
 import torch
 
 from shardwise.runtime import SpmdOutputs, observe, spmd
-from shardwise.runtime.process import collectives as D
-from shardwise.runtime.process import functions as F
+from shardwise.runtime.process import collectives, functions
 from shardwise.sharding.errors import ShardingError
 from shardwise.sharding.layout import Layout
 from shardwise.sharding.mesh import DeviceMesh
@@ -46,54 +45,58 @@ from shardwise.sharding.shapes import split_size
 __all__ = ["DistEnv", "replicate", "run_spmd", "spmd_outputs", "take_first"]
 
 
-def sizes_of(n: int, grp: D.Group, device: torch.device) -> list[int]:
+def sizes_of(n: int, grp: collectives.Group, device: torch.device) -> list[int]:
     """Every member's ``n`` (axis order), by one small all_gather."""
     t = torch.tensor([n], dtype=torch.int64, device=device)
-    return [int(v) for v in D.all_gather(t, 0, grp, [1] * grp.size, "lax: sizes").tolist()]
+    got = collectives.all_gather(t, 0, grp, [1] * grp.size, "lax: sizes")
+    return [int(v) for v in got.tolist()]
 
 
 # --- the lax collectives: specs of the one family (functions.py) -------------------------
-def _reduce(op: ReduceOp) -> Callable[[torch.Tensor, D.Group, tuple[Any, ...]], torch.Tensor]:
-    return lambda x, grp, p: F.run(F.AllReduce(grp, op, "lax", per_device=True), x)
+def _reduce(op: ReduceOp
+            ) -> Callable[[torch.Tensor, collectives.Group, tuple[Any, ...]], torch.Tensor]:
+    return lambda x, grp, p: functions.run(functions.AllReduce(grp, op, "lax", per_device=True), x)
 
 
-def _ppermute(x: torch.Tensor, grp: D.Group, pairs: tuple[tuple[int, int], ...]
+def _ppermute(x: torch.Tensor, grp: collectives.Group, pairs: tuple[tuple[int, int], ...]
               ) -> torch.Tensor:
     dst = {s: d for s, d in pairs}.get(grp.pos)
     src = {d: s for s, d in pairs}.get(grp.pos)
     tag = f"lax.ppermute {pairs}"
     keep = src is not None and src == grp.pos
-    send_to = F.KEEP if keep else None if dst is None else grp.ranks[dst]
-    recv_from = F.KEEP if keep else None if src is None else grp.ranks[src]
+    send_to = functions.KEEP if keep else None if dst is None else grp.ranks[dst]
+    recv_from = functions.KEEP if keep else None if src is None else grp.ranks[src]
     # The receiver learns the sender's shape first (blocks may be uneven).
     shape = torch.tensor(list(x.shape), dtype=torch.int64, device=x.device)
-    got = F.Permute(send_to, recv_from, grp, f"{tag}: shapes of {x.dtype} blocks").forward(shape)
-    recv_shape = (tuple(int(v) for v in got.tolist()) if recv_from not in (None, F.KEEP)
+    got = functions.Permute(send_to, recv_from, grp,
+                            f"{tag}: shapes of {x.dtype} blocks").forward(shape)
+    recv_shape = (tuple(int(v) for v in got.tolist()) if recv_from not in (None, functions.KEEP)
                   else tuple(x.shape))
-    return F.run(F.Permute(send_to, recv_from, grp, tag, (tuple(x.shape), recv_shape)), x)
+    return functions.run(
+        functions.Permute(send_to, recv_from, grp, tag, (tuple(x.shape), recv_shape)), x)
 
 
-def _all_gather(x: torch.Tensor, grp: D.Group, params: tuple[Any, ...]) -> torch.Tensor:
+def _all_gather(x: torch.Tensor, grp: collectives.Group, params: tuple[Any, ...]) -> torch.Tensor:
     dim, even = params
     sizes = [x.shape[dim]] * grp.size if even else sizes_of(x.shape[dim], grp, x.device)
-    return F.run(F.AllGather(dim, grp, sizes, "lax", per_device=True), x)
+    return functions.run(functions.AllGather(dim, grp, sizes, "lax", per_device=True), x)
 
 
-def _psum_scatter(x: torch.Tensor, grp: D.Group, params: tuple[Any, ...]) -> torch.Tensor:
+def _psum_scatter(x: torch.Tensor, grp: collectives.Group, params: tuple[Any, ...]) -> torch.Tensor:
     (dim,) = params
     sizes = [split_size(x.shape[dim], grp.size, i) for i in range(grp.size)]
-    return F.run(F.ReduceScatter(dim, grp, sizes, ReduceOp.SUM, "lax"), x)
+    return functions.run(functions.ReduceScatter(dim, grp, sizes, ReduceOp.SUM, "lax"), x)
 
 
-def _all_to_all(x: torch.Tensor, grp: D.Group, params: tuple[Any, ...]) -> torch.Tensor:
+def _all_to_all(x: torch.Tensor, grp: collectives.Group, params: tuple[Any, ...]) -> torch.Tensor:
     split, concat, even = params
     send = [split_size(x.shape[split], grp.size, j) for j in range(grp.size)]
     held = [x.shape[concat]] * grp.size if even else sizes_of(x.shape[concat], grp, x.device)
     recv = ([split_size(h, grp.size, grp.pos) for h in held] if split == concat else held)
-    return F.run(F.AllToAll(concat, split, grp, send, recv, "lax"), x)
+    return functions.run(functions.AllToAll(concat, split, grp, send, recv, "lax"), x)
 
 
-_OPS: dict[str, Callable[[torch.Tensor, D.Group, tuple[Any, ...]], torch.Tensor]] = {
+_OPS: dict[str, Callable[[torch.Tensor, collectives.Group, tuple[Any, ...]], torch.Tensor]] = {
     "psum": _reduce(ReduceOp.SUM),
     "pmax": _reduce(ReduceOp.MAX),
     "pmin": _reduce(ReduceOp.MIN),
@@ -118,7 +121,7 @@ class DistEnv:
                    params: tuple[Any, ...]) -> torch.Tensor:
         if observe.active():
             observe.record(spmd.KIND[op], x.numel() * x.element_size())
-        out: torch.Tensor = _OPS[op](x, D.group(self.mesh, axes), params)
+        out: torch.Tensor = _OPS[op](x, collectives.group(self.mesh, axes), params)
         return out
 
 
@@ -128,7 +131,7 @@ def replicate(x: torch.Tensor, mesh: DeviceMesh, axes: tuple[int, ...]) -> torch
     if not axes or not (x.requires_grad and torch.is_grad_enabled()):
         return x
     # identity forward, all_reduce(sum) backward: the Tensor runtime's diverge
-    return F.run(F.Diverge(D.group(mesh, axes)), x)
+    return functions.run(functions.Diverge(collectives.group(mesh, axes)), x)
 
 
 def take_first(x: torch.Tensor, mesh: DeviceMesh, index: int, axes: tuple[int, ...]
@@ -137,7 +140,7 @@ def take_first(x: torch.Tensor, mesh: DeviceMesh, index: int, axes: tuple[int, .
     coord = mesh.coord_of(index)
     if all(coord[a] == 0 for a in axes) or not x.requires_grad:
         return x
-    return F.run(F.TakeFirst(), x)
+    return functions.run(functions.TakeFirst(), x)
 
 
 def process_index(mesh: DeviceMesh) -> int:
@@ -146,14 +149,14 @@ def process_index(mesh: DeviceMesh) -> int:
     # use now, on every process, in one order.
     for r in range(1, mesh.ndim + 1):
         for axes in itertools.combinations(range(mesh.ndim), r):
-            D.group(mesh, axes)
-    k = D.my_index(mesh)
+            collectives.group(mesh, axes)
+    k = collectives.my_index(mesh)
     if k is None:
         raise ShardingError(
-            f"shard_map on {mesh!r} in process {D.rank()}, which holds none of its devices: "
-            "fn has no block to run on here (this process did take part in creating the "
-            "mesh's process groups, which every process must). Build the mesh over every "
-            "process, or skip this call where D.my_index(mesh) is None after that."
+            f"shard_map on {mesh!r} in process {collectives.rank()}, which holds none of its "
+            "devices: fn has no block to run on here (this process did take part in creating "
+            "the mesh's process groups, which every process must). Build the mesh over every "
+            "process, or skip this call where collectives.my_index(mesh) is None after that."
         )
     return k
 
@@ -199,10 +202,10 @@ def spmd_outputs(mesh: DeviceMesh, index: int | None,
     if needs:
         # One small all_gather tells every process every block's shape.
         flat = [s for j in needs for s in mine[j].shape]
-        grp = D.group(mesh, tuple(range(mesh.ndim)))
+        grp = collectives.group(mesh, tuple(range(mesh.ndim)))
         t = torch.tensor(flat, dtype=torch.int64, device=mine[needs[0]].device)
-        rows = D.all_gather(t, 0, grp, [len(flat)] * grp.size, "lax: output shapes"
-                            ).view(grp.size, -1).tolist()
+        rows = collectives.all_gather(t, 0, grp, [len(flat)] * grp.size, "lax: output shapes"
+                                      ).view(grp.size, -1).tolist()
         off = 0
         for j in needs:
             v = mine[j]
@@ -228,10 +231,12 @@ def _differ(mine: Sequence[torch.Tensor], layouts: Sequence[Layout], mesh: Devic
         if not axes:
             bad.append(0.0)
             continue
-        grp = D.group(mesh, axes)
+        grp = collectives.group(mesh, axes)
         x = v.detach().to(torch.float64)
-        hi, lo = D.all_reduce(x, grp, ReduceOp.MAX), D.all_reduce(x, grp, ReduceOp.MIN)
+        hi = collectives.all_reduce(x, grp, ReduceOp.MAX)
+        lo = collectives.all_reduce(x, grp, ReduceOp.MIN)
         bad.append(0.0 if torch.allclose(hi, lo, equal_nan=True) else 1.0)
     flags = torch.tensor(bad, dtype=torch.float64, device=mine[0].device)
-    flags = D.all_reduce(flags, D.group(mesh, tuple(range(mesh.ndim))), ReduceOp.MAX)
+    flags = collectives.all_reduce(flags, collectives.group(mesh, tuple(range(mesh.ndim))),
+                                   ReduceOp.MAX)
     return [() if f else None for f in flags.tolist()]

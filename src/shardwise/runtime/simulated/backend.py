@@ -25,7 +25,7 @@ Invariants:
   gradient is being recorded) are returned as views of it: no copy (large
   tensors; the check costs more than a small copy).
 - Buffer reuse is opt-in (:func:`set_buffer_reuse`): it keeps freed buffers in
-  the C heap, so a fresh 64 MiB output costs a copy, not ~3 copies of page faults.
+  the C heap, so a fresh 64 MiB output costs a copy, not its pages' faults.
 
 Modules: ``runtime/blocks`` (the recipes), ``host_paths`` (the compiled host fast
 path), ``runtime/collectives`` (the group reductions, shared with shard_map and the
@@ -43,8 +43,7 @@ from typing import Any, TypeAlias
 import torch
 
 from shardwise.planner import Plan, Step, StepKind, check_handlers, permute_sources
-from shardwise.runtime import Decided, blocks, buffers
-from shardwise.runtime import collectives as C
+from shardwise.runtime import Decided, blocks, buffers, collectives
 from shardwise.runtime.blocks import rep_indices
 from shardwise.runtime.buffers import buffer_reuse, set_buffer_reuse
 from shardwise.runtime.local import Local, Whole, run_blocks, run_whole
@@ -152,7 +151,7 @@ def reduce(shards: Sequence[torch.Tensor], layout: Layout, axes: tuple[int, ...]
     gets the one result object."""
     host = hp.is_host(layout.mesh)
     if host and _whole(layout, axes):
-        return [C.reduce(shards, op)] * len(shards)
+        return [collectives.reduce(shards, op)] * len(shards)
     out: list[torch.Tensor | None] = [None] * len(shards)
     memo: dict[tuple[int, ...], torch.Tensor] = {}
     for group in _groups(layout, axes):
@@ -163,7 +162,7 @@ def reduce(shards: Sequence[torch.Tensor], layout: Layout, axes: tuple[int, ...]
             if not host:
                 dev = objs[0].device
                 objs = [o if o.device == dev else o.to(dev) for o in objs]
-            res = memo[key] = C.reduce(objs, op)
+            res = memo[key] = collectives.reduce(objs, op)
         for k in group:
             out[k] = res if host or res.device == shards[k].device else res.to(
                 shards[k].device)
@@ -213,8 +212,8 @@ def reduce_scatter(shards: Sequence[torch.Tensor], before: Layout, after: Layout
     ``after`` lays it out. On the host, results above glibc's mmap limit (32 MiB)
     reduce each target block on its own: a contiguous buffer of 1/n of the bytes,
     which the C heap reuses instead of page-faulting a fresh mmap, and whose
-    accumulation stays in cache longer (measured 1.06-1.6x faster at 64 MiB; at 4 MiB
-    the n*(n-1) smaller calls were 1.2x slower). Otherwise reduce whole and slice."""
+    accumulation stays in cache longer (below, the n*(n-1) smaller calls cost more
+    than they save). Otherwise reduce whole and slice."""
     plan = None
     host, whole, mid, direct = _scatter_route(before, after, axes, shape)
     nbytes = _nbytes(shards, shape)
@@ -222,7 +221,7 @@ def reduce_scatter(shards: Sequence[torch.Tensor], before: Layout, after: Layout
         plan = _scatter_blocks(before, after, axes, shape)
     if plan is None:
         if whole:  # one result on the host: cut it (views of it)
-            ones = [C.reduce(shards, op)] * len(shards)
+            ones = [collectives.reduce(shards, op)] * len(shards)
             if direct is not None:
                 return hp.assemble_host(ones, direct, nbytes > buffers.SMALL_BYTES)
             return _assemble_on_host(ones, mid, after, shape, nbytes)
@@ -238,7 +237,7 @@ def reduce_scatter(shards: Sequence[torch.Tensor], before: Layout, after: Layout
         if res is None:
             if index is not None:
                 objs = [o[index] for o in objs]
-            res = memo[ident] = C.reduce(objs, op)
+            res = memo[ident] = collectives.reduce(objs, op)
         built[k] = res
     return [built[r] for r in rep_dst]
 

@@ -31,8 +31,7 @@ from typing import Any
 
 import torch
 
-from shardwise.runtime import SpmdOutputs, spmd
-from shardwise.runtime import collectives as C
+from shardwise.runtime import SpmdOutputs, collectives, spmd
 from shardwise.runtime import observe as comm
 from shardwise.sharding.errors import ShardingError
 from shardwise.sharding.mesh import DeviceMesh
@@ -190,13 +189,13 @@ def _note(err: BaseException, text: str) -> None:
 
 # --- per-device results from the group's values: the in-process collectives -------------
 RULES: dict[str, Callable[[Sequence[torch.Tensor], int, tuple[Any, ...]], torch.Tensor]] = {
-    "psum": lambda vals, pos, p: C.reduce(vals, ReduceOp.SUM),
-    "pmax": lambda vals, pos, p: C.reduce(vals, ReduceOp.MAX),
-    "pmin": lambda vals, pos, p: C.reduce(vals, ReduceOp.MIN),
-    "all_gather": lambda vals, pos, p: C.all_gather(vals, p[0]),
-    "psum_scatter": lambda vals, pos, p: C.reduce_scatter(vals, p[0], pos),
-    "ppermute": lambda vals, pos, p: C.ppermute(vals, pos, p[0]),
-    "all_to_all": lambda vals, pos, p: C.all_to_all(vals, p[0], p[1], pos),
+    "psum": lambda vals, pos, p: collectives.reduce(vals, ReduceOp.SUM),
+    "pmax": lambda vals, pos, p: collectives.reduce(vals, ReduceOp.MAX),
+    "pmin": lambda vals, pos, p: collectives.reduce(vals, ReduceOp.MIN),
+    "all_gather": lambda vals, pos, p: collectives.all_gather(vals, p[0]),
+    "psum_scatter": lambda vals, pos, p: collectives.reduce_scatter(vals, p[0], pos),
+    "ppermute": lambda vals, pos, p: collectives.ppermute(vals, pos, p[0]),
+    "all_to_all": lambda vals, pos, p: collectives.all_to_all(vals, p[0], p[1], pos),
 }
 
 

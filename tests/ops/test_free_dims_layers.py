@@ -1,4 +1,4 @@
-"""Conv-net layers, fft and random ops on the "kept" rule: value and gradient equal
+"""Conv-net layers, fft and random ops on the "free_dims" rule: value and gradient equal
 single-device torch over several layouts (batch sharded evenly, unevenly, with size-0
 blocks; channels or spatial dims sharded, which the planner gathers), and no fallback."""
 

@@ -1,9 +1,9 @@
-"""The runner of the ``"kept"`` rule: ops whose operand dims either shard freely or stay
+"""The runner of the ``"free_dims"`` rule: ops whose operand dims either shard freely or stay
 whole (conv, pools, norms, pads, fft, gather/scatter, random ops drawn once).
 
 Invariants:
-- ``apply_kept(name, fn, args, free, outs)`` runs ``fn(*args)`` through the rule
-  table's ``"kept"`` rule: ``free[i][d] == k >= 0`` names a factor that shards freely
+- ``apply_free_dims(name, fn, args, free, outs)`` runs ``fn(*args)`` through the rule
+  table's ``"free_dims"`` rule: ``free[i][d] == k >= 0`` names a factor that shards freely
   (the op treats each index of that dim alone: batch, channels, fft's other dims), the
   same ``k`` on every operand and output; ``-1`` keeps the dim whole (the planner
   gathers it first, which is a rule: nothing gathers inside a handler).
@@ -30,7 +30,7 @@ from shardwise.sharding.errors import ShardingError
 from shardwise.sharding.layout import Layout
 from shardwise.tensors.tensor import Tensor
 
-__all__ = ["apply_kept", "lead"]
+__all__ = ["apply_free_dims", "lead"]
 
 Free = Sequence[int]
 
@@ -69,8 +69,8 @@ def _rebuild(r: Any, values: list[Any]) -> Any:
     return type(r)(out)  # a tuple, or torch's named tuple (built from a sequence)
 
 
-def apply_kept(name: str, fn: Callable[..., Any], args: Sequence[Any],
-               free: Sequence[Free | None], outs: Sequence[Free] | None = None) -> Any:
+def apply_free_dims(name: str, fn: Callable[..., Any], args: Sequence[Any],
+                    free: Sequence[Free | None], outs: Sequence[Free] | None = None) -> Any:
     """``fn(*args)`` with ``args[i]``'s dims laid out as ``free[i]`` (see the module
     invariants) and result ``j``'s dims as ``outs[j]`` (default: every result's dims
     whole). Returns ``fn``'s structure holding shardwise Tensors.
@@ -78,7 +78,7 @@ def apply_kept(name: str, fn: Callable[..., Any], args: Sequence[Any],
     >>> mesh = DeviceMesh.cpu(2, "x")
     >>> x = shardwise.tensor(torch.ones(4, 3, 5), sharding=PlacementMapping(mesh, [Sharded(0)]))
     >>> w = torch.ones(2, 3, 2)
-    >>> y = apply_kept("conv1d", torch.conv1d, [x, w], [lead(3, 1), lead(3, 0)], [lead(3, 1)])
+    >>> y = apply_free_dims("conv1d", torch.conv1d, [x, w], [lead(3, 1), lead(3, 0)], [lead(3, 1)])
     >>> tuple(y.shape), str(y.dist_layout), bool((y.to_torch() == 6).all())
     ((4, 2, 4), 'DeviceMesh(x=2)[S(x), R, R]', True)
     """
@@ -102,7 +102,7 @@ def apply_kept(name: str, fn: Callable[..., Any], args: Sequence[Any],
         return rs[0]
 
     try:
-        first = apply("kept", operands, local, kinds, out)
+        first = apply("free_dims", operands, local, kinds, out)
     except ShardingError as err:
         raise ShardingError(f"{name}: {err}") from err
     if len(shapes) == 1:
