@@ -30,7 +30,7 @@ import torch
 
 from shardwise.ops import compute, shapes
 from shardwise.ops.execute import apply
-from shardwise.ops.kept import apply_kept
+from shardwise.ops.free_dims import apply_free_dims
 from shardwise.ops.registry import TensorMethod, describe, on_mesh, register
 from shardwise.runtime.blocks import tiling_view
 from shardwise.sharding.errors import ShardingError
@@ -298,7 +298,7 @@ def as_strided_scatter(x: Any, src: Any, size: Sequence[int], stride: Sequence[i
     is): torch's own op, its values and gradients, on the whole value, row-major."""
     x, src = on_mesh([x, src])
     _reads("as_strided_scatter", x, tuple(size), tuple(stride), storage_offset)
-    return apply_kept("as_strided_scatter", lambda a, b: torch.as_strided_scatter(
+    return apply_free_dims("as_strided_scatter", lambda a, b: torch.as_strided_scatter(
         a.contiguous(), b, size, stride, storage_offset), [x, src],
         [(-1,) * x.ndim, (-1,) * src.ndim])
 
