@@ -44,7 +44,7 @@ from typing import Any
 import torch
 
 from shardwise.runtime import backend_for, spmd
-from shardwise.sharding.errors import ShardingError, ShardingTypeError
+from shardwise.sharding.errors import DEFAULT_TIMEOUT_S, ShardingError, ShardingTypeError
 from shardwise.sharding.layout import Layout
 from shardwise.sharding.mesh import DeviceMesh, current_mesh
 from shardwise.spmd import guard, io
@@ -105,8 +105,6 @@ def shard_map(fn: Callable[..., Any] | None = None, mesh: DeviceMesh | None = No
     io.check_names(in_specs, mesh, "in_specs")
     io.check_names(out_specs, mesh, "out_specs")
     if timeout_s is None:
-        from shardwise.api.distributed import DEFAULT_TIMEOUT_S
-
         timeout_s = DEFAULT_TIMEOUT_S
     if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)):
         raise ShardingTypeError(f"shard_map timeout_s must be a number of seconds. Got "
