@@ -1,7 +1,7 @@
 """A small GPT in ordinary PyTorch (nn.Linear, nn.Embedding, nn.LayerNorm, F.sdpa).
 
-Nothing in the model knows about shardwise: tensor, sequence and fully sharded
-data parallelism are applied from outside (``shardwise.parallel``). Tests and
+Nothing in the model knows about shardwise: tensor, sequence, context and fully
+sharded data parallelism are applied from outside (``shardwise.parallel``). Tests and
 benchmarks import the model from here.
 """
 
@@ -76,9 +76,13 @@ class GPT(nn.Module):
         self.norm = nn.LayerNorm(c.dim)
         self.head = nn.Linear(c.dim, c.vocab, bias=False)
 
-    def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """The mean next-token cross-entropy of ``idx`` (B, T) against ``targets``."""
-        x = self.tok(idx) + self.pos(torch.arange(idx.shape[1], device=idx.device))
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor,
+                positions: torch.Tensor | None = None) -> torch.Tensor:
+        """The mean next-token cross-entropy of ``idx`` (B, T) against ``targets``;
+        ``positions`` (T,): each token's position (default ``0..T-1``)."""
+        if positions is None:
+            positions = torch.arange(idx.shape[1], device=idx.device)
+        x = self.tok(idx) + self.pos(positions)
         for layer in self.layers:
             x = layer(x)
         logits = self.head(self.norm(x))
@@ -210,15 +214,17 @@ def _progress(total: int) -> Any:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Train the GPT with TP x FSDP; exit 1 if a loss differs from single-device torch."""
+    """Train the GPT with TP x FSDP (x CP with ``--cp``); exit 1 if a loss differs from
+    single-device torch."""
     import argparse
+    import contextlib
     import copy
 
     import shardwise as sw
     from shardwise import PlacementMapping, Replicated, Sharded
     from shardwise.debug import CommCounter
     from shardwise.distributed import maybe_initialize, process_count, shutdown
-    from shardwise.parallel import loss_parallel
+    from shardwise.parallel import context_parallel, loss_parallel
 
     p = argparse.ArgumentParser(description="Train a small GPT with TP x FSDP on shardwise.")
     p.add_argument("--steps", type=int, default=20, help="train up to this step")
@@ -228,18 +234,33 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--rtol", type=float, default=1e-4)
     p.add_argument("--mesh", default=None, help="dp x tp, e.g. 2x4 (default: 2x4 simulated, "
-                                                 "2 x world/2 under torchrun)")
+                                                 "2 x world/2 under torchrun), or dp x cp x "
+                                                 "tp, e.g. 2x2x2")
+    p.add_argument("--cp", type=int, default=None, metavar="K",
+                   help="context parallel over a cp axis of K devices (sequence sharded; "
+                        "default mesh 2xKx2 simulated, world/(2K) x K x 2 under torchrun)")
+    p.add_argument("--cp-method", default="ring", choices=("ring", "alltoall"))
     p.add_argument("--save", metavar="DIR", help="save model + optimizer + step at the end")
     p.add_argument("--resume", metavar="DIR", help="resume from a --save (any mesh)")
     device_flags(p)
     args = p.parse_args(argv)
     multi = maybe_initialize(backend="gloo" if args.device == "cpu" else "nccl")
-    if args.mesh:
-        dp, tp = (int(v) for v in args.mesh.split("x"))
+    sizes = [int(v) for v in args.mesh.split("x")] if args.mesh else []
+    cp = args.cp or (sizes[1] if len(sizes) == 3 else 1)
+    if len(sizes) == 2:
+        dp, tp = sizes
+    elif sizes:
+        dp, _, tp = sizes
     else:
-        dp, tp = (2, process_count() // 2) if multi else (2, 4)
-    mesh = sw.init_device_mesh(args.device, (dp, tp), ("dp", "tp"),
+        world = process_count() if multi else 8
+        dp, tp = (2, world // 2) if cp == 1 else (world // (2 * cp), 2)
+        if not multi and cp == 1:
+            tp = 4
+    shape, names = ((dp, tp), ("dp", "tp")) if cp == 1 else ((dp, cp, tp), ("dp", "cp", "tp"))
+    mesh = sw.init_device_mesh(args.device, shape, names,
                                devices_per_gpu=None if multi else args.devices_per_gpu)
+    # context parallel: the sequence Sharded over cp in head-tail order (cp.shard)
+    region = context_parallel(mesh, "cp", method=args.cp_method) if cp > 1 else None
     cfg = Config(dim=args.dim, layers=args.layers)
     torch.manual_seed(0)
     dev = reference_device(args.device)
@@ -250,7 +271,7 @@ def main(argv: list[str] | None = None) -> int:
     where = f"torch.distributed, {process_count()} processes" if multi else "simulated"
     if args.device != "cpu" and not multi:
         where += f" on {args.device}"
-    _say(f"GPT {cfg} on DeviceMesh(dp={dp}, tp={tp}) ({where})")
+    _say(f"GPT {cfg} on {mesh!r} ({where})")
     _say(f"  {'parameter':26} {'global':>9} {'per device':>10}  dims (S: split over axes)")
     for name in ("layers.0.attn.wq.weight", "layers.0.attn.wo.weight", "layers.0.mlp.w1.bias",
                  "tok.weight"):
@@ -258,7 +279,14 @@ def main(argv: list[str] | None = None) -> int:
         dims = str(param.dist_layout)[len(repr(mesh)):]
         _say(f"  {name:26} {tuple(param.shape)!s:>9} {param.local_shapes[0]!s:>10}"
              f"  {dims}")
-    data = PlacementMapping(mesh, (Sharded(0), Replicated()))
+    data = PlacementMapping(mesh, (Sharded(0),) + (Replicated(),) * (mesh.ndim - 1))
+
+    def inputs(ids: torch.Tensor, targets: torch.Tensor) -> tuple[Any, ...]:
+        if region is None:
+            return sw.tensor(ids, sharding=data), sw.tensor(targets, sharding=data)
+        positions = torch.arange(cfg.seq, device=ids.device)
+        return (region.shard(ids, 1, data), region.shard(targets, 1, data),
+                region.shard(positions, 0))
 
     def reference_step(step: int) -> float:
         ids, targets = (t.to(dev) for t in batch(cfg, args.batch, step))
@@ -282,8 +310,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         for step in range(start, args.steps):
             ids, targets = (t.to(dev) for t in batch(cfg, args.batch, step))
-            with CommCounter() as counter, loss_parallel():
-                loss = model(sw.tensor(ids, sharding=data), sw.tensor(targets, sharding=data))
+            with CommCounter() as counter, loss_parallel(), region or contextlib.nullcontext():
+                loss = model(*inputs(ids, targets))
                 loss.backward()
             opt.step()
             opt.zero_grad()

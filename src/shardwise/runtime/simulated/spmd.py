@@ -113,6 +113,9 @@ class Rendezvous:
         self.doing[k] = None
         if op == "return":
             return None
+        if k == 0 and comm.active():
+            # device 0 runs on the caller's thread: its stack names the user's line
+            comm.record(spmd.KIND[op], x.numel() * x.element_size())
         members, pos = _group_of(self.mesh, axes)[k]
         dev = x.device
         vals = [buf[m][3] if buf[m][3].device == dev else buf[m][3].to(dev) for m in members]
@@ -146,8 +149,6 @@ class Rendezvous:
                 (params[0],) if op == "all_gather" else (params[1],) if op == "all_to_all"
                 else tuple(range(values[0].ndim)) if op == "ppermute" else ())
             _check_shapes(self.mesh, op, axes, values, free)
-            if comm.active():
-                comm.record(spmd.KIND[op], values[0].numel() * values[0].element_size())
         except BaseException as err:
             self.action_error = err
             raise
