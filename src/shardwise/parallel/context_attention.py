@@ -136,10 +136,30 @@ def _ring(setting: Attention, n: int, lengths: tuple[int, int], q: torch.Tensor,
         part = _block(qf, kb, vb, scale, setting.groups, allowed, block_mask)
         state = part if state is None else _merge(state, part)
     if state is None:
-        return torch.zeros(*q.shape[:-1], v.shape[-1], dtype=q.dtype, device=q.device)
-    _, total, out = state
-    # a row masked everywhere has total 0 and out 0: it stays 0, as in torch
-    return (out / torch.where(total > 0, total, 1)).to(q.dtype)
+        out = torch.zeros(*q.shape[:-1], v.shape[-1], dtype=q.dtype, device=q.device)
+    else:
+        _, total, acc_out = state
+        # a row masked everywhere has total 0 and out 0: it stays 0, as in torch
+        out = (acc_out / torch.where(total > 0, total, 1)).to(q.dtype)
+    if n > 1 and kv.requires_grad and torch.is_grad_enabled():
+        # the last block may have been skipped here and used elsewhere: keep it in the
+        # graph (zero gradient) so every device runs the same reverse rotations
+        out = _Keep.apply(out, kv)
+    return out
+
+
+class _Keep(torch.autograd.Function):
+    """``out`` unchanged forward; ``kept`` gets a zero gradient backward."""
+
+    @staticmethod
+    def forward(ctx: Any, out: torch.Tensor, kept: torch.Tensor) -> torch.Tensor:
+        ctx.like = (kept.shape, kept.dtype, kept.device)
+        return out.view_as(out)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        shape, dtype, device = ctx.like
+        return grad, torch.zeros(shape, dtype=dtype, device=device)
 
 
 def _causal(qpos: torch.Tensor, kpos: torch.Tensor, causal: bool) -> torch.Tensor | bool:

@@ -14,6 +14,9 @@ Invariants:
 - Parameters become ``nn.Parameter`` over shardwise Tensors with the same value
   and ``requires_grad``; every process must hold the same initial value (seed
   every rank alike), as for ``shardwise.tensor``.
+- A module planned on a mesh whose values live on a slice of it (a pipeline stage's,
+  after ``pipeline()`` restricted its parameters) is laid out on that slice: the
+  plan's axis is found there by name (:func:`slice_axis`).
 """
 
 from __future__ import annotations
@@ -33,8 +36,8 @@ from shardwise.sharding.mesh import DeviceMesh
 from shardwise.sharding.placements import Partial, Placement, Replicated, Sharded
 from shardwise.tensors.tensor import Tensor, place
 
-__all__ = ["axis_of", "check_placement", "keeping_ties", "layout_on", "place_on", "relayout",
-           "shard_parameter"]
+__all__ = ["axis_of", "check_placement", "home_of", "keeping_ties", "layout_on", "place_on",
+           "relayout", "shard_parameter", "slice_axis"]
 
 
 def axis_of(mesh: Any, axis: str | None) -> int:
@@ -84,18 +87,54 @@ def layout_on(base: Layout, ndim: int, axis: int, placement: Placement) -> Layou
     return Layout(base.mesh, tuple(dims), tuple(partial))
 
 
+@functools.lru_cache(maxsize=256)
+def slice_axis(mesh: DeviceMesh, axis: int, part: DeviceMesh) -> int | None:
+    """The index in ``part`` of ``mesh``'s axis ``axis`` when ``part`` is a slice of
+    ``mesh`` (``mesh.submesh(...)``: a pipeline stage's) that keeps that axis; else None.
+
+    >>> mesh = DeviceMesh.cpu((2, 2), ("pp", "tp"))
+    >>> slice_axis(mesh, 1, mesh.submesh(pp=1)), slice_axis(mesh, 1, mesh.submesh(tp=0))
+    (0, None)
+    """
+    name = mesh.axis_names[axis]
+    if part == mesh or name not in part.axis_names or part.ndim >= mesh.ndim or \
+            not set(part.axis_names) <= set(mesh.axis_names) or part.devices[0] not in \
+            mesh.devices:
+        return None
+    first = mesh.coord_of(mesh.device_index(part.devices[0]))
+    fixed = {n: first[a] for a, n in enumerate(mesh.axis_names) if n not in part.axis_names}
+    return part.axis_names.index(name) if mesh.submesh(**fixed) == part else None
+
+
+def home_of(module: nn.Module, mesh: DeviceMesh, axis: int) -> tuple[DeviceMesh, int]:
+    """Where ``module`` (planned on ``mesh``, axis ``axis``) lays values out: the slice
+    its parameters were restricted to (a pipeline stage's), else the plan's mesh."""
+    p = next(iter(module._parameters.values()), None)  # its own: no walk per call
+    if isinstance(p, Tensor) and p.mesh != mesh:
+        a = slice_axis(mesh, axis, p.mesh)
+        if a is not None:
+            return p.mesh, a
+    return mesh, axis
+
+
 def place_on(x: Any, mesh: DeviceMesh, axis: int, placement: Placement | None,
              plain: Placement | None = None, *, where: str = "input") -> Any:
     """``x`` with ``placement`` on mesh axis ``axis``: a shardwise Tensor is laid out
-    (no-op if it already is); a plain tensor (the global value) is placed as
-    ``placement`` (or ``plain`` when ``placement`` is None; Replicated elsewhere);
-    anything else passes unchanged."""
+    (no-op if it already is; on a slice of ``mesh``, there); a plain tensor (the global
+    value) is placed as ``placement`` (or ``plain`` when ``placement`` is None;
+    Replicated elsewhere); anything else passes unchanged."""
     if isinstance(x, Tensor):
         if x.mesh != mesh:
-            raise ShardingError(
-                f"The {where} lives on {x.mesh!r} but the module is planned on {mesh!r}: "
-                "a plan lays values out on its own mesh. Move it first with "
-                "shardwise.to_device(x, sharding=PlacementMapping(mesh, ...)).")
+            on_slice = slice_axis(mesh, axis, x.mesh)
+            if on_slice is None:
+                raise ShardingError(
+                    f"The {where} lives on {x.mesh!r} but the module is planned on "
+                    f"{mesh!r}: a plan lays values out on its own mesh (or a pipeline "
+                    "stage's slice of it). Move it first with shardwise.to_device(x, "
+                    "sharding=PlacementMapping(mesh, ...)); in a pipeline, parallelize "
+                    "each stage on its slice: for stage in pipe.local_stages: "
+                    "parallelize_module(stage.module, stage.mesh, plan).")
+            mesh, axis = x.mesh, on_slice
         if placement is None:
             return x
         target = layout_on(x.dist_layout, x.ndim, axis, placement)

@@ -50,7 +50,7 @@ import torch.nn as nn
 
 from shardwise.parallel import replicas
 from shardwise.parallel.blocks import vocab_embedding
-from shardwise.parallel.placing import check_placement, place_on, shard_parameter
+from shardwise.parallel.placing import check_placement, home_of, place_on, shard_parameter
 from shardwise.runtime import position
 from shardwise.sharding.errors import ShardingError, ShardingTypeError
 from shardwise.sharding.mesh import DeviceMesh
@@ -117,16 +117,17 @@ def _hook_inputs(module: nn.Module, mesh: DeviceMesh, axis: int,
 
     def hook(mod: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
              ) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        home, a = home_of(mod, mesh, axis)  # a pipeline stage's slice, once restricted
         out = []
         for i, x in enumerate(args):
             want = every if every is not None else (
                 desired[i] if desired is not None and i < len(desired) else None)
             given = plain[i] if plain is not None and i < len(plain) else None
-            out.append(place_on(x, mesh, axis, want, given, where=f"input {i}"))
+            out.append(place_on(x, home, a, want, given, where=f"input {i}"))
         kw = dict(kwargs)
         for k in set(kw_desired) | set(kw_plain):
             if k in kw:
-                kw[k] = place_on(kw[k], mesh, axis, kw_desired.get(k), kw_plain.get(k),
+                kw[k] = place_on(kw[k], home, a, kw_desired.get(k), kw_plain.get(k),
                                  where=f"input {k!r}")
         return tuple(out), kw
 
@@ -138,10 +139,11 @@ def _hook_outputs(module: nn.Module, mesh: DeviceMesh, axis: int,
     """Lay output ``i`` (of a tuple, or the single output) out as ``desired[i]``."""
 
     def hook(mod: nn.Module, args: Any, output: Any) -> Any:
+        home, a = home_of(mod, mesh, axis)
         if isinstance(output, tuple):
-            return tuple(place_on(o, mesh, axis, desired[i] if i < len(desired) else None,
+            return tuple(place_on(o, home, a, desired[i] if i < len(desired) else None,
                                   where=f"output {i}") for i, o in enumerate(output))
-        return place_on(output, mesh, axis, desired[0], where="output")
+        return place_on(output, home, a, desired[0], where="output")
 
     module.register_forward_hook(hook)
 

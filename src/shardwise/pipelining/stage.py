@@ -31,6 +31,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
+from shardwise.pipelining.slices import restrict_stage
 from shardwise.runtime import backend_for
 from shardwise.sharding.errors import ShardingError, ShardingTypeError
 from shardwise.sharding.mesh import DeviceMesh
@@ -224,6 +225,8 @@ def pipeline(model_or_stage_modules: nn.Module | Sequence[nn.Module], mesh: Devi
     for s, m in enumerate(modules):
         r = _rank(s, p, style)
         stages.append(Stage(s, m, _stage_mesh(mesh, axis, r), r, names[s]))
+    for st in stages:  # parallelized on the whole mesh first: onto each stage's slice
+        restrict_stage(st.module, st.mesh, axis, st.index)
     # every process makes every stage's groups now, in one order: then a stage's
     # processes run its ops (parallelize_module, fully_shard, the step) alone
     backend_for(mesh).prepare_stages(mesh, axis, [st.mesh for st in stages])

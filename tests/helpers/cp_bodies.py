@@ -1,0 +1,190 @@
+"""Context-parallel test bodies shared by both runtimes: each takes the world size ``n``.
+
+Run directly they use simulated meshes; run on every rank of an ``n``-process Gloo group
+(``harness.py``) the same code builds meshes over the processes. Each body checks
+against single-device torch: attention forward and backward (1e-5 relative), the
+collectives ``CommCounter`` sees beside their closed forms, and the GPT of
+examples/gpt.py trained on cp x tp (x dp where the mesh has room).
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+import shardwise as sw
+from benchmarks.common import example_gpt
+from shardwise import DeviceMesh, PlacementMapping, Replicated, Sharded
+from shardwise.debug import CommCounter
+from shardwise.parallel import context_parallel, fully_shard, loss_parallel, parallelize_module
+from shardwise.parallel.context_attention import kv_repeats
+
+RTOL = 1e-5
+
+# (name, q heads, kv heads, length, causal, mask kind)
+CASES = [
+    ("causal", 4, 4, 16, True, None),
+    ("causal-uneven-gqa", 4, 2, 13, True, None),
+    ("documents", 4, 4, 13, False, "documents"),
+    ("float-mask", 4, 4, 16, False, "float"),
+    ("full", 4, 1, 11, False, None),
+]
+
+
+def close(got: torch.Tensor, want: torch.Tensor, what: str, rtol: float = RTOL) -> None:
+    """Relative to the reference's largest value (1e-5 of it), elementwise."""
+    assert got.shape == want.shape, (what, got.shape, want.shape)
+    got, want = got.detach(), want.detach()
+    err = float((got - want).abs().max()) / max(float(want.abs().max()), 1e-30)
+    assert err <= rtol, f"{what}: relative error {err:.2e} > {rtol:.0e}"
+
+
+def mask_of(kind: str | None, length: int, heads: int) -> torch.Tensor | None:
+    """A packed-documents mask (causal within each document) or an additive float mask."""
+    if kind == "documents":
+        doc = torch.arange(length) * 3 // length            # three documents
+        same = doc[:, None] == doc[None, :]
+        return same & torch.ones(length, length, dtype=torch.bool).tril()
+    if kind == "float":
+        return torch.randn(heads, length, length, generator=torch.Generator().manual_seed(5))
+    return None
+
+
+def attention_case(mesh: DeviceMesh, method: str, case: tuple[Any, ...]) -> dict[str, int]:
+    """One attention call on ``mesh`` (with a ``cp`` axis) against torch, forward and
+    backward; returns the forward collectives' counts."""
+    name, heads, kv, length, causal, kind = case
+    gen = torch.Generator().manual_seed(length * 10 + heads)
+    q = torch.randn(2, heads, length, 8, generator=gen, requires_grad=True)
+    k, v = (torch.randn(2, kv, length, 8, generator=gen, requires_grad=True) for _ in "kv")
+    mask = mask_of(kind, length, heads)
+    gqa = kv != heads
+    want = F.scaled_dot_product_attention(q, k, v, mask, is_causal=causal, enable_gqa=gqa)
+    g = torch.randn(want.shape, generator=gen)
+    want.backward(g)
+    cp = context_parallel(mesh, "cp", method=method)
+    leaves = [cp.shard(t.detach(), 2).detach().requires_grad_() for t in (q, k, v)]
+    m = None if mask is None else cp.shard(mask, (-2, -1))
+    with cp, CommCounter() as cc:
+        y = F.scaled_dot_product_attention(*leaves, m, is_causal=causal, enable_gqa=gqa)
+    (y * cp.shard(g, 2)).sum().backward()
+    what = f"{method} {name} on {mesh!r}"
+    close(cp.unshard(y, 2).to_torch(), want.detach(), f"{what}: output")
+    for leaf, ref, label in zip(leaves, (q, k, v), "qkv"):
+        assert leaf.grad is not None and ref.grad is not None
+        close(cp.unshard(leaf.grad, 2).to_torch(), ref.grad, f"{what}: d{label}")
+    return dict(cc.counts)
+
+
+def attention_matches_torch(n: int) -> None:
+    """Both methods, every case, at cp = n and (where n = 4) cp = 2 beside dp = 2."""
+    meshes = [DeviceMesh.cpu(n, "cp")]
+    if n == 4:
+        meshes.append(DeviceMesh.cpu((2, 2), ("dp", "cp")))
+    for mesh in meshes:
+        for method in ("ring", "alltoall"):
+            for case in CASES:
+                if method == "alltoall" and case[1] % mesh.axis_size("cp"):
+                    continue
+                attention_case(mesh, method, case)
+
+
+def counts_match_formulas(n: int) -> None:
+    """Ring: cp - 1 ppermutes of the KV block, no all_gather; all-to-all: 4 exchanges;
+    bytes per device as the closed forms (ring 2*N*h_kv*(cp-1)/cp, Ulysses 4*N*h/cp)."""
+    mesh = DeviceMesh.cpu(n, "cp")
+    b, heads, kv, length, e = 2, 4, 2, 8 * n, 8
+    q = torch.randn(b, heads, length, e)
+    k, v = torch.randn(b, kv, length, e), torch.randn(b, kv, length, e)
+    tokens, item = b * length, q.element_size()
+    for method in ("ring", "alltoall"):
+        cp = context_parallel(mesh, "cp", method=method)
+        qs, ks, vs = (cp.shard(t, 2) for t in (q, k, v))
+        with cp, CommCounter() as cc:
+            F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, enable_gqa=True)
+        if method == "ring":
+            assert dict(cc.counts) == {"ppermute": n - 1}, dict(cc.counts)
+            want = 2 * tokens * kv * e * (n - 1) // n * item
+            assert cc.bytes["ppermute"] == want, (cc.bytes, want)
+        else:
+            assert dict(cc.counts) == {"all_to_all": 4}, dict(cc.counts)
+            # q and the output carry h = heads * e per token, k and v h_kv (GQA's kv
+            # heads repeated the fewest times that divide by cp)
+            h_kv = kv * kv_repeats(heads, kv, n)
+            want = (2 * heads + 2 * h_kv) * e * tokens // n * item
+            assert cc.bytes["all_to_all"] == want, (cc.bytes, want)
+
+
+def gpt_mesh(n: int) -> DeviceMesh:
+    """dp x cp x tp = 2x2x2 simulated (n = 8), cp x tp = 2x2 on 4 processes."""
+    if n == 8:
+        return DeviceMesh.cpu((2, 2, 2), ("dp", "cp", "tp"))
+    return DeviceMesh.cpu((2, 2), ("cp", "tp"))
+
+
+def gpt_trains_like_torch(n: int, method: str = "ring", steps: int = 2) -> None:
+    """examples/gpt.py's GPT on cp x tp (x dp): TP plan, FSDP over dp, the batch,
+    targets and positions through cp.shard; losses and every gradient equal torch's."""
+    gpt = example_gpt()
+    mesh = gpt_mesh(n)
+    cfg = gpt.Config(seq=12, layers=1)
+    torch.manual_seed(0)
+    ref = gpt.GPT(cfg)
+    model = copy.deepcopy(ref)
+    parallelize_module(model, mesh, gpt.tp_plan(), axis="tp")
+    if "dp" in mesh.axis_names:
+        fully_shard(model.layers[0], mesh, axis="dp")
+        fully_shard(model, mesh, axis="dp")
+    cp = context_parallel(mesh, "cp", method=method)
+    data = PlacementMapping(mesh, tuple(Sharded(0) if a == "dp" else Replicated()
+                                        for a in mesh.axis_names))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    for step in range(steps):
+        ids, targets = gpt.batch(cfg, 4, step)
+        with cp, loss_parallel():
+            loss = model(cp.shard(ids, 1, data), cp.shard(targets, 1, data),
+                         cp.shard(torch.arange(cfg.seq), 0))
+            loss.backward()
+        want = ref(ids, targets)
+        want.backward()
+        close(loss.detach().to_torch().reshape(()), want.detach(), f"loss {step}")
+        for name, p in ref.named_parameters():
+            got = model.get_parameter(name).grad
+            assert got is not None and p.grad is not None, name
+            got = got.to_torch() if isinstance(got, sw.Tensor) else got  # unplanned: plain
+            close(got, p.grad, f"step {step} grad {name}", 1e-4)
+        opt.step()
+        ref_opt.step()
+        opt.zero_grad()
+        ref_opt.zero_grad()
+
+
+def gpt_trains_alltoall(n: int) -> None:
+    gpt_trains_like_torch(n, "alltoall", steps=1)
+
+
+def value_in_region_order(n: int) -> None:
+    """What users see: cp.shard reorders (head-tail) without touching its input,
+    cp.unshard gives natural order back, for torch and shardwise inputs alike."""
+    mesh = DeviceMesh.cpu(n, "cp")
+    cp = context_parallel(mesh, "cp")
+    x = torch.arange(2 * 4 * n, dtype=torch.float32).view(2, 4 * n)
+    before = x.clone()
+    held = cp.shard(x, 1)
+    assert torch.equal(x, before)
+    assert held.placements == (Sharded(1),)
+    first = held.local_shapes[0][1] // 2
+    assert held.to_torch()[0, :first].tolist() == list(range(first))  # device 0's head
+    assert torch.equal(cp.unshard(held, 1).to_torch(), x)
+    natural = sw.tensor(x, sharding=PlacementMapping(mesh, [Sharded(1)]))
+    assert torch.equal(cp.unshard(cp.shard(natural, 1), 1).to_torch(), x)
+    plain = context_parallel(mesh, "cp", load_balance=False)
+    assert torch.equal(plain.shard(x, 1).to_torch(), x)
+
+
+BODIES = ["attention_matches_torch", "counts_match_formulas", "value_in_region_order",
+          "gpt_trains_like_torch", "gpt_trains_alltoall"]
