@@ -24,13 +24,15 @@ from shardwise.parallel.context_attention import kv_repeats
 
 RTOL = 1e-5
 
-# (name, q heads, kv heads, length, causal, mask kind)
+# (name, q heads, kv heads, length, causal, mask kind, value head size); a value head
+# size other than q's (8) takes the plain-ops path, the others torch's fused kernel
 CASES = [
-    ("causal", 4, 4, 16, True, None),
-    ("causal-uneven-gqa", 4, 2, 13, True, None),
-    ("documents", 4, 4, 13, False, "documents"),
-    ("float-mask", 4, 4, 16, False, "float"),
-    ("full", 4, 1, 11, False, None),
+    ("causal", 4, 4, 16, True, None, 8),
+    ("causal-uneven-gqa", 4, 2, 13, True, None, 8),
+    ("documents", 4, 4, 13, False, "documents", 8),
+    ("float-mask", 4, 4, 16, False, "float", 8),
+    ("full", 4, 1, 11, False, None, 8),
+    ("causal-uneven-value-dim", 4, 2, 10, True, None, 6),
 ]
 
 
@@ -56,10 +58,11 @@ def mask_of(kind: str | None, length: int, heads: int) -> torch.Tensor | None:
 def attention_case(mesh: DeviceMesh, method: str, case: tuple[Any, ...]) -> dict[str, int]:
     """One attention call on ``mesh`` (with a ``cp`` axis) against torch, forward and
     backward; returns the forward collectives' counts."""
-    name, heads, kv, length, causal, kind = case
+    name, heads, kv, length, causal, kind, ev = case
     gen = torch.Generator().manual_seed(length * 10 + heads)
-    q = torch.randn(2, heads, length, 8, generator=gen, requires_grad=True)
-    k, v = (torch.randn(2, kv, length, 8, generator=gen, requires_grad=True) for _ in "kv")
+    q, k = (torch.randn(2, h, length, 8, generator=gen, requires_grad=True)
+            for h in (heads, kv))
+    v = torch.randn(2, kv, length, ev, generator=gen, requires_grad=True)
     mask = mask_of(kind, length, heads)
     gqa = kv != heads
     want = F.scaled_dot_product_attention(q, k, v, mask, is_causal=causal, enable_gqa=gqa)
