@@ -234,6 +234,10 @@ def tables(res: dict[str, Any]) -> str:
         from benchmarks.entry_points import tables as entry_tables
 
         lines += entry_tables(res["entry_points"])
+    if res.get("attention"):
+        from benchmarks.attention import tables as attention_tables
+
+        lines += ["", *attention_tables(res["attention"])]
     if res.get("compile"):
         from benchmarks.compiled import tables as compile_tables
 

@@ -16,6 +16,9 @@ Sections (each documented in its module):
   torch (:mod:`benchmarks.entry_points`);
 - ``compile``: ``torch.compile`` of a parallelized tiny HF Llama forward beside the
   eager one (:mod:`benchmarks.compiled`; says so when transformers is missing);
+- ``attention``: context-parallel attention (ring, all-to-all) at cp = 1, 2, 4 beside
+  full attention and the all_gather-the-sequence baseline, simulated and on cp Gloo
+  ranks, with CommCounter bytes beside the closed forms (:mod:`benchmarks.attention`);
 - ``gloo``: 4 Gloo ranks, shardwise beside raw torch.distributed and DTensor;
 - ``dispatch``: per-op overhead of the process runtime (2 Gloo ranks, a 32x64 block per
   rank) above plain torch, shardwise beside DTensor and a minimal wrapper subclass (the
@@ -54,7 +57,8 @@ PRESETS: dict[str, dict[str, Any]] = {
              "gpt": {"repeat": 10, "dims": (32, 256)},
              "dispatch": {"repeat": 21, "inner": 200},
              "spread": {"processes": 5, "repeat": 5},
-             "pipeline": {"repeat": 7}},
+             "pipeline": {"repeat": 7},
+             "attention": {"seq": 1024, "repeat": 5}},
     "quick": {"size": 1024, "small": 8, "repeat": 3, "small_repeat": 6, "small_inner": 50,
               "profile_calls": 300, "gloo": {"size": 1024, "repeat": 3, "small_repeat": 20,
                                              "choices": False},
@@ -62,6 +66,7 @@ PRESETS: dict[str, dict[str, Any]] = {
               "gpt": {"repeat": 3, "dims": (32,)},
               "dispatch": {"repeat": 7, "inner": 50},
               "spread": {"processes": 2, "repeat": 3},
+              "attention": {"seq": 512, "repeat": 3},
               "pipeline": {"repeat": 3, "schedules": ["1F1B"], "forward_ms": 4.0,
                            "backward_ms": 8.0, "weight_ms": 4.0}},
 }
@@ -115,6 +120,10 @@ def run_suite(preset: str = "full", *, devices: tuple[int, ...] = (4, 8), gloo: 
     say("per-op overhead by entry point ...")
     res["entry_points"] = entry_points.run(repeat=cfg["small_repeat"],
                                            inner=cfg["small_inner"])
+    from benchmarks import attention
+
+    say("context-parallel attention (cp = 1, 2, 4) ...")
+    res["attention"] = attention.run(gloo=gloo, log=say, **cfg["attention"])
     if compile:
         from benchmarks import compiled
 

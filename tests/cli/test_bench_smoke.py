@@ -18,7 +18,8 @@ from benchmarks.simulated import CASES
 from benchmarks.suite import parser, write
 
 TINY = {"size": 16, "small": 8, "repeat": 1, "small_repeat": 3, "small_inner": 2,
-        "profile_calls": 5, "ckpt": {"tensors": 2, "repeat": 1, "shape": (16, 32)}}
+        "profile_calls": 5, "ckpt": {"tensors": 2, "repeat": 1, "shape": (16, 32)},
+        "attention": {"seq": 16, "heads": 4, "dim": 8, "repeat": 1}}
 ROW_KEYS = {"case", "op", "time", "min", "faults_per_call", "must_move_bytes", "copy_ceiling",
             "clone_ceiling", "x_copy", "x_clone", "dtensor", "dtensor_over_shardwise"}
 
@@ -61,6 +62,16 @@ def test_simulated_section(result: tuple[dict, Path, Path]) -> None:
         assert set(CASES) <= cases
         assert all({"us", "min_us", "dtensor_us", "dtensor_over_shardwise"} <= set(r)
                    for r in b["rows"])
+
+
+def test_attention_section(result: tuple[dict, Path, Path]) -> None:
+    att = result[0]["attention"]
+    assert set(att["simulated"]) == {"1", "2", "4"} and att["gloo"] == {}
+    for cp, rows in att["simulated"].items():
+        assert set(rows) == {"full", "ring", "alltoall", "all_gather"}
+        for name in ("ring", "alltoall", "all_gather"):
+            assert rows[name]["bytes"] == rows[name]["closed_form"], (cp, name, rows[name])
+    assert "context-parallel attention" in result[2].read_text()
 
 
 def test_memory_profile_targets(result: tuple[dict, Path, Path]) -> None:
