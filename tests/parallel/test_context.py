@@ -113,7 +113,7 @@ def test_bad_input_names_the_fix() -> None:
     with cp:
         with pytest.raises(ShardingError, match=r"attn_mask of shape \[8, 5\].*cp.shard"):
             F.scaled_dot_product_attention(q, k, v, torch.ones(8, 5, dtype=torch.bool))
-        with pytest.raises(ShardingError, match="dropout_p=0.0"):
+        with pytest.raises(ShardingError, match=r"dropout_p=0\.0"):
             F.scaled_dot_product_attention(q, k, v, dropout_p=0.1)
         with pytest.raises(ShardingError, match="is_causal"):
             F.scaled_dot_product_attention(q, k, v, torch.ones(8, 8, dtype=torch.bool),
@@ -121,7 +121,7 @@ def test_bad_input_names_the_fix() -> None:
         k2 = cp.shard(torch.randn(1, 3, 8, 4), 2)
         with pytest.raises(ShardingError, match="enable_gqa=True"):
             F.scaled_dot_product_attention(q, k2, k2)
-    with pytest.raises(ShardingError, match="'ring'.*'alltoall'"):
+    with pytest.raises(ShardingError, match=r"'ring'.*'alltoall'"):
         context_parallel(mesh, method="ulysses")
     with pytest.raises(ShardingError, match="axis='sp'"):
         context_parallel(mesh, axis="sp")
