@@ -14,9 +14,9 @@ Invariants:
 - Parameters become ``nn.Parameter`` over shardwise Tensors with the same value
   and ``requires_grad``; every process must hold the same initial value (seed
   every rank alike), as for ``shardwise.tensor``.
-- A module planned on a mesh whose values live on a slice of it (a pipeline stage's,
-  after ``pipeline()`` restricted its parameters) is laid out on that slice: the
-  plan's axis is found there by name (:func:`slice_axis`).
+- A module planned on a mesh whose parameters were moved onto a slice of it (a
+  pipeline stage's, by ``pipeline()``) lays values out on that slice (:func:`home_of`):
+  the plan's axis is found there by name (:func:`slice_axis`).
 """
 
 from __future__ import annotations
@@ -110,6 +110,8 @@ def home_of(module: nn.Module, mesh: DeviceMesh, axis: int) -> tuple[DeviceMesh,
     """Where ``module`` (planned on ``mesh``, axis ``axis``) lays values out: the slice
     its parameters were restricted to (a pipeline stage's), else the plan's mesh."""
     p = next(iter(module._parameters.values()), None)  # its own: no walk per call
+    if p is None:  # a container (PrepareModuleInput on a block): its first one
+        p = next(module.parameters(), None)
     if isinstance(p, Tensor) and p.mesh != mesh:
         a = slice_axis(mesh, axis, p.mesh)
         if a is not None:
@@ -120,21 +122,17 @@ def home_of(module: nn.Module, mesh: DeviceMesh, axis: int) -> tuple[DeviceMesh,
 def place_on(x: Any, mesh: DeviceMesh, axis: int, placement: Placement | None,
              plain: Placement | None = None, *, where: str = "input") -> Any:
     """``x`` with ``placement`` on mesh axis ``axis``: a shardwise Tensor is laid out
-    (no-op if it already is; on a slice of ``mesh``, there); a plain tensor (the global
-    value) is placed as ``placement`` (or ``plain`` when ``placement`` is None;
-    Replicated elsewhere); anything else passes unchanged."""
+    (no-op if it already is); a plain tensor (the global value) is placed as
+    ``placement`` (or ``plain`` when ``placement`` is None; Replicated elsewhere);
+    anything else passes unchanged."""
     if isinstance(x, Tensor):
         if x.mesh != mesh:
-            on_slice = slice_axis(mesh, axis, x.mesh)
-            if on_slice is None:
-                raise ShardingError(
-                    f"The {where} lives on {x.mesh!r} but the module is planned on "
-                    f"{mesh!r}: a plan lays values out on its own mesh (or a pipeline "
-                    "stage's slice of it). Move it first with shardwise.to_device(x, "
-                    "sharding=PlacementMapping(mesh, ...)); in a pipeline, parallelize "
-                    "each stage on its slice: for stage in pipe.local_stages: "
-                    "parallelize_module(stage.module, stage.mesh, plan).")
-            mesh, axis = x.mesh, on_slice
+            raise ShardingError(
+                f"The {where} lives on {x.mesh!r} but the module is planned on {mesh!r}: "
+                "a plan lays values out on its own mesh. Move it first with "
+                "shardwise.to_device(x, sharding=PlacementMapping(mesh, ...)); in a "
+                "pipeline, parallelize each stage on its slice: for stage in "
+                "pipe.local_stages: parallelize_module(stage.module, stage.mesh, plan).")
         if placement is None:
             return x
         target = layout_on(x.dist_layout, x.ndim, axis, placement)
