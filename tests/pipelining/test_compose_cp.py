@@ -106,3 +106,13 @@ def test_whole_mesh_fsdp_before_pipeline_names_local_stages() -> None:
         mesh, [Sharded(0), Replicated()])))
     with pytest.raises(ShardingError, match=r"split over the pipeline axis.*local_stages"):
         pipeline(split, mesh, split_points=["layers.1"])
+
+
+def test_stage_planned_on_another_slice_names_local_stages() -> None:
+    mesh = DeviceMesh.cpu((2, 2), ("pp", "tp"))
+    model = pm.make(2)
+    # layers.1 belongs to stage 1, planned here on stage 0's slice
+    parallelize_module(model.layers[1], mesh.submesh(pp=0),
+                       {"mlp.w1": pm.TP_PLAN["layers.*.mlp.w1"]}, axis="tp")
+    with pytest.raises(ShardingError, match=r"neither the pipeline's mesh.*local_stages"):
+        pipeline(model, mesh, split_points=["layers.1"])

@@ -45,6 +45,11 @@ def restrict(x: Tensor, part: DeviceMesh, axis: str, what: str) -> Tensor:
     (DeviceMesh(tp=2; devices 2..3), (Sharded(axis=0),), [0.0, 1.0, 2.0, 3.0])
     """
     mesh, layout = x.mesh, x.dist_layout
+    if axis not in mesh.axis_names or not set(part.devices) <= set(mesh.devices) or \
+            any(n not in mesh.axis_names for n in part.axis_names):
+        raise ShardingError(
+            f"pipeline(): {what} lives on {mesh!r}, neither the pipeline's mesh nor the "
+            f"stage's slice {part!r}. {FIX}")
     a = mesh.axis_names.index(axis)
     if a in layout.sharded_axes or layout.partial[a] is not None:
         raise ShardingError(
