@@ -12,8 +12,8 @@ import torch
 
 import shardwise as sw
 from shardwise import ShardingError, lax
-from shardwise.sharding.errors import ShardingTypeError
 from shardwise.debug import CommCounter
+from shardwise.sharding.errors import ShardingTypeError
 from tests.helpers.meshes import M4 as MESH
 
 
@@ -64,8 +64,7 @@ def test_lax_bytes_are_what_each_device_sends() -> None:
 
 
 def test_shard_maps_default_wait_is_initializes() -> None:
-    from shardwise.runtime import spmd
-
     from shardwise.api import distributed
+    from shardwise.runtime import spmd
 
     assert spmd.DEFAULT_TIMEOUT_S == distributed.DEFAULT_TIMEOUT_S

@@ -5,7 +5,9 @@ parallel styles (tensor and sequence parallelism); ``loss_parallel()`` keeps the
 class-sharded logits of a column-parallel head sharded through ``F.cross_entropy``;
 ``fully_shard(module, mesh)`` adds fully sharded data parallelism (FSDP2's semantics);
 ``hf_plan(model)`` reads a transformers model's own tensor-parallel plan;
-``check_replicas(model)`` checks that every replica of its replicated values is equal.
+``check_replicas(model)`` checks that every replica of its replicated values is equal;
+``ExpertParallel()`` lays an experts module's experts over an ``ep`` axis and
+dispatches its tokens to them by all_to_all.
 Values stay global: the model's code needs no change.
 
 Invariants:
@@ -15,6 +17,7 @@ Invariants:
 from __future__ import annotations
 
 from shardwise.parallel.api import parallelize_module
+from shardwise.parallel.experts import ExpertParallel
 from shardwise.parallel.fsdp import MixedPrecisionPolicy, fully_shard, memory_per_device
 from shardwise.parallel.hf import hf_plan
 from shardwise.parallel.loss import loss_parallel
@@ -30,6 +33,7 @@ from shardwise.parallel.style import (
 
 __all__ = [
     "ColwiseParallel",
+    "ExpertParallel",
     "MixedPrecisionPolicy",
     "ParallelStyle",
     "PrepareModuleInput",
