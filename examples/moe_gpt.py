@@ -93,12 +93,12 @@ class GroupedExperts(nn.Module):
     def forward(self, x: torch.Tensor, num_tokens_per_expert: torch.Tensor) -> torch.Tensor:
         """``x [N, D]`` sorted by expert (within each of the G groups of
         ``num_tokens_per_expert [E]`` or ``[G, E]``) -> ``[N, D]``."""
-        experts = self.w1.shape[0]
+        w1, w2, w3 = self.w1.unbind(0), self.w2.unbind(0), self.w3.unbind(0)
         rows = x.split([int(n) for n in num_tokens_per_expert.reshape(-1).tolist()])
         out = []
         for i, r in enumerate(rows):
-            e = i % experts
-            out.append((F.silu(r @ self.w1[e].T) * (r @ self.w3[e].T)) @ self.w2[e].T)
+            e = i % len(w1)
+            out.append((F.silu(r @ w1[e].T) * (r @ w3[e].T)) @ w2[e].T)
         return torch.cat(out)
 
 
