@@ -37,6 +37,24 @@ def test_the_host_read_counter_sees_the_dropless_read() -> None:
     assert "tolist" in reads.calls
 
 
+def test_router_bias_steers_the_choice_and_moves_toward_balance() -> None:
+    """torchtitan's load-balancing bias: added for the top-k choice only (the gates stay
+    the scores); updated outside autograd toward the mean load, centred."""
+    torch.manual_seed(0)
+    router = moe_gpt.TopKRouter(8, 4, 2)
+    x = torch.randn(2, 5, 8)
+    gates, ids, counts = router(x, torch.tensor([0.0, 0.0, 0.0, 10.0]))
+    assert bool((ids == 3).any(-1).all())
+    torch.testing.assert_close(gates, torch.sigmoid(router.gate(x)).gather(-1, ids))
+    assert counts.tolist() == [torch.bincount(i.flatten(), minlength=4).tolist() for i in ids]
+    layer = moe_gpt.MoE(moe_gpt.Config(dim=8))
+    layer.tokens_per_expert = torch.tensor([10.0, 0.0, 0.0, 2.0])
+    layer.update_expert_bias()
+    c = layer.load_balance_coeff
+    torch.testing.assert_close(layer.expert_bias, torch.tensor([-1.5, 0.5, 0.5, 0.5]) * c)
+    assert layer.tokens_per_expert.tolist() == [0.0] * 4
+
+
 def test_bad_input_names_the_fix() -> None:
     with pytest.raises(ShardingError, match=r"Cannot shard the 6 experts .* across 4 devices "
                                             r"of mesh axis 'ep'.*divisible by 4"):
