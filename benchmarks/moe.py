@@ -118,7 +118,8 @@ def _median(fn: Callable[[], None], repeat: int) -> dict[str, float]:
 def simulated_rows(args: argparse.Namespace) -> list[dict[str, Any]]:
     """The layer on one device in plain torch, then on simulated meshes of ep devices,
     all with one torch thread (as each Gloo rank): shard_map's device threads each call
-    torch, and an intra-op pool under several of them thrashed on 2 cores (10x slower)."""
+    torch, and an intra-op pool under several of them thrashes on a few cores (DESIGN's
+    decisions log has the numbers)."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:

@@ -137,7 +137,8 @@ def _ranges(pieces: list[tuple[int, int]]) -> torch.Tensor | None:
         at += n
     else:
         return None
-    # one arange per piece: repeat_interleave's parallel kernel cost ms on a loaded host
+    # one arange per piece, not repeat_interleave: its parallel kernel stalls on a loaded
+    # host (DESIGN's decisions log)
     return torch.cat([torch.arange(start, start + n) for start, n in pieces])
 
 
