@@ -12,8 +12,9 @@ and backward, on a ``cp`` mesh axis:
 
 Beside each, the bytes ``CommCounter`` saw per device in the forward and the closed form
 (per rank per forward, ``N`` tokens, ``h`` = heads x dim, float32): ring
-``2 N h_kv (cp-1)/cp`` (cp - 1 exchanges of the KV block), all-to-all ``4 N h / cp``
-(q, k, v and the output), all_gather ``3 N h (cp-1)/cp`` (for causal attention
+``2 N h_kv (cp-1)/cp`` (cp - 1 exchanges of the KV block), all-to-all
+``4 N h (cp-1) / cp^2`` (q, k, v and the output: of each block of ``N h / cp``, the
+``(cp-1)/cp`` that leaves the device), all_gather ``3 N h (cp-1)/cp`` (for causal attention
 shardwise's rule gathers q as well as k and v); none at cp = 1.
 Timing: medians of interleaved runs (simulated: process CPU time of one process
 running every device, one torch thread; Gloo: the max over ``cp`` ranks of wall time,
@@ -43,12 +44,12 @@ def closed_form(case: str, tokens: int, h: int, cp: int, itemsize: int = 4) -> i
     """Bytes per rank per forward of ``case`` (module doc).
 
     >>> closed_form("ring", 1024, 256, 4), closed_form("alltoall", 1024, 256, 4)
-    (1572864, 1048576)
+    (1572864, 786432)
     """
     if cp == 1:
         return 0
     if case == "alltoall":
-        return 4 * tokens * h // cp * itemsize
+        return 4 * tokens * h * (cp - 1) // (cp * cp) * itemsize
     if case == "ring":
         return 2 * tokens * h * (cp - 1) // cp * itemsize
     if case == "all_gather":

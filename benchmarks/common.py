@@ -29,8 +29,8 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-__all__ = ["dist_time", "example_gpt", "fmt", "free_port", "launch", "options_of", "ratio",
-           "write_json"]
+__all__ = ["dist_time", "example", "example_gpt", "fmt", "free_port", "launch", "options_of",
+           "ratio", "write_json"]
 
 
 def free_port() -> int:
@@ -200,26 +200,35 @@ def fmt(x: float | None, width: int, prec: int = 2) -> str:
     return f"{'-':>{width}}" if x is None else f"{x:{width}.{prec}f}"
 
 
-EXAMPLE_GPT = Path(__file__).resolve().parent.parent / "examples" / "gpt.py"
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 
 
-def example_gpt() -> ModuleType:
-    """``examples/gpt.py`` as a module, loaded once per process under one name
-    (examples/ is not a package): the model the README, the guide, the tests and the
+def example(stem: str) -> ModuleType:
+    """``examples/<stem>.py`` as a module, loaded once per process under one name
+    (examples/ is not a package): the models the README, the guide, the tests and the
     benchmarks share.
 
-    >>> example_gpt().Config().dim
-    32
+    >>> example("moe_gpt").Config().experts
+    4
     """
-    name = "shardwise_example_gpt"
+    name = f"shardwise_example_{stem}"
     mod = sys.modules.get(name)
     if mod is None:
-        spec = importlib.util.spec_from_file_location(name, EXAMPLE_GPT)
+        spec = importlib.util.spec_from_file_location(name, EXAMPLES / f"{stem}.py")
         assert spec is not None and spec.loader is not None
         mod = importlib.util.module_from_spec(spec)
         sys.modules[name] = mod  # its dataclasses look their module up here
         spec.loader.exec_module(mod)
     return mod
+
+
+def example_gpt() -> ModuleType:
+    """``examples/gpt.py`` (:func:`example`).
+
+    >>> example_gpt().Config().dim
+    32
+    """
+    return example("gpt")
 
 
 def launch_flags(p: argparse.ArgumentParser, world: int) -> argparse.ArgumentParser:

@@ -269,7 +269,11 @@ def tables(res: dict[str, Any]) -> str:
         from benchmarks.pipeline import tables as pipeline_tables
 
         lines += ["", *pipeline_tables(res["pipeline"])]
-    elif res.get("gloo_skipped"):
+    if res.get("moe"):
+        from benchmarks.moe import tables as moe_tables
+
+        lines += ["", *moe_tables(res["moe"])]
+    if res.get("gloo_skipped"):
         lines.append(f"\nGloo: {res['gloo_skipped']}")
     lines.append("\ntargets (issue 7):")
     for key, text in TARGETS.items():

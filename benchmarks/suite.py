@@ -30,7 +30,11 @@ Sections (each documented in its module):
   ``torch.distributed.pipelining`` (:mod:`benchmarks.pipeline`; ``quick``: 1F1B alone);
 - ``checkpoint``: DCP and safetensors throughput of a sharded state beside plain
   tensors, and the peak memory of a sharded safetensors load
-  (:mod:`benchmarks.checkpoint`, fresh processes).
+  (:mod:`benchmarks.checkpoint`, fresh processes);
+- ``moe``: the mixture-of-experts layer of ``examples/moe_gpt.py`` under expert
+  parallelism at ep = 1, 2, 4 (simulated, and on 4 Gloo ranks unless ``--no-gloo``),
+  dropless and with capacity, beside plain torch; all_to_all bytes beside the closed
+  form (:mod:`benchmarks.moe`).
 
 Presets: ``full`` (about 2-3 minutes on 2 cores) and ``quick`` (about 30 s; 4 MiB
 tensors, fewer repeats). Timings are medians of interleaved runs; on a shared
@@ -58,7 +62,8 @@ PRESETS: dict[str, dict[str, Any]] = {
              "dispatch": {"repeat": 21, "inner": 200},
              "spread": {"processes": 5, "repeat": 5},
              "pipeline": {"repeat": 7},
-             "attention": {"seq": 1024, "repeat": 5}},
+             "attention": {"seq": 1024, "repeat": 5},
+             "moe": {"repeat": 7}},
     "quick": {"size": 1024, "small": 8, "repeat": 3, "small_repeat": 6, "small_inner": 50,
               "profile_calls": 300, "gloo": {"size": 1024, "repeat": 3, "small_repeat": 20,
                                              "choices": False},
@@ -68,7 +73,8 @@ PRESETS: dict[str, dict[str, Any]] = {
               "spread": {"processes": 2, "repeat": 3},
               "attention": {"seq": 512, "repeat": 3},
               "pipeline": {"repeat": 3, "schedules": ["1F1B"], "forward_ms": 4.0,
-                           "backward_ms": 8.0, "weight_ms": 4.0}},
+                           "backward_ms": 8.0, "weight_ms": 4.0},
+              "moe": {"repeat": 3, "seq": 16, "dim": 32, "hidden": 64}},
 }
 
 
@@ -174,6 +180,10 @@ def run_suite(preset: str = "full", *, devices: tuple[int, ...] = (4, 8), gloo: 
         res["pipeline"] = pipeline.run(world=world, **cfg["pipeline"])
     else:
         res["gloo_skipped"] = "skipped (--no-gloo)"
+    from benchmarks import moe
+
+    say("mixture-of-experts layer under expert parallelism (ep = 1, 2, 4) ...")
+    res["moe"] = moe.run(gloo=gloo, world=world, **cfg["moe"])
     res["meta"]["loadavg_end"] = _loadavg()
     res["meta"]["seconds"] = time.perf_counter() - t0
     res["targets"] = check_targets(res)

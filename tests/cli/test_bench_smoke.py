@@ -110,6 +110,21 @@ def test_checkpoint_section(result: tuple[dict, Path, Path]) -> None:
     assert {"checkpoint", "checkpoint_checksums", "checkpoint_memory"} <= keys
 
 
+def test_moe_section(result: tuple[dict, Path, Path]) -> None:
+    moe = result[0]["moe"]
+    rows = {(r["runtime"], r["ep"], r["mode"].split()[0]): r for r in moe["rows"]}
+    assert set(rows) == {("torch", 0, "one"), *(("simulated", ep, mode) for ep in (1, 2, 4)
+                                               for mode in ("dropless", "capacity"))}
+    assert all(r["ms"] > 0 for r in moe["rows"])
+    for ep in (2, 4):  # fixed slots move exactly the closed form; routed rows about it
+        assert rows["simulated", ep, "capacity"]["bytes"] == rows[
+            "simulated", ep, "capacity"]["formula_bytes"] > 0
+        assert 0.5 < rows["simulated", ep, "dropless"]["bytes"] / rows[
+            "simulated", ep, "dropless"]["formula_bytes"] < 1.5
+    assert rows["simulated", 1, "dropless"]["bytes"] == 0
+    assert "expert parallel: MoE layer" in result[2].read_text()
+
+
 def test_table_written(result: tuple[dict, Path, Path]) -> None:
     data, _, text = result
     table = text.read_text()

@@ -97,7 +97,8 @@ def attention_matches_torch(n: int) -> None:
 
 def counts_match_formulas(n: int) -> None:
     """Ring: cp - 1 ppermutes of the KV block, no all_gather; all-to-all: 4 exchanges;
-    bytes per device as the closed forms (ring 2*N*h_kv*(cp-1)/cp, Ulysses 4*N*h/cp)."""
+    the bytes each device sends to the others as the closed forms (ring
+    2*N*h_kv*(cp-1)/cp, Ulysses 4*N*h*(cp-1)/cp^2)."""
     mesh = DeviceMesh.cpu(n, "cp")
     b, heads, kv, length, e = 2, 4, 2, 8 * n, 8
     q = torch.randn(b, heads, length, e)
@@ -117,7 +118,7 @@ def counts_match_formulas(n: int) -> None:
             # q and the output carry h = heads * e per token, k and v h_kv (GQA's kv
             # heads repeated the fewest times that divide by cp)
             h_kv = kv * kv_repeats(heads, kv, n)
-            want = (2 * heads + 2 * h_kv) * e * tokens // n * item
+            want = (2 * heads + 2 * h_kv) * e * tokens * (n - 1) // (n * n) * item
             assert cc.bytes["all_to_all"] == want, (cc.bytes, want)
 
 

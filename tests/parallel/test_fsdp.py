@@ -322,6 +322,27 @@ def test_shared_parameter_is_sharded_once() -> None:
     assert model[1].weight is model[0].weight and len(list(model.parameters())) == 1
 
 
+def test_ignored_params_stay_as_they_are() -> None:
+    """FSDP2's ignored_params: a parameter already sharded over the FSDP axis (dp2ep's
+    experts) is left to its layout, its gradient as autograd gives it."""
+    mesh = DeviceMesh.cpu((2, 2), ("dp", "tp"))
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+    ref = copy.deepcopy(model)
+    model[1].weight = nn.Parameter(sw.tensor(model[1].weight.detach(), sharding=PlacementMapping(
+        mesh, [Sharded(0), Replicated()])))
+    kept = model[1].weight
+    fully_shard(model, mesh, ignored_params={kept})
+    assert model[1].weight is kept and model[0].weight.placements == (Sharded(0), Replicated())
+    x = torch.randn(3, 4)
+    model(x).sum().backward()
+    ref(x).sum().backward()
+    with pytest.raises(ShardingTypeError, match=r"ignored_params=...\) is a set of parameters"):
+        fully_shard(nn.Linear(2, 2), mesh, ignored_params=[kept])  # type: ignore[arg-type]
+    assert kept.grad.dist_layout == kept.dist_layout
+    torch.testing.assert_close(kept.grad.to_torch(), ref[1].weight.grad)
+    torch.testing.assert_close(model[0].weight.grad.to_torch(), ref[0].weight.grad)
+
+
 def test_bad_inputs_name_value_rule_and_fix() -> None:
     mesh = DeviceMesh.cpu((2, 2), ("dp", "tp"))
     with pytest.raises(ShardingError, match=r"axis='data'.*no axis 'data'.*Use axis='dp'"):

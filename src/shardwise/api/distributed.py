@@ -32,7 +32,7 @@ import sys
 import time
 from typing import TYPE_CHECKING, Any
 
-from shardwise.sharding.errors import DEFAULT_TIMEOUT_S, CollectiveError, ShardingError
+from shardwise.sharding.errors import CollectiveError, ShardingError
 
 if TYPE_CHECKING:
     from shardwise.runtime import Backend
@@ -48,6 +48,7 @@ __all__ = [
     "shutdown",
 ]
 
+DEFAULT_TIMEOUT_S = 60.0
 
 
 def _world() -> Backend:

@@ -7,6 +7,8 @@ class-sharded logits of a column-parallel head sharded through ``F.cross_entropy
 ``hf_plan(model)`` reads a transformers model's own tensor-parallel plan;
 ``check_replicas(model)`` checks that every replica of its replicated values is equal;
 ``context_parallel(mesh)`` runs attention over a sequence sharded on a ``cp`` axis.
+``ExpertParallel()`` lays an experts module's experts over an ``ep`` axis and
+dispatches its tokens to them by all_to_all.
 Values stay global: the model's code needs no change.
 
 Invariants:
@@ -17,6 +19,7 @@ from __future__ import annotations
 
 from shardwise.parallel.api import parallelize_module
 from shardwise.parallel.context import ContextParallel, context_parallel
+from shardwise.parallel.experts import ExpertParallel
 from shardwise.parallel.fsdp import MixedPrecisionPolicy, fully_shard, memory_per_device
 from shardwise.parallel.hf import hf_plan
 from shardwise.parallel.loss import loss_parallel
@@ -33,6 +36,7 @@ from shardwise.parallel.style import (
 __all__ = [
     "ColwiseParallel",
     "ContextParallel",
+    "ExpertParallel",
     "MixedPrecisionPolicy",
     "ParallelStyle",
     "PrepareModuleInput",

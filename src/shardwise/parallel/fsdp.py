@@ -46,7 +46,8 @@ NO_CAST = MixedPrecisionPolicy()
 
 def fully_shard(module: nn.Module, mesh: DeviceMesh, axis: str = "dp", *,
                 reshard_after_forward: bool = True,
-                mp_policy: MixedPrecisionPolicy = NO_CAST) -> nn.Module:
+                mp_policy: MixedPrecisionPolicy = NO_CAST,
+                ignored_params: set[nn.Parameter] | None = None) -> nn.Module:
     """Shard ``module``'s parameters over mesh axis ``axis`` (ZeRO-3 / FSDP2).
 
     Every parameter not managed by an inner ``fully_shard`` call becomes Sharded over
@@ -68,6 +69,9 @@ def fully_shard(module: nn.Module, mesh: DeviceMesh, axis: str = "dp", *,
         reshard_after_forward: free gathered parameters after forward (ZeRO-3) or
             keep them for backward (ZeRO-2-like memory, one all_gather fewer).
         mp_policy: dtypes of the gathered parameters and of the gradient reduction.
+        ignored_params: parameters this unit leaves as they are (FSDP2's name): neither
+            sharded nor gathered, their gradients as autograd gives them; e.g. the
+            experts of ``ExpertParallel`` over ``dp`` (dp2ep), already sharded there.
 
     Returns:
         ``module``, whose parameters are now sharded.
@@ -107,8 +111,16 @@ def fully_shard(module: nn.Module, mesh: DeviceMesh, axis: str = "dp", *,
         raise ShardingError(
             f"fully_shard was already called on this {type(module).__name__}: a module is "
             "one unit. Call fully_shard once per module (inner blocks first, then the root).")
+    if ignored_params is not None and not (
+            isinstance(ignored_params, (set, frozenset))
+            and all(isinstance(p, torch.Tensor) for p in ignored_params)):
+        raise ShardingTypeError(
+            f"fully_shard(ignored_params=...) is a set of parameters. Got "
+            f"{ignored_params!r}; e.g. set(model.layers[0].moe.experts.parameters()).")
     a = mesh.axis_names.index(axis)
-    unit = Unit(module, mesh, a, _manage(module, mesh, a), reshard_after_forward, mp_policy)
+    ignored = {id(p) for p in ignored_params or ()}
+    unit = Unit(module, mesh, a, _manage(module, mesh, a, ignored), reshard_after_forward,
+                mp_policy)
     setattr(module, UNIT, unit)
     replicas.track(module)
     for path, sub in module.named_modules():  # inner units first: the root names them last
@@ -121,10 +133,12 @@ def fully_shard(module: nn.Module, mesh: DeviceMesh, axis: str = "dp", *,
     return module
 
 
-def _manage(module: nn.Module, mesh: DeviceMesh, axis: int) -> list[Param]:
-    """Shard every parameter of ``module`` that no inner unit manages; where each
-    parameter is registered (a parameter shared by two modules is sharded once)."""
-    inner: set[int] = set()
+def _manage(module: nn.Module, mesh: DeviceMesh, axis: int, ignored: set[int]
+            ) -> list[Param]:
+    """Shard every parameter of ``module`` that no inner unit manages and ``ignored`` (ids)
+    does not hold; where each parameter is registered (a parameter shared by two modules
+    is sharded once)."""
+    inner: set[int] = set(ignored)
     for sub in module.modules():
         unit = getattr(sub, UNIT, None)
         if unit is not None:
@@ -162,8 +176,9 @@ def _shard(p: torch.Tensor, name: str, mesh: DeviceMesh, axis: int) -> Param:
         if axis in here.sharded_axes:
             raise ShardingError(
                 f"fully_shard: parameter {name!r} is already sharded over {axis_name!r} "
-                f"({here}); the FSDP axis must be free. Shard it over another axis, or "
-                "pass fully_shard another axis.")
+                f"({here}); the FSDP axis must be free. Shard it over another axis, pass "
+                "fully_shard another axis, or leave it out with ignored_params (the experts "
+                "of ExpertParallel over dp).")
         value = p.detach()
     else:
         here = Layout.replicated(mesh, p.ndim)

@@ -148,7 +148,7 @@ def _hook_outputs(module: nn.Module, mesh: DeviceMesh, axis: int,
     module.register_forward_hook(hook)
 
 
-def _mark(module: nn.Module, mesh: DeviceMesh, name: str, style: str) -> None:
+def mark(module: nn.Module, mesh: DeviceMesh, name: str, style: str) -> None:
     """Run ``module``'s forward (its hooks included) at program position ``name``
     (``style``): the collectives it causes carry it. Call last in ``apply`` (the leaving
     hook must follow the output hook); it also runs when the forward raises. With the
@@ -220,7 +220,7 @@ class ColwiseParallel(ParallelStyle):
             shard_parameter(module, "weight", mesh, axis, Sharded(1))
         _hook_inputs(module, mesh, axis, (Replicated(),), (self.input_layouts,), {}, {})
         _hook_outputs(module, mesh, axis, (self.output_layouts or Sharded(-1),))
-        _mark(module, mesh, name, f"ColwiseParallel {kind}")
+        mark(module, mesh, name, f"ColwiseParallel {kind}")
 
 
 class RowwiseParallel(ParallelStyle):
@@ -265,7 +265,7 @@ class RowwiseParallel(ParallelStyle):
             want = Replicated()
         _hook_inputs(module, mesh, axis, (want,), (self.input_layouts,), {}, {})
         _hook_outputs(module, mesh, axis, (self.output_layouts or Replicated(),))
-        _mark(module, mesh, name, f"RowwiseParallel {kind}")
+        mark(module, mesh, name, f"RowwiseParallel {kind}")
 
 
 def _vocab_forward(self: nn.Embedding, ids: Any) -> Any:
@@ -300,7 +300,7 @@ class SequenceParallel(ParallelStyle):
         seq = Sharded(self.sequence_dim)
         _hook_inputs(module, mesh, axis, None, None, {}, {}, every=seq)
         _hook_outputs(module, mesh, axis, (seq,))
-        _mark(module, mesh, name, "SequenceParallel")
+        mark(module, mesh, name, "SequenceParallel")
 
 
 class PrepareModuleInput(ParallelStyle):
@@ -340,7 +340,7 @@ class PrepareModuleInput(ParallelStyle):
     def apply(self, module: nn.Module, mesh: DeviceMesh, axis: int, name: str) -> None:
         _hook_inputs(module, mesh, axis, self.desired_input_layouts, self.input_layouts,
                      self.desired_input_kwarg_layouts, self.input_kwarg_layouts)
-        _mark(module, mesh, name, "PrepareModuleInput")
+        mark(module, mesh, name, "PrepareModuleInput")
 
 
 class PrepareModuleOutput(ParallelStyle):
@@ -373,5 +373,5 @@ class PrepareModuleOutput(ParallelStyle):
 
     def apply(self, module: nn.Module, mesh: DeviceMesh, axis: int, name: str) -> None:
         _hook_outputs(module, mesh, axis, self.desired_output_layouts)
-        _mark(module, mesh, name, "PrepareModuleOutput")
+        mark(module, mesh, name, "PrepareModuleOutput")
 

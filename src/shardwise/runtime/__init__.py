@@ -128,9 +128,12 @@ class Backend(Protocol):
 
     def spmd_outputs(self, mesh: DeviceMesh, index: int | None,
                      blocks: Sequence[Sequence[torch.Tensor | None]],
-                     layouts: Sequence[Layout], check: bool) -> SpmdOutputs:
+                     layouts: Sequence[Layout], check: bool,
+                     shapes: Sequence[tuple[int, ...] | None] = ()) -> SpmdOutputs:
         """shard_map's outputs from ``run_spmd``'s blocks (``blocks[j][k]``: output
-        ``j`` of device ``k``, None where another process holds it), one layout each.
+        ``j`` of device ``k``, None where another process holds it), one layout each;
+        ``shapes[j]``: output ``j``'s global shape where the caller knows it (its blocks'
+        shapes then follow from the layout: nothing is exchanged for them).
         Returns per output: every device's (block shape, dtype) or None when not
         needed (no sharded dim and no check: this process's block gives the shape);
         the shards of the output (replicas share coordinate 0's block, a replica off

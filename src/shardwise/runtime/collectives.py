@@ -9,6 +9,7 @@ protocol, not inside a backend.
     all_gather      the members' values concatenated along a dim
     reduce_scatter  member ``pos``'s piece of the reduction along a dim
     all_to_all      member ``pos``'s piece of every member, concatenated
+    ragged_all_to_all  the same with pieces of any sizes (a matrix of them)
     ppermute        the value of member ``pos``'s source (zeros when none)
 
 Invariants:
@@ -37,7 +38,8 @@ from shardwise.runtime.blocks import recording
 from shardwise.sharding.placements import ReduceOp
 from shardwise.sharding.shapes import split_bounds
 
-__all__ = ["all_gather", "all_to_all", "ppermute", "reduce", "reduce_scatter"]
+__all__ = ["all_gather", "all_to_all", "ppermute", "ragged_all_to_all", "reduce",
+           "reduce_scatter"]
 
 _PAIRWISE = {ReduceOp.MAX: torch.maximum, ReduceOp.MIN: torch.minimum, ReduceOp.PROD: torch.mul}
 
@@ -122,6 +124,23 @@ def all_to_all(vals: Sequence[torch.Tensor], split: int, concat: int, pos: int
         lo, hi = split_bounds(v.shape[split], len(vals), pos)
         pieces.append(v.narrow(split, lo, hi - lo))
     return torch.cat(pieces, concat)
+
+
+def ragged_all_to_all(vals: Sequence[torch.Tensor], dim: int, pos: int,
+                      sizes: Sequence[Sequence[int]]) -> torch.Tensor:
+    """What member ``pos`` receives when member ``i`` sends its next ``sizes[i][j]``
+    entries along ``dim`` to member ``j`` (in order): those pieces of every member,
+    concatenated along ``dim`` in member order.
+
+    >>> xs = [torch.tensor([1., 2., 3.]), torch.tensor([4.])]
+    >>> ragged_all_to_all(xs, 0, 0, [[1, 2], [1, 0]]).tolist()
+    [1.0, 4.0]
+    """
+    pieces = []
+    for v, row in zip(vals, sizes):
+        lo = sum(row[:pos])
+        pieces.append(v.narrow(dim, lo, row[pos]))
+    return torch.cat(pieces, dim)
 
 
 def ppermute(vals: Sequence[torch.Tensor], pos: int, pairs: Sequence[tuple[int, int]]

@@ -30,11 +30,6 @@ class CollectiveError(ShardingError, RuntimeError):
     """A collective failed: a peer died, timed out, or called a different collective."""
 
 
-DEFAULT_TIMEOUT_S = 60.0
-"""How long a collective waits for its peers before raising :class:`CollectiveError`
-(``initialize(timeout_s=...)``, shard_map's rendezvous), unless told otherwise."""
-
-
 def check_items(value: Any, arg: str, expected: str) -> tuple[Any, ...]:
     """``value`` as a tuple, or a :class:`ShardingTypeError` naming ``arg`` and what
     it takes (a str is not taken as a sequence of characters).

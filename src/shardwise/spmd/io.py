@@ -99,9 +99,10 @@ def _block(v: Any, j: int, mesh: DeviceMesh, k: int) -> torch.Tensor:
 
 
 def outputs(results: list[Any], me: int | None, mesh: DeviceMesh, out_specs: Any,
-            check: bool) -> Any:
+            check: bool, out_shapes: Any = None) -> Any:
     """Blocks -> Tensors. ``me`` is this process's device (multi-process) or None
-    (simulated: every device's results are present)."""
+    (simulated: every device's results are present); ``out_shapes``: the outputs' global
+    shapes when the caller knows them (one, or one per output), so none are exchanged."""
     present = range(mesh.num_devices) if me is None else [me]
     flat: dict[int, list[Any]] = {}
     kind: type | None = None
@@ -141,12 +142,18 @@ def outputs(results: list[Any], me: int | None, mesh: DeviceMesh, out_specs: Any
                             "one spec; return a tuple to give one spec per output)") from None
     per_output = [[blocks[k][j] if k in blocks else None for k in range(mesh.num_devices)]
                   for j in range(count)]
-    metas, shards, differ = backend_for(mesh).spmd_outputs(mesh, me, per_output, layouts, check)
+    shapes = _shapes(out_shapes, count, kind is None)
+    metas, shards, differ = backend_for(mesh).spmd_outputs(mesh, me, per_output, layouts, check,
+                                                           shapes)
     tensors = []
     for j, lay in enumerate(layouts):
         meta = metas[j]
         shape = (tuple(first[j].shape) if meta is None else
                  _global_shape(lay, [m[0] for m in meta], [m[1] for m in meta], where[j]))
+        if shapes and shapes[j] is not None and shapes[j] != shape:
+            raise ShardingError(
+                f"shard_map {where[j]}: out_shapes gives global shape {shapes[j]} but fn's "
+                f"blocks make {shape}. Fix out_shapes or the blocks fn returns.")
         bad = differ[j]
         if bad is not None:
             _replicas_differ(lay, where[j], bad)
@@ -154,6 +161,22 @@ def outputs(results: list[Any], me: int | None, mesh: DeviceMesh, out_specs: Any
     if kind is None:
         return tensors[0]
     return kind(tensors)
+
+
+def _shapes(out_shapes: Any, count: int, single: bool) -> list[tuple[int, ...] | None]:
+    """``out_shapes`` as one global shape (or None) per output."""
+    if out_shapes is None:
+        return []
+    items = [out_shapes] if single else list(out_shapes)
+    try:
+        shapes = [None if s is None else tuple(int(d) for d in s) for s in items]
+    except (TypeError, ValueError):
+        shapes = []
+    if len(shapes) != count:
+        raise ShardingTypeError(
+            f"shard_map out_shapes is one global shape per output ({count}), e.g. (8, 4) for "
+            f"one output or ((8, 4), None) for two. Got {out_shapes!r}.")
+    return shapes
 
 
 def _replicas_differ(layout: Layout, where: str, devices: tuple[int, ...]) -> None:

@@ -15,10 +15,11 @@ Invariants:
   arguments (SPMD); the simulated runtime checks this and raises, never hangs.
 - Sizes may be uneven (the shardwise split rule ``g // n + (1 if k < g % n else
   0)``) for ``all_gather(tiled=True)``, ``psum_scatter(tiled=True)``,
-  ``all_to_all(tiled=True)`` and ``ppermute``; the others need equal shapes.
+  ``all_to_all(tiled=True)`` and ``ppermute``, and any sizes, given as a matrix, for
+  ``ragged_all_to_all``; the others need equal shapes.
 - Gradients are the transposes (beside each op in the runtimes): psum <-> psum,
   all_gather <-> psum_scatter, ppermute <-> inverse ppermute, all_to_all <->
-  inverse all_to_all; pmax/pmin send the gradient to the devices holding the
+  inverse all_to_all (ragged too); pmax/pmin send the gradient to the devices holding the
   extreme (split evenly among ties).
 
 On ``DeviceMesh(dp=2, tp=2)`` with local values ``v(dp, tp)``::
@@ -55,6 +56,7 @@ __all__ = [
     "ppermute",
     "psum",
     "psum_scatter",
+    "ragged_all_to_all",
 ]
 
 AxisName = str | Sequence[str]
@@ -262,6 +264,57 @@ def all_to_all(x: torch.Tensor, axis_name: AxisName, split_axis: int, concat_axi
     if size > 1:
         y = env.collective("all_to_all", y, axes, (0, 0, True))
     return y.movedim(0, c)
+
+
+def ragged_all_to_all(x: torch.Tensor, axis_name: AxisName,
+                      split_sizes: Sequence[Sequence[int]], *, axis: int = 0) -> torch.Tensor:
+    """All-to-all with pieces of any sizes (MPI's alltoallv, torch's
+    ``all_to_all_single`` with split sizes): device ``i`` of ``axis_name`` sends its next
+    ``split_sizes[i][j]`` entries along ``axis`` to device ``j``, in order, and each
+    device concatenates what it receives along ``axis`` in axis order.
+
+    ``split_sizes`` is the whole matrix, the same on every device (one row per sender,
+    Python ints): every device then knows what it receives, so no sizes are exchanged
+    (where only a device's own row is known, ``all_gather`` the rows first). Row ``i``
+    must sum to device ``i``'s ``x.shape[axis]``. Gradient: the transposed exchange.
+
+    On ``DeviceMesh(x=2)`` with ``split_sizes=[[1, 2], [3, 0]]``::
+
+        device   sends            receives
+        0        a[0:1] -> 0      a[0:1] ++ b[0:3]
+                 a[1:3] -> 1
+        1        b[0:3] -> 0      a[1:3]
+    """
+    env, axes, size = _setup("ragged_all_to_all", axis_name)
+    x = _tensor(x, "ragged_all_to_all")
+    d = normalize_dim(axis, x.ndim, "ragged_all_to_all axis")
+    sizes = _check_sizes(split_sizes, size, axis_name)
+    me = axis_index(axis_name)
+    if sum(sizes[me]) != x.shape[d]:
+        raise ShardingError(
+            f"lax.ragged_all_to_all: device {me} of {axis_name!r} sends "
+            f"{sum(sizes[me])} entries (row {me} of split_sizes: {list(sizes[me])}) but its "
+            f"x has {x.shape[d]} along axis {d} (shape {tuple(x.shape)}). Each row of "
+            "split_sizes must sum to that device's x.shape[axis].")
+    if size == 1:
+        return x
+    return env.collective("ragged_all_to_all", x, axes, (d, sizes))
+
+
+def _check_sizes(split_sizes: Any, size: int, axis_name: Any) -> tuple[tuple[int, ...], ...]:
+    try:
+        rows = tuple(tuple(row) for row in split_sizes)
+    except TypeError:
+        rows = ()
+    ok = len(rows) == size and all(
+        len(row) == size and all(isinstance(v, int) and not isinstance(v, bool) and v >= 0
+                                 for v in row) for row in rows)
+    if not ok:
+        raise ShardingError(
+            f"lax.ragged_all_to_all: split_sizes is a {size}x{size} matrix of non-negative "
+            f"Python ints (row i: what device i of {axis_name!r} sends to each device). "
+            f"Got {split_sizes!r}.")
+    return rows
 
 
 # --- indices ------------------------------------------------------------------------------

@@ -44,7 +44,7 @@ from typing import Any
 import torch
 
 from shardwise.runtime import backend_for, spmd
-from shardwise.sharding.errors import DEFAULT_TIMEOUT_S, ShardingError, ShardingTypeError
+from shardwise.sharding.errors import ShardingError, ShardingTypeError
 from shardwise.sharding.layout import Layout
 from shardwise.sharding.mesh import DeviceMesh, current_mesh
 from shardwise.spmd import guard, io
@@ -58,7 +58,7 @@ _MISSING: Any = type("_Missing", (), {"__repr__": lambda self: "<missing>"})()
 def shard_map(fn: Callable[..., Any] | None = None, mesh: DeviceMesh | None = None,
               in_specs: Any = _MISSING, out_specs: Any = _MISSING, *,
               check_replicated: bool = False, timeout_s: float | None = None,
-              check_writes: bool = True) -> Any:
+              check_writes: bool = True, out_shapes: Any = None) -> Any:
     """``fn`` mapped over the devices of ``mesh``: returns a function of the global
     arguments (shardwise Tensors, torch tensors or data) that gives shardwise Tensors.
 
@@ -70,9 +70,14 @@ def shard_map(fn: Callable[..., Any] | None = None, mesh: DeviceMesh | None = No
         check_replicated: check that outputs agree along the mesh axes their spec
             leaves replicated (costs one comparison, or collective, per output).
         timeout_s: simulated runtime: how long devices wait for each other at a
-            collective before giving up (default ``distributed.DEFAULT_TIMEOUT_S``).
+            collective before giving up (default ``runtime.spmd.DEFAULT_TIMEOUT_S``,
+            ``distributed.initialize``'s default).
         check_writes: stop fn before it writes to an input block (one Python call per
             torch op in fn; ``False`` still reports such a write, but only after it).
+        out_shapes: the outputs' global shapes, where the caller knows them (one shape,
+            or one per output, None for unknown): on the multi-process runtime the block
+            shapes are then not exchanged (one collective and one host read fewer per
+            call); each block is checked against its shape.
 
     >>> from shardwise import lax
     >>> mesh = DeviceMesh.cpu(4, "x")
@@ -88,7 +93,7 @@ def shard_map(fn: Callable[..., Any] | None = None, mesh: DeviceMesh | None = No
     if fn is None:
         return functools.partial(shard_map, mesh=mesh, in_specs=in_specs, out_specs=out_specs,
                                  check_replicated=check_replicated, timeout_s=timeout_s,
-                                 check_writes=check_writes)
+                                 check_writes=check_writes, out_shapes=out_shapes)
     if not callable(fn):
         raise ShardingTypeError(f"shard_map needs a function fn. Got {fn!r}.")
     mesh = mesh if mesh is not None else current_mesh()
@@ -105,7 +110,7 @@ def shard_map(fn: Callable[..., Any] | None = None, mesh: DeviceMesh | None = No
     io.check_names(in_specs, mesh, "in_specs")
     io.check_names(out_specs, mesh, "out_specs")
     if timeout_s is None:
-        timeout_s = DEFAULT_TIMEOUT_S
+        timeout_s = spmd.DEFAULT_TIMEOUT_S
     if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)):
         raise ShardingTypeError(f"shard_map timeout_s must be a number of seconds. Got "
                                 f"{timeout_s!r} ({type(timeout_s).__name__}).")
@@ -120,7 +125,7 @@ def shard_map(fn: Callable[..., Any] | None = None, mesh: DeviceMesh | None = No
                 f"in_spec). Got keywords {sorted(kwargs)}; bind them with functools.partial."
             )
         return _call(fn, mesh, in_specs, out_specs, args, check_replicated, float(timeout_s),
-                     check_writes)
+                     check_writes, out_shapes)
 
     return mapped
 
@@ -185,7 +190,8 @@ def _check_unmodified(versions: Sequence[tuple[int, torch.Tensor, int]]) -> None
 
 # --- running ------------------------------------------------------------------------------
 def _call(fn: Callable[..., Any], mesh: DeviceMesh, in_specs: Any, out_specs: Any,
-          args: Sequence[Any], check: bool, timeout_s: float, check_writes: bool) -> Any:
+          args: Sequence[Any], check: bool, timeout_s: float, check_writes: bool,
+          out_shapes: Any = None) -> Any:
     if spmd.current_env() is not None:
         raise ShardingError(
             "shard_map was called inside the fn of another shard_map: nesting is not "
@@ -199,4 +205,4 @@ def _call(fn: Callable[..., Any], mesh: DeviceMesh, in_specs: Any, out_specs: An
         guard.guarded(fn, protected), mesh, [(t.shards, t.dist_layout) for t in placed],
         timeout_s)
     _check_unmodified(versions)
-    return io.outputs(results, k, mesh, out_specs, check)
+    return io.outputs(results, k, mesh, out_specs, check, out_shapes)

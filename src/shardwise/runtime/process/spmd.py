@@ -9,6 +9,7 @@ convention (``per_device``: a value replicated over the group is one per device)
     psum_scatter  ReduceScatter(sum)    all_gather in backward
     ppermute      Permute               the inverse send/recv in backward
     all_to_all    AllToAll              the inverse all_to_all in backward
+    ragged_all_to_all  AllToAll         (sizes given: no exchange of sizes)
     replicate     Diverge               all_reduce(sum) over the axes in backward
     take_first    TakeFirst             zeros in backward (off coordinate 0)
 
@@ -40,7 +41,7 @@ from shardwise.sharding.errors import ShardingError
 from shardwise.sharding.layout import Layout
 from shardwise.sharding.mesh import DeviceMesh
 from shardwise.sharding.placements import ReduceOp
-from shardwise.sharding.shapes import split_size
+from shardwise.sharding.shapes import local_shape, split_size
 
 __all__ = ["DistEnv", "replicate", "run_spmd", "spmd_outputs", "take_first"]
 
@@ -96,6 +97,13 @@ def _all_to_all(x: torch.Tensor, grp: collectives.Group, params: tuple[Any, ...]
     return functions.run(functions.AllToAll(concat, split, grp, send, recv, "lax"), x)
 
 
+def _ragged(x: torch.Tensor, grp: collectives.Group, params: tuple[Any, ...]) -> torch.Tensor:
+    dim, sizes = params  # every member's row: what this one receives needs no exchange
+    send = list(sizes[grp.pos])
+    recv = [row[grp.pos] for row in sizes]
+    return functions.run(functions.AllToAll(dim, dim, grp, send, recv, "lax ragged"), x)
+
+
 _OPS: dict[str, Callable[[torch.Tensor, collectives.Group, tuple[Any, ...]], torch.Tensor]] = {
     "psum": _reduce(ReduceOp.SUM),
     "pmax": _reduce(ReduceOp.MAX),
@@ -104,6 +112,7 @@ _OPS: dict[str, Callable[[torch.Tensor, collectives.Group, tuple[Any, ...]], tor
     "psum_scatter": _psum_scatter,
     "ppermute": lambda x, grp, p: _ppermute(x, grp, p[0]),
     "all_to_all": _all_to_all,
+    "ragged_all_to_all": _ragged,
 }
 
 
@@ -119,9 +128,10 @@ class DistEnv:
 
     def collective(self, op: str, x: torch.Tensor, axes: tuple[int, ...],
                    params: tuple[Any, ...]) -> torch.Tensor:
+        grp = collectives.group(self.mesh, axes)
         if observe.active():
-            observe.record(spmd.KIND[op], x.numel() * x.element_size())
-        out: torch.Tensor = _OPS[op](x, collectives.group(self.mesh, axes), params)
+            observe.record(spmd.KIND[op], spmd.sent_bytes(op, x, params, grp.pos, grp.size))
+        out: torch.Tensor = _OPS[op](x, grp, params)
         return out
 
 
@@ -186,11 +196,11 @@ def run_spmd(fn: Callable[..., Any], mesh: DeviceMesh,
 
 def spmd_outputs(mesh: DeviceMesh, index: int | None,
                  blocks: Sequence[Sequence[torch.Tensor | None]], layouts: Sequence[Layout],
-                 check: bool) -> SpmdOutputs:
+                 check: bool, shapes: Sequence[tuple[int, ...] | None] = ()) -> SpmdOutputs:
     """shard_map's outputs (see ``Backend.spmd_outputs``) from this process's blocks:
     one small all_gather of the block shapes (only when a dim is sharded or equality
-    is checked), one max/min all_reduce per checked output, and the zero-gradient
-    boundary off coordinate 0 of the replicated axes."""
+    is checked, and the global shape is not known), one max/min all_reduce per checked
+    output, and the zero-gradient boundary off coordinate 0 of the replicated axes."""
     assert index is not None, "run_spmd ran fn here, so this process holds a device"
     mine: list[torch.Tensor] = []
     for b in blocks:
@@ -198,7 +208,12 @@ def spmd_outputs(mesh: DeviceMesh, index: int | None,
         assert block is not None
         mine.append(block)
     metas: list[Any] = [None] * len(mine)
-    needs = [j for j, lay in enumerate(layouts) if check or any(lay.dims)]
+    known = [j < len(shapes) and shapes[j] is not None for j in range(len(mine))]
+    for j, lay in enumerate(layouts):
+        if known[j] and not check:
+            metas[j] = _known(mine[j], shapes[j], lay, mesh, index)  # type: ignore[arg-type]
+    needs = [j for j, lay in enumerate(layouts)
+             if metas[j] is None and (check or any(lay.dims))]
     if needs:
         # One small all_gather tells every process every block's shape.
         flat = [s for j in needs for s in mine[j].shape]
@@ -219,6 +234,19 @@ def spmd_outputs(mesh: DeviceMesh, index: int | None,
         out[index] = take_first(v, mesh, index, lay.replicated_axes())
         shards.append(out)
     return metas, shards, differ
+
+
+def _known(block: torch.Tensor, shape: tuple[int, ...], layout: Layout, mesh: DeviceMesh,
+           index: int) -> list[tuple[tuple[int, ...], torch.dtype]]:
+    """Every device's block shape of a value of global ``shape`` laid out as ``layout``,
+    after checking this process's own block against it."""
+    want = [local_shape(shape, layout, mesh.coord_of(k)) for k in range(mesh.num_devices)]
+    if tuple(block.shape) != want[index]:
+        raise ShardingError(
+            f"shard_map: the output's global shape was given as {tuple(shape)}, which "
+            f"{layout} lays out as a block of {want[index]} on {mesh.devices[index]!r}, but "
+            f"fn returned {tuple(block.shape)} there. Fix out_shapes or the blocks fn returns.")
+    return [(w, block.dtype) for w in want]
 
 
 def _differ(mine: Sequence[torch.Tensor], layouts: Sequence[Layout], mesh: DeviceMesh

@@ -113,10 +113,11 @@ class Rendezvous:
         self.doing[k] = None
         if op == "return":
             return None
-        if k == 0 and comm.active():
-            # device 0 runs on the caller's thread: its stack names the user's line
-            comm.record(spmd.KIND[op], x.numel() * x.element_size())
         members, pos = _group_of(self.mesh, axes)[k]
+        if k == 0 and comm.active():
+            # once, by device 0 (member 0 of its group), on the caller's thread: the event
+            # names the user's line, not a worker thread's
+            comm.record(spmd.KIND[op], spmd.sent_bytes(op, x, params, 0, len(members)))
         dev = x.device
         vals = [buf[m][3] if buf[m][3].device == dev else buf[m][3].to(dev) for m in members]
         return RULES[op](vals, pos, params)
@@ -146,7 +147,8 @@ class Rendezvous:
                 return
             values = [entry[3] for entry in buf]
             free: tuple[int, ...] = (
-                (params[0],) if op == "all_gather" else (params[1],) if op == "all_to_all"
+                (params[0],) if op in ("all_gather", "ragged_all_to_all")
+                else (params[1],) if op == "all_to_all"
                 else tuple(range(values[0].ndim)) if op == "ppermute" else ())
             _check_shapes(self.mesh, op, axes, values, free)
         except BaseException as err:
@@ -197,6 +199,8 @@ RULES: dict[str, Callable[[Sequence[torch.Tensor], int, tuple[Any, ...]], torch.
     "psum_scatter": lambda vals, pos, p: collectives.reduce_scatter(vals, p[0], pos),
     "ppermute": lambda vals, pos, p: collectives.ppermute(vals, pos, p[0]),
     "all_to_all": lambda vals, pos, p: collectives.all_to_all(vals, p[0], p[1], pos),
+    "ragged_all_to_all": lambda vals, pos, p: collectives.ragged_all_to_all(vals, p[0], pos,
+                                                                            p[1]),
 }
 
 
@@ -311,9 +315,10 @@ def run_spmd(fn: Callable[..., Any], mesh: DeviceMesh,
 
 def spmd_outputs(mesh: DeviceMesh, index: int | None,
                  blocks: Sequence[Sequence[torch.Tensor | None]], layouts: Sequence[Any],
-                 check: bool) -> SpmdOutputs:
+                 check: bool, shapes: Sequence[tuple[int, ...] | None] = ()) -> SpmdOutputs:
     """shard_map's outputs (see ``Backend.spmd_outputs``): every block is here, so the
-    shapes are read and the replicas compared locally; replicas share one object."""
+    shapes are read (known ``shapes`` too: the caller checks them against these) and the
+    replicas compared locally; replicas share one object."""
     metas: list[Any] = []
     shards: list[list[torch.Tensor | None]] = []
     differ: list[tuple[int, ...] | None] = []
