@@ -155,9 +155,8 @@ class _Storage:
 class Peak:
     """A replayed step: ``peak`` bytes on the most loaded device (``device``, an index
     into ``devices``), what each category held on it then (``at_peak``), each device's
-    own peak (``per_device``), each category's largest holding on any one device
-    (``most``), and ``final`` (bytes per category on the most loaded device at the
-    end)."""
+    own peak (``per_device``), each category's largest holding on that device during
+    the step (``most``), and ``final`` (bytes per category on it at the end)."""
 
     peak: int
     device: int
@@ -318,6 +317,12 @@ class Ledger:
                 if ctx.mesh is None:
                     ctx.mesh = t.mesh
                 ctx.values.append(_value(t))
+        if ctx.mesh is not None:  # plain tensors beside them: replicated on the mesh
+            for t in operands:
+                if not isinstance(t, Tensor):
+                    shape = tuple(t.shape)
+                    ctx.values.append(_Value(math.prod(shape), Layout.replicated(
+                        ctx.mesh, len(shape)), shape, t.dtype.itemsize))
         return ctx
 
     def enter(self, args: Any, kwargs: Any) -> _Frame:
@@ -491,8 +496,8 @@ class _Replay:
         n = self.n
         scalar = dict.fromkeys(CATEGORIES, 0)
         vector = {c: np.zeros(n, dtype=np.int64) for c in CATEGORIES}
-        vtop = dict.fromkeys(CATEGORIES, 0)  # each category's vector part, its largest
-        most = dict.fromkeys(CATEGORIES, 0)
+        most = {c: np.zeros(n, dtype=np.int64) for c in CATEGORIES}  # per device
+        high = dict.fromkeys(CATEGORIES, 0)  # scalar part's largest since vector[c] moved
         total_s, total_v = 0, np.zeros(n, dtype=np.int64)
         vmax, vwhere = 0, 0
         per_device = np.zeros(n, dtype=np.int64)
@@ -519,24 +524,27 @@ class _Replay:
                     scalar[c] += sign * amount
                     total_s += sign * amount
                 else:
-                    if not moved_v:
+                    if not moved_v:  # (the stretches end: fold them into the maxima)
                         np.maximum(per_device, total_v + stretch, out=per_device)
+                        np.maximum(most[c], vector[c] + high[c], out=most[c])
                         moved_v = True
                     vector[c] += sign * amount
                     total_v += sign * amount
             if moved_v:
-                stretch = total_s
+                stretch, high[c] = total_s, scalar[c]
                 vwhere = int(total_v.argmax())
                 vmax = int(total_v[vwhere])
-                vtop[c] = int(vector[c].max())
             stretch = max(stretch, total_s)
-            most[c] = max(most[c], scalar[c] + vtop[c])
+            high[c] = max(high[c], scalar[c])
             if total_s + vmax > best:
                 best, where = total_s + vmax, vwhere
                 at_peak = {k: scalar[k] + int(vector[k][where]) for k in CATEGORIES}
         np.maximum(per_device, total_v + stretch, out=per_device)
+        for c in CATEGORIES:
+            np.maximum(most[c], vector[c] + high[c], out=most[c])
         return Peak(best, where, self.devices, tuple(int(x) for x in per_device), at_peak,
-                    most, {k: scalar[k] + int(vector[k][where]) for k in CATEGORIES})
+                    {k: int(most[k][where]) for k in CATEGORIES},
+                    {k: scalar[k] + int(vector[k][where]) for k in CATEGORIES})
 
 
 def iter_tensors(values: Any) -> Iterator[torch.Tensor]:

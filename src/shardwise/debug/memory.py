@@ -44,9 +44,16 @@ class MemoryTracker:
     True
     """
 
-    def __init__(self) -> None:
+    def __init__(self, state: Any = None, *, ledger: Any = None) -> None:
+        """``state``: the modules, optimizers and tensors whose values are held when the
+        block starts (default: every one alive, found by the garbage collector);
+        ``ledger``: the :class:`~shardwise.debug.ledger.Ledger` to record into (one that
+        also records ops, as ``shardwise.estimate`` passes)."""
+        self._state = state
+        self._given = ledger
         self._ledger: Any = None
         self._params: list[Any] = []
+        self._optimizers: list[Any] = []
         self._hooks: list[Any] = []
         self._result: Any = None
 
@@ -54,17 +61,9 @@ class MemoryTracker:
         import torch
 
         from shardwise.debug.ledger import Ledger
-        from shardwise.tensors.tensor import Tensor
 
-        ledger = self._ledger = Ledger()
-        values, optimizers = [], []
-        with warnings.catch_warnings():  # (isinstance on deprecated torch objects warns)
-            warnings.simplefilter("ignore")
-            for obj in gc.get_objects():
-                if isinstance(obj, (Tensor, torch.nn.Parameter)):
-                    values.append(obj)
-                elif isinstance(obj, torch.optim.Optimizer):
-                    optimizers.append(obj)
+        ledger = self._ledger = self._given if self._given is not None else Ledger()
+        values, optimizers = _held(self._state)
         self._optimizers = optimizers
         for v in values:
             if isinstance(v, torch.nn.Parameter):
@@ -74,6 +73,8 @@ class MemoryTracker:
                     ledger.categorize(v.grad, "grads")
         ledger.discover(values)
         self._optimizer_state()
+        from shardwise.tensors.tensor import Tensor
+
         for p in self._params:
             for b in p.held.buffers() if isinstance(p, Tensor) else (p,):
                 if b.requires_grad and b.grad_fn is None:
@@ -82,7 +83,7 @@ class MemoryTracker:
         return self
 
     def _grad(self, leaf: Any) -> None:
-        if leaf.grad is not None:
+        if leaf.grad is not None and self._ledger is not None:
             self._ledger.categorize(leaf.grad, "grads")
 
     def _optimizer_state(self) -> None:
@@ -136,6 +137,11 @@ class MemoryTracker:
         return dict(self._done().at_peak)
 
     @property
+    def most(self) -> dict[str, int]:
+        """Each category's largest holding on the most loaded device during the block."""
+        return dict(self._done().most)
+
+    @property
     def final(self) -> dict[str, int]:
         """Bytes per category on the most loaded device when the block ended."""
         return dict(self._done().final)
@@ -145,3 +151,45 @@ class MemoryTracker:
             return "MemoryTracker(running)" if self._ledger is not None else "MemoryTracker()"
         parts = ", ".join(f"{k} {v}" for k, v in self.at_peak.items())
         return f"MemoryTracker(peak {self.peak} B on {self.device}: {parts})"
+
+
+def _held(state: Any) -> tuple[list[Any], list[Any]]:
+    """The tensors (shardwise Tensors and parameters) and optimizers of ``state`` (modules,
+    optimizers, tensors, nested in lists, tuples and dicts), or every live one (None)."""
+    import torch
+
+    from shardwise.tensors.tensor import Tensor
+
+    values: list[Any] = []
+    optimizers: list[Any] = []
+    if state is None:
+        from torch._subclasses.fake_tensor import is_fake
+
+        gc.collect()  # (values in cycles that died hold no memory)
+        with warnings.catch_warnings():  # (isinstance on deprecated torch objects warns)
+            warnings.simplefilter("ignore")
+            for obj in gc.get_objects():
+                if isinstance(obj, Tensor):
+                    first = obj.held.first()
+                    if first is not None and not is_fake(first):  # (fakes hold nothing)
+                        values.append(obj)
+                elif isinstance(obj, torch.nn.Parameter) and not is_fake(obj):
+                    values.append(obj)
+                elif isinstance(obj, torch.optim.Optimizer):
+                    optimizers.append(obj)
+        return values, optimizers
+    todo = [state]
+    while todo:
+        x = todo.pop()
+        if isinstance(x, (list, tuple)):
+            todo.extend(x)
+        elif isinstance(x, dict):
+            todo.extend(x.values())
+        elif isinstance(x, torch.nn.Module):
+            values.extend(x.parameters())
+            values.extend(b for b in x.buffers() if isinstance(b, Tensor))
+        elif isinstance(x, torch.optim.Optimizer):
+            optimizers.append(x)
+        elif isinstance(x, torch.Tensor):
+            values.append(x)
+    return values, optimizers
