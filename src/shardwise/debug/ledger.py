@@ -113,6 +113,10 @@ class _Value:
     shape: tuple[int, ...]
     itemsize: int
 
+    @property
+    def sizes(self) -> tuple[int, ...]:
+        return tuple(sorted(self.shape))
+
 
 @dataclass(eq=False)
 class Context:
@@ -125,13 +129,17 @@ class Context:
     result: _Value | None = None
     work: float = 1.0
 
-    def charge_of(self, numel: int, nbytes: int, itemsize: int) -> tuple[DeviceMesh, Bytes] | None:
-        """The charge of an op-internal buffer of ``numel`` elements in this context."""
+    def charge_of(self, rec: _Storage) -> tuple[DeviceMesh, Bytes] | None:
+        """The charge of an op-internal buffer in this context: the layout of a value of
+        its sizes (in any order: a transposed gradient), else of as many elements, else
+        the result's share of every device."""
         if self.mesh is None:
             return None
-        for v in self.values:
-            if v.numel == numel:
-                return v.layout.mesh, _block_bytes(v.layout, v.shape, itemsize)
+        numel, nbytes, itemsize = rec.numel, rec.nbytes, rec.itemsize
+        for same in (lambda v: v.sizes == rec.sizes, lambda v: v.numel == numel):
+            for v in self.values:
+                if same(v):
+                    return v.layout.mesh, _block_bytes(v.layout, v.shape, itemsize)
         main = self.result or max(self.values, key=lambda v: v.numel, default=None)
         if main is None or main.numel == 0:
             return self.mesh, nbytes
@@ -146,6 +154,7 @@ class _Storage:
     nbytes: int
     numel: int
     itemsize: int
+    sizes: tuple[int, ...] = ()  # the sizes (sorted) of the tensor first seen in it
     charge: tuple[DeviceMesh, Bytes] | None = None
     exact: bool = False
     category: str = "activations"
@@ -297,7 +306,7 @@ class Ledger:
         if not rec.exact:
             self._set(rec, charge)
         elif rec.category in _PINNED:
-            own = _Storage(0, 0, itemsize, charge, True)
+            own = _Storage(0, 0, itemsize, (), charge, True)
             self.log.append(("+", own, None))
             self._finalizers.append(weakref.finalize(buffer, self._died, None, own))
         else:  # (rec.charge stays the charge at its allocation, which replay starts from)
@@ -351,7 +360,7 @@ class Ledger:
                 ctx.work = 1.0 / _span(r.dist_layout)
         for rec in frame.new:
             if not rec.exact and rec.charge is None:
-                rec.charge = ctx.charge_of(rec.numel, rec.nbytes, rec.itemsize)
+                rec.charge = ctx.charge_of(rec)
         if frame.ops and self.op_sink is not None:
             self.op_sink(ctx, frame.ops, False)
         if ctx.mesh is not None:
@@ -376,10 +385,11 @@ class Ledger:
             if st._cdata in self.live:
                 continue
             rec = self._record(st, t.dtype.itemsize)
+            rec.sizes = tuple(sorted(t.shape))
             if frame is not None:
                 frame.new.append(rec)
             elif ctx is not None:
-                rec.charge = ctx.charge_of(rec.numel, rec.nbytes, rec.itemsize)
+                rec.charge = ctx.charge_of(rec)
         if self.op_record is not None:
             op = self.op_record(func, args, kwargs, out)
             if op is not None:

@@ -46,7 +46,7 @@ from shardwise.sharding.mesh import DeviceMesh
 from shardwise.sharding.types import BufferType, DistributedTensorType, TensorType
 from shardwise.tensors.tensor import Tensor
 
-__all__ = ["CommRow", "Estimate", "Memory", "estimate"]
+__all__ = ["CommRow", "Estimate", "Memory", "estimate", "fake_world", "measure"]
 
 
 @dataclass(frozen=True)
@@ -94,11 +94,8 @@ class Estimate:
         return self.timing.step
 
     def retime(self, profile: str | Profile) -> Estimate:
-        """This estimate's time on another profile (memory and collectives are the same).
-
-        >>> est.retime("a100").time_s > est.time_s     # an A100 is slower than an H100
-        True
-        """
+        """This estimate's time on another profile (memory and collectives are the
+        same; see :func:`estimate`'s example)."""
         prof = get_profile(profile)
         out = copy.copy(self)
         out.profile = prof
@@ -244,7 +241,13 @@ def _fake_memo(values: Any) -> dict[int, Any]:
 
 @contextlib.contextmanager
 def fake_world() -> Iterator[FakeTensorMode]:
-    """Fake tensors for a step: torch's fake mode, with its data-pointer warnings off."""
+    """Fake tensors for a step: torch's fake mode, with its data-pointer warnings off.
+
+    >>> with fake_world():
+    ...     x = torch.ones(2**20, 2**20)       # 4 TiB, never allocated
+    >>> type(x).__name__
+    'FakeTensor'
+    """
     with FakeTensorMode(allow_non_fake_inputs=True) as mode, warnings.catch_warnings():
         warnings.filterwarnings("ignore", "Accessing the data pointer of FakeTensor")
         warnings.filterwarnings("ignore", category=UserWarning, module="torch")
@@ -304,6 +307,7 @@ def estimate(step_fn: Callable[..., Any], *args: Any, mesh: DeviceMesh,
 
     A data-parallel linear layer on 4 devices, trained with SGD::
 
+        >>> from shardwise.parallel import parallelize_module
         >>> mesh = DeviceMesh.cpu(4, "dp")
         >>> model = parallelize_module(nn.Linear(64, 64), mesh, {})     # replicated
         >>> opt = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -317,12 +321,28 @@ def estimate(step_fn: Callable[..., Any], *args: Any, mesh: DeviceMesh,
         (16640, Counter({'all_reduce': 2}))
         >>> est.comm["dp", "backward", "all_reduce"]
         CommRow(n=2, nbytes=24960)
+        >>> est.retime("a100").time_s > est.time_s     # an A100 is slower than an H100
+        True
     """
     if not isinstance(mesh, DeviceMesh):
         raise ShardingTypeError(f"estimate needs mesh=DeviceMesh(...). Got {mesh!r} "
                                 f"({type(mesh).__name__}); build one with DeviceMesh.cpu(...).")
     if not callable(step_fn):
         raise ShardingTypeError(f"estimate needs a step function. Got {step_fn!r}.")
+    prof = get_profile(profile)
+    _data_axes(mesh, data_axes)
+    with fake_world():
+        fargs, fkwargs = copy.deepcopy((args, kwargs), _fake_memo((args, kwargs)))
+        fargs, fkwargs = _map(_to_fake, fargs), _map(_to_fake, fkwargs)
+        return measure(step_fn, fargs, fkwargs, mesh=mesh, profile=prof, warmup=warmup,
+                       data_axes=data_axes)
+
+
+def measure(step_fn: Callable[..., Any], args: Any, kwargs: Any, *, mesh: DeviceMesh,
+            profile: str | Profile | None = None, warmup: int | str = "optimizer",
+            data_axes: Any = None) -> Estimate:
+    """:func:`estimate` on arguments that are ours to change: fake values made inside
+    :func:`fake_world` (``auto_plan`` builds its candidates there)."""
     prof = get_profile(profile)
     data = _data_axes(mesh, data_axes)
     ranks: dict[DeviceMesh, int] = {}
@@ -332,31 +352,30 @@ def estimate(step_fn: Callable[..., Any], *args: Any, mesh: DeviceMesh,
 
     recorder = _Recorder(stage_of)
     ledger = Ledger(op_record=op_record, op_sink=recorder)
-    with fake_world():
-        fargs, fkwargs = copy.deepcopy((args, kwargs), _fake_memo((args, kwargs)))
-        fargs, fkwargs = _map(_to_fake, fargs), _map(_to_fake, fkwargs)
-        optimizers = [o for o in _walk((fargs, fkwargs)) if isinstance(o, torch.optim.Optimizer)]
-        sched = next((x for x in _walk((fargs, fkwargs)) if isinstance(x, PipelineSchedule)),
-                     None)
-        p2p: list[int] = []
-        if sched is not None:
-            for st in sched.pipe.stages:
-                ranks.setdefault(st.mesh, len(ranks))
-                st.module.register_forward_hook(functools.partial(_output_bytes, p2p))
-        if warmup == "optimizer":
-            _prime(optimizers)
-        else:
-            for _ in range(int(warmup)):
-                _run(step_fn, fargs, fkwargs)
-        counter = CommCounter()
-        undo = _watch_optimizers(optimizers, recorder, counter)
-        try:
-            state = (fargs, fkwargs, [] if sched is None else
-                     [st.module for st in sched.pipe.stages])
-            with MemoryTracker(state, ledger=ledger) as tracker, counter:
-                _run(step_fn, fargs, fkwargs)
-        finally:
-            undo()
+    optimizers = [o for o in _walk((args, kwargs)) if isinstance(o, torch.optim.Optimizer)]
+    sched = next((x for x in _walk((args, kwargs)) if isinstance(x, PipelineSchedule)), None)
+    p2p: list[int] = []
+    hooks = []
+    if sched is not None:
+        for st in sched.pipe.stages:
+            ranks.setdefault(st.mesh, len(ranks))
+            hooks.append(st.module.register_forward_hook(
+                functools.partial(_output_bytes, p2p)))
+    if warmup == "optimizer":
+        _prime(optimizers)
+    else:
+        for _ in range(int(warmup)):
+            _run(step_fn, args, kwargs)
+    counter = CommCounter()
+    undo = _watch_optimizers(optimizers, recorder, counter)
+    try:
+        state = (args, kwargs, [] if sched is None else [st.module for st in sched.pipe.stages])
+        with MemoryTracker(state, ledger=ledger) as tracker, counter:
+            _run(step_fn, args, kwargs)
+    finally:
+        undo()
+        for h in hooks:
+            h.remove()
     comms: list[CommRecord] = []
     rows: dict[tuple[str, str, str], list[int]] = {}
     for i, e in enumerate(counter.events):

@@ -37,7 +37,7 @@ class Link:
         each: ring hops (``2(n-1)`` for all_reduce, ``n-1`` for gathers, scatters and
         all_to_all, 1 for a permute).
 
-        >>> Link(1e-5, 1e-9).seconds("all_reduce", 4, 1000)
+        >>> round(Link(1e-5, 1e-9).seconds("all_reduce", 4, 1000), 9)
         6.1e-05
         """
         if group <= 1:

@@ -93,8 +93,11 @@ def op_seconds(op: OpRecord, profile: Profile) -> float:
     """One op's time on ``profile`` (module doc).
 
     >>> from shardwise.planning.profiles import get_profile
-    >>> op_seconds(OpRecord(0, "forward", 2e12, 1e9, "bfloat16"), get_profile("h100"))
-    0.002021426395795432
+    >>> h100 = get_profile("h100")
+    >>> round(op_seconds(OpRecord(0, "forward", 989.4e12, 1e9, "bfloat16"), h100), 6)
+    1.0
+    >>> round(op_seconds(OpRecord(0, "forward", 0.0, 3.35e12, "float32"), h100), 6)
+    1.0
     """
     if op.frame:
         return profile.op_overhead
