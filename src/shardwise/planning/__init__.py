@@ -8,9 +8,13 @@ Invariants:
 
 from __future__ import annotations
 
-from shardwise.planning.estimator import CommRow, Estimate, Memory, estimate
+from shardwise.planning.estimator import CommRow, Estimate, Memory, estimate, fake_world
+from shardwise.planning.plans import ParallelPlan, Recompute
 from shardwise.planning.profiles import PRESETS, Link, Profile, get_profile
+from shardwise.planning.search import Candidate, PlanChoice, auto_plan
 from shardwise.planning.timing import Timing
+from shardwise.planning.transformer import ModelConfig, Transformer
 
-__all__ = ["PRESETS", "CommRow", "Estimate", "Link", "Memory", "Profile", "Timing",
-           "estimate", "get_profile"]
+__all__ = ["PRESETS", "Candidate", "CommRow", "Estimate", "Link", "Memory", "ModelConfig",
+           "ParallelPlan", "PlanChoice", "Profile", "Recompute", "Timing", "Transformer",
+           "auto_plan", "estimate", "fake_world", "get_profile"]
