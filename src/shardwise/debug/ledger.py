@@ -84,7 +84,7 @@ def _block_bytes(layout: Layout, shape: tuple[int, ...], itemsize: int) -> Bytes
         if size % n == 0:
             even *= size // n
             continue
-        if coords is None:
+        if coords is None or per is None:
             coords = np.indices(mesh_shape).reshape(len(mesh_shape), -1)
             per = np.ones(coords.shape[1], dtype=np.int64)
         piece = np.zeros(coords.shape[1], dtype=np.int64)
@@ -374,7 +374,7 @@ class Ledger:
         ctx: Context | None = None
         frame: _Frame | None = None
         if node is not None:
-            ctx = node.metadata.get(_KEY) or self.last
+            ctx = node.metadata.get(_KEY) or self.last  # type: ignore[attr-defined]
             self.last = ctx
         elif self.frames:
             frame = self.frames[-1]

@@ -8,6 +8,7 @@ Invariants:
 
 from __future__ import annotations
 
+from shardwise.planning.calibration import calibrate
 from shardwise.planning.estimator import CommRow, Estimate, Memory, estimate, fake_world
 from shardwise.planning.plans import ParallelPlan, Recompute
 from shardwise.planning.profiles import PRESETS, Link, Profile, get_profile
@@ -17,4 +18,4 @@ from shardwise.planning.transformer import ModelConfig, Transformer
 
 __all__ = ["PRESETS", "Candidate", "CommRow", "Estimate", "Link", "Memory", "ModelConfig",
            "ParallelPlan", "PlanChoice", "Profile", "Recompute", "Timing", "Transformer",
-           "auto_plan", "estimate", "fake_world", "get_profile"]
+           "auto_plan", "calibrate", "estimate", "fake_world", "get_profile"]

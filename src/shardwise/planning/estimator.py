@@ -38,8 +38,8 @@ from shardwise.api.creation import tensor as make_tensor
 from shardwise.debug.comm import CommCounter
 from shardwise.debug.ledger import Context, Ledger, block_bytes
 from shardwise.debug.memory import MemoryTracker
-from shardwise.planning.profiles import Profile, get_profile
 from shardwise.pipelining.executor import PipelineSchedule
+from shardwise.planning.profiles import Profile, get_profile
 from shardwise.planning.timing import CommRecord, OpRecord, Pipeline, Timing, time_step
 from shardwise.sharding.errors import ShardingError, ShardingTypeError
 from shardwise.sharding.mesh import DeviceMesh

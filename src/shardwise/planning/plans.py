@@ -24,6 +24,7 @@ import torch
 import torch.nn as nn
 from torch.utils.checkpoint import checkpoint
 
+from shardwise import pipelining
 from shardwise.parallel import (
     ColwiseParallel,
     MixedPrecisionPolicy,
@@ -32,7 +33,6 @@ from shardwise.parallel import (
     fully_shard,
     parallelize_module,
 )
-from shardwise import pipelining
 from shardwise.pipelining import PipelineSchedule, pipeline
 from shardwise.sharding.mesh import DeviceMesh
 from shardwise.sharding.placements import Sharded
@@ -48,7 +48,7 @@ def style_of(name: str) -> ParallelStyle:
     whose class-sharded logits ``loss_parallel`` reads).
 
     >>> style_of("rowwise")
-    RowwiseParallel(input_layouts=None, output_layouts=None, use_local_output=True)
+    RowwiseParallel()
     """
     if name == "colwise":
         return ColwiseParallel()
@@ -56,7 +56,8 @@ def style_of(name: str) -> ParallelStyle:
         return RowwiseParallel()
     if name == "colwise_sharded":
         return ColwiseParallel(output_layouts=Sharded(-1))
-    raise ValueError(f"Unknown tensor-parallel style {name!r}. Use one of {STYLE_NAMES}.")
+    raise ValueError(f"Cannot name a tensor-parallel style. Got {name!r}; use one of "
+                     f"{STYLE_NAMES}.")
 
 
 class Recompute(nn.Module):
@@ -128,7 +129,7 @@ class ParallelPlan:
             return model
         layers = len(model.layers)  # type: ignore[arg-type]
         pipe = pipeline(model, mesh, split_points=self.split_points(layers))
-        for st in pipe.stages:
+        for st in pipe.local_stages:  # (every stage on the simulated mesh)
             self._lay_out(st.module, st.mesh)
         schedule: type[PipelineSchedule] = getattr(pipelining, f"Schedule{self.schedule}")
         return schedule(pipe, n_microbatches=self.microbatches, loss_fn=loss_fn)

@@ -4,7 +4,9 @@ Invariants:
 - A :class:`Profile` is a frozen value: flop rates per dtype, memory bandwidth and size,
   per-op overheads, the links (an alpha-beta pair: seconds per message hop, seconds per
   byte) within a node and across nodes, and optionally links measured per group
-  (``calibrate``: keyed by group size and stride of a mesh axis).
+  (``calibrate``: keyed by group size and stride of a mesh axis). On an accelerator a
+  kernel's launch overlaps the previous kernel (an op costs the larger of the two);
+  on a ``host_bound`` machine (the CPU, which both launches and computes) they add.
 - A mesh axis is within a node when the devices it spans (its size times the product
   of the sizes of the axes after it, row-major) fit in one node; else it crosses nodes.
 - Presets carry published figures (cited beside them), not measurements.
@@ -69,6 +71,7 @@ class Profile:
     kernel_overhead: float = 0.0
     overlap: float = 0.0
     groups: dict[tuple[int, int], Link] = field(default_factory=dict)
+    host_bound: bool = False
 
     def flop_rate(self, dtype: Any) -> float:
         """FLOP/s for matmuls in ``dtype`` (a torch dtype or its name)."""

@@ -40,7 +40,7 @@ from shardwise.sharding.mappings import PlacementMapping
 from shardwise.sharding.mesh import DeviceMesh
 from shardwise.sharding.placements import Replicated, Sharded
 
-__all__ = ["Candidate", "PlanChoice", "auto_plan", "evaluate"]
+__all__ = ["Candidate", "PlanChoice", "auto_plan", "evaluate", "inputs", "train_step"]
 
 
 @dataclass
@@ -93,8 +93,8 @@ class _Model:
             probe = model()
         c = getattr(probe, "config", None)
         self.layers = len(getattr(probe, "layers", ()))
-        self.vocab = getattr(c, "vocab", None) or getattr(c, "vocab_size", None)
-        self.seq = seq or getattr(c, "seq", None)
+        self.vocab = int(getattr(c, "vocab", None) or getattr(c, "vocab_size", None) or 0)
+        self.seq = int(seq or getattr(c, "seq", None) or 0)
         heads = getattr(c, "heads", None) or 1
         self.heads = (heads, getattr(c, "kv_heads", 0) or heads)
         if not (self.vocab and self.seq):
@@ -115,7 +115,10 @@ class _Model:
         return self.config is not None
 
 
-def _step(target: Any, opt: torch.optim.Optimizer, ids: Any, targets: Any) -> None:
+def train_step(target: Any, opt: torch.optim.Optimizer, ids: Any, targets: Any) -> None:
+    """One training step of what :meth:`ParallelPlan.apply` returned: forward (the
+    pipeline's schedule, or the model's loss) and backward under ``loss_parallel``,
+    then ``opt.step()`` and ``opt.zero_grad()``."""
     with loss_parallel():
         if hasattr(target, "pipe"):
             target.step(ids, target=targets, losses=[])
@@ -125,10 +128,10 @@ def _step(target: Any, opt: torch.optim.Optimizer, ids: Any, targets: Any) -> No
     opt.zero_grad()
 
 
-def _inputs(mesh: DeviceMesh, batch: int, seq: int) -> Any:
-    placements = [Sharded(0) if n == "dp" else Replicated() for n in mesh.axis_names]
-    return make_tensor(torch.empty((batch, seq), dtype=torch.int64),
-                       sharding=PlacementMapping(mesh, placements))
+def inputs(mesh: DeviceMesh, ids: torch.Tensor) -> Any:
+    """``ids`` (the global batch) on ``mesh``: Sharded(0) over ``dp``, else Replicated."""
+    placements = tuple(Sharded(0) if n == "dp" else Replicated() for n in mesh.axis_names)
+    return make_tensor(ids, sharding=PlacementMapping(mesh, placements))
 
 
 def evaluate(model: _Model, plan: ParallelPlan, batch: int, profile: Profile,
@@ -146,8 +149,10 @@ def evaluate(model: _Model, plan: ParallelPlan, batch: int, profile: Profile,
             params, first = list(m.parameters()), plan.mesh()
             last = first
         opt = torch.optim.AdamW(params, lr=1e-4, foreach=True)
-        ids, tgt = _inputs(first, batch, model.seq), _inputs(last, batch, model.seq)
-        return measure(_step, (target, opt, ids, tgt), {}, mesh=plan.mesh(), profile=profile)
+        empty = torch.empty((batch, model.seq), dtype=torch.int64)
+        ids, tgt = inputs(first, empty), inputs(last, empty)
+        return measure(train_step, (target, opt, ids, tgt), {}, mesh=plan.mesh(),
+                       profile=profile)
 
 
 def _summary(est: Estimate) -> dict[str, Any]:
@@ -246,8 +251,8 @@ class _Search:
             styles = self.styles(ParallelPlan(dp=devices // t, tp=t))
         for t in tps:
             dp = devices // t
-            if self.batch % dp:
-                continue
+            if self.batch % dp or (t > 1 and not styles):
+                continue  # (a tp axis nothing is sharded over only repeats the work)
             for fsdp in ([False, True] if dp > 1 else [False]):
                 base = ParallelPlan(dp=dp, tp=t, fsdp=fsdp, styles=styles if t > 1 else ())
                 found += self._with_recompute(base)
@@ -343,12 +348,16 @@ def auto_plan(model: Any, *, devices: int, batch: int, memory_budget: int | None
         ``tp_plan()`` for ``parallelize_module``), ``.estimate``, ``.candidates``.
 
     >>> from shardwise.planning import ModelConfig
-    >>> choice = auto_plan(ModelConfig.gpt(dim=64, layers=2), devices=4, batch=8)
-    >>> print(choice.plan)                          # Megatron: column then row parallel
+    >>> gpt = ModelConfig.gpt(vocab=8192, seq=512, dim=1024, heads=8, layers=2)
+    >>> choice = auto_plan(gpt, devices=4, batch=8, profile="h100")
+    >>> print(choice.plan)                          # it fits: data parallel is fastest
+    dp4
+    >>> tp = next(c for c in choice.candidates if c.plan.tp > 1)
+    >>> print(tp.plan)                              # Megatron: column then row parallel
     dp2 x tp2 [wq colwise, wk colwise, wv colwise, wo rowwise, w1 colwise, w2 rowwise, \
 head colwise_sharded]
-    >>> choice.estimate.comm["tp", "forward", "all_reduce"].n   # two per block
-    4
+    >>> tp.estimate.comm["tp", "forward", "all_reduce"].n   # two per block, two in the loss
+    6
     """
     if devices < 1 or batch < 1:
         raise ShardingError(f"auto_plan needs devices >= 1 and batch >= 1. Got devices="

@@ -2,9 +2,10 @@
 axis, and the pipeline's bubble from ``pipelining.simulate``.
 
 Invariants:
-- An op a device runs costs ``max(flops / flop rate, bytes / memory bandwidth, kernel
-  overhead)``; each shardwise op (a torch call on shardwise Tensors) adds the profile's
-  ``op_overhead``. Flops and bytes are the whole value's times the share of the op each
+- An op a device runs costs ``max(flops / flop rate, bytes / memory bandwidth)`` and
+  its kernel overhead (the larger of the two on an accelerator, their sum on a
+  host-bound CPU); each shardwise op (a torch call on shardwise Tensors) adds the
+  profile's ``op_overhead``. Flops and bytes are the whole value's times the share of the op each
   device does (:class:`shardwise.debug.ledger.Context`), so nothing loops over devices.
 - A collective costs its link's ``alpha * hops + beta * bytes`` (``Profile.link``).
   Collectives over the data axes may hide behind compute (``Profile.overlap``: the
@@ -101,8 +102,10 @@ def op_seconds(op: OpRecord, profile: Profile) -> float:
     """
     if op.frame:
         return profile.op_overhead
-    return max(op.flops / profile.flop_rate(op.dtype), op.nbytes / profile.memory_bandwidth,
-               profile.kernel_overhead)
+    work = max(op.flops / profile.flop_rate(op.dtype), op.nbytes / profile.memory_bandwidth)
+    if profile.host_bound:
+        return work + profile.kernel_overhead
+    return max(work, profile.kernel_overhead)
 
 
 def time_step(ops: Sequence[OpRecord], comms: Sequence[CommRecord], profile: Profile,
