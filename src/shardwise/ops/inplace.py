@@ -15,7 +15,7 @@ Invariants:
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -27,7 +27,7 @@ from shardwise.ops.factories import zeros_like
 from shardwise.ops.registry import TensorMethod, describe, register, shape_args, type_name
 from shardwise.sharding.errors import ShardingError, ShardingTypeError
 from shardwise.sharding.layout import Layout
-from shardwise.tensors.tensor import HANDLERS, Tensor, place
+from shardwise.tensors.tensor import HANDLERS, Tensor, pieces, place
 
 __all__ = ["write_into"]
 
@@ -77,19 +77,6 @@ def _write(self: Tensor, value: Tensor, name: str) -> Tensor:
     return self
 
 
-def _same_layout_rows(self: Tensor, operands: Sequence[Any]) -> bool:
-    lay = self.dist_layout
-    if lay.is_partial:
-        return False
-    for a in operands:
-        if isinstance(a, Tensor):
-            if a.dist_layout != lay and not (a.ndim == 0 and not a.dist_layout.is_partial):
-                return False
-        elif isinstance(a, torch.Tensor) and a.ndim != 0:
-            return False
-    return True
-
-
 def _inplace(name: str, method: Any, out_of_place: Callable[..., Any] | None
              ) -> Callable[..., Any]:
     """``x.op_(...)``: run ``method`` on each distinct local buffer when every operand
@@ -97,22 +84,17 @@ def _inplace(name: str, method: Any, out_of_place: Callable[..., Any] | None
 
     def handler(self: Any, *args: Any, **kwargs: Any) -> Any:
         t = _target(self, name)
-        if _same_layout_rows(t, list(args) + list(kwargs.values())):
+        rows = pieces(t, args)
+        if rows is not None and not any(isinstance(v, torch.Tensor) for v in kwargs.values()):
             # the optimizers' hot path: the method on each buffer of t (its whole value,
             # or each distinct block) with the operands' pieces at the same place
-            local = t.held
-            tensors = [i for i, a in enumerate(args) if isinstance(a, Tensor)]
-            tkw = [key for key, v in kwargs.items() if isinstance(v, Tensor)]
-            call = list(args)
-            kw = dict(kwargs)
-            for j, b in enumerate(local.buffers()):
-                for i in tensors:
-                    a = args[i]
-                    call[i] = local.part(a.held, j, a.dist_layout, a.shape)
-                for key in tkw:
-                    a = kwargs[key]
-                    kw[key] = local.part(a.held, j, a.dist_layout, a.shape)
-                method(b, *call, **kw)
+            for b, row in rows:
+                method(b, *row, **kwargs)
+            return t
+        kw_rows = pieces(t, list(kwargs.values())) if rows is not None else None
+        if rows is not None and kw_rows is not None:
+            for (b, row), (_, kw) in zip(rows, kw_rows):
+                method(b, *row, **dict(zip(kwargs, kw)))
             return t
         if out_of_place is None:
             _refuse_partial(t, name)

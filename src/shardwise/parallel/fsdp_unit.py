@@ -49,6 +49,8 @@ from shardwise.parallel.fsdp_flat import Blocks, Flat, one_all_gather
 from shardwise.parallel.precision import MixedPrecisionPolicy
 from shardwise.planner import Plan, make_plan
 from shardwise.runtime import backend_for, observe, position
+from shardwise.runtime.local import Blocks as HeldBlocks
+from shardwise.runtime.local import hold
 from shardwise.runtime.owner import GradOwner
 from shardwise.sharding.errors import ShardingError
 from shardwise.sharding.layout import Layout
@@ -337,10 +339,8 @@ class Unit:
         process holds wholly, :attr:`wholes`) the parameter's own value (a view, or a
         cast copy), counted as those all_gathers."""
         if self.wholes:
-            return [Tensor.from_whole(w, fp.gathered).held
-                    for w, fp in zip(self.gather_wholes(), self.params)]
-        return [Tensor(blocks, fp.gathered, fp.sharded.shape, self.dtype(i)).held
-                for i, (blocks, fp) in enumerate(zip(self.gather_all(), self.params))]
+            return [hold(w, fp.gathered) for w, fp in zip(self.gather_wholes(), self.params)]
+        return [HeldBlocks(tuple(blocks)) for blocks in self.gather_all()]
 
     def leaves(self) -> list[torch.Tensor]:
         """The sharded parameters' buffers the gather differentiates: their whole values

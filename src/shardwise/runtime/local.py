@@ -177,6 +177,13 @@ class Local:
         """This value held as its blocks (a value held whole: its cut blocks, views)."""
         raise NotImplementedError
 
+    def as_whole(self, layout: Layout, shape: tuple[int, ...], itemsize: int) -> Whole:
+        """This value held whole, laid out as ``layout`` (a value held as blocks: its
+        derived whole, which the caller knows it has)."""
+        w = self.whole_of(layout, shape, itemsize)
+        assert w is not None, "asked for a whole of a value that has none"
+        return Whole(w, layout)
+
     def alias(self) -> Local:
         """This value for another Tensor of the same layout: the same blocks, or a
         value held whole as its own autograd node (one leaf keeps one ``.grad``)."""
@@ -419,9 +426,28 @@ class Whole(Local):
     def buffers(self) -> tuple[torch.Tensor, ...]:
         return (self.value,)
 
+    def part(self, other: Local, i: int, layout: Layout,
+             shape: tuple[int, ...] | None = None) -> torch.Tensor:
+        if type(other) is Whole:  # (the optimizers' operands: one call, no lookups)
+            return other.value
+        return self._part(other, layout, shape)
+
     def version(self) -> int:
         value = self.value
         return 0 if value.is_inference() else value._version
+
+    # the questions Local answers from buffers(), answered from the one value
+    @property
+    def requires_grad(self) -> bool:
+        return self.value.requires_grad
+
+    @property
+    def is_leaf(self) -> bool:
+        return self.value.is_leaf
+
+    @property
+    def grad_fn(self) -> Any:
+        return self.value.grad_fn
 
     def grad_leaf(self) -> bool:
         value = self.value
@@ -450,8 +476,8 @@ class Whole(Local):
         assert g is not None
         return Whole(g, layout)
 
-    def part(self, other: Local, i: int, layout: Layout,
-             shape: tuple[int, ...] | None = None) -> torch.Tensor:
+    def _part(self, other: Local, layout: Layout, shape: tuple[int, ...] | None
+              ) -> torch.Tensor:
         shape = tuple(self.value.shape) if shape is None else shape
         w = other.whole_of(layout, shape, self.value.dtype.itemsize, False)
         if w is None:  # held as blocks (a relayout's result): their global value
@@ -462,6 +488,12 @@ class Whole(Local):
 
     def as_blocks(self) -> Blocks:
         return Blocks(self.blocks)
+
+    def as_whole(self, layout: Layout, shape: tuple[int, ...], itemsize: int) -> Whole:
+        return self
+
+    def grads(self) -> tuple[torch.Tensor | None, ...]:
+        return (self.value.grad,)
 
     def alias(self) -> Local:
         value = self.value
@@ -729,20 +761,3 @@ def _failed(op: str, call: Sequence[Any], factors: Any, err: Exception) -> Shard
 def _misshapen(op: str, k: int, r: torch.Tensor, expect: Any) -> AssertionError:
     return AssertionError(f"{op}: device {k} computed a block of shape {tuple(r.shape)}, "
                           f"the layout gives {tuple(expect)}")
-
-
-def run_whole(op: str, fn: Callable[..., torch.Tensor], call: list[Any],
-              out_shape: tuple[int, ...], shapes: Sequence[Sequence[int]], rule: str,
-              shaped: bool) -> torch.Tensor:
-    """``fn`` once on the operands' whole values ``call`` (``shaped``: with the global
-    output shape appended): the global op, one autograd node."""
-    if shaped:
-        call.append(out_shape)
-    try:
-        r = fn(*call)
-    except (RuntimeError, TypeError, ValueError, IndexError) as err:  # (one block: the whole)
-        raise failed(op, call, shapes, rule, err) from err
-    if r.shape != out_shape:
-        raise AssertionError(
-            f"{op}: the whole result has shape {tuple(r.shape)}, the rule gives {out_shape}")
-    return r

@@ -50,7 +50,7 @@ from shardwise.planner import Plan, make_plan
 from shardwise.propagation.binding import Factors
 from shardwise.propagation.decide import Decision, decide
 from shardwise.runtime import observe as comm
-from shardwise.runtime.local import COPY_BYTES, Local, Whole, local_mesh, versions
+from shardwise.runtime.local import COPY_BYTES, Local, local_mesh, versions
 from shardwise.runtime.owner import GradOwner
 from shardwise.sharding.layout import Layout
 
@@ -63,15 +63,17 @@ Key = tuple[Layout, tuple[int, ...], bool, bool]
 
 class _Entry:
     """One kept operand: its source when stored (Local, layout, version), the kept
-    Tensor, the kept Local's buffers that are not the source's own (``watched``) and
-    the sum of their versions then."""
+    Local (and the Tensor over it, once :func:`relayout` asked for one), the kept
+    Local's buffers that are not the source's own (``watched``) and the sum of their
+    versions then."""
 
-    __slots__ = ("kept", "kept_version", "layout", "source", "version", "watched")
+    __slots__ = ("kept", "kept_version", "layout", "source", "tensor", "version", "watched")
 
-    def __init__(self, source: Local, layout: Layout, version: int, kept: Any) -> None:
+    def __init__(self, source: Local, layout: Layout, version: int, kept: Local) -> None:
         self.source, self.layout, self.version, self.kept = source, layout, version, kept
+        self.tensor: Any = None
         own = {id(b) for b in source.buffers()}
-        self.watched = tuple(b for b in kept._local.buffers() if id(b) not in own)
+        self.watched = tuple(b for b in kept.buffers() if id(b) not in own)
         self.kept_version = versions(self.watched)
 
     def fresh(self, source: Local, layout: Layout, version: int) -> bool:
@@ -182,39 +184,37 @@ def kept_layouts(operands: Sequence[Operand | None], whole: bool | None
     return () if out is None else tuple(out)
 
 
-def _kept(x: T, target: Layout, diverge: tuple[int, ...], whole: bool,
-          view: torch.Tensor | None = None) -> T:
+def _kept(x: Operand, target: Layout, diverge: tuple[int, ...], whole: bool,
+          view: torch.Tensor | None = None) -> tuple[Local, _Entry | None]:
     """``x`` moved to ``target`` (through a diverge over ``diverge``) as the request
-    ``whole`` wants it, kept (module doc): the one move every later op shares."""
+    ``whole`` wants it, kept (module doc): the one move every later op shares. Returns
+    the moved value and its entry (None for a leaf, which keeps nothing)."""
     local, layout = x._local, x._layout
     version = local.version()
-    leaf = local.grad_leaf()
     grad = torch.is_grad_enabled()
     key = (target, diverge, grad, whole)
-    table = None if leaf else _table(x)
+    table = None if local.grad_leaf() else _table(x)
     if table:
         hit = table.get(key)
         if hit is not None and hit.fresh(local, layout, version):
-            return hit.kept
+            return hit.kept, hit
         for k in [k for k, e in table.items() if not e.fresh(local, layout, version)]:
             del table[k]  # (stale entries never revive: versions only grow)
-    source, src_layout = local, layout
-    if whole and not isinstance(local, Whole):  # the derived whole moves, as metadata
-        w = whole_of(x)
-        assert w is not None, "the runtime asked for a whole the value has none of"
-        source = Whole(w, layout)
-    plan = make_plan(src_layout, target, x._shape, x._dtype.itemsize)
+    # a whole request moves the whole value (its own or derived), as metadata
+    source = local.as_whole(layout, x._shape, x._dtype.itemsize) if whole else local
+    plan = make_plan(layout, target, x._shape, x._dtype.itemsize)
     if table and not diverge:  # the cheapest fresh kept layout of the same request
-        for (lay, div, g, w2), entry in table.items():
-            if div or g != grad or w2 != whole:
+        for (lay, div, g, w), entry in table.items():
+            if div or g != grad or w != whole:
                 continue
             other = make_plan(lay, target, x._shape, x._dtype.itemsize)
             if other.bytes_per_device < plan.bytes_per_device:
-                source, plan = entry.kept._local, other
-    out = x._held(source.moved(plan, target, diverge, x._grad_owner, view), target)
-    if table is not None:
-        table[key] = _Entry(local, layout, version, out)
-    return out
+                source, plan = entry.kept, other
+    out = source.moved(plan, target, diverge, x._grad_owner, view)
+    if table is None:
+        return out, None
+    entry = table[key] = _Entry(local, layout, version, out)
+    return out, entry
 
 
 def relayout(x: T, target: Layout) -> T:
@@ -230,7 +230,12 @@ def relayout(x: T, target: Layout) -> T:
     """
     if target is x._layout or target == x._layout:
         return x
-    return _kept(x, target, (), False)
+    local, entry = _kept(x, target, (), False)
+    if entry is None:
+        return x._held(local, target)
+    if entry.tensor is None:
+        entry.tensor = x._held(local, target)
+    return entry.tensor
 
 
 def blocks(x: Operand, target: Layout, diverge: tuple[int, ...] = ()
@@ -242,7 +247,7 @@ def blocks(x: Operand, target: Layout, diverge: tuple[int, ...] = ()
     gradient."""
     if not diverge and (target is x._layout or target == x._layout):
         return x._shards
-    return _kept(x, target, diverge, False)._shards
+    return _kept(x, target, diverge, False)[0].blocks
 
 
 def whole(x: Operand, target: Layout, diverge: tuple[int, ...] = (),
@@ -257,8 +262,7 @@ def whole(x: Operand, target: Layout, diverge: tuple[int, ...] = (),
         w = whole_of(x)
         assert w is not None, "the runtime asked for a whole the value has none of"
         return w
-    w = _kept(x, target, diverge, True, view)._local.whole_of(
-        target, x._shape, x._dtype.itemsize)
+    w = _kept(x, target, diverge, True, view)[0].whole_of(target, x._shape, x._dtype.itemsize)
     assert w is not None
     return w
 

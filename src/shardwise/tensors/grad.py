@@ -102,6 +102,8 @@ class GradMixin(RelayoutMixin):
         return self.map_buffers(lambda s: s.detach())
 
     def _grad_layout(self) -> Layout:
+        if not self._layout.is_partial:  # (the common case: a gradient in its own layout)
+            return self._layout
         partial = tuple(
             None if op is None or op is ReduceOp.SUM else ReduceOp.SUM
             for op in self._layout.partial
@@ -118,10 +120,16 @@ class GradMixin(RelayoutMixin):
     def grad(self) -> Self | None:
         """Accumulated gradient, in this tensor's layout; None before any backward."""
         grads = self._local.grads()
-        if all(g is None for g in grads):
+        seen = self._grad_view
+        if len(grads) == 1:  # one buffer (a whole value, or one block): the common case
+            g = grads[0]
+            if g is None:
+                return None
+            if seen is not None and len(seen[0]) == 1 and seen[0][0] is g:
+                return seen[1]
+        elif all(g is None for g in grads):
             return None
         # the same gradients give the same Tensor (optimizers read .grad often)
-        seen = self._grad_view
         if seen is not None and len(seen[0]) == len(grads) and all(
                 a is b for a, b in zip(seen[0], grads)):
             return seen[1]

@@ -65,7 +65,7 @@ from shardwise.tensors.grad import GradMixin
 from shardwise.tensors.meta import MetaMixin
 from shardwise.tensors.relayout import RelayoutMixin
 
-__all__ = ["Tensor", "rehome"]
+__all__ = ["Tensor", "pieces", "rehome"]
 
 
 #: torch function -> handler, filled by :mod:`shardwise.ops` (the op registry).
@@ -456,6 +456,45 @@ def with_open_dims(t: Tensor, sharding: object) -> Tensor:
     if want == t._open or (want is not None and len(want) != t.ndim):
         return t
     return Tensor.from_held(t._local.alias(), t._layout, t._size, t._dtype, t._device, want)
+
+
+def pieces(t: Tensor, operands: Sequence[Any]) -> list[tuple[torch.Tensor, list[Any]]] | None:
+    """Per buffer of ``t`` (``t.held.buffers()``: its whole value, or each distinct
+    block): the buffer, and ``operands`` with each Tensor among them replaced by its
+    piece at the same place (its block on that device, or its whole value): the
+    arguments of an op that runs on ``t``'s own buffers. None where that does not hold:
+    ``t`` is Partial, a Tensor operand is laid out otherwise (a 0-d one may have any
+    layout without Partial axes), or a plain torch tensor of more than 0 dims is among
+    them.
+
+    >>> t = place(torch.zeros(4), Layout(DeviceMesh.cpu(2, "x"), ((0,),), (None,)))
+    >>> [(tuple(b.shape), [tuple(a.shape) for a in row]) for b, row in pieces(t, [t * 1])]
+    [((4,), [(4,)])]
+    """
+    lay = t._layout
+    if lay.is_partial:
+        return None
+    local = t._local
+    tensors = []
+    for i, a in enumerate(operands):
+        if isinstance(a, Tensor):
+            al = a._layout
+            if al is not lay and al != lay and (a._shape or al.is_partial):
+                return None
+            tensors.append(i)
+        elif isinstance(a, torch.Tensor) and a.ndim != 0:
+            return None
+    if not tensors:
+        row = list(operands)
+        return [(b, row) for b in local.buffers()]
+    out = []
+    for j, b in enumerate(local.buffers()):
+        row = list(operands)
+        for i in tensors:
+            a = row[i]
+            row[i] = local.part(a._local, j, a._layout, a._shape)
+        out.append((b, row))
+    return out
 
 
 # --- placing values (core: used by creation, the ops and autograd) -------------------------

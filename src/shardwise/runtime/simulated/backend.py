@@ -46,7 +46,7 @@ from shardwise.planner import Plan, Step, StepKind, check_handlers, permute_sour
 from shardwise.runtime import Decided, blocks, buffers, collectives
 from shardwise.runtime.blocks import rep_indices
 from shardwise.runtime.buffers import buffer_reuse, set_buffer_reuse
-from shardwise.runtime.local import Local, Whole, run_blocks, run_whole
+from shardwise.runtime.local import Local, Whole, failed, run_blocks
 from shardwise.runtime.owner import GradOwner
 from shardwise.runtime.simulated import host_paths as hp
 from shardwise.runtime.simulated.control import (  # the world, its links and stages
@@ -403,22 +403,28 @@ def run_local(op: str, fn: Callable[..., torch.Tensor], args: Sequence[Any],
               ) -> tuple[Local, torch.Tensor | None]:
     """Run a decided op here (``Backend.run_local``): once on the operands' whole
     values when every one has one (its own, or one derived from its blocks), the
-    result held whole; else once per distinct row of blocks. A whole result that
-    aliases a copy derived from some operand's blocks (a view) is dropped for the
-    blocks, whose views alias them."""
-    factors = decided.factors
+    global op as one autograd node, the result held whole; else once per distinct row
+    of blocks. A whole result that aliases a copy derived from some operand's blocks (a
+    view) is dropped for the blocks, whose views alias them."""
     wholes = decided.wholes(args, views)
-    if wholes is not None:
-        r = run_whole(op, fn, wholes, factors.out_shape, factors.shapes, factors.text, shaped)
-        if (r._base is None and not _among(r, wholes)) or not decided.aliases_copy(args, r):
+    if wholes is None:
+        return run_blocks(op, fn, args, decided, shaped)
+    factors = decided.factors
+    if shaped:
+        wholes.append(factors.out_shape)
+    try:
+        r = fn(*wholes)
+    except (RuntimeError, TypeError, ValueError, IndexError) as err:  # (one block: the whole)
+        raise failed(op, wholes, factors.shapes, factors.text, err) from err
+    if r.shape != factors.out_shape:
+        raise AssertionError(f"{op}: the whole result has shape {tuple(r.shape)}, the rule "
+                             f"gives {factors.out_shape}")
+    if r._base is None:  # a new tensor (the common case), unless it is an operand itself
+        for w in wholes:
+            if r is w:
+                break
+        else:
             return Whole(r, decided.dec.output), r
-    return run_blocks(op, fn, args, decided, shaped)
-
-
-def _among(r: torch.Tensor, values: Sequence[Any]) -> bool:
-    """Whether ``r`` is one of ``values`` (by identity; a loop, as any() over a
-    generator costs a frame on every op)."""
-    for v in values:  # noqa: SIM110
-        if r is v:
-            return True
-    return False
+    if decided.aliases_copy(args, r):
+        return run_blocks(op, fn, args, decided, shaped)
+    return Whole(r, decided.dec.output), r
