@@ -45,7 +45,7 @@ def _worker(rank: int, world: int, port: int, body: Callable[[Any], Any], args: 
     import torch
 
     torch.set_num_threads(1)
-    import shardwise.distributed as sd
+    from shardwise.api import distributed as sd
 
     try:
         sd.initialize("gloo", rank=rank, world_size=world, master_addr="127.0.0.1",
@@ -129,7 +129,8 @@ def slowest(fn: Callable[[], Any], repeat: int, inner: int = 1) -> float:
 def _compute(repeat: int) -> dict[str, float]:
     import torch
 
-    import shardwise as sw
+    from shardwise.api.creation import tensor
+    from shardwise.sharding.mappings import PlacementMapping
     from shardwise.sharding.mesh import DeviceMesh
     from shardwise.sharding.placements import Sharded
 
@@ -142,7 +143,7 @@ def _compute(repeat: int) -> dict[str, float]:
     kernel = slowest(lambda: one + one, repeat, 200)
     world = torch.distributed.get_world_size()
     mesh = DeviceMesh.cpu(world, "dp")
-    x = sw.tensor(torch.ones(world, 4), sharding=sw.PlacementMapping(mesh, (Sharded(0),)))
+    x = tensor(torch.ones(world, 4), sharding=PlacementMapping(mesh, (Sharded(0),)))
     op = max(0.0, slowest(lambda: x + x, repeat, 100) - kernel)
     return {"flops": flops, "bandwidth": bandwidth, "kernel": kernel, "op": op}
 
@@ -150,8 +151,11 @@ def _compute(repeat: int) -> dict[str, float]:
 def _links(repeat: int) -> dict[str, list[float]]:
     import torch
 
-    import shardwise as sw
-    from shardwise.debug import CommCounter
+    from shardwise.api.communication import all_gather
+    from shardwise.api.creation import tensor
+    from shardwise.api.reducing import all_reduce
+    from shardwise.debug.comm import CommCounter
+    from shardwise.sharding.mappings import PlacementMapping
     from shardwise.sharding.mesh import DeviceMesh
     from shardwise.sharding.placements import Replicated, Sharded
 
@@ -168,10 +172,10 @@ def _links(repeat: int) -> dict[str, list[float]]:
                 place = tuple(Sharded(0) if a == axis else Replicated()
                               for a in range(mesh.ndim))
                 rows = numel // size * size
-                t = sw.tensor(torch.ones(rows), sharding=sw.PlacementMapping(mesh, place))
+                t = tensor(torch.ones(rows), sharding=PlacementMapping(mesh, place))
                 for kind, call in (
-                        ("all_gather", lambda t=t: sw.all_gather(t)),
-                        ("all_reduce", lambda t=t, a=axis, m=mesh: sw.all_reduce(
+                        ("all_gather", lambda t=t: all_gather(t)),
+                        ("all_reduce", lambda t=t, a=axis, m=mesh: all_reduce(
                             t, reduce_axes=[m.axis_names[a]]))):
                     with CommCounter() as cc:
                         call()
