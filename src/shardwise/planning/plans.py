@@ -16,6 +16,7 @@ Invariants:
 from __future__ import annotations
 
 import fnmatch
+import functools
 import math
 from dataclasses import dataclass, field
 from typing import Any
@@ -109,7 +110,7 @@ class ParallelPlan:
                 names.append(name)
         if self.devices:
             return DeviceMesh(self.devices, tuple(shape), tuple(names))
-        return DeviceMesh.cpu(tuple(shape), tuple(names))
+        return _cpu_mesh(tuple(shape), tuple(names))
 
     def tp_plan(self) -> dict[str, ParallelStyle]:
         """The ``parallelize_module`` plan of :attr:`styles`."""
@@ -163,6 +164,13 @@ class ParallelPlan:
             parts.append(f"tp{self.tp}" + (f" [{styles}]" if styles else ""))
         text = " x ".join(parts)
         return text + (", recompute" if self.recompute else "")
+
+
+@functools.lru_cache(maxsize=256)
+def _cpu_mesh(shape: tuple[int, ...], names: tuple[str, ...]) -> DeviceMesh:
+    # one object per mesh: the search's caches (keyed by layouts) then compare meshes by
+    # identity, not by their thousands of devices
+    return DeviceMesh.cpu(shape, names)
 
 
 def divisors(n: int) -> list[int]:
