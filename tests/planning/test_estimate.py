@@ -36,7 +36,10 @@ def state_bytes(tensors: list[torch.Tensor], device: int) -> int:
 def measured(model: nn.Module, opt: torch.optim.Optimizer, step: Any,
              inputs: Any) -> tuple[MemoryTracker, CommCounter]:
     step(model, opt, *inputs(0))     # the optimizer's state exists, as in the estimate
-    with MemoryTracker() as mt, CommCounter() as cc:
+    # the step's own state, not every live value: one that an earlier test leaves alive
+    # on devices of the same ids would count too
+    state = [model if isinstance(model, nn.Module) else list(model.pipe.parameters()), opt]
+    with MemoryTracker(state) as mt, CommCounter() as cc:
         step(model, opt, *inputs(1))
     return mt, cc
 
