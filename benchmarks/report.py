@@ -50,6 +50,12 @@ TARGETS = {
                     "15% of simulate()'s prediction (stages of calibrated cost; issue 23)",
     "pipeline_torch": "Gloo, 4 processes, every pipeline schedule: no slower than "
                       "torch.distributed.pipelining on the same model, m and pp (issue 23)",
+    "planning_time": "Gloo, 4 processes, after calibrate(): predicted step time within 20% "
+                     "of measured for at least 10 plans of a small GPT (issue 36)",
+    "planning_rank": "the same plans: predicted ranking agrees, Spearman >= 0.8 (issue 36)",
+    "planning_pick": "auto_plan's pick within 10% of the measured fastest plan (issue 36)",
+    "planning_scale": "estimate of the 8B config on 1,024 devices < 60 s and < 4 GiB RAM; "
+                      "70B on 4,096 < 300 s; auto_plan for 8B on 1,024 < 300 s (issue 36)",
 }
 
 
@@ -134,6 +140,19 @@ def check_targets(res: dict[str, Any]) -> list[dict[str, Any]]:
         out.append(_t("pipeline_sim", case, err, 0.15, "relative error (|measured/predicted"
                       " - 1|)"))
         out.append(_t("pipeline_torch", case, r["x_torch"], 1.0, "x torch step time"))
+    plan = res.get("planning") or {}
+    if plan.get("plans"):
+        out.append(_t("planning_time", f"{len(plan['plans'])} plans", plan["within_20"], 10,
+                      "plans within 20%", le=False))
+        out.append(_t("planning_rank", f"{len(plan['plans'])} plans", plan["spearman"], 0.8,
+                      "Spearman", le=False))
+        out.append(_t("planning_pick", plan["auto_plan"]["plan"],
+                      plan["auto_plan"]["over_fastest"], 0.1, "over the measured fastest"))
+    for r in plan.get("scale", []):
+        limit = 60.0 if r["case"] == "8b" else 300.0
+        out.append(_t("planning_scale", r["case"], r.get("seconds"), limit, "s"))
+        if r["case"] == "8b":
+            out.append(_t("planning_scale", "8b RSS", r.get("max_rss_mib"), 4096.0, "MiB"))
     for r in (res.get("dispatch") or {}).get("rows", []):
         # met by either bound; the value shown is the ratio to DTensor's overhead
         t = _t("dispatch", r["op"], r["sw_over_dt"], 0.75, "x DTensor's overhead")
@@ -273,6 +292,10 @@ def tables(res: dict[str, Any]) -> str:
         from benchmarks.moe import tables as moe_tables
 
         lines += ["", *moe_tables(res["moe"])]
+    if res.get("planning"):
+        from benchmarks.planning import table as planning_table
+
+        lines += ["", planning_table(res["planning"])]
     if res.get("gloo_skipped"):
         lines.append(f"\nGloo: {res['gloo_skipped']}")
     lines.append("\ntargets (issue 7):")

@@ -35,6 +35,10 @@ Sections (each documented in its module):
   parallelism at ep = 1, 2, 4 (simulated, and on 4 Gloo ranks unless ``--no-gloo``),
   dropless and with capacity, beside plain torch; all_to_all bytes beside the closed
   form (:mod:`benchmarks.moe`).
+- ``planning``: ``calibrate()`` on 4 Gloo ranks, then predicted against measured step
+  time for 13 plans of a small GPT and ``auto_plan``'s pick; the scale rows (a
+  Llama-3-8B-sized config on 1,024 devices, 70B on 4,096, ``auto_plan`` for 8B) in
+  fresh processes (:mod:`benchmarks.planning`; ``quick``: a smaller GPT, no scale rows).
 
 Presets: ``full`` (about 2-3 minutes on 2 cores) and ``quick`` (about 30 s; 4 MiB
 tensors, fewer repeats). Timings are medians of interleaved runs; on a shared
@@ -63,7 +67,8 @@ PRESETS: dict[str, dict[str, Any]] = {
              "spread": {"processes": 5, "repeat": 5},
              "pipeline": {"repeat": 7},
              "attention": {"seq": 1024, "repeat": 5},
-             "moe": {"repeat": 7}},
+             "moe": {"repeat": 7},
+             "planning": {"repeat": 5, "quick": False, "do_scale": True}},
     "quick": {"size": 1024, "small": 8, "repeat": 3, "small_repeat": 6, "small_inner": 50,
               "profile_calls": 300, "gloo": {"size": 1024, "repeat": 3, "small_repeat": 20,
                                              "choices": False},
@@ -74,7 +79,8 @@ PRESETS: dict[str, dict[str, Any]] = {
               "attention": {"seq": 512, "repeat": 3},
               "pipeline": {"repeat": 3, "schedules": ["1F1B"], "forward_ms": 4.0,
                            "backward_ms": 8.0, "weight_ms": 4.0},
-              "moe": {"repeat": 3, "seq": 16, "dim": 32, "hidden": 64}},
+              "moe": {"repeat": 3, "seq": 16, "dim": 32, "hidden": 64},
+              "planning": {"repeat": 3, "quick": True, "do_scale": False}},
 }
 
 
@@ -178,6 +184,11 @@ def run_suite(preset: str = "full", *, devices: tuple[int, ...] = (4, 8), gloo: 
         say(f"pipeline schedules on {world} Gloo ranks beside simulate() and torch's "
             "pipelining ...")
         res["pipeline"] = pipeline.run(world=world, **cfg["pipeline"])
+        from benchmarks import planning
+
+        say(f"planning: calibrate, predicted vs measured step time on {world} Gloo ranks, "
+            "scale ...")
+        res["planning"] = planning.run(world=world, log=say, **cfg["planning"])
     else:
         res["gloo_skipped"] = "skipped (--no-gloo)"
     from benchmarks import moe

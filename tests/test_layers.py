@@ -23,7 +23,7 @@ ROOT = SRC / "shardwise"
 
 FLOORS = {"sharding": 0, "planner": 1, "propagation": 1, "runtime": 2, "tensors": 3, "ops": 3,
           "api": 4, "spmd": 4, "parallel": 4, "pipelining": 4, "checkpoint": 4, "graph": 4,
-          "debug": 4, "cli": 4}
+          "debug": 4, "planning": 4, "cli": 4}
 FACES = {"shardwise", "shardwise.lax", "shardwise.distributed"}
 #: one floor above every folder: the faces re-export, and only users import them
 FACE_FLOOR = 5

@@ -112,6 +112,10 @@ _LAZY: dict[str, str] = {
     "checkpoint": "shardwise.checkpoint",  # a module: ``shardwise.checkpoint.save``
     "from_dtensor": "shardwise.checkpoint",
     "check_replicas": "shardwise.parallel.replicas",
+    "estimate": "shardwise.planning",
+    "calibrate": "shardwise.planning",
+    "auto_plan": "shardwise.planning",
+    "planning": "shardwise.planning",  # a module: ``shardwise.planning.ModelConfig``
 }
 
 __all__ = [

@@ -1,4 +1,4 @@
-"""The ``shardwise`` command: ``demo``, ``bench``, ``info``.
+"""The ``shardwise`` command: ``demo``, ``bench``, ``plan``, ``info``.
 
 Invariants:
 - The benchmark suite is not part of the installed package: ``bench`` runs the
@@ -27,6 +27,12 @@ def _demo(args: argparse.Namespace) -> int:
     from shardwise.cli import demo
 
     return demo.main(args.extra)
+
+
+def _plan(args: argparse.Namespace) -> int:
+    from shardwise.cli import plan
+
+    return plan.main(args.extra)
 
 
 def find_benchmarks(starts: Iterable[Path] | None = None) -> Path | None:
@@ -102,11 +108,14 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser("bench", help="benchmark suite (simulated mesh, memory, Gloo): JSON + "
                    "table; needs a repository checkout (shardwise bench --help)",
                    add_help=False)
+    sub.add_parser("plan", help="the top plans (data, fully sharded, tensor, pipeline "
+                   "parallel) for a model on N devices: memory, communication, time "
+                   "(shardwise plan --help)", add_help=False)
     sub.add_parser("info", help="versions and the devices torch can see")
     args, extra = parser.parse_known_args(argv)
-    if extra and args.command not in ("demo", "bench"):
+    if extra and args.command not in ("demo", "bench", "plan"):
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     args.extra = extra
-    handlers = {"demo": _demo, "bench": _bench, "info": _info}
+    handlers = {"demo": _demo, "bench": _bench, "plan": _plan, "info": _info}
     return handlers[args.command](args)
 

@@ -1,7 +1,9 @@
-"""Debug tools: layout visualisation, collective accounting, fallback counting."""
+"""Debug tools: layout visualisation, collective accounting, fallback counting, memory
+tracking."""
 
 from shardwise.debug.comm import CommCounter
 from shardwise.debug.fallbacks import FallbackCounter
+from shardwise.debug.memory import MemoryTracker
 from shardwise.debug.visualize import visualize
 
-__all__ = ["CommCounter", "FallbackCounter", "visualize"]
+__all__ = ["CommCounter", "FallbackCounter", "MemoryTracker", "visualize"]

@@ -61,23 +61,34 @@ class Flat:
         self.n = mesh.shape[axis]
         others = tuple(a for a in range(mesh.ndim) if a != axis)
         self.rows = math.prod(mesh.shape[a] for a in others)
-        # per device, per parameter: the sharded block's shape and its offset
-        self.shapes = [[local_shape(s, ls, mesh.coord_of(k)) for s, ls, _, _ in params]
-                       for k in range(mesh.num_devices)]
+        # per device, per parameter: the sharded block's shape and its offset (shared,
+        # read-only lists: devices whose coordinates agree on the axes the layouts
+        # split over hold equal blocks, so a mesh of thousands computes a few)
+        split = sorted({a for _, ls, _, _ in params for axes in ls.dims for a in axes})
+        memo: dict[tuple[int, ...], tuple[list[tuple[int, ...]], list[int]]] = {}
+        self.shapes: list[list[tuple[int, ...]]] = []
         self.offsets: list[list[int]] = []
-        for shapes in self.shapes:
-            at, offs = 0, []
-            for shape in shapes:
-                offs.append(at)
-                at += math.prod(shape)
-            self.offsets.append([*offs, at])
+        for k in range(mesh.num_devices):
+            coord = mesh.coord_of(k)
+            key = tuple(coord[a] for a in split)
+            hit = memo.get(key)
+            if hit is None:
+                shapes = [tuple(local_shape(s, ls, coord)) for s, ls, _, _ in params]
+                at, offs = 0, []
+                for shape in shapes:
+                    offs.append(at)
+                    at += math.prod(shape)
+                hit = memo[key] = (shapes, [*offs, at])
+            self.shapes.append(hit[0])
+            self.offsets.append(hit[1])
         self.length = max(offs[-1] for offs in self.offsets)
-        # per device: the devices along ``axis`` through it, in order
+        # per device: the devices along ``axis`` through it, in order (row-major flat
+        # indices: a step of ``axis`` moves the index by the product of the later sizes)
+        stride = math.prod(mesh.shape[a] for a in range(axis + 1, mesh.ndim))
         self.peers: list[list[int]] = []
         for k in range(mesh.num_devices):
-            coord = list(mesh.coord_of(k))
-            self.peers.append([mesh.index_of([*coord[:axis], j, *coord[axis + 1:]])
-                               for j in range(self.n)])
+            base = k - mesh.coord_of(k)[axis] * stride
+            self.peers.append([base + j * stride for j in range(self.n)])
         none = (None,) * mesh.ndim
         self._layouts = {
             "sharded": Layout(mesh, (others, (axis,)), none),

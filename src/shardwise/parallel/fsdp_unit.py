@@ -106,21 +106,27 @@ def _get(got: dict[int, torch.Tensor], b: torch.Tensor) -> torch.Tensor:
     return got[id(b)]
 
 
+def _storage_key(t: torch.Tensor) -> int:
+    """Which storage ``t`` lies in (its identity: fake tensors' data pointers are all 0)."""
+    return int(t.untyped_storage()._cdata)
+
+
 def _storages(shards: Any) -> tuple[list[int], list[torch.Tensor]]:
-    """The distinct storages of ``shards`` (data pointers, one block of each), in order."""
+    """The distinct storages of ``shards`` (:func:`_storage_key`, one block of each), in
+    order."""
     ptrs: list[int] = []
     firsts: list[torch.Tensor] = []
     for s in shards:
         if s is None:
             continue
-        ptr = s.untyped_storage().data_ptr()
-        if ptr and ptr not in ptrs:
+        ptr = _storage_key(s)
+        if ptr not in ptrs:
             ptrs.append(ptr)
             firsts.append(s)
     return ptrs, firsts
 
 
-# storage data pointer -> (call, param index, storage ordinal) of the gathered blocks of
+# storage key -> (call, param index, storage ordinal) of the gathered blocks of
 # units that reshard after forward, while their forward runs (packs happen only then)
 _LIVE: dict[int, tuple[_Call, int, int]] = {}
 
@@ -140,7 +146,7 @@ class _Saved:
 def _pack(t: torch.Tensor) -> Any:
     if not _LIVE or isinstance(t, Tensor) or t.layout is not torch.strided:
         return t
-    hit = _LIVE.get(t.untyped_storage().data_ptr())
+    hit = _LIVE.get(_storage_key(t))
     if hit is None:
         return t
     return _Saved(hit[0], hit[1], hit[2], t.size(), t.stride(), int(t.storage_offset()))
@@ -262,6 +268,9 @@ class Unit:
         for i, w in enumerate(wholes):
             dtype = self.dtype(i)
             out.append(w.view_as(w) if w.dtype == dtype else w.to(dtype))
+        if observe.holding():  # the gathered blocks, which a process per device allocates
+            for fp, g in zip(self.params, out):
+                observe.hold(g, fp.gathered, tuple(fp.sharded.shape))
         return out
 
     def reduce_wholes(self, grads: tuple[torch.Tensor | None, ...]) -> list[Any]:
@@ -360,8 +369,10 @@ class Unit:
         call.held = []  # (the gathered values live in their modules only: freeable)
         if self.reshard:
             # gathered copies are freed after forward (autograd keeps a reference and
-            # the first unpack in backward re-gathers); views of the parameters are not
-            own = {b.untyped_storage().data_ptr() for b in self.leaves()}
+            # the first unpack in backward re-gathers); views of the parameters are not,
+            # unless a memory tracker listens: it counts the gathered blocks a process
+            # per device holds, so autograd must not keep the views past forward either
+            own = set() if observe.holding() else {_storage_key(b) for b in self.leaves()}
             for i in range(len(self.params)):
                 ptrs = _storages([outs[j] for j in call.outputs[i]])[0]
                 if any(p not in own for p in ptrs):

@@ -525,6 +525,12 @@ class Whole(Local):
             if back and torch.is_grad_enabled() and value.requires_grad:
                 value = value.view_as(value) if view is None else view
                 comm.on_backward([value], back, where)
+        if comm.holding() and plan.collectives:
+            # the moved blocks a process per device allocates: a buffer of its own here
+            # (a view), which lives as long as the moved value does
+            if value is self.value:
+                value = value.view_as(value) if view is None else view
+            comm.hold(value, target, plan.shape)
         return Whole(value, target)
 
 

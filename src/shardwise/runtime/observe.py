@@ -15,6 +15,10 @@ Invariants:
   no one observes.
 - Observers are registered by the debug floor (``CommCounter``), which the core
   never imports: the dependency points from the observer down to this module.
+- Holders (``MemoryTracker``) hear of the buffers the simulated runtime leaves out
+  (:func:`hold`): a layout change of a value held whole is metadata here, where a
+  runtime of one process per device allocates the moved blocks; nothing is called,
+  and nothing extra is made, while no holder is registered.
 """
 
 from __future__ import annotations
@@ -29,8 +33,9 @@ from typing import Any
 
 import torch
 
-__all__ = ["Event", "Observer", "active", "add", "counted_as", "in_library", "on_backward",
-           "record", "remove", "source_line"]
+__all__ = ["Event", "Holder", "Observer", "active", "add", "add_holder", "counted_as", "hold",
+           "holding", "in_library", "on_backward", "record", "remove", "remove_holder",
+           "source_line"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,6 +86,44 @@ def remove(observer: Observer) -> None:
 
 def active() -> bool:
     return bool(_OBSERVERS)
+
+
+Holder = Callable[[torch.Tensor, Any, tuple[int, ...]], None]
+"""Called as ``holder(buffer, layout, shape)`` by :func:`hold`."""
+
+_HOLDERS: list[Holder] = []
+
+
+def add_holder(holder: Holder) -> None:
+    """Start telling ``holder`` of the buffers :func:`hold` announces."""
+    _HOLDERS.append(holder)
+
+
+def remove_holder(holder: Holder) -> None:
+    """Stop telling ``holder`` (the last registration of it)."""
+    for i in range(len(_HOLDERS) - 1, -1, -1):
+        if _HOLDERS[i] == holder:
+            del _HOLDERS[i]
+            return
+
+
+def holding() -> bool:
+    """Whether a holder listens (the runtime then makes the buffers it announces)."""
+    return bool(_HOLDERS)
+
+
+def hold(buffer: torch.Tensor, layout: Any, shape: tuple[int, ...]) -> None:
+    """Tell every holder that ``buffer`` (a torch tensor here, perhaps sharing its
+    storage with another value) stands for the blocks of a value of global ``shape``
+    laid out as ``layout``: what each device would hold while ``buffer`` lives.
+
+    >>> seen = []
+    >>> add_holder(lambda b, layout, shape: seen.append(shape))
+    >>> hold(torch.zeros(2), None, (2,)); _HOLDERS.clear(); seen
+    [(2,)]
+    """
+    for holder in list(_HOLDERS):
+        holder(buffer, layout, shape)
 
 
 def record(kind: Any, nbytes: int, step: Any = None, *, phase: str | None = None,

@@ -142,6 +142,7 @@ class GradMixin(RelayoutMixin):
         """``p.grad = None`` (what ``zero_grad()`` does) or a Tensor of ``p``'s shape."""
         if value is None:
             self._local.set_grads(None, self._layout)
+            self._grad_view = None  # (it held the old gradients: they would stay alive)
             return
         if not isinstance(value, type(self)) or value.shape != self.shape:
             raise ShardingTypeError(
@@ -160,6 +161,7 @@ class GradMixin(RelayoutMixin):
             )
         g = value.detach().relayout(self._layout)
         self._local.set_grads(g._local, self._layout)
+        self._grad_view = None
 
     # --- autograd hooks: on the whole or on every distinct block, as autograd runs ----
     def register_hook(self, hook: Callable[[Any], Any]) -> Any:

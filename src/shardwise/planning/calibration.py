@@ -1,0 +1,255 @@
+"""``shardwise.calibrate``: a :class:`Profile` of the machine at hand, measured on Gloo
+processes: the flop rate, the memory bandwidth, the per-op overheads, and an alpha-beta
+link per mesh axis group.
+
+Invariants:
+- Every rank measures at once, as in training (ranks sharing cores share them here
+  too); a time is the slowest rank's, the median over repeats.
+- Collectives run through shardwise's own runtime (its agreement included) and are
+  sized by ``CommCounter``'s bytes, so the fitted ``beta`` prices the bytes the estimate
+  counts and ``alpha`` (per ring hop) everything else a collective costs.
+- Links are fitted per group (size, stride) of the meshes ``(n,)`` and, for an even
+  ``n`` above 2, ``(2, n/2)``: the groups a plan on ``n`` devices runs collectives on.
+- The processes are spawned here (torch.multiprocessing, Gloo on 127.0.0.1, a free
+  port); nothing is left running: a rank that fails or outlives the limit is killed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import queue as queue_mod
+import socket
+import statistics
+import time
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from shardwise.planning.profiles import Link, Profile
+from shardwise.sharding.errors import ShardingError
+
+__all__ = ["calibrate", "spawn"]
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _worker(rank: int, world: int, port: int, body: Callable[[Any], Any], args: Any,
+            out: Any) -> None:
+    import torch
+
+    torch.set_num_threads(1)
+    from shardwise.api import distributed as sd
+
+    try:
+        sd.initialize("gloo", rank=rank, world_size=world, master_addr="127.0.0.1",
+                      master_port=port, timeout_s=120)
+        res = body(args)
+        out.put((rank, True, res if rank == 0 else None))
+    except BaseException:
+        out.put((rank, False, traceback.format_exc()))
+    finally:
+        with contextlib.suppress(Exception):
+            sd.shutdown()
+
+
+def spawn(body: Callable[[Any], Any], args: Any, world: int, limit_s: float = 600.0) -> Any:
+    """Rank 0's ``body(args)`` after running it on ``world`` Gloo processes (spawned;
+    ``body`` a module-level function). A rank's failure raises with its traceback."""
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    port = _port()
+    old = os.environ.get("OMP_NUM_THREADS")
+    os.environ["OMP_NUM_THREADS"] = "1"
+    try:
+        procs = [ctx.Process(target=_worker, args=(r, world, port, body, args, out),
+                             daemon=True) for r in range(world)]
+        for p in procs:
+            p.start()
+    finally:
+        if old is None:
+            os.environ.pop("OMP_NUM_THREADS", None)
+        else:
+            os.environ["OMP_NUM_THREADS"] = old
+    got: dict[int, tuple[bool, Any]] = {}
+    deadline = time.monotonic() + limit_s
+    try:
+        while len(got) < world and time.monotonic() < deadline:
+            with contextlib.suppress(queue_mod.Empty):
+                rank, ok, res = out.get(timeout=0.5)
+                got[rank] = (ok, res)
+                if not ok:
+                    break
+            dead = [r for r, p in enumerate(procs) if r not in got and p.exitcode not in
+                    (None, 0)]
+            if dead:
+                got[dead[0]] = (False, f"rank {dead[0]} exited with {procs[dead[0]].exitcode}")
+                break
+    finally:
+        for p in procs:
+            p.join(timeout=5 if len(got) == world else 0.5)
+            if p.is_alive():
+                p.kill()
+                p.join(timeout=5)
+    failed = sorted((r, res) for r, (ok, res) in got.items() if not ok)
+    if failed:
+        raise ShardingError(f"calibrate: rank {failed[0][0]} failed:\n{failed[0][1]}")
+    if len(got) < world:
+        raise ShardingError(f"calibrate: ranks {sorted(set(range(world)) - set(got))} did not "
+                            f"finish within {limit_s:.0f} s (killed).")
+    return got[0][1]
+
+
+def slowest(fn: Callable[[], Any], repeat: int, inner: int = 1) -> float:
+    """Seconds per call of ``fn`` on the slowest rank: barrier, ``inner`` calls timed,
+    the max over ranks, the median over ``repeat`` (one warm-up first)."""
+    import torch
+    import torch.distributed as dist
+
+    fn()
+    times = torch.empty(repeat, dtype=torch.float64)
+    for i in range(repeat):
+        dist.barrier()
+        t0 = time.perf_counter()
+        for _ in range(inner):
+            fn()
+        times[i] = (time.perf_counter() - t0) / inner
+    dist.all_reduce(times, op=dist.ReduceOp.MAX)
+    return float(statistics.median(times.tolist()))
+
+
+def _compute(repeat: int) -> dict[str, float]:
+    import torch
+
+    from shardwise.api.creation import tensor
+    from shardwise.sharding.mappings import PlacementMapping
+    from shardwise.sharding.mesh import DeviceMesh
+    from shardwise.sharding.placements import Sharded
+
+    # each timing spans many scheduler slices (tens of ms), so ranks that share cores
+    # are measured sharing them, as they compute in a step
+    n = 384
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    flops = 2 * n ** 3 / slowest(lambda: a @ b, repeat, 40)
+    big = torch.randn(1 << 22)
+    bandwidth = 3 * big.numel() * 4 / slowest(lambda: big + big, repeat, 8)
+    one = torch.ones(1)
+    kernel = slowest(lambda: one + one, repeat, 200)
+    world = torch.distributed.get_world_size()
+    mesh = DeviceMesh.cpu(world, "dp")
+    x = tensor(torch.ones(world, 4), sharding=PlacementMapping(mesh, (Sharded(0),)))
+    op = max(0.0, slowest(lambda: x + x, repeat, 100) - kernel)
+    return {"flops": flops, "bandwidth": bandwidth, "kernel": kernel, "op": op}
+
+
+def _links(repeat: int) -> dict[str, list[float]]:
+    import torch
+
+    from shardwise.api.communication import all_gather
+    from shardwise.api.creation import tensor
+    from shardwise.api.reducing import all_reduce
+    from shardwise.debug.comm import CommCounter
+    from shardwise.sharding.mappings import PlacementMapping
+    from shardwise.sharding.mesh import DeviceMesh
+    from shardwise.sharding.placements import Replicated, Sharded
+
+    world = torch.distributed.get_world_size()
+    meshes = [DeviceMesh.cpu(world, "x")]
+    if world > 2 and world % 2 == 0:
+        meshes.append(DeviceMesh.cpu((2, world // 2), ("a", "b")))
+    points: dict[str, list[float]] = {}
+    for mesh in meshes:
+        for axis in range(mesh.ndim):
+            size = mesh.mesh_shape[axis]
+            stride = int(np.prod(mesh.mesh_shape[axis + 1:]))
+            for numel in (256, 1 << 14, 1 << 18):
+                place = tuple(Sharded(0) if a == axis else Replicated()
+                              for a in range(mesh.ndim))
+                rows = numel // size * size
+                t = tensor(torch.ones(rows), sharding=PlacementMapping(mesh, place))
+                for kind, call in (
+                        ("all_gather", lambda t=t: all_gather(t)),
+                        ("all_reduce", lambda t=t, a=axis, m=mesh: all_reduce(
+                            t, reduce_axes=[m.axis_names[a]]))):
+                    with CommCounter() as cc:
+                        call()
+                    nbytes = sum(e.nbytes for e in cc.events if e.kind == kind)
+                    seconds = slowest(call, repeat)
+                    hops = 2 * (size - 1) if kind == "all_reduce" else size - 1
+                    points.setdefault(f"{size},{stride}", []).extend(
+                        [float(hops), float(nbytes), seconds])
+    return points
+
+
+def _measure(args: dict[str, Any]) -> dict[str, Any]:
+    repeat = args["repeat"]
+    return {"compute": _compute(repeat), "links": _links(repeat)}
+
+
+def fit(points: list[float]) -> Link:
+    """The alpha-beta link of flat ``[hops, bytes, seconds, ...]`` measurements (least
+    squares, both terms at least 0).
+
+    >>> fit([1, 0, 2e-5, 1, 1e6, 1.002e-3, 3, 1e6, 1.042e-3])
+    Link(alpha=2e-05, beta=9.82e-10)
+    """
+    rows = np.array(points, dtype=np.float64).reshape(-1, 3)
+    a = rows[:, :2]
+    t = rows[:, 2]
+    (alpha, beta), *_ = np.linalg.lstsq(a, t, rcond=None)
+    if beta < 0:
+        alpha, beta = float(np.mean(t / a[:, 0])), 0.0
+    if alpha < 0:
+        alpha, beta = 0.0, float(np.sum(a[:, 1] * t) / max(np.sum(a[:, 1] ** 2), 1e-30))
+    return Link(float(f"{alpha:.3g}"), float(f"{beta:.3g}"))
+
+
+def calibrate(devices: int = 4, *, repeat: int = 5, limit_s: float = 600.0) -> Profile:
+    """Measure this machine on ``devices`` Gloo processes: the profile ``estimate``
+    and ``auto_plan`` take for a prediction of a step here.
+
+    Args:
+        devices: how many processes (ranks) to measure with.
+        repeat: timed repeats of each measurement (the median is kept).
+        limit_s: the wall-clock limit for the whole measurement.
+
+    Returns:
+        a :class:`Profile` named ``"calibrated"``: ``flops["float32"]`` (a matmul's
+        rate per rank with every rank busy), ``memory_bandwidth``, ``kernel_overhead``
+        (a torch op), ``op_overhead`` (a shardwise op's own), ``groups`` (a measured
+        link per group size and stride), no overlap (Gloo's collectives block).
+
+    >>> profile = calibrate(2, repeat=2)                    # doctest: +SKIP
+    >>> profile.flops["float32"] > 0 and (2, 1) in profile.groups   # doctest: +SKIP
+    True
+    """
+    if devices < 2:
+        raise ShardingError(f"calibrate needs at least 2 devices to measure links. Got "
+                            f"devices={devices}.")
+    got = spawn(_measure, {"repeat": repeat}, devices, limit_s)
+    c = got["compute"]
+    groups: dict[tuple[int, int], Link] = {}
+    for key, points in got["links"].items():
+        size, stride = (int(v) for v in key.split(","))
+        groups[(size, stride)] = fit(points)
+    slow = max(groups.values(), key=lambda lk: lk.beta)
+    return Profile(
+        "calibrated", {"float32": c["flops"], "bfloat16": c["flops"] / 4},
+        memory_bandwidth=c["bandwidth"], memory=_memory() // devices,
+        intra=slow, inter=slow, devices_per_node=devices, op_overhead=c["op"],
+        kernel_overhead=c["kernel"], overlap=0.0, groups=groups, host_bound=True)
+
+
+def _memory() -> int:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (OSError, ValueError):
+        return 16 << 30

@@ -1,0 +1,58 @@
+"""auto_plan's refusals and ``shardwise plan``'s report (the Megatron pairing is
+auto_plan's doctest; the time targets are ``benchmarks/planning.py`` rows)."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from shardwise.cli import command
+from shardwise.planning import ModelConfig, auto_plan
+from shardwise.sharding.errors import ShardingError
+
+TINY = ModelConfig.gpt(vocab=64, seq=16, dim=32, heads=4, layers=1)
+
+
+def test_a_budget_nothing_fits_names_the_smallest_plan_and_what_dominates_it() -> None:
+    with pytest.raises(ShardingError) as err:
+        auto_plan(TINY, devices=2, batch=4, memory_budget=1024, max_pp=1)
+    msg = str(err.value)
+    assert "Cannot fit the model on 2 devices in 1.0 KiB per device" in msg
+    assert re.search(r"the smallest plan \(dp2\(fsdp\), recompute\) needs [\d.]+ KiB, "
+                     r"mostly activations \([\d.]+ KiB\)", msg)
+    assert "Got memory_budget=1024" in msg
+
+
+def test_plan_command_prints_the_top_plans_side_by_side(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    assert command.main(["plan", "--devices", "2", "--batch", "4", "--layers", "1",
+                         "--dim", "32", "--vocab", "64", "--top", "2"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("gpt (") and "on 2 devices, batch 4, h100: best dp2" in out
+    for row in ("step time", "memory/device", "  optimizer", "sent/step over dp",
+                "where the time goes", "  #1  |", "  #2  dp2(fsdp)"):
+        assert row in out, row
+    with pytest.raises(SystemExit):
+        command.main(["plan", "--batch", "4"])     # --devices is required
+
+
+def test_planning_bench_rows_report_the_targets() -> None:
+    from benchmarks.planning import table
+    from benchmarks.report import check_targets
+
+    rows = [{"plan": f"dp{i}", "predicted_ms": 10.0 + i, "measured_ms": 10.5 + i,
+             "error": -0.05} for i in range(10)]
+    res = {"model": {"config": "gpt", "batch": 16, "world": 4}, "plans": rows,
+           "within_20": 10, "spearman": 1.0,
+           "auto_plan": {"plan": "dp0", "predicted_ms": 10.0, "measured_ms": 10.5,
+                         "fastest_ms": 10.5, "over_fastest": 0.0},
+           "scale": [{"case": "8b", "plan": "dp128 x tp8", "seconds": 30.0,
+                      "max_rss_mib": 2000.0, "time_s": 5.0, "peak_gib": 40.0},
+                     {"case": "70b", "error": "over 900 s"}]}
+    met = {(t["target"], t["scope"]): t["met"] for t in check_targets({"planning": res})}
+    assert met == {("planning_time", "10 plans"): True, ("planning_rank", "10 plans"): True,
+                   ("planning_pick", "dp0"): True, ("planning_scale", "8b"): True,
+                   ("planning_scale", "8b RSS"): True, ("planning_scale", "70b"): None}
+    text = table(res)
+    assert "within 20%: 10 of 10; Spearman 1.00" in text and "scale 70b: over 900 s" in text
