@@ -40,8 +40,8 @@ Sections (each documented in its module):
   Llama-3-8B-sized config on 1,024 devices, 70B on 4,096, ``auto_plan`` for 8B) in
   fresh processes (:mod:`benchmarks.planning`; ``quick``: a smaller GPT, no scale rows).
 
-Presets: ``full`` (about 15 minutes on 2 cores, 5 of them the ``planning`` section's auto_plan scale row) and ``quick`` (about 30 s; 4 MiB
-tensors, fewer repeats). Timings are medians of interleaved runs; on a shared
+Presets: ``full`` (about 15 minutes on 2 cores, 5 of them the ``planning`` section's
+``auto_plan`` scale row) and ``quick`` (about 30 s; 4 MiB tensors, fewer repeats). Timings are medians of interleaved runs; on a shared
 machine compare the ratios within one run (the table header shows the load).
 """
 
