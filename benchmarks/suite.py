@@ -41,8 +41,9 @@ Sections (each documented in its module):
   fresh processes (:mod:`benchmarks.planning`; ``quick``: a smaller GPT, no scale rows).
 
 Presets: ``full`` (about 15 minutes on 2 cores, 5 of them the ``planning`` section's
-``auto_plan`` scale row) and ``quick`` (about 30 s; 4 MiB tensors, fewer repeats). Timings are medians of interleaved runs; on a shared
-machine compare the ratios within one run (the table header shows the load).
+``auto_plan`` scale row) and ``quick`` (about 30 s; 4 MiB tensors, fewer repeats).
+Timings are medians of interleaved runs; on a shared machine compare the ratios
+within one run (the table header shows the load).
 """
 
 from __future__ import annotations
