@@ -84,21 +84,23 @@ def build(style: str, batch: int = 8) -> dict[str, Any]:
     return {"model": model, "opt": opt, "mesh": mesh, "types": (ids, ids), "real": real}
 
 
-def grad_bytes(model: nn.Module, device: int) -> int:
-    """Bytes of ``model``'s gradients that mesh device ``device`` holds."""
+def state_bytes(tensors: list[torch.Tensor], device: int) -> int:
+    """Bytes of ``tensors``' blocks on mesh device ``device`` (a plain tensor: whole)."""
     total = 0
-    for p in model.parameters():
-        g = p.grad
-        if g is None:
-            continue
-        if isinstance(g, sw.Tensor):
+    for t in tensors:
+        if isinstance(t, sw.Tensor):
             n = 1
-            for size in g.local_shapes[device]:
+            for size in t.local_shapes[device]:
                 n *= size
-            total += n * g.dtype.itemsize
+            total += n * t.dtype.itemsize
         else:
-            total += g.numel() * g.element_size()
+            total += t.numel() * t.element_size()
     return total
 
 
-__all__ = ["STYLES", "DeviceMesh", "build", "grad_bytes", "train_step"]
+def grad_bytes(model: nn.Module, device: int) -> int:
+    """Bytes of ``model``'s gradients that mesh device ``device`` holds."""
+    return state_bytes([p.grad for p in model.parameters() if p.grad is not None], device)
+
+
+__all__ = ["STYLES", "DeviceMesh", "build", "grad_bytes", "state_bytes", "train_step"]

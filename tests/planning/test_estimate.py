@@ -16,21 +16,7 @@ from shardwise import DeviceMesh, DistributedTensorType, PlacementMapping, Repli
 from shardwise.debug import CommCounter, MemoryTracker
 from shardwise.parallel import loss_parallel
 from shardwise.planning import estimate
-from tests.helpers.plan_cases import STYLES, build, grad_bytes, train_step
-
-
-def state_bytes(tensors: list[torch.Tensor], device: int) -> int:
-    """Bytes of ``tensors``' blocks on mesh device ``device`` (a plain tensor: whole)."""
-    total = 0
-    for t in tensors:
-        if isinstance(t, sw.Tensor):
-            n = 1
-            for size in t.local_shapes[device]:
-                n *= size
-            total += n * t.dtype.itemsize
-        else:
-            total += t.numel() * t.element_size()
-    return total
+from tests.helpers.plan_cases import STYLES, build, grad_bytes, state_bytes, train_step
 
 
 def measured(model: nn.Module, opt: torch.optim.Optimizer, step: Any,
