@@ -42,7 +42,8 @@ import torch
 
 from shardwise.propagation.binding import Factors, bind
 from shardwise.propagation.decide import Decision
-from shardwise.runtime import backend_for, world_started
+from shardwise.runtime import backend_for
+from shardwise.runtime.world import C10D
 from shardwise.sharding.errors import ShardingError, ShardingTypeError
 from shardwise.sharding.layout import Layout
 from shardwise.sharding.shapes import local_shape
@@ -98,10 +99,9 @@ def _operands(op: str, operands: Sequence[Any]) -> list[Any]:
     return out
 
 
-#: whether a process world has started (``runtime.world_started``): torch's own check,
-#: bound once (a call less on every op); False where torch has no distributed package
-_STARTED = (torch.distributed.is_initialized if torch.distributed.is_available()
-            else world_started)
+#: torch's world record: its default group (``_default_pg``, None outside a process
+#: world) is what ``backend_for``'s answer depends on besides the mesh
+_C10D = C10D
 
 #: ``Tensor.from_held``, bound once (a classmethod looked up on the class binds anew each call)
 _wrap = Tensor.from_held
@@ -157,11 +157,11 @@ def apply(op: str, operands: Sequence[Any], fn: Callable[..., torch.Tensor], *pa
     # the decided op, run by the runtime where it holds the values, and wrapped
     dec = hit.dec
     mesh = dec.output.mesh
-    started = _STARTED()
+    world = _C10D._default_pg
     backend = hit.backend
-    if backend is None or hit.started is not started:
+    if backend is None or hit.world is not world:
         backend = hit.backend = backend_for(mesh)
-        hit.started = started
+        hit.world = world
     local, first = backend.run_local(op, fn, args, hit, shaped, views)
     if first is None:  # no device of this mesh here: the dtype from meta
         out = _wrap(local, dec.output, hit.size, _meta_dtype(fn, args, dec, shaped),

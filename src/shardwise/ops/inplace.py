@@ -83,9 +83,10 @@ def _inplace(name: str, method: Any, out_of_place: Callable[..., Any] | None
     is laid out like ``x``; else compute ``out_of_place`` and copy it into ``x``."""
 
     def handler(self: Any, *args: Any, **kwargs: Any) -> Any:
-        t = _target(self, name)
+        t = self if type(self) is Tensor else _target(self, name)
         rows = pieces(t, args)
-        if rows is not None and not any(isinstance(v, torch.Tensor) for v in kwargs.values()):
+        if rows is not None and (not kwargs or not any(
+                isinstance(v, torch.Tensor) for v in kwargs.values())):
             # the optimizers' hot path: the method on each buffer of t (its whole value,
             # or each distinct block) with the operands' pieces at the same place
             for b, row in rows:

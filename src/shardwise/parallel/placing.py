@@ -112,7 +112,7 @@ def home_of(module: nn.Module, mesh: DeviceMesh, axis: int) -> tuple[DeviceMesh,
     p = next(iter(module._parameters.values()), None)  # its own: no walk per call
     if p is None:  # a container (PrepareModuleInput on a block): its first one
         p = next(module.parameters(), None)
-    if isinstance(p, Tensor) and p.mesh != mesh:
+    if isinstance(p, Tensor) and p.mesh is not mesh and p.mesh != mesh:
         a = slice_axis(mesh, axis, p.mesh)
         if a is not None:
             return p.mesh, a
@@ -126,7 +126,7 @@ def place_on(x: Any, mesh: DeviceMesh, axis: int, placement: Placement | None,
     ``placement`` (or ``plain`` when ``placement`` is None; Replicated elsewhere);
     anything else passes unchanged."""
     if isinstance(x, Tensor):
-        if x.mesh != mesh:
+        if x.mesh is not mesh and x.mesh != mesh:
             raise ShardingError(
                 f"The {where} lives on {x.mesh!r} but the module is planned on {mesh!r}: "
                 "a plan lays values out on its own mesh. Move it first with "

@@ -31,6 +31,7 @@ import torch.distributed as dist
 
 from shardwise.planner import Plan, Step
 from shardwise.runtime.owner import GradOwner
+from shardwise.runtime.world import C10D
 from shardwise.sharding.errors import ShardingError, ShardingTypeError
 from shardwise.sharding.layout import Layout
 from shardwise.sharding.mesh import DeviceMesh
@@ -250,7 +251,7 @@ def backend_for(mesh: DeviceMesh) -> Backend:
     devices raises instead of being simulated whole in every process.
     """
     # Fast path first: this runs on every op, and most programs never initialize.
-    if not (_dist_available and dist.is_initialized()):
+    if C10D._default_pg is None:
         if mesh.num_devices > 1 and _launched_world() > 1:
             _forgotten_initialize(mesh)
         return _LOADED.get("simulated.backend") or _module("simulated.backend")
@@ -267,7 +268,7 @@ def world_started() -> bool:
     >>> world_started()
     False
     """
-    return _dist_available and dist.is_initialized()
+    return C10D._default_pg is not None
 
 
 def world_backend() -> Backend:

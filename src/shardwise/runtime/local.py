@@ -45,6 +45,7 @@ from shardwise.runtime import backend_for
 from shardwise.runtime import observe as comm
 from shardwise.runtime.blocks import recording, tiling_view
 from shardwise.runtime.owner import GradOwner
+from shardwise.runtime.world import C10D
 from shardwise.sharding.errors import ShardingError
 from shardwise.sharding.layout import Layout
 from shardwise.sharding.mesh import DeviceMesh
@@ -53,7 +54,6 @@ __all__ = ["COPY_BYTES", "Blocks", "Local", "Whole", "cut", "failed", "hold", "l
            "record_plan", "run_plan", "versions"]
 
 _VERSION = operator.attrgetter("_version")
-_DIST = torch.distributed.is_available()
 
 COPY_BYTES = 1 << 18
 """Derived wholes that copy are made for values of at most this many bytes: there an
@@ -284,7 +284,7 @@ class Blocks(Local):
 
     def whole_of(self, layout: Layout, shape: tuple[int, ...], itemsize: int,
                  copy: bool = True) -> torch.Tensor | None:
-        if _DIST and torch.distributed.is_initialized():
+        if C10D._default_pg is not None:
             return None  # (a process world runs every op on blocks: see local_mesh)
         kept = self.derived
         if kept is not None:
@@ -601,7 +601,7 @@ def local_mesh(mesh: DeviceMesh, device: torch.device | None) -> bool:
     >>> local_mesh(DeviceMesh.cpu(2, "x"), torch.device("cpu"))
     True
     """
-    if _DIST and torch.distributed.is_initialized():
+    if C10D._default_pg is not None:
         return False
     hit = _LOCAL.get((id(mesh), device))
     if hit is None:

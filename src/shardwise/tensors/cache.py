@@ -50,7 +50,7 @@ from shardwise.planner import Plan, make_plan
 from shardwise.propagation.binding import Factors
 from shardwise.propagation.decide import Decision, decide
 from shardwise.runtime import observe as comm
-from shardwise.runtime.local import COPY_BYTES, Local, local_mesh, versions
+from shardwise.runtime.local import COPY_BYTES, Local, Whole, local_mesh, versions
 from shardwise.runtime.owner import GradOwner
 from shardwise.sharding.layout import Layout
 
@@ -276,15 +276,15 @@ class Decided:
     (once it knows each has one). Constants pass as they are."""
 
     __slots__ = ("backend", "dec", "factors", "in_place", "moves", "own", "shape", "size",
-                 "started")
+                 "world")
 
     def __init__(self, factors: Factors, dec: Decision, layouts: Sequence[Layout | None]
                  ) -> None:
         self.factors, self.dec = factors, dec
-        # the backend that runs it, and whether a process world had started then: the
-        # executor asks ``backend_for`` again only when that changed
+        # the backend that runs it, and torch's default process group then (None: no
+        # process world): the executor asks ``backend_for`` again only when that changed
         self.backend: Any = None
-        self.started = False
+        self.world: Any = None
         self.size = torch.Size(factors.out_shape)
         self.shape = factors.out_shape
         self.in_place = tuple(have is not None and req == have
@@ -337,21 +337,31 @@ class Decided:
         or None where some operand has none (:func:`runs_whole`); ``views``: operand
         index -> an identity view of its whole the op already used (the counting hook
         goes there)."""
-        copy = not comm.active()
+        copy: bool | None = None
         out: list[Any] = []
         for x, req in zip(args, self.dec.required):
             if req is None:
                 out.append(x)
                 continue
-            w = x._local.whole_of(x._layout, x._shape, x._dtype.itemsize, copy)
+            held = x._local
+            if type(held) is Whole:  # (the simulated runtime's common case: no questions)
+                out.append(held.value)
+                continue
+            if copy is None:
+                copy = not comm.active()
+            w = held.whole_of(x._layout, x._shape, x._dtype.itemsize, copy)
             if w is None:
                 return None
             out.append(w)
         if self.moves:  # the layout changes, counted (once per value: kept)
+            # a value held whole moves as metadata: unobserved (no counter, no holder),
+            # its own value serves, with nothing to keep
+            observed = comm.active() or comm.holding()
             dec = self.dec
             for i, (x, req, div, here) in enumerate(zip(args, dec.required, dec.diverge,
                                                         self.in_place)):
-                if req is not None and (div or not here):
+                if req is not None and (div or not here) and (
+                        observed or type(x._local) is not Whole):
                     out[i] = whole(x, req, div, views.get(i) if views else None)
         return out
 

@@ -53,7 +53,7 @@ import torch
 import torch.utils._pytree as pytree
 
 from shardwise.runtime import backend_for
-from shardwise.runtime.local import Blocks, Local, hold
+from shardwise.runtime.local import Blocks, Local, Whole, hold
 from shardwise.runtime.position import HERE
 from shardwise.sharding.errors import ShardingError
 from shardwise.sharding.layout import Layout
@@ -475,6 +475,19 @@ def pieces(t: Tensor, operands: Sequence[Any]) -> list[tuple[torch.Tensor, list[
     if lay.is_partial:
         return None
     local = t._local
+    if type(local) is Whole:  # (the simulated optimizers' case: one row, one pass)
+        row = list(operands)
+        for i, a in enumerate(operands):
+            if isinstance(a, Tensor):
+                al = a._layout
+                if al is not lay and al != lay and (a._shape or al.is_partial):
+                    return None
+                held = a._local
+                row[i] = held.value if type(held) is Whole else local.part(
+                    held, 0, al, a._shape)
+            elif isinstance(a, torch.Tensor) and a.ndim != 0:
+                return None
+        return [(local.value, row)]
     tensors = []
     for i, a in enumerate(operands):
         if isinstance(a, Tensor):
