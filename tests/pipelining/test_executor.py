@@ -27,6 +27,7 @@ from shardwise.pipelining import (
     parse_table,
     pipeline,
 )
+from shardwise.pipelining.executor import split_microbatches
 from tests.helpers import pp_models as pm
 
 SCHEDULES: dict[str, tuple[Any, int, str]] = {  # class, stages per rank, placement
@@ -153,6 +154,32 @@ def test_forward_only_and_shardwise_inputs() -> None:
     assert isinstance(out, sw.Tensor) and out.mesh == pipe.stages[1].mesh
     pm.assert_close(out, ref(x).detach(), "forward-only output")
     assert all(p.grad is None for p in pipe.parameters())
+
+
+def test_microbatches_of_a_batch_split_over_dp_stay_split() -> None:
+    """Each dp rank computes its rows of every microbatch (torchtitan's split), not the
+    whole microbatch: the parts keep the batch's layout, their values torch's split."""
+    mesh = DeviceMesh.cpu((2, 2), ("pp", "dp")).submesh(pp=0)
+    x = torch.randn(7, WIDTH)
+    xs = sw.tensor(x, sharding=PlacementMapping(mesh, [Sharded(0)]))
+    parts = split_microbatches((xs, 2.0), 3, "the inputs")
+    want = torch.tensor_split(x, 3)
+    for (part, scale), ref in zip(parts, want, strict=True):
+        assert part.placements == (Sharded(0),) and scale == 2.0
+        assert torch.equal(part.to_torch(), ref)
+    assert xs.placements == (Sharded(0),)  # the caller's batch is untouched
+
+    ref_model = mlp(2)
+    pipe = pipeline(copy.deepcopy(ref_model), DeviceMesh.cpu((2, 2), ("pp", "dp")),
+                    split_points=["2"])
+    assert pipe.stages[0].mesh == mesh
+    seen: list[Any] = []
+    for st in pipe.stages:
+        st.module.register_forward_hook(lambda mod, args, out: seen.append(out.placements))
+    out = Schedule1F1B(pipe, n_microbatches=3).step(xs)
+    # every stage's rows of every microbatch stayed split over dp
+    assert seen == [(Sharded(0),)] * 6
+    pm.assert_close(out, ref_model(x).detach(), "pp x dp output")
 
 
 def test_grads_accumulate_over_steps() -> None:

@@ -19,6 +19,7 @@ from shardwise.pipelining.transport_process import ProcessTransport
 from shardwise.runtime.process import backend as process_backend
 from shardwise.runtime.process import p2p
 from shardwise.runtime.process.world import WORLD
+from shardwise.runtime.world import C10D
 from shardwise.sharding.errors import CollectiveError, ShardingError
 from tests.helpers.fake_world import clean_world
 
@@ -32,6 +33,8 @@ def fake(monkeypatch: pytest.MonkeyPatch) -> Iterator[dict[str, Any]]:
     ``state["sent"]``/``["received"]`` record the p2p calls (peer, tag, key, pg)."""
     state: dict[str, Any] = {"backend": "gloo", "sent": [], "received": []}
     monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    # shardwise reads torch's world record itself (runtime/world.py): a default group
+    monkeypatch.setattr(C10D, "_default_pg", object())
     monkeypatch.setattr(dist, "get_backend", lambda group=None: state["backend"])
     monkeypatch.setattr(dist, "get_rank", lambda group=None: 0)
     monkeypatch.setattr(dist, "get_world_size", lambda group=None: 4)

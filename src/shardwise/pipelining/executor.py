@@ -44,6 +44,7 @@ from shardwise.pipelining.stage import Pipe
 from shardwise.pipelining.transport import Transport, detached, transport_for
 from shardwise.runtime.trees import is_tensor_leaf
 from shardwise.sharding.errors import ShardingError, ShardingTypeError
+from shardwise.tensors.tensor import Tensor
 
 __all__ = [
     "PipelineSchedule",
@@ -61,7 +62,8 @@ _BACKWARD = (Kind.BACKWARD, Kind.BACKWARD_INPUT)
 
 def split_microbatches(value: Any, m: int, what: str) -> list[Any]:
     """``value`` (a pytree) -> ``m`` pytrees: every tensor split on dim 0 with
-    ``torch.tensor_split`` semantics (shardwise Tensors too), other leaves repeated."""
+    ``torch.tensor_split`` semantics (shardwise Tensors too, each part in the batch's
+    layout: a batch split over dp stays split), other leaves repeated."""
     leaves, spec = pytree.tree_flatten(value)
     parts: list[list[Any]] = []
     for x in leaves:
@@ -72,7 +74,14 @@ def split_microbatches(value: Any, m: int, what: str) -> list[Any]:
                     f"Cannot split {what} of shape {tuple(x.shape)} into n_microbatches={m} "
                     f"microbatches on dim 0: it has {rows}. Pass a batch of at least {m} "
                     f"rows, or build the schedule with n_microbatches <= the batch size.")
-            parts.append(list(torch.tensor_split(x, m, dim=0)))
+            pieces: list[Any] = list(torch.tensor_split(x, m, dim=0))
+            if isinstance(x, Tensor) and x.dist_layout.dims[0] and \
+                    not x.dist_layout.is_partial:
+                # a batch split over dp: tensor_split gathers dim 0, so each microbatch
+                # goes back to the batch's layout (each dp rank computes its rows of
+                # every microbatch, not all of them; the gather moves the batch once)
+                pieces = [Tensor.relayout(p, x.dist_layout, keep_whole=True) for p in pieces]
+            parts.append(pieces)
         else:
             parts.append([x] * m)
     return [pytree.tree_unflatten([p[i] for p in parts], spec) for i in range(m)]
