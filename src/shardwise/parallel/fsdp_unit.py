@@ -353,7 +353,8 @@ class Unit:
         self.refresh()
         call = self.call = _Call(self)
         self.wholes = self._all_whole()
-        outs = _Gather.apply(call, *self.leaves())
+        leaves = self.leaves()
+        outs = _Gather.apply(call, *leaves)
         for i, fp in enumerate(self.params):
             held = call.held[i]
             got = {id(b): outs[j] for b, j in zip(held.buffers(), call.outputs[i])}
@@ -372,7 +373,7 @@ class Unit:
             # the first unpack in backward re-gathers); views of the parameters are not,
             # unless a memory tracker listens: it counts the gathered blocks a process
             # per device holds, so autograd must not keep the views past forward either
-            own = set() if observe.holding() else {_storage_key(b) for b in self.leaves()}
+            own = set() if observe.holding() else {_storage_key(b) for b in leaves}
             for i in range(len(self.params)):
                 ptrs = _storages([outs[j] for j in call.outputs[i]])[0]
                 if any(p not in own for p in ptrs):

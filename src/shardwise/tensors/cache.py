@@ -368,8 +368,11 @@ class Decided:
     def aliases_copy(self, args: Sequence[Any], result: torch.Tensor) -> bool:
         """Whether ``result`` (of a run on :meth:`wholes`) aliases an operand's copy of
         its blocks."""
-        return any(r is not None and x._local.aliases_copy(result)
-                   for x, r in zip(args, self.dec.required))
+        for x, req in zip(args, self.dec.required):
+            if req is not None and type(x._local) is not Whole and x._local.aliases_copy(
+                    result):  # (a value held whole is no copy: asked of blocks only)
+                return True
+        return False
 
 
 def records(x: Any) -> bool:
