@@ -85,13 +85,16 @@ def _inplace(name: str, method: Any, out_of_place: Callable[..., Any] | None
     def handler(self: Any, *args: Any, **kwargs: Any) -> Any:
         t = self if type(self) is Tensor else _target(self, name)
         rows = pieces(t, args)
-        if rows is not None and (not kwargs or not any(
-                isinstance(v, torch.Tensor) for v in kwargs.values())):
-            # the optimizers' hot path: the method on each buffer of t (its whole value,
-            # or each distinct block) with the operands' pieces at the same place
-            for b, row in rows:
-                method(b, *row, **kwargs)
-            return t
+        if rows is not None:
+            for v in kwargs.values():  # (options: value=, alpha=; a tensor among them
+                if isinstance(v, torch.Tensor):  # is cut below)
+                    break
+            else:
+                # the optimizers' hot path: the method on each buffer of t (its whole
+                # value, or each distinct block) with the operands' pieces at the same place
+                for b, row in rows:
+                    method(b, *row, **kwargs)
+                return t
         kw_rows = pieces(t, list(kwargs.values())) if rows is not None else None
         if rows is not None and kw_rows is not None:
             for (b, row), (_, kw) in zip(rows, kw_rows):
