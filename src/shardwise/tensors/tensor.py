@@ -144,7 +144,7 @@ _COMPILER: Any = (torch.compiler if hasattr(torch.compiler, "_is_compiling_flag"
 _AOT_SUBCLASSES = "torch._functorch._aot_autograd.schemas"
 
 #: the modules Dynamo traces: where compiled code enters shardwise functions (the
-#: parallel styles' hooks), which go straight to in_graph nodes (tensors/traced.py)
+#: parallel styles' hooks), each one graph node (tensors/traced.py)
 TRACED_MODULES = ("tensors/traced.py", "parallel/style.py")
 
 
@@ -303,8 +303,8 @@ class Tensor(GradMixin, RelayoutMixin, MetaMixin,  # type: ignore[misc,override]
     def __tensor_flatten__(self) -> tuple[list[str], tuple[Any, ...]]:
         """The distinct buffers this process holds, as attribute names (``_held<j>``),
         and what rebuilds the Tensor around them: layout, each device's buffer index
-        (None: another process's; ``whole``: one buffer holding the global value),
-        dtype, open dims. Equal contexts mean equal layouts, so Dynamo's guards on it
+        (None: another process's; the whole pattern None: one buffer holding the global
+        value), dtype, open dims. Equal contexts mean equal layouts, so Dynamo's guards on it
         recompile only for another layout."""
         local = self._local
         if isinstance(local, Blocks):
