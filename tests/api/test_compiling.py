@@ -48,7 +48,8 @@ def _operands() -> tuple[sw.Tensor, sw.Tensor]:
 
 def test_torch_backends_refuse_to_differentiate_and_name_the_fix() -> None:
     x, w = _operands()
-    f = torch.compile(lambda x, w: torch.nn.functional.linear(x, w).sum(), backend="aot_eager")
+    f = torch.compile(lambda x, w: torch.nn.functional.linear(x, w).sum(), backend="aot_eager",
+                      dynamic=False)
     with pytest.raises(TorchDynamoException, match=re.escape("backend=shardwise.compile_backend")):
         f(x, w)
     with torch.no_grad():  # nothing to differentiate: torch's own AOTAutograd is enough
@@ -57,8 +58,17 @@ def test_torch_backends_refuse_to_differentiate_and_name_the_fix() -> None:
 
 def test_an_op_without_a_rule_is_refused_under_compile() -> None:
     x, _ = _operands()
-    f = torch.compile(lambda x: torch.nonzero(x), backend=sw.compile_backend("aot_eager"))
+    f = torch.compile(lambda x: torch.nonzero(x), backend=sw.compile_backend("aot_eager"),
+                      dynamic=False)
     with pytest.raises(TorchDynamoException, match="no sharding rule, and under torch"):
+        f(x)
+
+
+def test_dynamic_shapes_are_refused_naming_the_fix() -> None:
+    x, _ = _operands()
+    f = torch.compile(lambda x: torch.relu(x), backend=sw.compile_backend("aot_eager"),
+                      dynamic=True)
+    with pytest.raises(TorchDynamoException, match="Pass dynamic=False"):
         f(x)
 
 

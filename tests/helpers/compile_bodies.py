@@ -43,7 +43,7 @@ def compiled_steps(forward: Any, train: Any, graphs: Graphs) -> list[Any]:
     outside it, as in a training loop): no graph break, one compiled frame."""
     torch._dynamo.reset()
     counters.clear()
-    compiled = torch.compile(forward, backend=sw.compile_backend(graphs))
+    compiled = torch.compile(forward, backend=sw.compile_backend(graphs), dynamic=False)
     got = [train(compiled) for _ in range(3)]
     assert not counters["graph_break"], dict(counters["graph_break"])
     assert counters["frames"]["total"] == 1, counters["frames"]  # no recompile

@@ -105,9 +105,10 @@ def compile_backend(inner: str | Callable[..., Any] = "inductor") -> Callable[..
     (``torch.compile(model)``) work under ``torch.no_grad()`` only: their AOTAutograd
     would differentiate the wrapper, and refuses to.
 
-    >>> f = torch.compile(lambda x: torch.relu(x).sum(), backend=compile_backend("aot_eager"))
-    >>> float(f(torch.tensor([-1.0, 2.0])))
-    2.0
+    >>> relu = torch.compile(torch.nn.ReLU(), backend=compile_backend("aot_eager"),
+    ...                      dynamic=False)
+    >>> relu(torch.tensor([-1.0, 2.0])).tolist()
+    [0.0, 2.0]
     """
     if isinstance(inner, str) and inner not in INNER:
         raise ShardingError(

@@ -120,6 +120,13 @@ def _compiled_route(func: Any, args: Any, kwargs: Any) -> Any:
     if not FALLBACK:  # a compiled function may be the first torch call: fill the registry
         importlib.import_module(REGISTRY)
     if func in HANDLERS:
+        for a in args:
+            if isinstance(a, Tensor) and not all(type(d) is int for d in a._shape):
+                raise ShardingError(
+                    f"torch.compile traced {func} on {a!r} with symbolic sizes: shardwise "
+                    "decides layouts on concrete shapes, and dynamic shapes are not "
+                    "supported yet. Pass dynamic=False to torch.compile (Dynamo turns "
+                    "shapes dynamic by itself after a recompile for new shapes).")
         return route(func, args, kwargs)
     with torch._C.DisableTorchFunctionSubclass():
         return func(*args, **(kwargs or {}))
