@@ -45,6 +45,7 @@ _LAZY: dict[str, str] = {
     "randn": "shardwise.api.creation",
     "zeros_like": "shardwise.api.creation",
     "init_device_mesh": "shardwise.api.meshes",
+    "compile_backend": "shardwise.api.compiling",
     "Plan": "shardwise.planner",
     "Step": "shardwise.planner",
     "accelerator": "shardwise.api.communication",

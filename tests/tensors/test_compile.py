@@ -1,7 +1,8 @@
 """torch.compile of a parallelized forward: values equal to eager shardwise (and to
-plain torch), and no recompile storm: Dynamo never compiles a frame of shardwise's
-own code (it would guard on its Python state), so repeated calls with new inputs
-compile nothing new and no recompile_limit warning comes from shardwise.
+plain torch), and no recompile storm: Dynamo compiles no frame of shardwise's own code
+but the compile entry points (it would guard on its Python state), so repeated calls
+with new inputs compile nothing new and no recompile_limit warning comes from
+shardwise. (tests/api/test_compiling.py: graph breaks, backward, collectives.)
 
 Kept fast: a tiny MLP, Dynamo's ``eager`` backend (guards and graph breaks are
 Dynamo's, whatever the backend), ``torch._dynamo.reset()`` around each test.
@@ -76,10 +77,16 @@ def test_compiled_parallel_forward_equals_eager_without_recompiles(dynamo_log: R
     assert "shardwise" not in text, text  # no guard on shardwise's state failed
 
 
-def test_no_frame_of_shardwise_is_compiled() -> None:
+def test_no_frame_of_shardwise_is_compiled_but_the_entry_points() -> None:
     from torch._dynamo import trace_rules
 
+    import shardwise.ops.execute as execute_module
+    import shardwise.parallel.style as style_module
     import shardwise.tensors.tensor as tensor_module
+    import shardwise.tensors.traced as traced_module
 
-    assert trace_rules.check_file(tensor_module.__file__).skipped
+    for skipped in (tensor_module, execute_module):
+        assert trace_rules.check_file(skipped.__file__).skipped
+    for traced in (traced_module, style_module):
+        assert not trace_rules.check_file(traced.__file__).skipped
 

@@ -55,6 +55,7 @@ from shardwise.runtime import position
 from shardwise.sharding.errors import ShardingError, ShardingTypeError
 from shardwise.sharding.mesh import DeviceMesh
 from shardwise.sharding.placements import Placement, Replicated, Sharded
+from shardwise.tensors.traced import traced
 
 __all__ = ["ColwiseParallel", "ParallelStyle", "PrepareModuleInput", "PrepareModuleOutput",
            "RowwiseParallel", "SequenceParallel"]
@@ -131,7 +132,7 @@ def _hook_inputs(module: nn.Module, mesh: DeviceMesh, axis: int,
                                  where=f"input {k!r}")
         return tuple(out), kw
 
-    module.register_forward_pre_hook(hook, with_kwargs=True)
+    module.register_forward_pre_hook(traced(hook), with_kwargs=True)  # one graph node
 
 
 def _hook_outputs(module: nn.Module, mesh: DeviceMesh, axis: int,
@@ -145,7 +146,7 @@ def _hook_outputs(module: nn.Module, mesh: DeviceMesh, axis: int,
                                   where=f"output {i}") for i, o in enumerate(output))
         return place_on(output, home, a, desired[0], where="output")
 
-    module.register_forward_hook(hook)
+    module.register_forward_hook(traced(hook))  # one graph node
 
 
 def mark(module: nn.Module, mesh: DeviceMesh, name: str, style: str) -> None:
@@ -156,11 +157,15 @@ def mark(module: nn.Module, mesh: DeviceMesh, name: str, style: str) -> None:
     here = position.site(name, style)
 
     def enter(mod: nn.Module, args: Any) -> None:
+        if torch.compiler.is_compiling():  # a compiled graph runs no agreement
+            return
         position.push(here)
         if replicas.ENABLED is not None:
             replicas.record_inputs(name, mesh, args)
 
     def leave(mod: nn.Module, args: Any, output: Any) -> None:
+        if torch.compiler.is_compiling():
+            return
         position.pop()
 
     module.register_forward_pre_hook(enter, prepend=True)

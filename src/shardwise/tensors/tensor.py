@@ -15,9 +15,14 @@ Invariants:
   registry's fallback (exact; plain results, views stay Replicated Tensors); writes in
   place into it and wrapped values leaving a transform are refused. Any other aten op
   reaching it is refused.
-- ``torch.compile`` never traces or compiles shardwise's own frames (the package is on
-  Dynamo's skip list, :func:`_skip_in_dynamo`): each shardwise call in compiled code
-  is a graph break that runs eagerly, so no guard ever reads shardwise's Python state.
+- Under ``torch.compile`` it is a traceable wrapper subclass (``__tensor_flatten__``:
+  the distinct buffers this process holds; the context: layout, replica pattern,
+  dtype, open dims). Dynamo records torch functions on it as graph nodes, their
+  example values computed by this routing on fake buffers; AOTAutograd, given the
+  graph on the buffers (:mod:`shardwise.api.compiling`), runs the same routing on
+  them, so the compiled graph holds the local ops and functional collectives. Dynamo
+  traces no frame of shardwise but :data:`TRACED_MODULES` (:func:`_skip_in_dynamo`),
+  so no guard reads shardwise's Python state.
 - Only torch's in-place ops (``add_``, ``copy_``, the optimizers' updates) mutate a
   Tensor, writing each distinct local buffer once; every other op leaves its inputs
   alone, so replicas share one buffer and shards may be views of a larger buffer.
@@ -44,7 +49,9 @@ Invariants:
 
 from __future__ import annotations
 
+import functools
 import importlib
+import os
 import sys
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -103,9 +110,26 @@ def route(func: Any, args: Any, kwargs: Any) -> Any:
         here.op = before
 
 
-#: :func:`route` for torch.compile: Dynamo runs it eagerly (a graph break), as
-#: the layout logic is Python. Eager calls skip the disabling wrapper (~3 us a call).
-_route = torch.compiler.disable(route)
+def _compiled_route(func: Any, args: Any, kwargs: Any) -> Any:
+    """A torch function on shardwise Tensors while torch.compile runs: Dynamo computing
+    a graph node's example value on fake buffers, or AOTAutograd tracing the node on
+    the graph's tensors. A function with a handler runs it, as eagerly; any other
+    (torch reading a fake Tensor's metadata: ``_is_view``, ``untyped_storage``, ...)
+    runs on the wrapper itself, and an op without a rule is refused by
+    :meth:`Tensor.__torch_dispatch__` (the gathered fallback is eager only)."""
+    if not FALLBACK:  # a compiled function may be the first torch call: fill the registry
+        importlib.import_module(REGISTRY)
+    if func in HANDLERS:
+        for a in args:
+            if isinstance(a, Tensor) and not all(type(d) is int for d in a._shape):
+                raise ShardingError(
+                    f"torch.compile traced {func} on {a!r} with symbolic sizes: shardwise "
+                    "decides layouts on concrete shapes, and dynamic shapes are not "
+                    "supported yet. Pass dynamic=False to torch.compile (Dynamo turns "
+                    "shapes dynamic by itself after a recompile for new shapes).")
+        return route(func, args, kwargs)
+    with torch._C.DisableTorchFunctionSubclass():
+        return func(*args, **(kwargs or {}))
 
 
 class _CompilingFlag:
@@ -123,18 +147,33 @@ _COMPILER: Any = (torch.compiler if hasattr(torch.compiler, "_is_compiling_flag"
                   else _CompilingFlag())
 
 
+#: the module where torch's AOTAutograd rebuilds subclass instances to differentiate them
+_AOT_SUBCLASSES = "torch._functorch._aot_autograd.schemas"
+
+#: the modules Dynamo traces: where compiled code enters shardwise functions (the
+#: parallel styles' hooks), each one graph node (tensors/traced.py)
+TRACED_MODULES = ("tensors/traced.py", "parallel/style.py")
+
+
 def _skip_in_dynamo() -> None:
-    """Dynamo neither traces nor compiles a frame of shardwise's own code: it branches
-    on Python state (caches, plan counters, the ids of shared blocks) that Dynamo would
-    guard on and recompile for whenever it changes (a parallelized model hit
-    recompile_limit in the simulated backend's run_step, its hooks and the planner,
-    ~2x slower than eager once warm). The user's code around a shardwise call still
-    compiles; each call is a graph break that runs eagerly. Dynamo's skip list is
-    torch-internal: without it, only ``_route`` above is disabled."""
+    """Dynamo traces no frame of shardwise's own code but the entry points of
+    :data:`TRACED_MODULES`: the rest branches on Python state (caches, plan counters,
+    the ids of shared blocks) that Dynamo would guard on and recompile for whenever it
+    changes (a parallelized model hit recompile_limit in the simulated backend's
+    run_step, its hooks and the planner, ~2x slower than eager once warm). A call into
+    a skipped module from compiled code is a graph break that runs eagerly. Dynamo's
+    skip list is torch-internal (a torch without it would trace every frame)."""
     rules = getattr(torch._dynamo, "trace_rules", None)  # imported by compiler.disable
-    add = getattr(rules, "add", None)
-    if add is not None:
-        add(__name__.partition(".")[0])
+    skip = getattr(rules, "SKIP_DIRS", None)
+    recompile = getattr(rules, "_recompile_re", None)
+    if skip is None or recompile is None:
+        return
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    spared = {os.path.join(root, *m.split("/")) for m in TRACED_MODULES}
+    for folder, _, files in os.walk(root):
+        skip.extend(path for path in (os.path.join(folder, f) for f in files
+                                      if f.endswith(".py")) if path not in spared)
+    recompile()
 
 
 _skip_in_dynamo()
@@ -223,7 +262,7 @@ class Tensor(GradMixin, RelayoutMixin, MetaMixin,  # type: ignore[misc,override]
     def __torch_function__(cls, func: Any, types: Any, args: Any = (),
                            kwargs: Any = None) -> Any:
         if _COMPILER._is_compiling_flag:
-            return _route(func, args, kwargs)
+            return _compiled_route(func, args, kwargs)
         if kwargs:
             return route(func, args, kwargs)
         # route's commonest call inlined (one frame less on every op): no
@@ -250,6 +289,12 @@ class Tensor(GradMixin, RelayoutMixin, MetaMixin,  # type: ignore[misc,override]
         transform = _functorch_caller()
         if transform is not None:
             return _under_transform(transform, func, args, kwargs or {})
+        if _COMPILER._is_compiling_flag:
+            raise ShardingError(
+                f"{func} has no sharding rule, and under torch.compile the gathered "
+                "fallback (eager only) cannot run: the op would leave the graph. Run this "
+                "part eagerly (torch.compiler.disable), gather first (x.to_torch() before "
+                "the op, outside the compiled function), or add a rule for the op.")
         _refuse_wrapped("a torch.func transform", func, args, kwargs or {})
         raise ShardingError(
             f"{func} reached torch's dispatcher with a shardwise.Tensor, which holds no data "
@@ -260,6 +305,47 @@ class Tensor(GradMixin, RelayoutMixin, MetaMixin,  # type: ignore[misc,override]
             "Tensors the transform does not see; return x.to_torch() from the function, "
             "or pass those Tensors through the transform.)"
         )
+
+    # --- torch.compile: a traceable wrapper subclass (module doc) -------------------------
+    def __tensor_flatten__(self) -> tuple[list[str], tuple[Any, ...]]:
+        """The distinct buffers this process holds, as attribute names (``_held<j>``),
+        and what rebuilds the Tensor around them: layout, each device's buffer index
+        (None: another process's; the whole pattern None: one buffer holding the global
+        value), dtype, open dims. Equal contexts mean equal layouts, so Dynamo's guards on it
+        recompile only for another layout."""
+        local = self._local
+        if isinstance(local, Blocks):
+            blocks = local.blocks
+            index = {id(blocks[k]): j for j, k in enumerate(local.unique())}
+            pattern: tuple[int | None, ...] | None = tuple(
+                None if b is None else index[id(b)] for b in blocks)
+            names = _held_names(len(index))
+        else:
+            pattern, names = None, _held_names(1)
+        return names, (self._layout, pattern, self._dtype, self._open)
+
+    @staticmethod
+    def __tensor_unflatten__(inner: dict[str, torch.Tensor], context: tuple[Any, ...],
+                             outer_size: Any, outer_stride: Any) -> Tensor:
+        layout, pattern, dtype, open_dims = context
+        if (torch.is_grad_enabled() and any(t.requires_grad for t in inner.values())
+                and sys._getframe(1).f_globals.get("__name__") == _AOT_SUBCLASSES):
+            raise ShardingError(
+                f"torch.compile's AOTAutograd is differentiating a shardwise.Tensor laid "
+                f"out as {layout}: it would record gradients on the wrapper, which holds "
+                "no autograd state (a shardwise Tensor's autograd runs on its buffers), "
+                "so backward would find nothing to differentiate. Compile with "
+                "backend=shardwise.compile_backend() (or compile_backend('aot_eager')), "
+                "or run the compiled function under torch.no_grad().")
+        if pattern is None:
+            held: Local = Whole(inner["_held0"], layout)
+            first = inner["_held0"]
+        else:
+            blocks = tuple(None if j is None else inner[f"_held{j}"] for j in pattern)
+            held = Blocks(blocks)
+            first = next(b for b in blocks if b is not None)
+        return Tensor.from_held(held, layout, torch.Size(outer_size), dtype, first.device,
+                                open_dims)
 
     def __repr__(self) -> str:  # type: ignore[override]
         grad = ", requires_grad=True" if self.requires_grad else ""
@@ -311,6 +397,8 @@ class Tensor(GradMixin, RelayoutMixin, MetaMixin,  # type: ignore[misc,override]
         its first local block (DTensor answers with its local tensor's). Two Tensors
         share one exactly when they share data (tied weights), which is what checkpoint
         writers (safetensors, transformers' ``save_pretrained``) ask it to tell."""
+        if _COMPILER._is_compiling_flag:  # torch describing the wrapper: none of its own
+            return torch.Tensor.untyped_storage(self)
         first = self._local.first()
         assert first is not None, "this process holds none of the value"
         return first.untyped_storage()
@@ -381,6 +469,21 @@ class Tensor(GradMixin, RelayoutMixin, MetaMixin,  # type: ignore[misc,override]
                 f"{self._shape}. Pass gradient= (same global shape) or reduce first."
             )
         torch.autograd.backward(self, gradient, retain_graph, create_graph, inputs=inputs)
+
+
+def _held_names(n: int) -> list[str]:
+    """The attribute names of a Tensor's first ``n`` buffers (``_held0``...), each a
+    property of the class added on first need: a ``__getattr__`` would slow every
+    attribute read of every Tensor."""
+    names = [f"_held{j}" for j in range(n)]
+    for j, name in enumerate(names):
+        if name not in Tensor.__dict__:
+            setattr(Tensor, name, property(functools.partial(_buffer, j)))
+    return names
+
+
+def _buffer(j: int, t: Tensor) -> torch.Tensor:
+    return t._local.buffers()[j]
 
 
 #: torch.func's transforms, by the frame that runs the user's function under them

@@ -13,6 +13,10 @@ Invariants:
   The fingerprint holds only what every member sees alike (global sizes, not the
   local block's).
 - Members are in mesh-axis order whatever torch's rank order (``Group.slot``).
+- While torch.compile traces (AOTAutograd running a compiled graph's shardwise nodes),
+  all_reduce, and all_gather / reduce_scatter of even blocks in torch's rank order,
+  are torch's functional collectives (:func:`traced`): graph nodes, with no agreement
+  message (the graph is the same program on every rank); the others raise.
 """
 
 from __future__ import annotations
@@ -40,6 +44,7 @@ from shardwise.runtime.process.groups import (  # re-exported: the runtime reach
     world_group,
 )
 from shardwise.runtime.process.world import WORLD
+from shardwise.sharding.errors import ShardingError
 from shardwise.sharding.placements import ReduceOp
 
 __all__ = ["Group", "agree_permute", "all_gather", "all_reduce", "all_to_all", "broadcast",
@@ -81,6 +86,38 @@ def _call(what: str, g: Group, fn: Callable[[], Any]) -> Any:
     return agreement.run(what, g.label, g.ranks, fn, g.pg or dist.group.WORLD)
 
 
+#: shardwise's reduce ops as torch's functional collectives name them
+_FUNCTIONAL_OP = {ReduceOp.SUM: "sum", ReduceOp.AVG: "avg", ReduceOp.MIN: "min",
+                  ReduceOp.MAX: "max", ReduceOp.PROD: "product"}
+
+
+def traced(what: str, x: torch.Tensor, g: Group, *, op: ReduceOp | None = None,
+           dim: int = 0, sizes: Sequence[int] = ()) -> torch.Tensor:
+    """The collective ``what`` as a functional collective of torch's, for a graph being
+    traced: all_reduce (``op``), all_gather and reduce_scatter along ``dim`` of the
+    members' blocks of ``sizes``, even and in torch's rank order. Others raise."""
+    import torch.distributed._functional_collectives as funcol
+
+    even = g.slot is None and len(set(sizes)) <= 1
+    # (traced, each returns its result already waited for: a wait_tensor node)
+    if what == "all_reduce" and op is not None:
+        out: torch.Tensor = funcol.all_reduce(x, _FUNCTIONAL_OP[op], g.pg)
+        return out
+    if what == "all_gather" and even:
+        out = funcol.all_gather_tensor(x.movedim(dim, 0).contiguous(), 0, g.pg)
+        return out.movedim(0, dim)
+    if what == "reduce_scatter" and even and op is not None:
+        out = funcol.reduce_scatter_tensor(x.movedim(dim, 0).contiguous(),
+                                           _FUNCTIONAL_OP[op], 0, g.pg)
+        return out.movedim(0, dim)
+    raise ShardingError(
+        f"torch.compile cannot trace shardwise's {what} over {g.label or 'its group'} "
+        f"yet (sizes {tuple(sizes)}, members in mesh order {g.slot}): only all_reduce, and "
+        "all_gather / reduce_scatter of even blocks in rank order, are functional "
+        "collectives in the graph. Run this part eagerly (torch.compiler.disable) or "
+        "choose a layout with even blocks.")
+
+
 def _shape(shape: Sequence[int], dims: dict[int, int]) -> tuple[int, ...]:
     """``shape`` with some dims replaced: the rank-independent shape of a call."""
     return tuple(dims.get(d, s) for d, s in enumerate(shape))
@@ -92,6 +129,8 @@ def all_gather(x: torch.Tensor, dim: int, g: Group, sizes: Sequence[int], tag: s
     """Concatenate the members' blocks along ``dim`` (uneven sizes padded in transit)."""
     if g.size == 1:
         return x
+    if torch.compiler.is_compiling():
+        return traced("all_gather", x, g, dim=dim, sizes=sizes)
     shape = _shape(x.shape, {dim: sum(sizes)})
     fold = agreement.gather_fold(x, math.prod(shape))
     if _fold_gather(x, math.prod(shape), g):  # the pieces ride in the control message
@@ -170,6 +209,8 @@ def all_reduce(x: torch.Tensor, g: Group, op: ReduceOp, tag: str = "") -> torch.
     check_reduce(x, op)
     if g.size == 1:
         return buffers.empty(x.shape, x).copy_(x)
+    if torch.compiler.is_compiling():
+        return traced("all_reduce", x, g, op=op)
     fold = agreement.reduce_fold(x, op)
     if WORLD.agreement and not WORLD.check_collectives:
         ch = agreement.channel(g.pg, g.ranks, x.device)
@@ -200,6 +241,8 @@ def reduce_scatter(x: torch.Tensor, dim: int, g: Group, sizes: Sequence[int],
     if g.size == 1:
         return x.clone()
     check_reduce(x, op)
+    if torch.compiler.is_compiling():
+        return traced("reduce_scatter", x, g, op=op, dim=dim, sizes=sizes)
     fold = agreement.reduce_fold(x, op)
     if _fold(x, op, g):  # data in the message
         fp = agreement.fingerprint("reduce_scatter", op, g.label, tuple(x.shape), x.dtype,
@@ -265,6 +308,8 @@ def all_to_all(x: torch.Tensor, dim: int, dim2: int, g: Group, send: Sequence[in
     what arrives is already the concatenation along ``dim``: no unpack copy."""
     if g.size == 1:
         return x
+    if torch.compiler.is_compiling():
+        return traced("all_to_all", x, g)
     # send/recv are this member's row and column of the exchange: not rank-independent
     done = _agree("all_to_all", g, _shape(x.shape, {dim: -1, dim2: -1}), x.dtype,
                   f"{tag} dim {dim}<-{dim2}", device=x.device)
@@ -335,6 +380,8 @@ def _nothing() -> None:
 def broadcast(x: torch.Tensor, src_rank: int, g: Group, tag: str = "") -> torch.Tensor:
     if g.size == 1:
         return x.clone(memory_format=torch.contiguous_format)
+    if torch.compiler.is_compiling():
+        return traced("broadcast", x, g)
     tag = f"{tag} from rank {src_rank}"
     fold = agreement.gather_fold(x, x.numel())
     if _fold_gather(x, x.numel(), g):  # the source's data rides in the control message

@@ -34,6 +34,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch.distributed as dist
+from torch.utils._python_dispatch import _disable_current_modes
 
 from shardwise.runtime.process import agreement, p2p
 from shardwise.runtime.process.world import WORLD
@@ -164,6 +165,14 @@ def group(mesh: DeviceMesh, axes: tuple[int, ...]) -> Group:
     if found is not None:
         WORLD.groups[key] = found
         return found
+    # torch.compile may meet a group first while it traces (fake or traced tensors):
+    # creating it is a one-time exchange of real messages, outside the trace
+    with _disable_current_modes():
+        return _create(mesh, axes, me, key, label)
+
+
+def _create(mesh: DeviceMesh, axes: tuple[int, ...], me: int | None, key: Any,
+            label: str) -> Group:
     world = world_group()
     # Creating groups is collective over the world, matched by call order: processes
     # creating different groups would pair them up silently, so they agree first.

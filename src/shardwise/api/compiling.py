@@ -1,0 +1,150 @@
+"""``torch.compile`` of code on shardwise Tensors: the backend that lowers Dynamo's
+graph to one graph of local torch ops and functional collectives.
+
+Dynamo records each torch function on a shardwise Tensor as one node (the Tensor is a
+traceable wrapper subclass; :func:`shardwise.tensors.tensor.in_graph`). torch's own
+AOTAutograd would then differentiate the wrapper, but a shardwise Tensor keeps no
+autograd state of its own: autograd runs on the buffers it holds. So this backend
+desugars first: the graph becomes a function of the buffers (each Tensor input
+rebuilt around its buffers, each Tensor output taken apart into them), which
+AOTAutograd traces, differentiates and partitions like any torch function, and the
+inner compiler (inductor, or none) compiles.
+
+Invariants:
+- Inputs and outputs cross the compiled function as the buffers of
+  ``Tensor.__tensor_flatten__``, rebuilt by ``__tensor_unflatten__`` with the
+  context seen while tracing (Dynamo's guards keep it the same for every call).
+- The compiled graph runs no shardwise Python: relayouts are local ops and torch's
+  functional collectives (process runtime), recorded once while tracing.
+- Gradients reach the leaves' buffers, where shardwise's eager autograd puts them.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from shardwise.sharding.errors import ShardingError
+from shardwise.tensors.tensor import Tensor
+
+__all__ = ["compile_backend"]
+
+#: the inner compilers :func:`compile_backend` takes
+INNER = ("inductor", "aot_eager")
+
+Spec = tuple[int, Any, tuple[int, ...]] | None  # buffers, flatten context, shape; None: plain
+
+
+def _take_apart(values: Sequence[Any]) -> tuple[list[Any], list[Spec]]:
+    """The values with each Tensor replaced by its buffers, and how to rebuild them."""
+    flat: list[Any] = []
+    specs: list[Spec] = []
+    for v in values:
+        if isinstance(v, Tensor):
+            names, context = v.__tensor_flatten__()
+            flat.extend(getattr(v, n) for n in names)
+            specs.append((len(names), context, tuple(v.shape)))
+        else:
+            flat.append(v)
+            specs.append(None)
+    return flat, specs
+
+
+def _rebuild(flat: Sequence[Any], specs: Sequence[Spec]) -> list[Any]:
+    out: list[Any] = []
+    i = 0
+    for spec in specs:
+        if spec is None:
+            out.append(flat[i])
+            i += 1
+            continue
+        n, context, shape = spec
+        inner = {f"_held{j}": flat[i + j] for j in range(n)}
+        out.append(Tensor.__tensor_unflatten__(inner, context, shape, None))
+        i += n
+    return out
+
+
+def _compilers(inner: str | Callable[..., Any]
+               ) -> tuple[Callable[..., Any], Callable[..., Any], Any]:
+    """Forward compiler, backward compiler and decompositions for AOTAutograd."""
+    if inner == "inductor":
+        from torch._inductor.compile_fx import compile_fx_inner
+        from torch._inductor.decomposition import select_decomp_table
+
+        return (compile_fx_inner, functools.partial(compile_fx_inner, is_backward=True),
+                select_decomp_table())
+    from functorch.compile import make_boxed_func
+
+    def keep(gm: torch.fx.GraphModule, example_inputs: Any) -> Any:
+        return make_boxed_func(gm if isinstance(inner, str) else inner(gm, example_inputs))
+
+    return keep, keep, None
+
+
+def _compiling() -> Any:
+    """torch's compile-session flag (``torch.compiler.is_compiling()``), set while
+    AOTAutograd traces on the first call (after Dynamo's session has ended)."""
+    return torch.compiler._compile_session_context()
+
+
+def compile_backend(inner: str | Callable[..., Any] = "inductor") -> Callable[..., Any]:
+    """A ``torch.compile`` backend for code on shardwise Tensors: each Dynamo graph
+    becomes one graph of local torch ops and functional collectives, differentiated
+    by AOTAutograd on the buffers and compiled by ``inner``: ``"inductor"``,
+    ``"aot_eager"`` (traced, not compiled), or a function ``(graph, example_inputs)
+    -> callable`` given the forward and the backward graph (e.g. to look at them).
+
+    Each torch function on a shardwise Tensor is a node of Dynamo's graph, and so are
+    a parallelized module's input and output hooks; relayouts become torch's
+    functional collectives in a process world (all_reduce, even all_gather and
+    reduce_scatter so far) and local ops on the simulated mesh. torch's own backends
+    (``torch.compile(model)``) work under ``torch.no_grad()`` only: their AOTAutograd
+    would differentiate the wrapper, and refuses to.
+
+    >>> relu = torch.compile(torch.nn.ReLU(), backend=compile_backend("aot_eager"),
+    ...                      dynamic=False)
+    >>> relu(torch.tensor([-1.0, 2.0])).tolist()
+    [0.0, 2.0]
+    """
+    if isinstance(inner, str) and inner not in INNER:
+        raise ShardingError(
+            f"compile_backend(inner={inner!r}): the inner compiler is one of {INNER}. "
+            "Got an unknown name; pass 'inductor' to compile, 'aot_eager' to trace only.")
+
+    def backend(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> Callable[..., Any]:
+        from torch._functorch.aot_autograd import aot_function
+        from torch._functorch.partitioners import min_cut_rematerialization_partition
+
+        _, in_specs = _take_apart(example_inputs)
+        out_specs: list[tuple[bool, list[Spec]]] = []
+
+        def on_buffers(*flat: Any) -> tuple[Any, ...]:
+            outs = gm(*_rebuild(flat, in_specs))
+            single = not isinstance(outs, (tuple, list))
+            got, specs = _take_apart([outs] if single else list(outs))
+            out_specs[:] = [(single, specs)]  # the same on every trace of this graph
+            return tuple(got)
+
+        fw, bw, decompositions = _compilers(inner)
+        compiled = aot_function(on_buffers, fw_compiler=fw, bw_compiler=bw,
+                                partition_fn=min_cut_rematerialization_partition,
+                                decompositions=decompositions)
+
+        def run(*args: Any) -> Any:
+            flat = _take_apart(args)[0]
+            if out_specs:
+                got = compiled(*flat)
+            else:  # the first call traces: shardwise's code then issues graph collectives
+                with _compiling():
+                    got = compiled(*flat)
+            single, specs = out_specs[0]
+            outs = _rebuild(got, specs)
+            return outs[0] if single else type(outs)(outs)
+
+        return run
+
+    return backend

@@ -1,0 +1,77 @@
+"""torch.compile through shardwise (issue 37, first step): Dynamo records shardwise
+Tensors' ops and a parallelized module's hooks as one graph, and
+``shardwise.compile_backend`` lowers it to local ops and functional collectives.
+
+Kept cheap: tiny programs, the ``aot_eager`` inner compiler (graph breaks, guards and
+the traced graphs are the same whatever compiles them), one Gloo launch of 2 ranks.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+
+import pytest
+import torch
+import torch._dynamo
+from torch._dynamo.exc import TorchDynamoException
+
+import shardwise as sw
+from shardwise import DeviceMesh, PlacementMapping, Replicated, Sharded, ShardingError
+from tests.helpers import compile_bodies
+from tests.helpers.harness import check_body
+
+
+@pytest.fixture(autouse=True)
+def fresh_dynamo() -> Iterator[None]:
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("name", compile_bodies.BODIES)
+def test_compile_body_on_gloo(name: str) -> None:
+    check_body(compile_bodies.__name__, compile_bodies.BODIES, 2, name)
+
+
+@pytest.mark.parametrize("name", compile_bodies.BODIES)
+def test_compile_body_simulated(name: str) -> None:
+    getattr(compile_bodies, name)(2)
+
+
+def _operands() -> tuple[sw.Tensor, sw.Tensor]:
+    mesh = DeviceMesh.cpu(2, "x")
+    x = sw.tensor(torch.randn(4, 8), sharding=PlacementMapping(mesh, [Sharded(0)]))
+    w = sw.tensor(torch.randn(6, 8), sharding=PlacementMapping(mesh, [Replicated()]))
+    return x, w.requires_grad_()
+
+
+def test_torch_backends_refuse_to_differentiate_and_name_the_fix() -> None:
+    x, w = _operands()
+    f = torch.compile(lambda x, w: torch.nn.functional.linear(x, w).sum(), backend="aot_eager",
+                      dynamic=False)
+    with pytest.raises(TorchDynamoException, match=re.escape("backend=shardwise.compile_backend")):
+        f(x, w)
+    with torch.no_grad():  # nothing to differentiate: torch's own AOTAutograd is enough
+        torch.testing.assert_close(f(x, w).to_torch(), (x.to_torch() @ w.to_torch().T).sum())
+
+
+def test_an_op_without_a_rule_is_refused_under_compile() -> None:
+    x, _ = _operands()
+    f = torch.compile(lambda x: torch.nonzero(x), backend=sw.compile_backend("aot_eager"),
+                      dynamic=False)
+    with pytest.raises(TorchDynamoException, match="no sharding rule, and under torch"):
+        f(x)
+
+
+def test_dynamic_shapes_are_refused_naming_the_fix() -> None:
+    x, _ = _operands()
+    f = torch.compile(lambda x: torch.relu(x), backend=sw.compile_backend("aot_eager"),
+                      dynamic=True)
+    with pytest.raises(TorchDynamoException, match="Pass dynamic=False"):
+        f(x)
+
+
+def test_unknown_inner_compiler_is_named() -> None:
+    with pytest.raises(ShardingError, match="'inductor', 'aot_eager'"):
+        sw.compile_backend("tvm")
