@@ -218,6 +218,11 @@ def value_in_region_order(n: int) -> None:
     assert torch.equal((ms & tri).to_torch(), keep & tri)
     ids = cp.shard(torch.arange(t).view(1, t), 1)
     assert torch.equal((ids * 2 + torch.arange(t)).to_torch(), torch.arange(t).view(1, t) * 3)
+    # ops that keep the sequence whole keep the order: no communication
+    with CommCounter() as cc:
+        kept = (hs[..., :2] * 2).transpose(0, 1).reshape(t, 4).softmax(-1)
+    assert not cc.counts and kept.dist_layout.orders, (dict(cc.counts), kept)
+    close(kept.to_torch(), (h[..., :2] * 2).transpose(0, 1).reshape(t, 4).softmax(-1), "kept")
     # along the sequence: natural order first, counted
     with CommCounter() as cc:
         sliced, joined, summed = hs[:, 1:5], torch.cat([hs, hs], 1), hs.cumsum(1)

@@ -377,6 +377,45 @@ def _join(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     return run_stripped(func, (type(tensors)(fixed), *args[1:]), rest, lambda r, k: out)
 
 
+def _getitem(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """``x[...]`` with ints, slices, ``None`` and ``...`` that take every ordered dim
+    whole (RoPE's halves of the last dim, a head's columns): the orders follow their
+    dims; any other index of an ordered dim is not exact."""
+    x, index = args[0], args[1] if len(args) > 1 else None
+    items = index if isinstance(index, tuple) else (index,)
+    if kwargs or not isinstance(x, Tensor) or not all(
+            i is None or i is Ellipsis or isinstance(i, slice) or (
+                isinstance(i, int) and not isinstance(i, bool)) for i in items):
+        return NATURAL
+    named = sum(1 for i in items if i is not None and i is not Ellipsis)
+    if named > x.ndim or sum(1 for i in items if i is Ellipsis) > 1:
+        return NATURAL
+    marks, want = orders_of(x), {}
+    d = e = 0
+    for i in items:
+        if i is Ellipsis:
+            for _ in range(x.ndim - named):
+                if d in marks:
+                    want[e] = marks[d].at(e)
+                d, e = d + 1, e + 1
+        elif i is None:
+            e += 1
+        elif isinstance(i, int):
+            if d in marks:
+                return NATURAL
+            d += 1
+        else:
+            if d in marks and i.indices(x.shape[d]) != (0, x.shape[d], 1):
+                return NATURAL
+            if d in marks:
+                want[e] = marks[d].at(e)
+            d, e = d + 1, e + 1
+    for rest in range(d, x.ndim):
+        if rest in marks:
+            want[e + rest - d] = marks[rest].at(e + rest - d)
+    return run_stripped(func, args, kwargs, lambda r, k: want)
+
+
 def _order_aware(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """Handlers that read each Tensor with its own layout, orders included (autograd's
     entries: a seed is laid out as its output, a gradient as its input)."""
@@ -422,6 +461,7 @@ for _f in _funcs("unbind"):
 for _f in _funcs("cat", "concat", "concatenate", "stack"):
     RULES[_f] = _join
 RULES[torch.autograd.backward] = RULES[torch.autograd.grad] = _order_aware
+RULES[TensorMethod.__getitem__] = _getitem
 RULES[F.linear] = _lead(1)
 RULES[F.layer_norm] = _lead(-1)
 RULES[F.rms_norm] = _lead(-1)
