@@ -331,18 +331,20 @@ def _cross_entropy(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> 
                 lambda r, k: want if reduction == "none" else {})
 
 
-def _dim_arg(args: tuple[Any, ...], kwargs: dict[str, Any], at: int, ndim: int) -> int | None:
-    dim = args[at] if len(args) > at else kwargs.get("dim", 0)
+def _dim_arg(args: tuple[Any, ...], kwargs: dict[str, Any], at: int, ndim: int,
+             default: int | None = 0) -> int | None:
+    dim = args[at] if len(args) > at else kwargs.get("dim", default)
     return dim % ndim if isinstance(dim, int) and not isinstance(dim, bool) and ndim else None
 
 
-def _pieces(at: int, drops: bool = False) -> Callable[..., Any]:
-    """``chunk``/``split``/``unbind`` along a dim (argument ``at``) that is not
-    ordered: every piece keeps the orders (``unbind`` drops its dim)."""
+def _pieces(at: int, drops: bool = False, default: int | None = 0) -> Callable[..., Any]:
+    """``chunk``/``split``/``unbind``/``repeat_interleave`` along a dim (argument
+    ``at``) that is not ordered: every piece keeps the orders (``unbind`` drops its
+    dim); no dim (``repeat_interleave``'s flattening) is not exact."""
 
     def rule(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         x = args[0]
-        dim = _dim_arg(args, kwargs, at, x.ndim)
+        dim = _dim_arg(args, kwargs, at, x.ndim, default)
         if dim is None or dim in orders_of(x) or ordered(args[1:], kwargs):
             return NATURAL
         want = {d - (drops and d > dim): o.at(d - (drops and d > dim))
@@ -416,6 +418,19 @@ def _getitem(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     return run_stripped(func, args, kwargs, lambda r, k: want)
 
 
+def _expand(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """``expand``/``broadcast_to``: new dims lead, the ordered dims keep their size."""
+    x = args[0]
+    out_shape = _meta_call(func, args, kwargs)
+    if out_shape is None or not isinstance(x, Tensor) or ordered(args[1:], kwargs):
+        return NATURAL
+    lead = len(out_shape) - x.ndim
+    want = {d + lead: o.at(d + lead) for d, o in orders_of(x).items()}
+    if any(out_shape[e] != x.shape[e - lead] for e in want):
+        return NATURAL
+    return run_stripped(func, args, kwargs, lambda r, k: want)
+
+
 def _order_aware(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """Handlers that read each Tensor with its own layout, orders included (autograd's
     entries: a seed is laid out as its output, a gradient as its input)."""
@@ -456,6 +471,10 @@ for _f in _funcs("matmul", "mm", "bmm", "__matmul__"):
     RULES[_f] = _matmul
 for _f in _funcs("chunk", "split", "tensor_split"):
     RULES[_f] = _pieces(2)
+for _f in _funcs("repeat_interleave"):
+    RULES[_f] = _pieces(2, default=None)
+for _f in _funcs("expand", "broadcast_to"):
+    RULES[_f] = _expand
 for _f in _funcs("unbind"):
     RULES[_f] = _pieces(1, drops=True)
 for _f in _funcs("cat", "concat", "concatenate", "stack"):
