@@ -232,6 +232,7 @@ def value_in_region_order(n: int) -> None:
     close(summed.to_torch(), h.cumsum(1), "cumsum")
     with pytest.raises(sw.ShardingError, match=r"cp\.unshard"):
         hs.detach().cumsum_(1)
+    llama_block_moves_only_kv(cp, gen)
     # gradients through all of it are torch's, in natural order
     w = torch.randn(3, 4, generator=gen)
     with cp:
@@ -241,6 +242,38 @@ def value_in_region_order(n: int) -> None:
     h.grad = None
     (F.softmax((h + pos) @ w, -1).cumsum(1)[:, 2:].sum(1) * torch.arange(4.0)).sum().backward()
     close(got, h.grad, "d(input)")  # type: ignore[arg-type]
+
+
+def llama_block_moves_only_kv(cp: Any, gen: torch.Generator) -> None:
+    """A Llama-style attention block on a region value: RoPE from natural-order cos and
+    sin tables (the halves of the head dim sliced and joined), GQA's repeat_kv
+    (expand + reshape), rms_norm: torch's forward and input gradient, and the ring's
+    cp - 1 KV hops the only communication."""
+    b, heads, kv, t, e = 2, 4, 2, 4 * cp.mesh.axis_size("cp") + 1, 8
+    ws = [torch.randn(16, h * e, generator=gen) * 0.3 for h in (heads, kv, kv)]
+    angles = torch.arange(t)[:, None] * torch.rand(e, generator=gen)
+    cos, sin = angles.cos(), angles.sin()
+
+    def block(x: Any) -> Any:
+        q, k, v = ((x @ w).view(b, t, -1, e).transpose(1, 2) for w in ws)
+        q, k = ((z * cos + torch.cat((-z[..., e // 2:], z[..., :e // 2]), -1) * sin)
+                for z in (q, k))
+        k, v = (z[:, :, None].expand(b, kv, heads // kv, t, e).reshape(b, heads, t, e)
+                for z in (k, v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return F.rms_norm(y.transpose(1, 2).reshape(b, t, heads * e), (heads * e,))
+
+    x = torch.randn(b, t, 16, generator=gen, requires_grad=True)
+    want = block(x)
+    want.sum().backward()
+    dx = x.grad
+    x.grad = None
+    with cp, CommCounter() as cc:
+        y = block(cp.shard(x, 1))
+    assert dict(cc.counts) == {"ppermute": cp.mesh.axis_size("cp") - 1}, dict(cc.counts)
+    y.sum().backward()
+    close(y.to_torch(), want, "llama block")
+    close(x.grad, dx, "llama block: d(input)")  # type: ignore[arg-type]
 
 
 BODIES = ["attention_matches_torch", "counts_match_formulas", "value_in_region_order",
