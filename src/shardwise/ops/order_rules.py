@@ -4,12 +4,12 @@ function -> rule, read by :func:`shardwise.ops.orders.dispatch`.
 A rule gets the call with at least one ordered operand and returns its result, or
 :data:`NATURAL` where keeping the orders is not exact (the dispatch then brings the
 operands to natural order). It runs the registry's handler once on stripped operands
-(:func:`run_stripped`: the held values, in the held coordinates) and relabels the
+(``_run``: the held values, in the held coordinates) and relabels the
 results with the orders it knows to hold.
 
 Invariants:
 - Exact only: a rule keeps an order where the op on the held (permuted) values gives
-  the permuted result: elementwise ops with every operand aligned first (a
+  the permuted result: elementwise ops with every operand _aligned first (a
   natural-order operand that spans an ordered dim is reordered: local where it is
   replicated), ops that leave the ordered dims whole (linear rows, embeddings, norms
   over other dims, softmax, matmul rows and columns, contractions over one shared
@@ -37,8 +37,7 @@ from shardwise.sharding.orders import SequenceOrder
 from shardwise.tensors import ordering
 from shardwise.tensors.tensor import Tensor, place, route
 
-__all__ = ["NATURAL", "RULES", "Orders", "aligned", "mesh_of", "ordered", "orders_of",
-           "run_stripped", "tree_map", "writes"]
+__all__ = ["NATURAL", "RULES", "Orders", "ordered", "tree_map", "writes"]
 
 Orders = dict[int, SequenceOrder]  # output dim -> its order
 #: a rule's answer: keeping the orders is not exact here, natural order first
@@ -46,6 +45,13 @@ NATURAL = object()
 
 
 def ordered(args: Sequence[Any], kwargs: dict[str, Any]) -> bool:
+    """Whether a Tensor among ``args`` (lists and tuples included) or ``kwargs`` is
+    held in a sequence order.
+
+    >>> cp = shardwise.parallel.context_parallel(DeviceMesh.cpu(2, "cp"))
+    >>> ordered(([cp.shard(torch.ones(1, 4)), 2],), {}), ordered((torch.ones(4),), {})
+    (True, False)
+    """
     for a in (*args, *kwargs.values()):
         if isinstance(a, Tensor):
             if a.dist_layout.orders:
@@ -56,6 +62,12 @@ def ordered(args: Sequence[Any], kwargs: dict[str, Any]) -> bool:
 
 
 def tree_map(tree: Any, fn: Callable[[Any], Any]) -> Any:
+    """``fn`` on every leaf of ``tree`` (dicts, lists and tuples rebuilt; a
+    ``torch.Size`` is a leaf).
+
+    >>> tree_map(({"a": 1}, [2, torch.Size([3])]), lambda v: v)
+    ({'a': 1}, [2, torch.Size([3])])
+    """
     if isinstance(tree, dict):
         return {k: tree_map(v, fn) for k, v in tree.items()}
     if isinstance(tree, (list, tuple)) and not isinstance(tree, torch.Size):
@@ -63,13 +75,13 @@ def tree_map(tree: Any, fn: Callable[[Any], Any]) -> Any:
     return fn(tree)
 
 
-def orders_of(x: Any) -> Orders:
+def _orders(x: Any) -> Orders:
     if isinstance(x, Tensor):
         return {o.dim: o for o in x.dist_layout.orders}
     return {}
 
 
-def run_stripped(func: Any, args: Sequence[Any], kwargs: dict[str, Any],
+def _run(func: Any, args: Sequence[Any], kwargs: dict[str, Any],
          marks: Callable[[Tensor, int], Orders]) -> Any:
     """``func`` on the stripped operands; each Tensor result ``k`` relabelled with
     ``marks(result, k)``; a result that is a stripped operand is that operand."""
@@ -99,13 +111,13 @@ def run_stripped(func: Any, args: Sequence[Any], kwargs: dict[str, Any],
     return type(out)(fixed) if type(out) is tuple else type(out)(tuple(fixed))
 
 
-def aligned(x: Any, want: Orders, offset: int, mesh: Any) -> Any:
+def _aligned(x: Any, want: Orders, offset: int, mesh: Any) -> Any:
     """``x`` (an operand whose dim ``e`` is the output's ``e + offset``) with every dim
     that spans an ordered output dim in that order (a relayout: local where the dim is
     whole); size-1 dims broadcast and need none."""
     if not isinstance(x, torch.Tensor) or x.ndim == 0:
         return x
-    have = orders_of(x)
+    have = _orders(x)
     need: Orders = {}
     for e in range(x.ndim):
         o = want.get(e + offset)
@@ -121,7 +133,7 @@ def aligned(x: Any, want: Orders, offset: int, mesh: Any) -> Any:
     return x.relayout(x.dist_layout.with_orders(tuple(need.values())))
 
 
-def mesh_of(args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
+def _mesh(args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
     for a in (*args, *kwargs.values()):
         if isinstance(a, Tensor):
             return a.mesh
@@ -134,32 +146,37 @@ def mesh_of(args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
 
 # --- the rules -------------------------------------------------------------------------------
 def _elementwise(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    """Broadcasting elementwise ops: every operand aligned to the output's orders (the
+    """Broadcasting elementwise ops: every operand _aligned to the output's orders (the
     first ordered operand's win); a write in place keeps its target's."""
     values = (*args, *kwargs.values())
     tensors = [a for a in values if isinstance(a, torch.Tensor)]
     nd = max(t.ndim for t in tensors)
     want: Orders = {}
     for t in tensors:
-        for d, o in orders_of(t).items():
+        for d, o in _orders(t).items():
             want.setdefault(d + nd - t.ndim, o.at(d + nd - t.ndim))
-    mesh = mesh_of(args, kwargs)
+    mesh = _mesh(args, kwargs)
     in_place = writes(func)
     fixed = []
     for i, a in enumerate(values):
         if isinstance(a, torch.Tensor):
-            b = aligned(a, want, nd - a.ndim, mesh)
+            b = _aligned(a, want, nd - a.ndim, mesh)
             if b is NATURAL or (i == 0 and in_place and b is not a):
                 return NATURAL
             a = b
         fixed.append(a)
-    return run_stripped(func, fixed[:len(args)], dict(zip(kwargs, fixed[len(args):])),
+    return _run(func, fixed[:len(args)], dict(zip(kwargs, fixed[len(args):])),
                 lambda r, k: {d - (nd - r.ndim): o.at(d - (nd - r.ndim))
                               for d, o in want.items() if d - (nd - r.ndim) >= 0})
 
 
 def writes(func: Any) -> bool:
-    """Whether ``func`` writes into its first argument (``add_``, ``__iadd__``)."""
+    """Whether ``func`` writes into its first argument (``add_``, ``__iadd__``,
+    ``__setitem__``).
+
+    >>> writes(torch.Tensor.add_), writes(torch.Tensor.__iadd__), writes(torch.add)
+    (True, True, False)
+    """
     name = getattr(func, "__name__", "")
     return name.startswith("__i") or name == "__setitem__" or (
         name.endswith("_") and not name.endswith("__"))
@@ -170,19 +187,19 @@ def _view(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     it whole (``(B, T) -> B*T`` keeps it with a larger outer count, ``T*D`` with
     ``inner = D``); a reshape that splits the sequence factor is not exact."""
     x = args[0]
-    if not isinstance(x, Tensor) or not orders_of(x) or ordered(args[1:], kwargs):
+    if not isinstance(x, Tensor) or not _orders(x) or ordered(args[1:], kwargs):
         return NATURAL
     out_shape = _meta_call(func, args, kwargs)
     if out_shape is None:
         return NATURAL
     want: Orders = {}
-    for d, o in orders_of(x).items():
+    for d, o in _orders(x).items():
         seq_stride = o.inner * math.prod(x.shape[d + 1:])
         e = _holding(out_shape, seq_stride, o.length)
         if e is None:
             return NATURAL
         want[e] = o.at(e, seq_stride // math.prod(out_shape[e + 1:]))
-    return run_stripped(func, args, kwargs, lambda r, k: want)
+    return _run(func, args, kwargs, lambda r, k: want)
 
 
 def _holding(shape: Sequence[int], stride: int, length: int) -> int | None:
@@ -208,9 +225,9 @@ def _permuted(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     except Exception:  # torch's error, raised by the op on natural values
         return NATURAL
     source = {s: d for d, s in enumerate(strides)}
-    want = {e: o.at(e) for e, s in enumerate(out.stride()) if (o := orders_of(x).get(
+    want = {e: o.at(e) for e, s in enumerate(out.stride()) if (o := _orders(x).get(
         source.get(s, -1))) is not None}
-    return run_stripped(func, args, kwargs, lambda r, k: want)
+    return _run(func, args, kwargs, lambda r, k: want)
 
 
 def _meta_call(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[int, ...] | None:
@@ -232,9 +249,9 @@ def _lead(last: int) -> Callable[..., Any]:
     def rule(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         x = args[0]
         n = len(args[1]) if last < 0 and len(args) > 1 else last  # layer_norm's shape
-        if ordered(args[1:], kwargs) or any(d >= x.ndim - n for d in orders_of(x)):
+        if ordered(args[1:], kwargs) or any(d >= x.ndim - n for d in _orders(x)):
             return NATURAL
-        return run_stripped(func, args, kwargs, lambda r, k: orders_of(x) if k == 0 else {})
+        return _run(func, args, kwargs, lambda r, k: _orders(x) if k == 0 else {})
 
     return rule
 
@@ -244,7 +261,7 @@ def _keeps(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     permutes with its dim; an embedding's ids keep their dims), the others natural."""
     if ordered(args[1:], kwargs):
         return NATURAL
-    return run_stripped(func, args, kwargs, lambda r, k: orders_of(args[0]))
+    return _run(func, args, kwargs, lambda r, k: _orders(args[0]))
 
 
 def _reduction(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -255,7 +272,7 @@ def _reduction(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     dim = args[1] if len(args) > 1 else kwargs.get("dim")
     keep = args[2] if len(args) > 2 else kwargs.get("keepdim", False)
     if dim is None or (isinstance(dim, (list, tuple)) and not dim):
-        return run_stripped(func, args, kwargs, lambda r, k: {})
+        return _run(func, args, kwargs, lambda r, k: {})
     if isinstance(dim, int):
         dims = {dim % x.ndim}
     elif isinstance(dim, (list, tuple)) and all(isinstance(d, int) for d in dim):
@@ -263,11 +280,11 @@ def _reduction(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     else:
         return NATURAL
     want: Orders = {}
-    for d, o in orders_of(x).items():
+    for d, o in _orders(x).items():
         if d not in dims:
             e = d if keep is True else d - sum(1 for r in dims if r < d)
             want[e] = o.at(e)
-    return run_stripped(func, args, kwargs, lambda r, k: want)
+    return _run(func, args, kwargs, lambda r, k: want)
 
 
 def _matmul(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -279,7 +296,7 @@ def _matmul(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         return NATURAL
     a, b = args
     nd = max(a.ndim, b.ndim)
-    oa, ob = orders_of(a), orders_of(b)
+    oa, ob = _orders(a), _orders(b)
     k_a, k_b = oa.get(a.ndim - 1), ob.get(b.ndim - 2)
     if (k_a.at(0) if k_a else None) != (k_b.at(0) if k_b else None):
         return NATURAL
@@ -299,7 +316,7 @@ def _matmul(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         want[nd - 2] = oa[a.ndim - 2].at(nd - 2)
     if b.ndim - 1 in ob:
         want[nd - 1] = ob[b.ndim - 1].at(nd - 1)
-    return run_stripped(func, args, kwargs, lambda r, k: want)
+    return _run(func, args, kwargs, lambda r, k: want)
 
 
 def _cross_entropy(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -310,24 +327,24 @@ def _cross_entropy(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> 
         return NATURAL
     x, target = args[0], args[1]
     soft = target.ndim == x.ndim
-    if x.ndim < 2 or 1 in orders_of(x) or (soft and 1 in orders_of(target)) or ordered(
+    if x.ndim < 2 or 1 in _orders(x) or (soft and 1 in _orders(target)) or ordered(
             args[2:], kwargs):
         return NATURAL
     pairs = [(d, d if soft or d == 0 else d - 1) for d in range(x.ndim) if d != 1]
     want: Orders = {}  # over the target's dims
     for xd, td in pairs:
-        ox, ot = orders_of(x).get(xd), orders_of(target).get(td)
+        ox, ot = _orders(x).get(xd), _orders(target).get(td)
         if ox is not None and ot is not None and ox.at(td) != ot:
             return NATURAL
         if ox is not None or ot is not None:
             want[td] = ot if ot is not None else ox.at(td)  # type: ignore[union-attr]
-    mesh = mesh_of(args, kwargs)
-    x2 = aligned(x, {xd: want[td].at(xd) for xd, td in pairs if td in want}, 0, mesh)
-    t2 = aligned(target, want, 0, mesh)
+    mesh = _mesh(args, kwargs)
+    x2 = _aligned(x, {xd: want[td].at(xd) for xd, td in pairs if td in want}, 0, mesh)
+    t2 = _aligned(target, want, 0, mesh)
     if x2 is NATURAL or t2 is NATURAL:
         return NATURAL
     reduction = args[6] if len(args) > 6 else kwargs.get("reduction", "mean")
-    return run_stripped(func, (x2, t2, *args[2:]), kwargs,
+    return _run(func, (x2, t2, *args[2:]), kwargs,
                 lambda r, k: want if reduction == "none" else {})
 
 
@@ -345,17 +362,17 @@ def _pieces(at: int, drops: bool = False, default: int | None = 0) -> Callable[.
     def rule(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         x = args[0]
         dim = _dim_arg(args, kwargs, at, x.ndim, default)
-        if dim is None or dim in orders_of(x) or ordered(args[1:], kwargs):
+        if dim is None or dim in _orders(x) or ordered(args[1:], kwargs):
             return NATURAL
         want = {d - (drops and d > dim): o.at(d - (drops and d > dim))
-                for d, o in orders_of(x).items()}
-        return run_stripped(func, args, kwargs, lambda r, k: want)
+                for d, o in _orders(x).items()}
+        return _run(func, args, kwargs, lambda r, k: want)
 
     return rule
 
 
 def _join(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    """``cat``/``stack`` along a dim that is not ordered: the operands aligned to the
+    """``cat``/``stack`` along a dim that is not ordered: the operands _aligned to the
     first ordered one's orders (``stack`` adds its dim)."""
     tensors = args[0] if args else kwargs.get("tensors")
     if not isinstance(tensors, (list, tuple)) or not tensors or ordered(args[1:], {
@@ -366,17 +383,17 @@ def _join(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     dim = _dim_arg(args, kwargs, 1, nd + stack)
     want: Orders = {}
     for t in tensors:
-        for d, o in orders_of(t).items():
+        for d, o in _orders(t).items():
             want.setdefault(d, o)
     if dim is None or any(t.ndim != nd for t in tensors) or (not stack and dim in want):
         return NATURAL
-    mesh = mesh_of(tensors, {})
-    fixed = [aligned(t, want, 0, mesh) for t in tensors]
+    mesh = _mesh(tensors, {})
+    fixed = [_aligned(t, want, 0, mesh) for t in tensors]
     if any(t is NATURAL for t in fixed):
         return NATURAL
     out = {d + (stack and d >= dim): o.at(d + (stack and d >= dim)) for d, o in want.items()}
     rest = {k: v for k, v in kwargs.items() if k != "tensors"}
-    return run_stripped(func, (type(tensors)(fixed), *args[1:]), rest, lambda r, k: out)
+    return _run(func, (type(tensors)(fixed), *args[1:]), rest, lambda r, k: out)
 
 
 def _getitem(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -392,7 +409,7 @@ def _getitem(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     named = sum(1 for i in items if i is not None and i is not Ellipsis)
     if named > x.ndim or sum(1 for i in items if i is Ellipsis) > 1:
         return NATURAL
-    marks, want = orders_of(x), {}
+    marks, want = _orders(x), {}
     d = e = 0
     for i in items:
         if i is Ellipsis:
@@ -415,7 +432,7 @@ def _getitem(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     for rest in range(d, x.ndim):
         if rest in marks:
             want[e + rest - d] = marks[rest].at(e + rest - d)
-    return run_stripped(func, args, kwargs, lambda r, k: want)
+    return _run(func, args, kwargs, lambda r, k: want)
 
 
 def _expand(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -425,10 +442,10 @@ def _expand(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     if out_shape is None or not isinstance(x, Tensor) or ordered(args[1:], kwargs):
         return NATURAL
     lead = len(out_shape) - x.ndim
-    want = {d + lead: o.at(d + lead) for d, o in orders_of(x).items()}
+    want = {d + lead: o.at(d + lead) for d, o in _orders(x).items()}
     if any(out_shape[e] != x.shape[e - lead] for e in want):
         return NATURAL
-    return run_stripped(func, args, kwargs, lambda r, k: want)
+    return _run(func, args, kwargs, lambda r, k: want)
 
 
 def _order_aware(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:

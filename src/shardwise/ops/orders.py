@@ -50,7 +50,15 @@ def natural(x: Any) -> Any:
 
 
 def dispatch(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    """``func(*args, **kwargs)`` with the orders kept where exact (module doc)."""
+    """``func(*args, **kwargs)`` with the orders kept where exact (module doc).
+
+    >>> cp = shardwise.parallel.context_parallel(DeviceMesh.cpu(2, "cp"))
+    >>> x = cp.shard(torch.arange(6.).view(1, 6))
+    >>> str(dispatch(torch.mul, (x, 2), {}).dist_layout)    # elementwise: kept
+    'DeviceMesh(cp=2)[R, S(cp)] order 1:ht6/2'
+    >>> dispatch(torch.cumsum, (x, 1), {}).to_torch().tolist()   # natural first
+    [[0.0, 1.0, 3.0, 6.0, 10.0, 15.0]]
+    """
     if not ordered(args, kwargs):
         return route(func, args, kwargs)
     handler = HANDLERS.get(func)

@@ -200,7 +200,12 @@ class Layout:
         return _layout(self.mesh, self.dims, self.partial, id(self.mesh), ordered)
 
     def order_of(self, dim: int) -> SequenceOrder | None:
-        """The sequence order tensor dim ``dim`` is held in, or None (natural)."""
+        """The sequence order tensor dim ``dim`` is held in, or None (natural).
+
+        >>> lay = Layout.replicated(DeviceMesh.cpu(2, "cp"), 2)
+        >>> lay.with_orders((SequenceOrder(1, 8, 2),)).order_of(1), lay.order_of(1)
+        (SequenceOrder(dim=1, length=8, parts=2, inner=1), None)
+        """
         for o in self.orders:
             if o.dim == dim:
                 return o

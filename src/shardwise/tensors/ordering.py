@@ -76,7 +76,14 @@ ORDER_RULES = "shardwise.ops.orders"
 
 def relabel(x: T, layout: Layout) -> T:
     """``x``'s held values read as ``layout`` (same dims and partial, other orders):
-    metadata only, the buffers and autograd's graph shared."""
+    metadata only, the buffers and autograd's graph shared.
+
+    >>> from shardwise.tensors.tensor import place
+    >>> x = place(torch.arange(4.), Layout.replicated(DeviceMesh.cpu(2, "cp"), 1))
+    >>> y = relabel(x, x.dist_layout.with_orders((SequenceOrder(0, 4, 2),)))
+    >>> y.shards[0].tolist(), y.to_torch().tolist()     # held [0, 1, 2, 3], read as
+    ([0.0, 1.0, 2.0, 3.0], [0.0, 2.0, 3.0, 1.0])
+    """
     if layout is x._layout:
         return x
     if layout.orders and not ORDERS:
@@ -88,7 +95,11 @@ def relabel(x: T, layout: Layout) -> T:
 
 def activate() -> None:
     """From now on every torch function passes the orders' dispatch (a value in a
-    sequence order exists; idempotent)."""
+    sequence order exists; idempotent).
+
+    >>> activate(); ORDERS == DISPATCH != []
+    True
+    """
     if not DISPATCH:
         importlib.import_module(ORDER_RULES)
     ORDERS[:] = DISPATCH
@@ -97,7 +108,14 @@ def activate() -> None:
 def strip(x: T) -> T:
     """``x``'s held values with no order: what the local ops see. Every stripped
     twin of ``x`` shares ``x``'s operand cache, so q, k and v projected from one value
-    still share its relayouts and one gradient sum (``cache.blocks``)."""
+    still share its relayouts and one gradient sum (``cache.blocks``).
+
+    >>> from shardwise.tensors.tensor import place
+    >>> lay = Layout.replicated(DeviceMesh.cpu(2, "cp"), 1)
+    >>> x = place(torch.arange(4.), lay.with_orders((SequenceOrder(0, 4, 2),)))
+    >>> strip(x).to_torch().tolist()                     # held: head-tail
+    [0.0, 3.0, 1.0, 2.0]
+    """
     if not x._layout.orders:
         return x
     if x._cache is None:
@@ -108,7 +126,15 @@ def strip(x: T) -> T:
 
 
 def reorder(x: T, target: Layout, keep_whole: bool = False) -> T:
-    """``x`` in ``target``, whose orders differ from ``x``'s (module doc)."""
+    """``x`` in ``target``, whose orders differ from ``x``'s (module doc).
+
+    >>> from shardwise.tensors.tensor import place
+    >>> mesh = DeviceMesh.cpu(2, "cp")
+    >>> x = place(torch.arange(6.), Layout(mesh, ((0,),), (None,)))
+    >>> y = reorder(x, x.dist_layout.with_orders((SequenceOrder(0, 6, 2),)))
+    >>> [b.tolist() for b in y.shards], y.to_torch().tolist()
+    ([[0.0, 1.0, 5.0], [2.0, 3.0, 4.0]], [0.0, 1.0, 2.0, 3.0, 4.0, 5.0])
+    """
     src = x._layout
     changed = [d for d in range(len(target.dims)) if src.order_of(d) != target.order_of(d)]
     bare = target.with_orders(())
