@@ -10,6 +10,10 @@ Invariants:
 - It is a ``torch.Tensor`` (a wrapper with no storage): its torch metadata is the
   global value's, and every torch function goes through ``__torch_function__`` to
   the op registry (``HANDLERS``, filled by :data:`REGISTRY` on first use).
+- Once a value held in a sequence order exists (``Layout.orders``: a load-balanced
+  context-parallel region's), every torch function first passes the orders' dispatch
+  (:data:`~shardwise.tensors.ordering.ORDERS`, :mod:`shardwise.ops.orders`), which keeps
+  an order only where the op is exact on the held values; before that, one list test.
 - Under a torch.func transform (which wraps it below ``__torch_function__``) each aten
   op reaches ``__torch_dispatch__`` and runs on the gathered values through the
   registry's fallback (exact; plain results, views stay Replicated Tensors); writes in
