@@ -63,6 +63,17 @@ def test_order_is_part_of_the_layout() -> None:
         natural = held.relayout(plain.dist_layout)
     assert dict(cc.counts) == {"all_gather": 1} and torch.equal(natural.shards[1],
                                                                plain.shards[1])
+    # the SPMD collectives on blocks see the natural order's blocks, or keep the order
+    grid = DeviceMesh.cpu((2, 2), ("cp", "tp"))
+    x8 = torch.randn(2, 8, 4)
+    on_grid = context_parallel(grid).shard(x8, 1)
+    part = on_grid.relayout(on_grid.dist_layout.with_partial((None, sw.ReduceOp.SUM)))
+    summed = sw.all_reduce(part, reduce_axes="tp")
+    assert summed.dist_layout.orders and torch.allclose(summed.to_torch(), x8)
+    nat = sw.tensor(x8, sharding=PlacementMapping(grid, [Sharded(1), sw.Replicated()]))
+    for op in (lambda v: sw.all_reduce(v, reduce_axes="cp"),
+               lambda v: sw.ppermute(v, [(0, 1), (1, 0)], "cp")):
+        assert torch.equal(op(on_grid).to_torch(), op(nat).to_torch())
     with pytest.raises(ShardingError, match="SequenceOrders on distinct dims"):
         Layout(mesh, ((), (0,)), (None,), (SequenceOrder(1, 7, 2), SequenceOrder(1, 7, 2)))
     with pytest.raises(ShardingError, match=r"SequenceOrder\.parts"):
