@@ -63,6 +63,8 @@ def test_order_is_part_of_the_layout() -> None:
         natural = held.relayout(plain.dist_layout)
     assert dict(cc.counts) == {"all_gather": 1} and torch.equal(natural.shards[1],
                                                                plain.shards[1])
+    gathered = sw.all_gather(held, 1)    # a gathered dim is held in natural order
+    assert not gathered.dist_layout.orders and torch.equal(gathered.shards[0], x)
     # the SPMD collectives on blocks see the natural order's blocks, or keep the order
     grid = DeviceMesh.cpu((2, 2), ("cp", "tp"))
     x8 = torch.randn(2, 8, 4)
