@@ -23,7 +23,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from shardwise.ops.order_rules import NATURAL, RULES, ordered, tree_map, writes
+from shardwise.ops.order_calls import NATURAL, ordered, tree_map, writes
+from shardwise.ops.order_rules import RULES
 from shardwise.sharding.errors import ShardingError
 from shardwise.tensors import ordering
 from shardwise.tensors.tensor import HANDLERS, Tensor, route
