@@ -259,7 +259,7 @@ def main(argv: list[str] | None = None) -> int:
     shape, names = ((dp, tp), ("dp", "tp")) if cp == 1 else ((dp, cp, tp), ("dp", "cp", "tp"))
     mesh = sw.init_device_mesh(args.device, shape, names,
                                devices_per_gpu=None if multi else args.devices_per_gpu)
-    # context parallel: the sequence Sharded over cp in head-tail order (cp.shard)
+    # context parallel: the sequence Sharded over cp, held in head-tail order (cp.shard)
     region = context_parallel(mesh, "cp", method=args.cp_method) if cp > 1 else None
     cfg = Config(dim=args.dim, layers=args.layers)
     torch.manual_seed(0)
@@ -284,9 +284,8 @@ def main(argv: list[str] | None = None) -> int:
     def inputs(ids: torch.Tensor, targets: torch.Tensor) -> tuple[Any, ...]:
         if region is None:
             return sw.tensor(ids, sharding=data), sw.tensor(targets, sharding=data)
-        positions = torch.arange(cfg.seq, device=ids.device)
-        return (region.shard(ids, 1, data), region.shard(targets, 1, data),
-                region.shard(positions, 0))
+        # the model's own position ids (natural order) meet the batch in its order
+        return region.shard(ids, 1, data), region.shard(targets, 1, data)
 
     def reference_step(step: int) -> float:
         ids, targets = (t.to(dev) for t in batch(cfg, args.batch, step))

@@ -12,6 +12,7 @@ from __future__ import annotations
 import copy
 from typing import Any
 
+import pytest
 import torch
 import torch.nn.functional as F
 
@@ -75,10 +76,10 @@ def attention_case(mesh: DeviceMesh, method: str, case: tuple[Any, ...]) -> dict
         y = F.scaled_dot_product_attention(*leaves, m, is_causal=causal, enable_gqa=gqa)
     (y * cp.shard(g, 2)).sum().backward()
     what = f"{method} {name} on {mesh!r}"
-    close(cp.unshard(y, 2).to_torch(), want.detach(), f"{what}: output")
+    close(y.to_torch(), want.detach(), f"{what}: output")  # natural order, no unshard
     for leaf, ref, label in zip(leaves, (q, k, v), "qkv"):
         assert leaf.grad is not None and ref.grad is not None
-        close(cp.unshard(leaf.grad, 2).to_torch(), ref.grad, f"{what}: d{label}")
+        close(leaf.grad.to_torch(), ref.grad, f"{what}: d{label}")
     return dict(cc.counts)
 
 
@@ -130,8 +131,10 @@ def gpt_mesh(n: int) -> DeviceMesh:
 
 
 def gpt_trains_like_torch(n: int, method: str = "ring", steps: int = 2) -> None:
-    """examples/gpt.py's GPT on cp x tp (x dp): TP plan, FSDP over dp, the batch,
-    targets and positions through cp.shard; losses and every gradient equal torch's."""
+    """examples/gpt.py's GPT on cp x tp (x dp): TP plan, FSDP over dp, the batch and
+    targets through cp.shard; the position ids natural (ring: they meet the batch in
+    its order) or through cp.shard (all-to-all); losses and every gradient equal
+    torch's."""
     gpt = example_gpt()
     mesh = gpt_mesh(n)
     cfg = gpt.Config(seq=12, layers=1)
@@ -150,8 +153,9 @@ def gpt_trains_like_torch(n: int, method: str = "ring", steps: int = 2) -> None:
     for step in range(steps):
         ids, targets = gpt.batch(cfg, 4, step)
         with cp, loss_parallel():
+            positions = torch.arange(cfg.seq)
             loss = model(cp.shard(ids, 1, data), cp.shard(targets, 1, data),
-                         cp.shard(torch.arange(cfg.seq), 0))
+                         positions if method == "ring" else cp.shard(positions, 0))
             loss.backward()
         want = ref(ids, targets)
         want.backward()
@@ -172,22 +176,104 @@ def gpt_trains_alltoall(n: int) -> None:
 
 
 def value_in_region_order(n: int) -> None:
-    """What users see: cp.shard reorders (head-tail) without touching its input,
-    cp.unshard gives natural order back, for torch and shardwise inputs alike."""
+    """What users see of a load-balanced region's values: natural order. cp.shard
+    reorders what each device holds (head-tail) without touching its input; to_torch,
+    cp.unshard and gathers give natural order back; a natural-order operand (a
+    position embedding, a bool or int mask) meets a region value in its order;
+    slicing, cat, cumsum along the sequence give torch's result (natural order first,
+    a gather CommCounter counts); writes in place that would mix orders refuse; the
+    gradients of all of it are torch's. Lengths not divisible by 2 * cp."""
     mesh = DeviceMesh.cpu(n, "cp")
     cp = context_parallel(mesh, "cp")
-    x = torch.arange(2 * 4 * n, dtype=torch.float32).view(2, 4 * n)
+    t = 4 * n + 3
+    gen = torch.Generator().manual_seed(7)
+    x = torch.arange(2 * t, dtype=torch.float32).view(2, t)
     before = x.clone()
     held = cp.shard(x, 1)
-    assert torch.equal(x, before)
-    assert held.placements == (Sharded(1),)
-    first = held.local_shapes[0][1] // 2
-    assert held.to_torch()[0, :first].tolist() == list(range(first))  # device 0's head
-    assert torch.equal(cp.unshard(held, 1).to_torch(), x)
+    assert torch.equal(x, before) and held.placements == (Sharded(1),)
+    assert torch.equal(held.to_torch(), x)
+    mine = held.addressable_shards  # device 0 holds a head piece and a tail piece
+    if mesh.devices[0] in mine:
+        block = mine[mesh.devices[0]][0].tolist()
+        head = (held.local_shapes[0][1] + 1) // 2
+        assert block[:head] == list(range(head)) and block[head:] == list(
+            range(t - held.local_shapes[0][1] + head, t)), block
+    gathered = cp.unshard(held, 1)
+    assert gathered.placements == (Replicated(),) and torch.equal(gathered.to_torch(), x)
     natural = sw.tensor(x, sharding=PlacementMapping(mesh, [Sharded(1)]))
-    assert torch.equal(cp.unshard(cp.shard(natural, 1), 1).to_torch(), x)
+    assert torch.equal(cp.shard(natural, 1).to_torch(), x)
     plain = context_parallel(mesh, "cp", load_balance=False)
     assert torch.equal(plain.shard(x, 1).to_torch(), x)
+    # natural-order operands meet region values in the region's order
+    h = torch.randn(2, t, 3, generator=gen, requires_grad=True)
+    pos = torch.randn(t, 3, generator=gen)
+    hs = cp.shard(h, 1)
+    close((hs + pos).to_torch(), h + pos, "plain position embedding")
+    close((hs + sw.tensor(pos, sharding=PlacementMapping(mesh, [Replicated()]))).to_torch(),
+          h + pos, "Replicated position embedding")
+    keep = torch.rand(t, t, generator=gen) > 0.5
+    ms = cp.shard(keep, (-2, -1))
+    assert ms.dtype == torch.bool and torch.equal(ms.to_torch(), keep)
+    tri = torch.ones(t, t, dtype=torch.bool).tril()
+    assert torch.equal((ms & tri).to_torch(), keep & tri)
+    ids = cp.shard(torch.arange(t).view(1, t), 1)
+    assert torch.equal((ids * 2 + torch.arange(t)).to_torch(), torch.arange(t).view(1, t) * 3)
+    # ops that keep the sequence whole keep the order: no communication
+    with CommCounter() as cc:
+        kept = (hs[..., :2] * 2).transpose(0, 1).reshape(t, 4).softmax(-1)
+    assert not cc.counts and kept.dist_layout.orders, (dict(cc.counts), kept)
+    close(kept.to_torch(), (h[..., :2] * 2).transpose(0, 1).reshape(t, 4).softmax(-1), "kept")
+    # along the sequence: natural order first, counted
+    with CommCounter() as cc:
+        sliced, joined, summed = hs[:, 1:5], torch.cat([hs, hs], 1), hs.cumsum(1)
+    assert cc.counts.get("all_gather", 0) >= 3, dict(cc.counts)
+    close(sliced.to_torch(), h[:, 1:5], "slice")
+    close(joined.to_torch(), torch.cat([h, h], 1), "cat")
+    close(summed.to_torch(), h.cumsum(1), "cumsum")
+    with pytest.raises(sw.ShardingError, match=r"cp\.unshard"):
+        hs.detach().cumsum_(1)
+    llama_block_moves_only_kv(cp, gen)
+    # gradients through all of it are torch's, in natural order
+    w = torch.randn(3, 4, generator=gen)
+    with cp:
+        y = F.softmax((hs + pos) @ w, -1).cumsum(1)[:, 2:].sum(1)
+    (y * torch.arange(4.0)).sum().backward()
+    got = h.grad.clone()  # type: ignore[union-attr]
+    h.grad = None
+    (F.softmax((h + pos) @ w, -1).cumsum(1)[:, 2:].sum(1) * torch.arange(4.0)).sum().backward()
+    close(got, h.grad, "d(input)")  # type: ignore[arg-type]
+
+
+def llama_block_moves_only_kv(cp: Any, gen: torch.Generator) -> None:
+    """A Llama-style attention block on a region value: RoPE from natural-order cos and
+    sin tables (the halves of the head dim sliced and joined), GQA's repeat_kv
+    (expand + reshape), rms_norm: torch's forward and input gradient, and the ring's
+    cp - 1 KV hops the only communication."""
+    b, heads, kv, t, e = 2, 4, 2, 4 * cp.mesh.axis_size("cp") + 1, 8
+    ws = [torch.randn(16, h * e, generator=gen) * 0.3 for h in (heads, kv, kv)]
+    angles = torch.arange(t)[:, None] * torch.rand(e, generator=gen)
+    cos, sin = angles.cos(), angles.sin()
+
+    def block(x: Any) -> Any:
+        q, k, v = ((x @ w).view(b, t, -1, e).transpose(1, 2) for w in ws)
+        q, k = ((z * cos + torch.cat((-z[..., e // 2:], z[..., :e // 2]), -1) * sin)
+                for z in (q, k))
+        k, v = (z[:, :, None].expand(b, kv, heads // kv, t, e).reshape(b, heads, t, e)
+                for z in (k, v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return F.rms_norm(y.transpose(1, 2).reshape(b, t, heads * e), (heads * e,))
+
+    x = torch.randn(b, t, 16, generator=gen, requires_grad=True)
+    want = block(x)
+    want.sum().backward()
+    dx = x.grad
+    x.grad = None
+    with cp, CommCounter() as cc:
+        y = block(cp.shard(x, 1))
+    assert dict(cc.counts) == {"ppermute": cp.mesh.axis_size("cp") - 1}, dict(cc.counts)
+    y.sum().backward()
+    close(y.to_torch(), want, "llama block")
+    close(x.grad, dx, "llama block: d(input)")  # type: ignore[arg-type]
 
 
 BODIES = ["attention_matches_torch", "counts_match_formulas", "value_in_region_order",

@@ -17,6 +17,8 @@ import shardwise as sw
 from shardwise import DeviceMesh, PlacementMapping, Sharded, ShardingError
 from shardwise.debug import CommCounter
 from shardwise.parallel import ContextParallel, context_parallel, parallelize_module
+from shardwise.sharding.layout import Layout
+from shardwise.sharding.orders import SequenceOrder
 from tests.helpers import cp_bodies
 
 
@@ -38,8 +40,50 @@ def test_counts_match_formulas(n: int) -> None:
     cp_bodies.counts_match_formulas(n)
 
 
-def test_value_in_region_order() -> None:
-    cp_bodies.value_in_region_order(4)
+@pytest.mark.parametrize("n", [2, 4])
+def test_value_in_region_order(n: int) -> None:
+    cp_bodies.value_in_region_order(n)
+
+
+def test_order_is_part_of_the_layout() -> None:
+    mesh = DeviceMesh.cpu(2, "cp")
+    cp = context_parallel(mesh)
+    x = torch.randn(2, 7, 4)
+    held, plain = cp.shard(x, 1), context_parallel(mesh, load_balance=False).shard(x, 1)
+    assert held.dist_layout != plain.dist_layout and held.placements == plain.placements
+    assert held.dist_layout.orders == (SequenceOrder(1, 7, 2),)
+    assert str(held.dist_layout).endswith("order 1:ht7/2") and not plain.dist_layout.orders
+    assert held.dist_layout.with_orders(()) == plain.dist_layout
+    assert hash(held.dist_layout.with_orders(())) == hash(plain.dist_layout)
+    assert torch.equal(held.to_torch(), x) and torch.equal(plain.to_torch(), x)
+    # the held blocks differ (head-tail vs natural), the values do not
+    assert not torch.equal(held.shards[1], plain.shards[1])
+    assert torch.equal((held * 2).to_torch(), (plain * 2).to_torch())
+    with CommCounter() as cc:   # back to natural order: one gather of the sequence
+        natural = held.relayout(plain.dist_layout)
+    assert dict(cc.counts) == {"all_gather": 1} and torch.equal(natural.shards[1],
+                                                               plain.shards[1])
+    gathered = sw.all_gather(held, 1)    # a gathered dim is held in natural order
+    assert not gathered.dist_layout.orders and torch.equal(gathered.shards[0], x)
+    # the SPMD collectives on blocks see the natural order's blocks, or keep the order
+    grid = DeviceMesh.cpu((2, 2), ("cp", "tp"))
+    x8 = torch.randn(2, 8, 4)
+    on_grid = context_parallel(grid).shard(x8, 1)
+    part = on_grid.relayout(on_grid.dist_layout.with_partial((None, sw.ReduceOp.SUM)))
+    summed = sw.all_reduce(part, reduce_axes="tp")
+    assert summed.dist_layout.orders and torch.allclose(summed.to_torch(), x8)
+    nat = sw.tensor(x8, sharding=PlacementMapping(grid, [Sharded(1), sw.Replicated()]))
+    for op in (lambda v: sw.all_reduce(v, reduce_axes="cp"),
+               lambda v: sw.ppermute(v, [(0, 1), (1, 0)], "cp")):
+        assert torch.equal(op(on_grid).to_torch(), op(nat).to_torch())
+    with pytest.raises(ShardingError, match="SequenceOrders on distinct dims"):
+        Layout(mesh, ((), (0,)), (None,), (SequenceOrder(1, 7, 2), SequenceOrder(1, 7, 2)))
+    with pytest.raises(ShardingError, match=r"SequenceOrder\.parts"):
+        SequenceOrder(0, 4, 0)
+    for length, parts, inner in [(7, 2, 1), (13, 4, 3), (1, 4, 1), (16, 4, 2)]:
+        o = SequenceOrder(0, length, parts, inner)
+        for size in (length * inner, 3 * length * inner):
+            assert sorted(o.positions(size)) == list(range(size))
 
 
 def test_gpt_on_dp_cp_tp_matches_torch() -> None:

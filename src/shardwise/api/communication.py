@@ -120,7 +120,13 @@ def all_gather(sharded_tensor: Tensor, axis: int | None = None, **kwargs: Any) -
         dims = [()] * t.ndim
     else:
         dims[normalize_dim(axis, t.ndim, "all_gather axis")] = ()
-    return t.relayout(t.dist_layout.with_dims(tuple(dims)))
+    return t.relayout(_sharded_orders(t.dist_layout.with_dims(tuple(dims))))
+
+
+def _sharded_orders(layout: Layout) -> Layout:
+    """``layout`` with the sequence orders of its whole dims dropped: a gathered dim
+    is shown (and held) in natural order, as ``to_torch`` shows it."""
+    return layout.with_orders(tuple(o for o in layout.orders if layout.dims[o.dim]))
 
 
 def all_to_all(sharded_tensor: Tensor, split_axis: int, concat_axis: int, tiled: bool = True,
@@ -168,7 +174,7 @@ def all_to_all(sharded_tensor: Tensor, split_axis: int, concat_axis: int, tiled:
     dims = list(layout.dims)
     dims[concat] = axes[:-1]
     dims[split] = (*dims[split], a)
-    return t.relayout(layout.with_dims(tuple(dims)))
+    return t.relayout(_sharded_orders(layout.with_dims(tuple(dims))))
 
 
 def distributed_broadcast(x: Any, mesh: DeviceMesh | None = None) -> Tensor:

@@ -120,6 +120,8 @@ def ppermute(sharded_tensor: Tensor, permutation: Sequence[tuple[int, int]],
         after       x[2:4]      x[0:2]
     """
     t = need_tensor(sharded_tensor, "ppermute")
+    if t.dist_layout.orders:  # the blocks moved are the natural order's
+        t = t.relayout(t.dist_layout.with_orders(()))
     mesh, layout = t.mesh, t.dist_layout
     try:
         key = tuple(tuple(p) for p in permutation)

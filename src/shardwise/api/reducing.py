@@ -92,10 +92,17 @@ def _reduce_recipe(layout: Layout, shape: tuple[int, ...], axes: tuple[int, ...]
 def _reduce(t: Tensor, axes: tuple[int, ...], op: ReduceOp | None, what: str,
             scatter_dim: int | None) -> Tensor:
     """The reducing ops' one path: relabel, then run the cached plan (one result
-    Tensor, no intermediate Partial Tensor: this is per-op overhead)."""
+    Tensor, no intermediate Partial Tensor: this is per-op overhead). The blocks
+    combined are the natural order's (a value held in a sequence order is relaid out
+    first, unless no reduced axis splits an ordered dim: then the orders carry over)."""
+    orders = t.dist_layout.orders
+    if orders and any(a in t.dist_layout.dims[o.dim] for o in orders for a in axes):
+        t = t.relayout(t.dist_layout.with_orders(()))
+        orders = ()
     split, shape, target, plan = _reduce_recipe(t.dist_layout, t.shape, axes, op, what,
                                                 scatter_dim, t.dtype.itemsize)
-    return Tensor(run_plan(t.mesh, plan, _relabelled(t, split, op)), target, shape, t.dtype)
+    return Tensor(run_plan(t.mesh, plan, _relabelled(t, split, op)),
+                  target.with_orders(orders), shape, t.dtype)
 
 
 def _reduce_args(t: Tensor, reduce_axes: Any, reduce_op: Any,

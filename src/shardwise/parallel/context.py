@@ -8,23 +8,26 @@ plan gives ``cp``), ``F.scaled_dot_product_attention`` on q/k/v whose sequence d
 ``ppermute``, cp - 1 hops) or all-to-all (Ulysses: sequence-sharded to head-sharded
 and back, 4 exchanges). Every other sdpa call, there and anywhere else, runs as before.
 
-The region's order (the layout decision, DESIGN's decisions log): with
-``load_balance=True`` the values of the region hold their sequence dims in head-tail
-order (:func:`~shardwise.parallel.context_attention.sequence_order`), so that each
-device's contiguous block holds a piece from the front and one from the back of the
-sequence and causal work is even across the ``cp`` devices. The order is owned by
-``cp``: values enter through ``cp.shard`` (the batch, the targets, position ids,
-masks: new Tensors, the caller's never changed) and leave through ``cp.unshard``
-(natural order again). Order-independent results (a loss, a sum, gradients of
-parameters) need no exit. ``load_balance=False`` keeps the natural order (then
-``cp.shard`` is a plain ``Sharded`` placement).
+The region's order (DESIGN's decisions log): with ``load_balance=True`` each device
+holds its block of the sequence in head-tail order
+(:func:`~shardwise.sharding.orders.sequence_order`): a piece from the front and one
+from the back, so causal work is even across the ``cp`` devices. The order is part of
+the value's layout (``Layout.orders``), not of what users see: ``cp.shard`` reorders
+what each device holds (a new Tensor, the caller's never changed); ``to_torch()``,
+gathers and ops that need positions give natural order back
+(:mod:`shardwise.ops.orders` keeps the order only where exact), and a natural-order
+operand that spans the sequence (position ids, a mask) meets a region value in its
+order. ``cp.unshard`` gathers the sequence in natural order for good.
+``load_balance=False`` keeps the natural order (then ``cp.shard`` is a plain
+``Sharded`` placement).
 
 Invariants:
 - Routing is per call: only sdpa calls with a shardwise Tensor whose dim -2 is Sharded
   over an active region's axis take the context-parallel path; the registry's own
   sdpa handler runs the rest. The handler is installed while a region is active.
 - The output is laid out as q (its batch and head sharding kept), sequence over ``cp``
-  in the region's order; masks are in that order too (``cp.shard(mask, (-2, -1))``).
+  in the region's order; q, k, v and the mask in another order (natural included) are
+  brought to it first (a relayout: local where replicated, else counted).
 - Bad input raises naming the fix: heads that do not divide by cp for all-to-all, a
   mask of the wrong shape or dtype, dropout, a mask with ``is_causal``, an unknown
   method or axis.
@@ -40,14 +43,16 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from shardwise.parallel.context_attention import Attention, attend, sequence_order
+from shardwise.parallel.context_attention import Attention, attend
 from shardwise.parallel.placing import layout_on
 from shardwise.parallel.style import ParallelStyle
 from shardwise.sharding.errors import ShardingError, ShardingTypeError
 from shardwise.sharding.layout import Layout, normalize_dim
 from shardwise.sharding.mappings import as_layout
 from shardwise.sharding.mesh import DeviceMesh
+from shardwise.sharding.orders import SequenceOrder
 from shardwise.sharding.placements import Sharded
+from shardwise.tensors import ordering
 from shardwise.tensors import tensor as core
 from shardwise.tensors.tensor import Tensor, place
 
@@ -69,7 +74,7 @@ class ContextParallel(ParallelStyle):
     >>> y.placements
     (Sharded(axis=2),)
     >>> want = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-    >>> torch.allclose(cp.unshard(y, seq_dim=2).to_torch(), want, atol=1e-6)
+    >>> torch.allclose(y.to_torch(), want, atol=1e-6)    # natural order
     True
     """
 
@@ -114,8 +119,9 @@ class ContextParallel(ParallelStyle):
 
     # --- the order --------------------------------------------------------------------------
     def shard(self, x: Any, seq_dim: int | Sequence[int] = 1, sharding: Any = None) -> Tensor:
-        """``x`` (the global value, natural order) in the region's order, its first
-        ``seq_dim`` Sharded over the axis: a new Tensor (``x`` is never changed). A plain
+        """``x`` (the global value, natural order) held in the region's order, its first
+        ``seq_dim`` Sharded over the axis: a new Tensor (``x`` is never changed) whose
+        ``to_torch()`` is ``x``. A plain
         torch tensor is placed without communication; ``sharding`` (a sharding form,
         e.g. ``PlacementMapping(mesh, (Sharded(0), Replicated()))`` for a batch over dp)
         lays out the other mesh axes and picks the mesh (default: the region's).
@@ -123,8 +129,10 @@ class ContextParallel(ParallelStyle):
 
         >>> cp = context_parallel(DeviceMesh.cpu(2, "cp"))
         >>> ids = cp.shard(torch.arange(8).view(1, 8))   # (batch, seq)
-        >>> ids.to_torch().tolist(), ids.placements
-        ([[0, 1, 6, 7, 2, 3, 4, 5]], (Sharded(axis=1),))
+        >>> ids.placements, [s.tolist() for s in ids.shards]   # held: head-tail
+        ((Sharded(axis=1),), [[[0, 1, 6, 7]], [[2, 3, 4, 5]]])
+        >>> ids.to_torch().tolist()                            # seen: natural
+        [[0, 1, 2, 3, 4, 5, 6, 7]]
         """
         value = x if isinstance(x, torch.Tensor) else torch.as_tensor(x)
         dims = self._dims(value, seq_dim, "shard")
@@ -137,43 +145,49 @@ class ContextParallel(ParallelStyle):
                 f"cp.shard: the sequence dim {dims[0]} is sharded over other mesh axes in "
                 f"{sharding!r}; it is split over {self.axis!r} alone. Leave it Replicated "
                 "there (shard the batch over dp instead).")
-        for d in dims:
-            value = torch.index_select(value, d, self._order(value.shape[d]))
         target = layout_on(base, value.ndim, a, Sharded(dims[0]))
+        target = target.with_orders(self._orders(value, dims, mesh.axis_size(self.axis)))
         if isinstance(value, Tensor):
             return value.relayout(target)
         return place(value, target)
 
     def unshard(self, y: Tensor, seq_dim: int | Sequence[int] = 1) -> Tensor:
-        """``y`` (a value of the region) in natural order again, gathered over the axis
-        (one all_gather of the sequence; the other mesh axes keep their layout): the
-        exit of the region's order. ``y.to_torch()`` after it is the natural global value.
+        """``y`` (a value of the region) gathered over the axis, in natural order (one
+        all_gather of the sequence; the other mesh axes keep their layout). ``to_torch()``
+        and ops that need it put a region's value in natural order by themselves; this
+        drops the order for good (``seq_dim`` is checked: a dim of ``y``).
+
+        >>> cp = context_parallel(DeviceMesh.cpu(2, "cp"))
+        >>> ids = cp.shard(torch.arange(8).view(1, 8))
+        >>> cp.unshard(ids).placements, cp.unshard(ids).to_torch().tolist()
+        ((Replicated(),), [[0, 1, 2, 3, 4, 5, 6, 7]])
         """
         if not isinstance(y, Tensor):
             raise ShardingTypeError(f"cp.unshard takes a shardwise Tensor of the region. "
                                     f"Got {type(y).__name__}.")
-        dims = self._dims(y, seq_dim, "unshard")
+        self._dims(y, seq_dim, "unshard")
         if self.axis not in y.mesh.axis_names:
             raise ShardingError(f"cp.unshard: {y!r} is on {y.mesh!r}, which has no axis "
                                 f"{self.axis!r}. Give a value of the region.")
         a = y.mesh.axis_names.index(self.axis)
         layout = y.dist_layout
-        gathered = Layout(y.mesh, tuple(tuple(ax for ax in axes if ax != a)
-                                        for axes in layout.dims), layout.partial)
-        out: Any = y.relayout(gathered)
-        for d in dims:
-            order = self._order(out.shape[d])
-            inverse = torch.empty_like(order)
-            inverse[order] = torch.arange(len(order))
-            out = torch.index_select(out, d, inverse)
-        return out
+        return y.relayout(Layout(y.mesh, tuple(tuple(ax for ax in axes if ax != a)
+                                               for axes in layout.dims), layout.partial))
 
-    def _order(self, length: int) -> torch.Tensor:
-        size = (self.mesh.axis_size(self.axis) if self.mesh is not None else None)
-        if size is None:
-            raise ShardingError("cp.shard/unshard need the region's mesh: build it with "
-                                "context_parallel(mesh, axis=...).")
-        return torch.tensor(sequence_order(length, size, self.load_balance), dtype=torch.long)
+    def _orders(self, x: Any, dims: Sequence[int], size: int) -> tuple[SequenceOrder, ...]:
+        """The region's order of ``x``'s ``dims`` (none in natural order); a dim of
+        size 1 broadcasts and needs none."""
+        if not self.load_balance:
+            return ()
+        return tuple(SequenceOrder(d, x.shape[d], size) for d in sorted(set(dims))
+                     if x.shape[d] != 1)
+
+    def _in_order(self, x: Tensor, dims: Sequence[int]) -> Tensor:
+        """``x`` with ``dims`` in the region's order, its orders stripped: the held
+        values the attention body reads (a relayout first where ``x`` was in another
+        order, natural included: counted, never silent)."""
+        want = self._orders(x, dims, x.mesh.axis_size(self.axis))
+        return ordering.strip(x.relayout(x.dist_layout.with_orders(want)))
 
     def _dims(self, x: Any, seq_dim: int | Sequence[int], what: str) -> tuple[int, ...]:
         items = (seq_dim,) if isinstance(seq_dim, int) else tuple(seq_dim)
@@ -208,11 +222,17 @@ class ContextParallel(ParallelStyle):
         layouts = _layouts(q, k, mask, a, self.method)
         if self.method == "alltoall":
             _check_heads(q, layouts[0], mesh.axis_size(self.axis), self.axis)
+        nd = q.ndim
+        q, k, v = (self._in_order(t, (nd - 2,)) for t in (q, k, v))
+        if mask is not None:
+            mask = self._in_order(mask, [d for d in (mask.ndim - 2, mask.ndim - 1) if d >= 0])
         setting = Attention(self.axis, self.method, self.load_balance, bool(is_causal),
                             None if scale is None else float(scale), groups,
                             None if mask is None else
                             ("bool" if mask.dtype == torch.bool else "float"))
-        return attend(setting, q, k, v, mask, layouts)
+        out = attend(setting, q, k, v, mask, layouts)
+        return ordering.relabel(out, out.dist_layout.with_orders(
+            self._orders(out, (nd - 2,), mesh.axis_size(self.axis))))
 
 
 def context_parallel(mesh: DeviceMesh, axis: str = "cp", method: str = "ring",
@@ -358,11 +378,22 @@ def _routed(q: Any, k: Any, v: Any, attn_mask: Any = None, dropout_p: float = 0.
         return region.attention(q, k, v, attn_mask, dropout_p, is_causal, scale=scale,
                                 enable_gqa=enable_gqa)
     handler = _ORDINARY[0] if _ORDINARY else None
+    # the registry's attention reads held values: natural order first
+    q, k, v, attn_mask = (_natural(t) for t in (q, k, v, attn_mask))
     args = (q, k, v, attn_mask, dropout_p, is_causal)
     kwargs = dict(scale=scale, enable_gqa=enable_gqa)
     if handler is None:
         return core.FALLBACK[0](F.scaled_dot_product_attention, args, kwargs)
     return handler(*args, **kwargs)
+
+
+_routed.takes_orders = True  # type: ignore[attr-defined]  # (the orders' dispatch reads it)
+
+
+def _natural(x: Any) -> Any:
+    if isinstance(x, Tensor) and x.dist_layout.orders:
+        return x.relayout(x.dist_layout.with_orders(()))
+    return x
 
 
 def _enter(region: ContextParallel) -> None:

@@ -36,37 +36,12 @@ import torch
 import torch.nn.functional as F
 
 from shardwise.sharding.layout import Layout
+from shardwise.sharding.orders import sequence_order
 from shardwise.sharding.shapes import split_bounds
 from shardwise.spmd import lax
 from shardwise.spmd.shard_map import shard_map
 
 __all__ = ["Attention", "attend", "sequence_order"]
-
-
-@functools.lru_cache(maxsize=256)
-def sequence_order(length: int, size: int, balanced: bool) -> tuple[int, ...]:
-    """The natural position at each index of the CP order of a sequence of ``length``
-    over ``size`` devices. Head-tail (``balanced``): device ``r``'s block (its split
-    rule share) holds a head piece from the front and a tail piece from the back, the
-    tails in reverse device order, so causal work is even; else the natural order.
-
-    >>> sequence_order(8, 2, True)      # device 0: chunks 0 and 3, device 1: 1 and 2
-    (0, 1, 6, 7, 2, 3, 4, 5)
-    >>> sequence_order(7, 2, True)      # uneven: blocks of 4 and 3
-    (0, 1, 5, 6, 2, 3, 4)
-    """
-    if not balanced or size == 1:
-        return tuple(range(length))
-    blocks = [split_bounds(length, size, r) for r in range(size)]
-    heads = [(stop - start + 1) // 2 for start, stop in blocks]
-    tails = [stop - start - h for (start, stop), h in zip(blocks, heads)]
-    front, out = sum(heads), list[int]()
-    for r in range(size):
-        head = sum(heads[:r])
-        tail = front + sum(tails[r + 1:])
-        out += range(head, head + heads[r])
-        out += range(tail, tail + tails[r])
-    return tuple(out)
 
 
 @dataclass(frozen=True)

@@ -84,7 +84,7 @@ def layout_on(base: Layout, ndim: int, axis: int, placement: Placement) -> Layou
             partial[axis] = op
         case Replicated():
             pass
-    return Layout(base.mesh, tuple(dims), tuple(partial))
+    return Layout(base.mesh, tuple(dims), tuple(partial), base.orders)  # (the order stays)
 
 
 @functools.lru_cache(maxsize=256)

@@ -41,6 +41,7 @@ from shardwise.runtime.trees import check_value, flatten, unflatten
 from shardwise.sharding.errors import CollectiveError, ShardingError
 from shardwise.sharding.layout import Layout
 from shardwise.sharding.mesh import DeviceMesh
+from shardwise.sharding.orders import SequenceOrder
 from shardwise.sharding.placements import ReduceOp
 from shardwise.sharding.shapes import local_shape
 from shardwise.tensors.tensor import Tensor
@@ -166,11 +167,12 @@ def _part(x: Any, mesh: DeviceMesh, k: int) -> tuple[Any, torch.Tensor | None]:
 
 def _layout_meta(x: Tensor) -> list[Any]:
     """What the receiver needs besides a shardwise Tensor's block (JSON): its layout's
-    dims and Partial ops, its global shape, whether it records gradients."""
+    dims, Partial ops and sequence orders, its global shape, whether it records
+    gradients."""
     lay = x.dist_layout
     return ["sw", [list(d) for d in lay.dims],
             [None if p is None else p.value for p in lay.partial], list(x.shape),
-            x.requires_grad]
+            x.requires_grad, [[o.dim, o.length, o.parts, o.inner] for o in lay.orders]]
 
 
 def _rebuild(meta: Any, block: Any, mesh: DeviceMesh, k: int, key: str, link: Link,
@@ -179,9 +181,10 @@ def _rebuild(meta: Any, block: Any, mesh: DeviceMesh, k: int, key: str, link: Li
         return meta[1]
     if meta[0] == "t":
         return block.requires_grad_(True) if meta[1] and _grads(block) else block
-    _, dims, partial, shape, grad = meta
+    _, dims, partial, shape, grad, orders = meta
     layout = Layout(mesh, tuple(tuple(d) for d in dims),
-                    tuple(None if p is None else ReduceOp(p) for p in partial))
+                    tuple(None if p is None else ReduceOp(p) for p in partial),
+                    tuple(SequenceOrder(*o) for o in orders))
     want = local_shape(tuple(shape), layout, mesh.coord_of(k))
     if tuple(block.shape) != want:
         sender = "this rank" if link.peer is None else f"rank {link.peer}"

@@ -11,6 +11,11 @@ Invariants:
   that appears nowhere is replicated.
 - A dim split over axes ``(a, b)`` is split once into ``size(a) * size(b)``
   pieces; device coordinate ``(i, j)`` holds piece ``i * size(b) + j``.
+- ``orders`` (default none): the dims held in a sequence order
+  (:class:`~shardwise.sharding.orders.SequenceOrder`, sorted by dim, one per dim).
+  Blocks are cut from the held (permuted) coordinates; the order is part of the
+  layout's identity (equality, hash, ``str``), so caches keyed on layouts tell a
+  value in a region's order from one in natural order.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ from dataclasses import dataclass, field
 
 from shardwise.sharding.errors import ConversionError, ShardingError, ShardingTypeError
 from shardwise.sharding.mesh import DeviceMesh
+from shardwise.sharding.orders import SequenceOrder
 from shardwise.sharding.placements import Partial, Placement, ReduceOp, Replicated, Sharded
 
 __all__ = ["Layout", "normalize_dim"]
@@ -44,6 +50,7 @@ class Layout:
     mesh: DeviceMesh
     dims: tuple[tuple[int, ...], ...]
     partial: tuple[ReduceOp | None, ...]
+    orders: tuple[SequenceOrder, ...] = ()
     _hash: int = field(init=False, repr=False, compare=False)
     _partial_axes: tuple[int, ...] = field(init=False, repr=False, compare=False)
 
@@ -71,13 +78,21 @@ class Layout:
                 raise ShardingError(
                     f"Mesh axis {name!r} cannot both shard {seen[a]} and be Partial."
                 )
-        object.__setattr__(self, "_hash", hash((self.mesh, self.dims, self.partial)))
+        if self.orders:
+            _check_orders(self.orders, len(self.dims))
+        object.__setattr__(self, "_hash",
+                           hash((self.mesh, self.dims, self.partial, self.orders)))
         # asked by every reducing op: computed once per (cached, frozen) layout
         object.__setattr__(self, "_partial_axes",
                            tuple(a for a, op in enumerate(self.partial) if op is not None))
 
     def __hash__(self) -> int:
         return self._hash
+
+    def __repr__(self) -> str:
+        orders = f", orders={self.orders!r}" if self.orders else ""
+        return (f"Layout(mesh={self.mesh!r}, dims={self.dims!r}, "
+                f"partial={self.partial!r}{orders})")
 
     # --- constructors -------------------------------------------------------------
     @classmethod
@@ -167,10 +182,34 @@ class Layout:
         return Replicated() if d is None else Sharded(d)
 
     def with_dims(self, dims: tuple[tuple[int, ...], ...]) -> Layout:
-        return _layout(self.mesh, dims, self.partial, id(self.mesh))
+        return _layout(self.mesh, dims, self.partial, id(self.mesh), self.orders)
 
     def with_partial(self, partial: tuple[ReduceOp | None, ...]) -> Layout:
-        return _layout(self.mesh, self.dims, partial, id(self.mesh))
+        return _layout(self.mesh, self.dims, partial, id(self.mesh), self.orders)
+
+    def with_orders(self, orders: tuple[SequenceOrder, ...]) -> Layout:
+        """This layout with its dims held in ``orders`` (sorted by dim here).
+
+        >>> mesh = DeviceMesh.cpu(2, "cp")
+        >>> str(Layout(mesh, ((), (0,)), (None,)).with_orders((SequenceOrder(1, 8, 2),)))
+        'DeviceMesh(cp=2)[R, S(cp)] order 1:ht8/2'
+        """
+        ordered = tuple(sorted(orders, key=lambda o: o.dim))
+        if ordered == self.orders:
+            return self
+        return _layout(self.mesh, self.dims, self.partial, id(self.mesh), ordered)
+
+    def order_of(self, dim: int) -> SequenceOrder | None:
+        """The sequence order tensor dim ``dim`` is held in, or None (natural).
+
+        >>> lay = Layout.replicated(DeviceMesh.cpu(2, "cp"), 2)
+        >>> lay.with_orders((SequenceOrder(1, 8, 2),)).order_of(1), lay.order_of(1)
+        (SequenceOrder(dim=1, length=8, parts=2, inner=1), None)
+        """
+        for o in self.orders:
+            if o.dim == dim:
+                return o
+        return None
 
     def without_partial(self) -> Layout:
         """This layout with every Partial axis reduced (replicated), dims unchanged.
@@ -236,15 +275,26 @@ class Layout:
         }
         if partial:
             text += " partial " + ", ".join(f"{k}:{v}" for k, v in partial.items())
+        if self.orders:
+            text += " order " + ", ".join(str(o) for o in self.orders)
         return f"{self.mesh!r}{text}"
+
+
+def _check_orders(orders: tuple[SequenceOrder, ...], ndim: int) -> None:
+    dims = [o.dim for o in orders] if all(isinstance(o, SequenceOrder) for o in orders) else []
+    if len(dims) != len(orders) or dims != sorted(set(dims)) or dims[-1] >= ndim:
+        raise ShardingError(
+            f"Layout.orders must be SequenceOrders on distinct dims of the rank-{ndim} "
+            f"tensor, sorted by dim. Got {orders!r}.")
 
 
 @functools.lru_cache(maxsize=8192)
 def _layout(mesh: DeviceMesh, dims: tuple[tuple[int, ...], ...],
-            partial: tuple[ReduceOp | None, ...], mesh_id: int) -> Layout:
+            partial: tuple[ReduceOp | None, ...], mesh_id: int,
+            orders: tuple[SequenceOrder, ...] = ()) -> Layout:
     """Layouts are values: build (and validate) each one once. ``mesh_id`` keeps
     equal-but-distinct meshes apart, so derived layouts keep the very mesh object."""
-    return Layout(mesh, dims, partial)
+    return Layout(mesh, dims, partial, orders)
 
 
 @functools.lru_cache(maxsize=4096)

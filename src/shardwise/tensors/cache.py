@@ -108,6 +108,8 @@ class Operand(Protocol):
 
     def plan_to(self, target: Layout) -> Plan: ...
 
+    def relayout(self, target: Layout, *, keep_whole: bool = False) -> Self: ...
+
     def _held(self, local: Local, layout: Layout) -> Self: ...
 
 
@@ -230,6 +232,8 @@ def relayout(x: T, target: Layout) -> T:
     """
     if target is x._layout or target == x._layout:
         return x
+    if target.orders or x._layout.orders:  # (between sequence orders: never kept)
+        return x.relayout(target)
     local, entry = _kept(x, target, (), False)
     if entry is None:
         return x._held(local, target)

@@ -11,6 +11,8 @@ Invariants:
   value held whole) and gives a new Tensor every call:
   two public relayouts give two tensors a user may write separately (ops' kept
   relayouts are :mod:`shardwise.tensors.cache`'s, never handed to users).
+- A layout change between sequence orders (``Layout.orders``) goes through
+  :func:`shardwise.tensors.ordering.reorder`; the planner only sees layouts without.
 - Nothing here imports :mod:`shardwise.tensors.tensor`: new Tensors are built as
   ``type(self)(...)``.
 """
@@ -25,6 +27,7 @@ from shardwise.planner import Plan, make_plan
 from shardwise.runtime.local import Local, record_plan, run_plan
 from shardwise.sharding.errors import ShardingError
 from shardwise.sharding.layout import Layout
+from shardwise.tensors import ordering
 from shardwise.tensors.meta import MetaMixin
 
 __all__ = ["RelayoutMixin", "record_plan", "run_plan"]
@@ -37,6 +40,8 @@ class RelayoutMixin(MetaMixin):
         """The global value as one torch tensor (differentiable; may alias a shard: read
         it, or use :meth:`to_torch` for a copy of one's own)."""
         target = Layout.replicated(self.mesh, self.ndim)
+        if self._layout.orders:  # natural order first (the held value is permuted)
+            return ordering.reorder(self, target).global_value()
         local = self._local
         if target != self._layout:
             local = local.moved(self.plan_to(target), target)
@@ -49,6 +54,8 @@ class RelayoutMixin(MetaMixin):
         if they ran; the result shares the buffer), so ops keep running once on it."""
         if target == self._layout:
             return self
+        if target.orders or self._layout.orders:
+            return ordering.reorder(self, target, keep_whole)
         local = self._local if keep_whole else self._local.as_blocks()
         return self._held(local.moved(self.plan_to(target), target), target)
 
@@ -62,7 +69,10 @@ class RelayoutMixin(MetaMixin):
                 f"Cannot plan from {self.mesh!r} to {target.mesh!r}: a plan stays on one mesh. "
                 "Use to_device(x, sharding=...) to move between meshes."
             )
-        return make_plan(self._layout, target, self._shape, self._dtype.itemsize)
+        source = self._layout
+        if source.orders or target.orders:  # (blocks are cut alike in every order)
+            source, target = source.with_orders(()), target.with_orders(())
+        return make_plan(source, target, self._shape, self._dtype.itemsize)
 
     def unique_shards(self) -> tuple[list[int], list[torch.Tensor]]:
         """Representative device indices and their (distinct) local tensors."""

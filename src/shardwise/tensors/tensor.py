@@ -10,6 +10,10 @@ Invariants:
 - It is a ``torch.Tensor`` (a wrapper with no storage): its torch metadata is the
   global value's, and every torch function goes through ``__torch_function__`` to
   the op registry (``HANDLERS``, filled by :data:`REGISTRY` on first use).
+- Once a value held in a sequence order exists (``Layout.orders``: a load-balanced
+  context-parallel region's), every torch function first passes the orders' dispatch
+  (:data:`~shardwise.tensors.ordering.ORDERS`, :mod:`shardwise.ops.orders`), which keeps
+  an order only where the op is exact on the held values; before that, one list test.
 - Under a torch.func transform (which wraps it below ``__torch_function__``) each aten
   op reaches ``__torch_dispatch__`` and runs on the gathered values through the
   registry's fallback (exact; plain results, views stay Replicated Tensors); writes in
@@ -67,7 +71,7 @@ from shardwise.sharding.layout import Layout
 from shardwise.sharding.mappings import ShardingSpec
 from shardwise.sharding.mesh import DeviceMesh
 from shardwise.sharding.types import dtype_name
-from shardwise.tensors import cache, chunks, dtensor
+from shardwise.tensors import cache, chunks, dtensor, ordering
 from shardwise.tensors.grad import GradMixin
 from shardwise.tensors.meta import MetaMixin
 from shardwise.tensors.relayout import RelayoutMixin
@@ -82,6 +86,8 @@ REGISTRY = "shardwise.ops.torch_api"
 #: called for a torch function without a handler: ``(func, args, kwargs) -> result``
 #: (Replicated Tensors; with ``plain=True``, plain torch tensors of the global values).
 FALLBACK: list[Callable[..., Any]] = []
+#: ``ordering.ORDERS`` (the same list): the sequence orders' dispatch, once one exists
+_ORDERS = ordering.ORDERS
 #: called for a torch function given ``out=``: runs it without, then writes ``out``.
 WRITE_OUT: list[Callable[[Any, tuple[Any, ...], dict[str, Any]], Any]] = []
 
@@ -127,6 +133,8 @@ def _compiled_route(func: Any, args: Any, kwargs: Any) -> Any:
                     "decides layouts on concrete shapes, and dynamic shapes are not "
                     "supported yet. Pass dynamic=False to torch.compile (Dynamo turns "
                     "shapes dynamic by itself after a recompile for new shapes).")
+        if _ORDERS:  # some value is held in a sequence order: kept only where exact
+            return _ORDERS[0](func, tuple(args), kwargs or {})
         return route(func, args, kwargs)
     with torch._C.DisableTorchFunctionSubclass():
         return func(*args, **(kwargs or {}))
@@ -225,6 +233,8 @@ class Tensor(GradMixin, RelayoutMixin, MetaMixin,  # type: ignore[misc,override]
             dtype = first.dtype
         device = first.device if first is not None else backend_for(layout.mesh).device_of(
             layout.mesh, 0)
+        if layout.orders and not _ORDERS:  # (blocks received in a sequence order)
+            ordering.activate()
         return cls.from_held(Blocks(parts), layout, torch.Size(shape), dtype, device, open_dims)
 
     @classmethod
@@ -263,6 +273,8 @@ class Tensor(GradMixin, RelayoutMixin, MetaMixin,  # type: ignore[misc,override]
                            kwargs: Any = None) -> Any:
         if _COMPILER._is_compiling_flag:
             return _compiled_route(func, args, kwargs)
+        if _ORDERS:  # some value is held in a sequence order: kept only where exact
+            return _ORDERS[0](func, tuple(args), kwargs or {})
         if kwargs:
             return route(func, args, kwargs)
         # route's commonest call inlined (one frame less on every op): no
@@ -405,18 +417,26 @@ class Tensor(GradMixin, RelayoutMixin, MetaMixin,  # type: ignore[misc,override]
 
     # --- torch.distributed.checkpoint: the blocks as chunks with global offsets --------
     def __create_write_items__(self, fqn: str, object: Any) -> list[Any]:
-        return chunks.write_items(fqn, self._shards, self._layout, self._shape, self._dtype)
+        x = self._natural()
+        return chunks.write_items(fqn, x._shards, x._layout, x._shape, x._dtype)
 
     def __create_chunk_list__(self) -> list[Any]:
-        return chunks.chunk_list(self._shards, self._layout, self._shape)
+        x = self._natural()
+        return chunks.chunk_list(x._shards, x._layout, x._shape)
 
     def __get_tensor_shard__(self, index: Any) -> torch.Tensor:
-        return chunks.tensor_shard(self._shards, self._layout, self._shape, index)
+        x = self._natural()
+        return chunks.tensor_shard(x._shards, x._layout, x._shape, index)
+
+    def _natural(self) -> Tensor:
+        """This value with its blocks in natural order: the chunks and DTensors others
+        read have one offset per dim (a relayout where it is held in a sequence order)."""
+        return self.relayout(self._layout.with_orders(())) if self._layout.orders else self
 
     def to_dtensor(self) -> Any:
         """This value as a torch ``DTensor`` on the same processes and placements (no
         copy where the uneven-split conventions agree); process meshes only."""
-        return dtensor.to_dtensor(self)
+        return dtensor.to_dtensor(self._natural())
 
     # --- values -------------------------------------------------------------------------
     def to_torch(self) -> torch.Tensor:
@@ -628,6 +648,8 @@ def place(value: torch.Tensor, layout: Layout) -> Tensor:
     first = backend.device_of(mesh, mine[0]) if len(mine) else value.device
     if value.device != first and not value.is_meta:  # meta: shapes only (deferred init)
         value = value.to(first)
+    if layout.orders:  # ``value`` is in natural order: reordered where it is cut
+        return place(value, Layout.replicated(mesh, value.ndim)).relayout(layout)
     plain = layout.without_partial()
     t = Tensor.from_whole(value, plain)
     # the planner's make_partial steps lay identities down outer axis first, which
@@ -670,10 +692,12 @@ def rehome(x: Tensor, mesh: DeviceMesh, blocks: Sequence[torch.Tensor | None] | 
             f"Cannot move {x!r} onto {mesh!r}: the layout keeps each block at the same mesh "
             f"coordinates, so the meshes need the same shape ({x.mesh.mesh_shape} vs "
             f"{mesh.mesh_shape}). Relayout it first (shardwise.shard).")
-    layout = Layout(mesh, x._layout.dims, x._layout.partial)
+    layout = Layout(mesh, x._layout.dims, x._layout.partial, x._layout.orders)
     if blocks is not None:
         return Tensor(blocks, layout, x._shape, x._dtype, open_dims=x._open)
     local = x._local.rehome(layout)
+    if layout.orders and not _ORDERS:
+        ordering.activate()
     first = local.first()
     return Tensor.from_held(local, layout, x._size, x._dtype,
                         x._device if first is None else first.device, x._open)
