@@ -9,7 +9,7 @@ import shardwise as sw
 from shardwise import DeviceMesh, PlacementMapping, Replicated
 from shardwise.ops import execute
 from shardwise.runtime import backend_for, world_started
-from shardwise.runtime.world import C10D, default_group
+from shardwise.runtime.world import C10D
 from shardwise.tensors.keys import decision_key
 
 
@@ -17,7 +17,7 @@ def test_the_cached_backend_follows_the_process_world() -> None:
     mesh = DeviceMesh.cpu(1, "x")
     x = sw.tensor(torch.arange(3.0), sharding=PlacementMapping(mesh, (Replicated(),)))
     key = decision_key("neg", False, (), (x,))
-    assert default_group() is None and not world_started()
+    assert C10D._default_pg is None and not world_started()
     simulated = backend_for(mesh)
     assert torch.equal((-x).to_torch(), -torch.arange(3.0))
     assert execute._DECISIONS[key].backend is simulated
@@ -31,6 +31,6 @@ def test_the_cached_backend_follows_the_process_world() -> None:
         assert execute._DECISIONS[key].backend is process
     finally:
         dist.destroy_process_group()
-    assert default_group() is None and backend_for(mesh) is simulated
+    assert C10D._default_pg is None and backend_for(mesh) is simulated
     assert torch.equal((-x).to_torch(), -torch.arange(3.0))
     assert execute._DECISIONS[key].backend is simulated

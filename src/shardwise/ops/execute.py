@@ -99,9 +99,6 @@ def _operands(op: str, operands: Sequence[Any]) -> list[Any]:
     return out
 
 
-#: torch's world record: its default group (``_default_pg``, None outside a process
-#: world) is what ``backend_for``'s answer depends on besides the mesh
-_C10D = C10D
 
 #: ``Tensor.from_held``, bound once (a classmethod looked up on the class binds anew each call)
 _wrap = Tensor.from_held
@@ -157,7 +154,9 @@ def apply(op: str, operands: Sequence[Any], fn: Callable[..., torch.Tensor], *pa
     # the decided op, run by the runtime where it holds the values, and wrapped
     dec = hit.dec
     mesh = dec.output.mesh
-    world = _C10D._default_pg
+    # torch's default group (None outside a process world): what backend_for's answer
+    # depends on besides the mesh
+    world = C10D._default_pg
     backend = hit.backend
     if backend is None or hit.world is not world:
         backend = hit.backend = backend_for(mesh)

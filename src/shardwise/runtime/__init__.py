@@ -27,7 +27,6 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, Protocol, TypeAlias
 
 import torch
-import torch.distributed as dist
 
 from shardwise.planner import Plan, Step
 from shardwise.runtime.owner import GradOwner
@@ -68,7 +67,6 @@ class Decided(Protocol):
         (it must then alias the blocks: the op reruns on them)."""
         ...
 
-_dist_available = dist.is_available()
 
 
 class Backend(Protocol):
@@ -279,7 +277,7 @@ def world_backend() -> Backend:
     >>> world_backend().process_count()   # not under torchrun: a world of one process
     1
     """
-    if _dist_available and dist.is_initialized():
+    if C10D._default_pg is not None:
         return _module("process.backend")
     return _module("simulated.backend")
 

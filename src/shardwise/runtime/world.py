@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["C10D", "default_group"]
+__all__ = ["C10D"]
 
 
 class _Public:
@@ -37,13 +37,5 @@ def _probe() -> Any:
 
 
 #: torch's world record, whose ``_default_pg`` field is the default process group
+#: (``runtime.world_started`` is the public question)
 C10D: Any = _probe()
-
-
-def default_group() -> Any:
-    """torch.distributed's default process group, None outside a process world.
-
-    >>> default_group() is None
-    True
-    """
-    return C10D._default_pg
