@@ -67,12 +67,15 @@ class Block(nn.Module):
 
 
 class GPT(nn.Module):
+    #: the block class each layer is (a variant model swaps it: examples/moe_gpt.py)
+    block: type[nn.Module] = Block
+
     def __init__(self, c: Config) -> None:
         super().__init__()
         self.config = c
         self.tok = nn.Embedding(c.vocab, c.dim)
         self.pos = nn.Embedding(c.seq, c.dim)
-        self.layers = nn.ModuleList(Block(c) for _ in range(c.layers))
+        self.layers = nn.ModuleList(self.block(c) for _ in range(c.layers))
         self.norm = nn.LayerNorm(c.dim)
         self.head = nn.Linear(c.dim, c.vocab, bias=False)
 

@@ -152,19 +152,10 @@ class Block(nn.Module):
         return x + self.moe(self.ln2(x))
 
 
-class MoEGPT(nn.Module):
+class MoEGPT(gpt.GPT):  # type: ignore[misc,name-defined]
     """``gpt.GPT`` with :class:`Block` (attention, then the mixture of experts)."""
 
-    def __init__(self, c: Config) -> None:
-        super().__init__()
-        self.config = c
-        self.tok = nn.Embedding(c.vocab, c.dim)
-        self.pos = nn.Embedding(c.seq, c.dim)
-        self.layers = nn.ModuleList(Block(c) for _ in range(c.layers))
-        self.norm = nn.LayerNorm(c.dim)
-        self.head = nn.Linear(c.dim, c.vocab, bias=False)
-
-    forward = gpt.GPT.forward
+    block = Block
 
     def update_expert_bias(self) -> None:
         for layer in self.layers:
