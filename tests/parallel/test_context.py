@@ -6,8 +6,6 @@ processes in test_context_gloo.py."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import pytest
 import torch
 import torch.nn as nn
@@ -20,14 +18,7 @@ from shardwise.parallel import ContextParallel, context_parallel, parallelize_mo
 from shardwise.sharding.layout import Layout
 from shardwise.sharding.orders import SequenceOrder
 from tests.helpers import cp_bodies
-
-
-@pytest.fixture(autouse=True)
-def one_thread() -> Iterator[None]:
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+from tests.helpers.threads import one_thread  # noqa: F401  (autouse: one torch thread)
 
 
 @pytest.mark.parametrize("n", [2, 4])

@@ -5,7 +5,6 @@ collectives, and the plan's errors."""
 from __future__ import annotations
 
 import copy
-from collections.abc import Iterator
 
 import pytest
 import torch
@@ -23,16 +22,7 @@ from shardwise.parallel import (
 )
 from tests.helpers import gpt_plans
 from tests.helpers.shardcheck import whole_value
-
-
-@pytest.fixture(autouse=True)
-def one_thread() -> Iterator[None]:
-    # tiny matmuls: more intra-op threads only contend on a loaded CI machine
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
+from tests.helpers.threads import one_thread  # noqa: F401  (autouse: one torch thread)
 
 MESHES = [(2, 2), (2, 4)]
 
