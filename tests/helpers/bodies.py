@@ -9,6 +9,7 @@ the same global values.
 from __future__ import annotations
 
 import torch
+from torch.distributed.tensor import Replicate as TReplicate
 
 import shardwise as sw
 from shardwise import DeviceMesh, Partial, PlacementMapping, Replicated, Sharded
@@ -164,6 +165,16 @@ def body_holds_own_shards(n: int) -> None:
     if _is_dist():
         assert held == [_me(mesh)], held
         assert t.local(mesh.devices[held[0]]).shape == (2, 3)
+        # DTensor's names: the one block this rank holds, differentiable
+        x = t.detach().requires_grad_()
+        block = x.to_local()
+        assert torch.equal(block, t.shards[held[0]])
+        whole = x.redistribute(x.device_mesh, [TReplicate()])
+        assert torch.equal(whole.to_local(), data(2 * n, 3))
+        assert torch.equal(x.full_tensor(), data(2 * n, 3))
+        (block * (_me(mesh) + 1)).sum().backward()
+        assert x.grad is not None
+        assert torch.equal(x.grad.to_local(), torch.full((2, 3), float(_me(mesh) + 1)))
     else:
         assert held == list(range(n))
 

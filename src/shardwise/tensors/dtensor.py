@@ -26,10 +26,11 @@ from shardwise.runtime import backend_for
 from shardwise.sharding.errors import ConversionError, ShardingError
 from shardwise.sharding.layout import Layout
 from shardwise.sharding.mesh import DeviceMesh
-from shardwise.sharding.placements import Partial, ReduceOp, Replicated, Sharded
+from shardwise.sharding.placements import Partial, Placement, ReduceOp, Replicated, Sharded
 from shardwise.sharding.shapes import local_bounds
 
-__all__ = ["differing_dims", "layout_of", "to_dtensor", "torch_mesh", "torch_placements"]
+__all__ = ["differing_dims", "layout_of", "our_placement", "to_dtensor", "torch_mesh",
+           "torch_placements"]
 
 _OPS = {ReduceOp.SUM: "sum", ReduceOp.AVG: "avg", ReduceOp.MAX: "max", ReduceOp.MIN: "min"}
 _MESHES: dict[tuple[DeviceMesh, int], Any] = {}
@@ -62,25 +63,32 @@ def torch_placements(layout: Layout) -> list[Any]:
     return out
 
 
-def layout_of(mesh: DeviceMesh, placements: Any, ndim: int) -> Layout:
-    """The shardwise layout of DTensor ``placements`` on ``mesh``."""
+def our_placement(p: Any) -> Placement:
+    """shardwise's placement for DTensor placement ``p``.
+
+    >>> from torch.distributed.tensor import Shard
+    >>> our_placement(Shard(1))
+    Sharded(axis=1)
+    """
     from torch.distributed.tensor import Partial as TPartial
     from torch.distributed.tensor import Replicate, Shard
 
-    ours: list[Any] = []
-    for p in placements:
-        if type(p) is Shard:
-            ours.append(Sharded(p.dim))
-        elif isinstance(p, Replicate):
-            ours.append(Replicated())
-        elif isinstance(p, TPartial) and p.reduce_op in _OPS.values():
-            ours.append(Partial({v: k for k, v in _OPS.items()}[p.reduce_op]))
-        else:
-            raise ConversionError(
-                f"DTensor placement {p!r} has no shardwise form (shardwise has Shard, "
-                "Replicate and Partial(sum/avg/max/min)). Redistribute it to those first."
-            )
-    return Layout.from_placements(mesh, tuple(ours), ndim)
+    if type(p) is Shard:
+        return Sharded(p.dim)
+    if isinstance(p, Replicate):
+        return Replicated()
+    if isinstance(p, TPartial) and p.reduce_op in _OPS.values():
+        return Partial({v: k for k, v in _OPS.items()}[p.reduce_op])
+    raise ConversionError(
+        f"Placement {p!r} has no shardwise form (shardwise has Sharded/Shard, "
+        "Replicated/Replicate and Partial(sum/avg/max/min)). Use one of those (a DTensor's: "
+        "redistribute it to those first)."
+    )
+
+
+def layout_of(mesh: DeviceMesh, placements: Any, ndim: int) -> Layout:
+    """The shardwise layout of DTensor ``placements`` on ``mesh``."""
+    return Layout.from_placements(mesh, tuple(our_placement(p) for p in placements), ndim)
 
 
 def differing_dims(layout: Layout, shape: tuple[int, ...]) -> tuple[int, ...]:

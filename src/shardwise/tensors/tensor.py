@@ -72,6 +72,7 @@ from shardwise.sharding.mappings import ShardingSpec
 from shardwise.sharding.mesh import DeviceMesh
 from shardwise.sharding.types import dtype_name
 from shardwise.tensors import cache, chunks, dtensor, ordering
+from shardwise.tensors.dtensor_names import DTensorNamesMixin
 from shardwise.tensors.grad import GradMixin
 from shardwise.tensors.meta import MetaMixin
 from shardwise.tensors.relayout import RelayoutMixin
@@ -188,7 +189,7 @@ _skip_in_dynamo()
 
 # The mixins come first, so their properties (grad, data, shape...) override torch's;
 # mypy flags each read-only property that replaces a writable torch attribute.
-class Tensor(GradMixin, RelayoutMixin, MetaMixin,  # type: ignore[misc,override]
+class Tensor(GradMixin, DTensorNamesMixin, RelayoutMixin, MetaMixin,  # type: ignore[misc,override]
              torch.Tensor):
     """A global value laid out on a :class:`DeviceMesh`; a ``torch.Tensor``.
 
