@@ -504,6 +504,9 @@ class _Replay:
 
     def run(self, log: list[tuple[str, _Storage, Any]]) -> Peak:
         n = self.n
+        if n == 0:  # no mesh seen: nothing was held on a device
+            zero = dict.fromkeys(CATEGORIES, 0)
+            return Peak(0, 0, self.devices, (), zero, dict(zero), dict(zero))
         scalar = dict.fromkeys(CATEGORIES, 0)
         vector = {c: np.zeros(n, dtype=np.int64) for c in CATEGORIES}
         most = {c: np.zeros(n, dtype=np.int64) for c in CATEGORIES}  # per device

@@ -165,7 +165,11 @@ def _held(state: Any) -> tuple[list[Any], list[Any]]:
     if state is None:
         from torch._subclasses.fake_tensor import is_fake
 
-        gc.collect()  # (values in cycles that died hold no memory)
+        # values in cycles that died hold no memory; a cycle's finalizers can release
+        # another cycle, which only the next pass frees
+        for _ in range(4):
+            if not gc.collect():
+                break
         with warnings.catch_warnings():  # (isinstance on deprecated torch objects warns)
             warnings.simplefilter("ignore")
             for obj in gc.get_objects():
