@@ -193,14 +193,16 @@ class PipelineSchedule:
         return write_csv(self.actions)
 
     # --- one step ----------------------------------------------------------------------
-    def step(self, *inputs: Any, target: Any = None, losses: list[Any] | None = None
-             ) -> Any:
+    def step(self, *inputs: Any, target: Any = None, losses: list[Any] | None = None,
+             return_outputs: bool = True) -> Any:
         """Run one step: forward and backward of every microbatch, as the table says.
 
         Returns the last stage's outputs concatenated on dim 0 (detached) on the process
-        that holds the last stage, else None; appends the per-microbatch losses to
-        ``losses``. Parameter gradients accumulate into ``.grad`` as those of the mean
-        loss (``scale_grads``); the optimizer step is the caller's.
+        that holds the last stage, else None (and None with ``return_outputs=False``,
+        torch's option: no microbatch's output is kept, and a batch split over dp is not
+        gathered to be concatenated); appends the per-microbatch losses to ``losses``.
+        Parameter gradients accumulate into ``.grad`` as those of the mean loss
+        (``scale_grads``); the optimizer step is the caller's.
         """
         m = self.n_microbatches
         pipe = self.pipe
@@ -215,14 +217,14 @@ class PipelineSchedule:
         run = _Step(self,
                     split_microbatches(inputs, m, "the inputs") if first.is_local else [()] * m,
                     split_microbatches(target, m, "the target") if last.is_local else [None] * m,
-                    transport_for([s.mesh for s in pipe.stages]))
+                    transport_for([s.mesh for s in pipe.stages]), return_outputs)
         run.run()
         flush = getattr(run.transport, "flush", None)
         if flush is not None:  # sends complete when received: wait for them, bounded
             flush()
         if losses is not None and run.losses:
             losses.extend(run.losses[i] for i in range(m))
-        if not last.is_local:
+        if not (last.is_local and return_outputs):
             return None
         outs = [run.outputs[i] for i in range(m)]
         leaves = [pytree.tree_flatten(o) for o in outs]
@@ -236,8 +238,9 @@ class _Step:
     """The state of one step: what each (stage, microbatch) received, produced, owes."""
 
     def __init__(self, sched: PipelineSchedule, inputs: list[Any], targets: list[Any],
-                 transport: Transport) -> None:
+                 transport: Transport, keep_outputs: bool = True) -> None:
         self.sched = sched
+        self.keep_outputs = keep_outputs
         self.pipe = sched.pipe
         self.inputs = inputs
         self.targets = targets
@@ -320,9 +323,10 @@ class _Step:
         out = stage.module(*args)
         last = s == self.pipe.n_stages - 1
         loss_fn = self.sched.loss_fn
-        if last:
+        if last and self.keep_outputs:
             self.outputs[i] = pytree.tree_map(
                 lambda x: x.detach() if isinstance(x, torch.Tensor) else x, out)
+        if last:
             if loss_fn is not None:
                 loss = loss_fn(out, self.targets[i])
                 self.losses[i] = loss.detach()

@@ -121,7 +121,7 @@ def train_step(target: Any, opt: torch.optim.Optimizer, ids: Any, targets: Any) 
     then ``opt.step()`` and ``opt.zero_grad()``."""
     with loss_parallel():
         if hasattr(target, "pipe"):
-            target.step(ids, target=targets, losses=[])
+            target.step(ids, target=targets, losses=[], return_outputs=False)
         else:
             target(ids, targets).backward()
     opt.step()
@@ -232,11 +232,13 @@ class _Search:
         options: list[str | None] = [None, "colwise", "rowwise"]
         for i in range(0, len(groups) - 1, 2):
             pair = groups[i:i + 2]
-            best = min(((x, y) for x in options for y in options),
-                       key=lambda xy: cost({**chosen, pair[0]: xy[0], pair[1]: xy[1]}))
+            tried = {xy: cost({**chosen, pair[0]: xy[0], pair[1]: xy[1]})
+                     for xy in ((x, y) for x in options for y in options)}
+            best = _fastest_then_smallest(tried)
             chosen.update({pair[0]: best[0], pair[1]: best[1]})
         for name, style in single:
-            if cost({**chosen, name: style}) < cost(chosen):
+            if _fastest_then_smallest({style: cost({**chosen, name: style}),
+                                       None: cost(chosen)}) == style:
                 chosen[name] = style
         return with_(chosen).styles
 
@@ -290,6 +292,21 @@ class _Search:
             out += self._with_recompute(replace(plan, pp=pp, dp=dp, microbatches=m,
                                                 schedule=schedule, fsdp=plan.fsdp and dp > 1))
         return out
+
+
+#: styles whose times differ by less than this share are ties, decided by memory
+TIE = 1e-3
+
+
+def _fastest_then_smallest(costs: dict[Any, tuple[float, float]]) -> Any:
+    """Of the keys within :data:`TIE` of the fastest ``(time, peak)``, the one with the
+    least memory. Why: after column-parallel q/k/v an unsharded ``wo`` (or ``w2``)
+    sums its partial output with the same all_reduce a row-parallel one does, so the
+    two tie on time (to rounding), and the unsharded weight only costs memory; the
+    first minimum left ``wo`` and ``w2`` unsharded in the Llama plans."""
+    fastest = min(c[0] for c in costs.values())
+    near = [k for k, c in costs.items() if c[0] <= fastest * (1 + TIE)]
+    return min(near, key=lambda k: (costs[k][1], costs[k][0]))
 
 
 def _groups(model: _Model) -> tuple[list[str], list[tuple[str, str]]]:
