@@ -7,7 +7,8 @@ the measured one, and how long planning takes at 1,000+ devices.
   ``--world`` Gloo ranks: data parallel, FSDP, Megatron tensor parallel (with FSDP, with
   loss parallel), recompute, a bad column-column pairing, an idle ``tp`` axis, and
   pipelines; each predicted on the simulated mesh with the calibrated profile and
-  measured (the slowest rank, median of ``--repeat`` steps after 2 warm-ups).
+  measured (the slowest rank, median of ``--repeat`` rounds after 2 warm-ups; each
+  round steps every plan once, so the machine's other load falls on all of them).
   Reported: each error, how many are within 20%, the rank correlation (Spearman), and
   ``auto_plan``'s pick against the measured fastest.
 - ``scale`` (fresh processes, wall time and peak RSS): the Llama-3-8B-sized config on
@@ -60,11 +61,15 @@ def _config(quick: bool) -> Any:
 
 
 def _measure_all(args: dict[str, Any]) -> list[float]:
-    """On every rank: each plan's step time (the slowest rank's, median)."""
+    """On every rank: each plan's step time (the slowest rank's), the median over
+    ``repeat`` rounds, each round stepping every plan once in turn: load from other jobs
+    on the machine then falls on every plan alike, not on whichever ran during it."""
+    import statistics
+
     import torch
+    import torch.distributed as dist
 
     from shardwise.planning import Transformer
-    from shardwise.planning.calibration import slowest
     from shardwise.planning.search import inputs, train_step
     from shardwise.planning.transformer import loss_fn
 
@@ -72,7 +77,7 @@ def _measure_all(args: dict[str, Any]) -> list[float]:
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, config.vocab, (batch, config.seq + 1), generator=g)
     x, y = ids[:, :-1].contiguous(), ids[:, 1:].contiguous()
-    out = []
+    steps = []
     for plan in args["plans"]:
         torch.manual_seed(0)
         target = plan.apply(Transformer(config), loss_fn=loss_fn)
@@ -84,8 +89,17 @@ def _measure_all(args: dict[str, Any]) -> list[float]:
         def step(target: Any = target, opt: Any = opt, meshes: Any = meshes) -> None:
             train_step(target, opt, inputs(meshes[0], x), inputs(meshes[1], y))
         step()
-        out.append(slowest(step, repeat))
-    return out
+        step()
+        steps.append(step)
+    times = torch.zeros(repeat, len(steps), dtype=torch.float64)
+    for r in range(repeat):
+        for i, step in enumerate(steps):
+            dist.barrier()
+            t0 = time.perf_counter()
+            step()
+            times[r, i] = time.perf_counter() - t0
+    dist.all_reduce(times, op=dist.ReduceOp.MAX)
+    return [float(statistics.median(times[:, i].tolist())) for i in range(len(steps))]
 
 
 def _spearman(a: list[float], b: list[float]) -> float:

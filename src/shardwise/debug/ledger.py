@@ -186,7 +186,8 @@ class _Frame:
 
 
 OpSink = Callable[[Context, list[Any], bool], None]
-"""Called with a context, the op records of a frame or node, and whether in backward."""
+"""Called with a context, the op records of a frame or node, and whether in backward
+(every forward frame on shardwise Tensors, with ops or none, and every other with ops)."""
 
 
 class Ledger:
@@ -361,7 +362,8 @@ class Ledger:
         for rec in frame.new:
             if not rec.exact and rec.charge is None:
                 rec.charge = ctx.charge_of(rec)
-        if frame.ops and self.op_sink is not None:
+        if self.op_sink is not None and (frame.ops or ctx.mesh is not None):
+            # a call on shardwise Tensors is sunk without ops too (a view): its frame costs
             self.op_sink(ctx, frame.ops, False)
         if ctx.mesh is not None:
             self._mesh(ctx.mesh)

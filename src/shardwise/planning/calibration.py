@@ -146,8 +146,63 @@ def _compute(repeat: int) -> dict[str, float]:
     world = torch.distributed.get_world_size()
     mesh = DeviceMesh.cpu(world, "dp")
     x = tensor(torch.ones(world, 4), sharding=PlacementMapping(mesh, (Sharded(0),)))
-    op = max(0.0, slowest(lambda: x + x, repeat, 100) - kernel)
-    return {"flops": flops, "bandwidth": bandwidth, "kernel": kernel, "op": op}
+    add = max(0.0, slowest(lambda: x + x, repeat, 100) - kernel)
+    return {"flops": flops, "bandwidth": bandwidth, "kernel": kernel,
+            "op": max(add, _op_overhead(repeat))}
+
+
+def _op_overhead(repeat: int) -> float:
+    """A shardwise op's own seconds, its backward's included, in a decoder's training
+    step (views, linears, norms, attention; a width-8 model, so nearly all of it is
+    overhead): forward and backward on Tensors less plain torch's on one device's rows,
+    per torch call on Tensors in the forward (the estimate's frames). The weights are
+    frozen, so no gradient is reduced (no collective is timed). Why not ``x + x``'s:
+    one cached elementwise op measured 8 us a call where the decoder's calls cost about
+    20x that (4 ranks sharing 2 cores)."""
+    import torch
+    import torch.nn as nn
+    from torch.utils._pytree import tree_flatten
+
+    from shardwise.api.creation import tensor
+    from shardwise.planning.plans import ParallelPlan
+    from shardwise.planning.transformer import ModelConfig, Transformer
+    from shardwise.sharding.mappings import PlacementMapping
+    from shardwise.sharding.placements import Sharded
+    from shardwise.tensors.tensor import Tensor
+
+    class Calls(torch.overrides.TorchFunctionMode):
+        """Counts the torch calls on shardwise Tensors (the estimate's frames)."""
+
+        n = 0
+
+        def __torch_function__(self, func: Any, types: Any, args: Any = (),
+                               kwargs: Any = None) -> Any:
+            if any(isinstance(a, Tensor) for a in tree_flatten((args, kwargs or {}))[0]):
+                self.n += 1
+            return func(*args, **(kwargs or {}))
+
+    world = torch.distributed.get_world_size()
+    config = ModelConfig.gpt(vocab=16, seq=8, dim=8, heads=2, layers=2)
+    plan = ParallelPlan(dp=world)
+
+    def body(model: nn.Module) -> nn.Module:
+        model.requires_grad_(False)
+        return nn.Sequential(*model.layers, model.norm, model.head)
+
+    torch.manual_seed(0)
+    ref = body(Transformer(config))
+    torch.manual_seed(0)
+    model = body(plan.apply(Transformer(config)))
+    h = torch.ones((world, config.seq, config.dim))
+    x = tensor(h, sharding=PlacementMapping(plan.mesh(), (Sharded(0),))).requires_grad_()
+    g = tensor(torch.ones(world, config.seq, config.vocab),
+               sharding=PlacementMapping(plan.mesh(), (Sharded(0),)))
+    h1, g1 = h[:1].clone().requires_grad_(), torch.ones(1, config.seq, config.vocab)
+    with Calls() as calls:
+        model(x)
+    spent = (slowest(lambda: model(x).backward(g), repeat, 5)
+             - slowest(lambda: ref(h1).backward(g1), repeat, 5))
+    return max(0.0, spent / max(calls.n, 1))
 
 
 def _links(repeat: int) -> dict[str, list[float]]:

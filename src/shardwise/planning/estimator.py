@@ -161,7 +161,7 @@ class _Recorder:
 
     def __call__(self, ctx: Context, ops: list[Any], backward: bool) -> None:
         stage, phase, w = self.stage_of(ctx.mesh), self.phase(backward), ctx.work
-        if not backward:
+        if not backward and ctx.mesh is not None:  # a shardwise op's own cost (views too)
             self.ops.append(OpRecord(stage, phase, 0.0, 0.0, "", True))
         for flops, nbytes, dtype in ops:
             self.ops.append(OpRecord(stage, phase, flops * w, nbytes * w, dtype))

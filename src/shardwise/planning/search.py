@@ -14,7 +14,8 @@ Invariants:
   extrapolated to its depth (a step's collectives, bytes and memory grow by a block's
   per block); the ``refine`` best are then estimated at full depth, which decides.
 - Recompute is tried only for a configuration that does not fit without it (it saves
-  memory and costs time). Pipelines are tried for the best two pp=1 configurations.
+  memory and costs time). Pipelines are tried for the best two pp=1 configurations,
+  each with about ``pp`` and ``2 pp`` microbatches.
 - Nothing fits: a ``ShardingError`` names the smallest plan's memory per device, what
   dominates it, and the budget.
 """
@@ -288,9 +289,13 @@ class _Search:
             if dp < 1 or self.batch % dp:
                 continue
             local = self.batch // dp
-            m = max((k for k in divisors(local) if k <= 2 * pp), default=1)
-            out += self._with_recompute(replace(plan, pp=pp, dp=dp, microbatches=m,
-                                                schedule=schedule, fsdp=plan.fsdp and dp > 1))
+            # the bubble shrinks with more microbatches, the per-microbatch costs (each
+            # stage's ops, its sends) grow with them: both ends are tried
+            ms = {max((k for k in divisors(local) if k <= n), default=1) for n in (pp, 2 * pp)}
+            for m in sorted(ms):
+                out += self._with_recompute(replace(
+                    plan, pp=pp, dp=dp, microbatches=m, schedule=schedule,
+                    fsdp=plan.fsdp and dp > 1))
         return out
 
 

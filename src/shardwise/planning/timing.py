@@ -11,7 +11,8 @@ Invariants:
   Collectives over the data axes may hide behind compute (``Profile.overlap``: the
   share of the compute time they can hide behind); the others are exposed.
 - With pipeline stages, each stage's forward and backward per microbatch are the
-  simulator's costs; the bubble is the step's time beyond the busiest stage's work.
+  simulator's costs (plus, where sends do not overlap compute, the hop its send holds
+  the rank for); the bubble is the step's time beyond the busiest stage's work.
 - Pure arithmetic on records: a new profile re-times an estimate without re-running it.
 """
 
@@ -150,6 +151,12 @@ def time_step(ops: Sequence[OpRecord], comms: Sequence[CommRecord], profile: Pro
     fwd = [work(r, ("forward",)) / m / share[r] for r in rank_of]
     bwd = [work(r, ("backward",)) / m / share[r] for r in rank_of]
     p2p = profile.inter.seconds("permute", 2, pipeline.p2p_bytes)
+    # a send that does not overlap (Gloo's blocks) holds its rank for the hop: each F
+    # but the last stage's sends an activation, each B but the first stage's a gradient
+    held = (1.0 - profile.overlap) * p2p
+    last = len(rank_of) - 1
+    fwd = [f + (held if s < last else 0.0) for s, f in enumerate(fwd)]
+    bwd = [b + (held if s > 0 else 0.0) for s, b in enumerate(bwd)]
     sim = simulate(pipeline.table, forward=fwd, backward=bwd, p2p=p2p)
     tail = max(work(s, ("optimizer",)) + data_exposed(s) for s in stages)
     step = sim.step_time + tail
