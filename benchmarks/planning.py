@@ -1,7 +1,9 @@
 """Plan before you buy (issue 36): ``shardwise.estimate``'s predicted step time against
 the measured one, and how long planning takes at 1,000+ devices.
 
-- ``calibrate``: ``shardwise.calibrate(world)`` on Gloo processes (the profile below).
+- ``calibrate``: ``shardwise.calibrate``'s measurements on the Gloo processes, one
+  round before each round of steps (the profile of their medians), so the profile and
+  the steps are measured under the same load from other jobs.
 - ``plans``: a small GPT (examples/gpt.py's architecture and sizes class: the planner's
   decoder, whose embedding is one child so that pipelines can cut it) under 13 plans on
   ``--world`` Gloo ranks: data parallel, FSDP, Megatron tensor parallel (with FSDP, with
@@ -60,16 +62,18 @@ def _config(quick: bool) -> Any:
     return ModelConfig.gpt(vocab=512, seq=128, dim=256, heads=8, layers=4)
 
 
-def _measure_all(args: dict[str, Any]) -> list[float]:
+def _measure_all(args: dict[str, Any]) -> dict[str, Any]:
     """On every rank: each plan's step time (the slowest rank's), the median over
-    ``repeat`` rounds, each round stepping every plan once in turn: load from other jobs
-    on the machine then falls on every plan alike, not on whichever ran during it."""
+    ``repeat`` rounds, each round stepping every plan once in turn (with ``calibrate``,
+    after one round of ``calibrate``'s measurements): load from other jobs on the
+    machine then falls on every plan, and on the profile, alike."""
     import statistics
 
     import torch
     import torch.distributed as dist
 
     from shardwise.planning import Transformer
+    from shardwise.planning.calibration import measurements
     from shardwise.planning.search import inputs, train_step
     from shardwise.planning.transformer import loss_fn
 
@@ -92,14 +96,18 @@ def _measure_all(args: dict[str, Any]) -> list[float]:
         step()
         steps.append(step)
     times = torch.zeros(repeat, len(steps), dtype=torch.float64)
+    rounds = []
     for r in range(repeat):
+        if args["calibrate"]:  # calibrate's figures under the same load as the steps
+            rounds.append(measurements(1))
         for i, step in enumerate(steps):
             dist.barrier()
             t0 = time.perf_counter()
             step()
             times[r, i] = time.perf_counter() - t0
     dist.all_reduce(times, op=dist.ReduceOp.MAX)
-    return [float(statistics.median(times[:, i].tolist())) for i in range(len(steps))]
+    return {"times": [float(statistics.median(times[:, i].tolist()))
+                      for i in range(len(steps))], "rounds": rounds}
 
 
 def _spearman(a: list[float], b: list[float]) -> float:
@@ -118,33 +126,40 @@ def _spearman(a: list[float], b: list[float]) -> float:
 def compare(world: int = 4, repeat: int = 5, quick: bool = False,
             log: Any = None) -> dict[str, Any]:
     """Calibrate, predict and measure every plan, and ``auto_plan``'s pick."""
-    from shardwise.planning import auto_plan, calibrate
-    from shardwise.planning.calibration import spawn
+    from shardwise.planning import auto_plan
+    from shardwise.planning.calibration import profile_of, spawn
     from shardwise.planning.search import _Model, evaluate
 
     say = log or (lambda msg: None)
     config, batch = _config(quick), 16
-    say(f"calibrate on {world} Gloo ranks ...")
-    t0 = time.perf_counter()
-    profile = calibrate(world, repeat=3 if quick else 5)
-    calibrate_s = time.perf_counter() - t0
     plans = _plans()
+    say(f"measure {len(plans)} plans on {world} Gloo ranks, calibrating between rounds ...")
+    t0 = time.perf_counter()
+    got = spawn(_measure_all, {"config": config, "batch": batch, "repeat": repeat,
+                               "plans": plans, "calibrate": True}, world, limit_s=1800)
+    measure_s = time.perf_counter() - t0
+    measured = got["times"]
+    profile = profile_of(got["rounds"], world)
     model = _Model(config, None)
     say(f"predict {len(plans)} plans (simulated mesh, fake tensors) ...")
     predicted = [evaluate(model, p, batch, profile).time_s for p in plans]
     say("auto_plan with the calibrated profile ...")
     choice = auto_plan(config, devices=world, batch=batch, profile=profile,
                        memory_budget=profile.memory, refine=3)
-    extra = [choice.plan] if choice.plan not in plans else []
-    say(f"measure {len(plans) + len(extra)} plans on {world} Gloo ranks ...")
-    measured = spawn(_measure_all, {"config": config, "batch": batch, "repeat": repeat,
-                                    "plans": plans + extra}, world, limit_s=1800)
+    fastest = min(measured)
+    if choice.plan in plans:
+        pick_measured = measured[plans.index(choice.plan)]
+    else:  # measured beside the fastest, interleaved: their ratio, at the first's load
+        best = plans[measured.index(fastest)]
+        say(f"measure auto_plan's pick {choice.plan} beside {best} ...")
+        two = spawn(_measure_all, {"config": config, "batch": batch, "repeat": repeat,
+                                   "plans": [choice.plan, best], "calibrate": False},
+                    world, limit_s=1800)["times"]
+        pick_measured = fastest * two[0] / two[1]
     rows = []
     for p, pred, meas in zip(plans, predicted, measured):
         rows.append({"plan": str(p), "predicted_ms": pred * 1e3, "measured_ms": meas * 1e3,
                      "error": pred / meas - 1})
-    pick_measured = measured[len(plans)] if extra else measured[plans.index(choice.plan)]
-    fastest = min(measured)
     return {
         "model": {"config": str(config), "batch": batch, "world": world},
         "profile": {"flops_float32": profile.flops["float32"],
@@ -154,7 +169,7 @@ def compare(world: int = 4, repeat: int = 5, quick: bool = False,
                     "links": {f"{n}x stride {s}": {"alpha_us": lk.alpha * 1e6,
                                                    "beta_ns_per_byte": lk.beta * 1e9}
                               for (n, s), lk in sorted(profile.groups.items())},
-                    "calibrate_s": calibrate_s},
+                    "measure_s": measure_s},
         "plans": rows,
         "within_20": sum(abs(r["error"]) <= 0.2 for r in rows),
         "spearman": _spearman([r["predicted_ms"] for r in rows],

@@ -182,6 +182,36 @@ def test_microbatches_of_a_batch_split_over_dp_stay_split() -> None:
     pm.assert_close(out, ref_model(x).detach(), "pp x dp output")
 
 
+def test_a_step_without_outputs_keeps_none_and_gathers_nothing() -> None:
+    """``return_outputs=False`` (torch's option): the same losses and gradients, None
+    back, and no microbatch output kept or concatenated (a batch split over dp would
+    be gathered to be concatenated: CommCounter sees only the batch's split)."""
+    from shardwise.debug import CommCounter
+
+    mesh = DeviceMesh.cpu((2, 2), ("pp", "dp"))
+    x, t = torch.randn(8, WIDTH), torch.randn(8, WIDTH)
+    on_dp = [Sharded(0)]
+
+    def whole(v: Any) -> torch.Tensor:
+        return v.to_torch() if isinstance(v, sw.Tensor) else v
+    runs = []
+    for keep in (True, False):
+        torch.manual_seed(0)
+        pipe = pipeline(mlp(2), mesh, split_points=["2"])
+        xs = sw.tensor(x, sharding=PlacementMapping(pipe.stages[0].mesh, on_dp))
+        ts = sw.tensor(t, sharding=PlacementMapping(pipe.stages[-1].mesh, on_dp))
+        losses: list[Any] = []
+        with CommCounter() as cc:
+            out = Schedule1F1B(pipe, n_microbatches=2, loss_fn=F.mse_loss).step(
+                xs, target=ts, losses=losses, return_outputs=keep)
+        grads = [whole(p.grad) for p in pipe.parameters()]
+        runs.append((out, [float(whole(v)) for v in losses], grads, cc.counts))
+    (kept, l1, g1, c1), (none, l2, g2, c2) = runs
+    assert kept is not None and none is None and l1 == l2
+    assert all(torch.equal(a, b) for a, b in zip(g1, g2, strict=True))
+    assert c1["all_gather"] > c2["all_gather"] == 2  # the inputs' and targets' split
+
+
 def test_grads_accumulate_over_steps() -> None:
     """Seeded with 1/m: a second step adds to .grad, never rescales the first."""
     ref = mlp(2)

@@ -56,3 +56,15 @@ def test_planning_bench_rows_report_the_targets() -> None:
                    ("planning_scale", "8b RSS"): True, ("planning_scale", "70b"): None}
     text = table(res)
     assert "within 20%: 10 of 10; Spearman 1.00" in text and "scale 70b: over 900 s" in text
+
+
+def test_llama_styles_pair_megatron_where_the_times_tie() -> None:
+    """After column-parallel q/k/v an unsharded ``wo`` costs the same all_reduce a
+    row-parallel one does: the tie goes to the smaller memory, Megatron's pairing (the
+    first minimum left ``wo`` and ``w2`` unsharded)."""
+    llama = ModelConfig.llama3_8b(seq=2048).with_(layers=1)   # fake: sizes cost nothing
+    choice = auto_plan(llama, devices=8, batch=8, profile="h100", max_pp=1, refine=1)
+    tp = next(c for c in choice.candidates if c.plan.tp > 1)
+    styles = dict(tp.plan.styles)
+    assert styles["layers.*.attn.wo"] == styles["layers.*.mlp.w2"] == "rowwise"
+    assert styles["layers.*.attn.wq"] == styles["layers.*.mlp.w1"] == "colwise"

@@ -118,3 +118,30 @@ def lambda_peek(x: Any) -> float:
 
 peek = lambda_peek
 lambda_peek.__name__ = "peek"
+
+
+def test_a_pipeline_over_dp_moves_only_the_batch_and_holds_its_rows() -> None:
+    """auto_plan's step of pp x dp (``return_outputs=False``): the only forward
+    collective over dp is the split of the inputs and targets (no logits gathered
+    for a returned output), and a device holds no more at dp 4 than at dp 2 with twice
+    the batch (each rank's rows, not the whole microbatch)."""
+    from shardwise.planning import ModelConfig, ParallelPlan, Transformer
+    from shardwise.planning.search import inputs
+    from shardwise.planning.search import train_step as plan_step
+    from shardwise.planning.transformer import loss_fn
+
+    cfg = ModelConfig.gpt(vocab=64, seq=16, dim=32, heads=4, layers=2)
+    peaks = []
+    for dp in (2, 4):
+        plan, batch = ParallelPlan(pp=2, dp=dp, microbatches=2), 2 * dp
+        sched = plan.apply(Transformer(cfg), loss_fn=loss_fn)
+        opt = torch.optim.AdamW(list(sched.pipe.parameters()))
+        ids = [DistributedTensorType(torch.int64, (batch, cfg.seq), st.mesh,
+                                     inputs(st.mesh, torch.zeros(1, 1)).placements)
+               for st in (sched.pipe.stages[0], sched.pipe.stages[-1])]
+        est = estimate(plan_step, sched, opt, *ids, mesh=plan.mesh())
+        row = est.comm["dp", "forward", "all_gather"]
+        block = batch // dp * cfg.seq * 8
+        assert (row.n, row.nbytes) == (2, 2 * block * (dp - 1))
+        peaks.append(est.memory.activations)
+    assert peaks[1] <= peaks[0]

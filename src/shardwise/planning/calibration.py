@@ -31,7 +31,7 @@ import numpy as np
 from shardwise.planning.profiles import Link, Profile
 from shardwise.sharding.errors import ShardingError
 
-__all__ = ["calibrate", "spawn"]
+__all__ = ["calibrate", "measurements", "profile_of", "spawn"]
 
 
 def _port() -> int:
@@ -245,8 +245,49 @@ def _links(repeat: int) -> dict[str, list[float]]:
 
 
 def _measure(args: dict[str, Any]) -> dict[str, Any]:
-    repeat = args["repeat"]
+    return measurements(args["repeat"])
+
+
+def measurements(repeat: int = 1) -> dict[str, Any]:
+    """One round of what :func:`calibrate` measures, called on every rank of a Gloo
+    world at once (the same on every rank: each time is the slowest rank's). Rounds
+    taken between other work (a benchmark's steps) share its load; :func:`profile_of`
+    makes the profile of their medians.
+
+    >>> rounds = [measurements() for _ in range(3)]     # doctest: +SKIP
+    >>> profile_of(rounds, devices=4).op_overhead > 0   # doctest: +SKIP
+    True
+    """
     return {"compute": _compute(repeat), "links": _links(repeat)}
+
+
+def profile_of(rounds: list[dict[str, Any]], devices: int) -> Profile:
+    """The calibrated :class:`Profile` of :func:`measurements` rounds on ``devices``
+    ranks: each figure's median over the rounds, and the links fitted to the medians.
+
+    >>> one = {"compute": {"flops": 1e11, "bandwidth": 1e10, "kernel": 2e-6,
+    ...                    "op": 1e-4}, "links": {"2,1": [1, 0, 1e-3, 1, 1e6, 2e-3]}}
+    >>> p = profile_of([one, one], devices=2)
+    >>> p.groups[(2, 1)], p.op_overhead
+    (Link(alpha=0.001, beta=1e-09), 0.0001)
+    """
+    if not rounds:
+        raise ShardingError("profile_of needs at least one round of measurements. Got "
+                            "none; pass [measurements(), ...].")
+    c = {k: statistics.median(r["compute"][k] for r in rounds) for k in rounds[0]["compute"]}
+    groups: dict[tuple[int, int], Link] = {}
+    for key, first in rounds[0]["links"].items():
+        points = list(first)
+        for i in range(2, len(points), 3):  # [hops, bytes, seconds] per point
+            points[i] = statistics.median(r["links"][key][i] for r in rounds)
+        size, stride = (int(v) for v in key.split(","))
+        groups[(size, stride)] = fit(points)
+    slow = max(groups.values(), key=lambda lk: lk.beta)
+    return Profile(
+        "calibrated", {"float32": c["flops"], "bfloat16": c["flops"] / 4},
+        memory_bandwidth=c["bandwidth"], memory=_memory() // devices,
+        intra=slow, inter=slow, devices_per_node=devices, op_overhead=c["op"],
+        kernel_overhead=c["kernel"], overlap=0.0, groups=groups, host_bound=True)
 
 
 def fit(points: list[float]) -> Link:
@@ -289,18 +330,7 @@ def calibrate(devices: int = 4, *, repeat: int = 5, limit_s: float = 600.0) -> P
     if devices < 2:
         raise ShardingError(f"calibrate needs at least 2 devices to measure links. Got "
                             f"devices={devices}.")
-    got = spawn(_measure, {"repeat": repeat}, devices, limit_s)
-    c = got["compute"]
-    groups: dict[tuple[int, int], Link] = {}
-    for key, points in got["links"].items():
-        size, stride = (int(v) for v in key.split(","))
-        groups[(size, stride)] = fit(points)
-    slow = max(groups.values(), key=lambda lk: lk.beta)
-    return Profile(
-        "calibrated", {"float32": c["flops"], "bfloat16": c["flops"] / 4},
-        memory_bandwidth=c["bandwidth"], memory=_memory() // devices,
-        intra=slow, inter=slow, devices_per_node=devices, op_overhead=c["op"],
-        kernel_overhead=c["kernel"], overlap=0.0, groups=groups, host_bound=True)
+    return profile_of([spawn(_measure, {"repeat": repeat}, devices, limit_s)], devices)
 
 
 def _memory() -> int:
