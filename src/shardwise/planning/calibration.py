@@ -287,7 +287,15 @@ def profile_of(rounds: list[dict[str, Any]], devices: int) -> Profile:
         "calibrated", {"float32": c["flops"], "bfloat16": c["flops"] / 4},
         memory_bandwidth=c["bandwidth"], memory=_memory() // devices,
         intra=slow, inter=slow, devices_per_node=devices, op_overhead=c["op"],
-        kernel_overhead=c["kernel"], overlap=0.0, groups=groups, host_bound=True)
+        kernel_overhead=c["kernel"], overlap=0.0, groups=groups, host_bound=True,
+        cores=_cores())
+
+
+def _cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
 
 
 def fit(points: list[float]) -> Link:

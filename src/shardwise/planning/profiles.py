@@ -7,6 +7,9 @@ Invariants:
   (``calibrate``: keyed by group size and stride of a mesh axis). On an accelerator a
   kernel's launch overlaps the previous kernel (an op costs the larger of the two);
   on a ``host_bound`` machine (the CPU, which both launches and computes) they add.
+- ``cores``: where the ``devices_per_node`` processes share fewer cores (calibrated on
+  4 Gloo ranks of a 2-core machine), the rates are those measured with every process
+  busy; a process runs faster while others idle (a pipeline's bubble). 0: no sharing.
 - A mesh axis is within a node when the devices it spans (its size times the product
   of the sizes of the axes after it, row-major) fit in one node; else it crosses nodes.
 - Presets carry published figures (cited beside them), not measurements.
@@ -72,6 +75,7 @@ class Profile:
     overlap: float = 0.0
     groups: dict[tuple[int, int], Link] = field(default_factory=dict)
     host_bound: bool = False
+    cores: int = 0
 
     def flop_rate(self, dtype: Any) -> float:
         """FLOP/s for matmuls in ``dtype`` (a torch dtype or its name)."""
