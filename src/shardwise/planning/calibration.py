@@ -185,14 +185,16 @@ def _op_overhead(repeat: int) -> float:
     config = ModelConfig.gpt(vocab=16, seq=8, dim=8, heads=2, layers=2)
     plan = ParallelPlan(dp=world)
 
-    def body(model: nn.Module) -> nn.Module:
+    def body(model: Transformer) -> nn.Module:
         model.requires_grad_(False)
         return nn.Sequential(*model.layers, model.norm, model.head)
 
     torch.manual_seed(0)
     ref = body(Transformer(config))
     torch.manual_seed(0)
-    model = body(plan.apply(Transformer(config)))
+    planned = Transformer(config)
+    plan.apply(planned)
+    model = body(planned)
     h = torch.ones((world, config.seq, config.dim))
     x = tensor(h, sharding=PlacementMapping(plan.mesh(), (Sharded(0),))).requires_grad_()
     g = tensor(torch.ones(world, config.seq, config.vocab),

@@ -23,6 +23,7 @@ from __future__ import annotations
 from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from itertools import pairwise
 from typing import Any
 
 from shardwise.planning.profiles import Profile
@@ -179,7 +180,7 @@ def _shared(sim: Any, ranks: int, profile: Profile) -> float:
     marks = sorted({0.0, float(sim.step_time), *(t for s in spans for t in (s.start, s.end))})
     per = procs / max(ranks, 1)
     total = 0.0
-    for a, b in zip(marks, marks[1:]):
+    for a, b in pairwise(marks):
         active = per * len({s.rank for s in spans if s.start <= a and s.end >= b})
         total += (b - a) * (max(cores, active) / procs if active else 1.0)
     return total
