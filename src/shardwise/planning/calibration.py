@@ -148,7 +148,27 @@ def _compute(repeat: int) -> dict[str, float]:
     x = tensor(torch.ones(world, 4), sharding=PlacementMapping(mesh, (Sharded(0),)))
     add = max(0.0, slowest(lambda: x + x, repeat, 100) - kernel)
     return {"flops": flops, "bandwidth": bandwidth, "kernel": kernel,
-            "op": max(add, _op_overhead(repeat))}
+            "op": max(add, _op_overhead(repeat)), **_kinds(repeat)}
+
+
+def _kinds(repeat: int) -> dict[str, float]:
+    """The rates of the op kinds the matmul rate and the bandwidth misprice on a CPU
+    (``estimator.op_record``'s kinds): causal attention forward + backward, in the
+    estimate's flops (4 + 10 per b*h*s*s*d, halved for causal), and a transcendental
+    elementwise op (gelu), in elements. Why: a GPT step's flash attention measured 3.6x
+    below the matmul rate and gelu 3x above its bytes' time."""
+    import torch
+    import torch.nn.functional as F
+
+    b, h, t, d = 4, 8, 128, 32
+    q, k, v = (torch.randn(b, h, t, d, requires_grad=True) for _ in range(3))
+
+    def attention() -> None:
+        F.scaled_dot_product_attention(q, k, v, is_causal=True).sum().backward()
+    attn = 14 * b * h * t * t * d * 0.5 / slowest(attention, repeat, 5)
+    x = torch.randn(1 << 19)
+    gelu = x.numel() / slowest(lambda: F.gelu(x), repeat, 20)
+    return {"attention": attn, "transcendental": gelu}
 
 
 def _op_overhead(repeat: int) -> float:
@@ -285,8 +305,10 @@ def profile_of(rounds: list[dict[str, Any]], devices: int) -> Profile:
         size, stride = (int(v) for v in key.split(","))
         groups[(size, stride)] = fit(points)
     slow = max(groups.values(), key=lambda lk: lk.beta)
+    rates = {"float32": c["flops"], "bfloat16": c["flops"] / 4,
+             **{k: c[k] for k in ("attention", "transcendental") if k in c}}
     return Profile(
-        "calibrated", {"float32": c["flops"], "bfloat16": c["flops"] / 4},
+        "calibrated", rates,
         memory_bandwidth=c["bandwidth"], memory=_memory() // devices,
         intra=slow, inter=slow, devices_per_node=devices, op_overhead=c["op"],
         kernel_overhead=c["kernel"], overlap=0.0, groups=groups, host_bound=True,

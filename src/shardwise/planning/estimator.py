@@ -136,14 +136,28 @@ def _nbytes(values: Any) -> int:
     return total
 
 
-def op_record(func: Any, args: Any, kwargs: Any, out: Any) -> tuple[float, int, str] | None:
-    """(flops, bytes read and written, dtype) of one aten op on whole values; None for
-    views and ops that move nothing."""
+#: elementwise ops whose time is their transcendental math, not their bytes: priced as
+#: one "flop" per output element at the profile's ``"transcendental"`` rate
+TRANSCENDENTAL = frozenset({"gelu", "gelu_backward", "silu", "silu_backward"})
+
+
+def op_record(func: Any, args: Any, kwargs: Any, out: Any
+              ) -> tuple[float, int, str, str] | None:
+    """(flops, bytes read and written, dtype, kind) of one aten op on whole values; None
+    for views and ops that move nothing. ``kind`` names a rate of its own where the
+    profile has one (``"attention"``, ``"transcendental"``), else it is ``""``."""
     if getattr(func, "is_view", False) or func.namespace == "prim":
         return None
     first = next((a for a in args if isinstance(a, torch.Tensor)), None)
     dtype = str(first.dtype).removeprefix("torch.") if first is not None else "float32"
-    return _flops(func, args, kwargs, out), _nbytes((args, out)), dtype
+    name = str(getattr(func, "_overloadpacket", func)).rsplit(".", 1)[-1]
+    if name.startswith("_scaled_dot_product"):
+        return _flops(func, args, kwargs, out), _nbytes((args, out)), dtype, "attention"
+    if name in TRANSCENDENTAL:
+        n = sum(o.numel() for o in torch.utils._pytree.tree_flatten(out)[0]
+                if isinstance(o, torch.Tensor))
+        return float(n), _nbytes((args, out)), dtype, "transcendental"
+    return _flops(func, args, kwargs, out), _nbytes((args, out)), dtype, ""
 
 
 class _Recorder:
@@ -163,8 +177,8 @@ class _Recorder:
         stage, phase, w = self.stage_of(ctx.mesh), self.phase(backward), ctx.work
         if not backward and ctx.mesh is not None:  # a shardwise op's own cost (views too)
             self.ops.append(OpRecord(stage, phase, 0.0, 0.0, "", True))
-        for flops, nbytes, dtype in ops:
-            self.ops.append(OpRecord(stage, phase, flops * w, nbytes * w, dtype))
+        for flops, nbytes, dtype, kind in ops:
+            self.ops.append(OpRecord(stage, phase, flops * w, nbytes * w, dtype, kind=kind))
 
 
 # --- fake copies of the arguments -------------------------------------------------------

@@ -35,7 +35,8 @@ __all__ = ["CommRecord", "OpRecord", "Pipeline", "Timing", "time_step"]
 class OpRecord:
     """One op on the busiest device of a stage: flops and bytes it moves, in ``phase``
     (``"forward"``, ``"backward"``, ``"optimizer"``); ``frame``: a shardwise op's own
-    overhead, not a kernel."""
+    overhead, not a kernel; ``kind``: a rate of its own (``Profile.flops[kind]``, where
+    the profile has it: ``"attention"``, ``"transcendental"``), else the dtype's."""
 
     stage: int
     phase: str
@@ -43,6 +44,7 @@ class OpRecord:
     nbytes: float
     dtype: str
     frame: bool = False
+    kind: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -106,7 +108,10 @@ def op_seconds(op: OpRecord, profile: Profile) -> float:
     """
     if op.frame:
         return profile.op_overhead
-    work = max(op.flops / profile.flop_rate(op.dtype), op.nbytes / profile.memory_bandwidth)
+    rate = profile.flops.get(op.kind) if op.kind else None
+    if rate is None:
+        rate = profile.flop_rate(op.dtype)
+    work = max(op.flops / rate, op.nbytes / profile.memory_bandwidth)
     if profile.host_bound:
         return work + profile.kernel_overhead
     return max(work, profile.kernel_overhead)
