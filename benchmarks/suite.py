@@ -35,13 +35,14 @@ Sections (each documented in its module):
   parallelism at ep = 1, 2, 4 (simulated, and on 4 Gloo ranks unless ``--no-gloo``),
   dropless and with capacity, beside plain torch; all_to_all bytes beside the closed
   form (:mod:`benchmarks.moe`).
-- ``planning``: ``calibrate()`` on 4 Gloo ranks, then predicted against measured step
-  time for 13 plans of a small GPT and ``auto_plan``'s pick; the scale rows (a
+- ``planning``: 13 plans of a small GPT measured on 4 Gloo ranks in rounds, with
+  ``calibrate``'s measurements between them, then predicted against measured step
+  time and ``auto_plan``'s pick; the scale rows (a
   Llama-3-8B-sized config on 1,024 devices, 70B on 4,096, ``auto_plan`` for 8B) in
   fresh processes (:mod:`benchmarks.planning`; ``quick``: a smaller GPT, no scale rows).
 
-Presets: ``full`` (about 15 minutes on 2 cores, 5 of them the ``planning`` section's
-``auto_plan`` scale row) and ``quick`` (about 30 s; 4 MiB tensors, fewer repeats).
+Presets: ``full`` (about 15 minutes on 2 cores, 3 of them the ``planning`` section's
+scale rows) and ``quick`` (about 30 s; 4 MiB tensors, fewer repeats).
 Timings are medians of interleaved runs; on a shared machine compare the ratios
 within one run (the table header shows the load).
 """
