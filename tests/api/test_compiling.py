@@ -75,3 +75,51 @@ def test_dynamic_shapes_are_refused_naming_the_fix() -> None:
 def test_unknown_inner_compiler_is_named() -> None:
     with pytest.raises(ShardingError, match="'inductor', 'aot_eager'"):
         sw.compile_backend("tvm")
+
+
+def _breaking(x: sw.Tensor) -> sw.Tensor:
+    y = x.relu()
+    if y.sum().item() > 0:  # a data-dependent branch: Dynamo breaks the graph here
+        return y * 2
+    return y
+
+
+def test_graph_breaks_are_listed_and_strict_mode_raises_naming_them() -> None:
+    from shardwise.debug import GraphBreakCounter
+
+    x, _ = _operands()
+    rep = PlacementMapping(x.mesh, [Replicated()])
+    f = torch.compile(_breaking, backend=sw.compile_backend("aot_eager"), dynamic=False)
+    with GraphBreakCounter() as gb, torch.no_grad():
+        torch.testing.assert_close(f(x).to_torch(), _breaking(x).to_torch())
+    assert gb.total == 1 and "Tensor.item()" in next(iter(gb.counts)), gb
+    assert not gb.events[0].in_shardwise
+    torch._dynamo.reset()
+    with sw.strict(), torch.no_grad(), pytest.raises(
+            ShardingError, match=r"broke the graph on a shardwise Tensor .*Tensor\.item\(\)"):
+        f(x)
+
+    def placing(x: sw.Tensor) -> sw.Tensor:  # shardwise's placing functions run eagerly
+        return x + sw.tensor(torch.ones(4, 8), sharding=rep)
+
+    g = torch.compile(placing, backend=sw.compile_backend("aot_eager"), dynamic=False)
+    with sw.strict(), torch.no_grad(), pytest.raises(
+            ShardingError, match=r"in shardwise's code .*\(tensor\)"):
+        g(x)
+    with torch.no_grad():  # out of strict mode, the graph runs (uncompiled)
+        torch.testing.assert_close(g(x).to_torch(), placing(x).to_torch())
+
+    def placing_again(x: sw.Tensor) -> sw.Tensor:  # (a frame not compiled yet)
+        return x + sw.tensor(torch.ones(4, 8), sharding=rep)
+
+    with GraphBreakCounter() as gb, torch.no_grad():
+        torch.compile(placing_again, backend=sw.compile_backend("aot_eager"), dynamic=False)(x)
+    assert gb.counts["Attempted to call function marked as skipped (tensor)"] == 1, gb
+    assert all(e.in_shardwise for e in gb.events)
+
+    def plain(t: torch.Tensor) -> torch.Tensor:  # not shardwise's: neither listed nor raised
+        return t * 2 if t.sum().item() > 0 else t
+
+    with sw.strict(), GraphBreakCounter() as gb:
+        torch.compile(plain, backend="eager")(torch.ones(2))
+    assert gb.total == 0

@@ -17,6 +17,8 @@ Invariants:
 - The compiled graph runs no shardwise Python: relayouts are local ops and torch's
   functional collectives (process runtime), recorded once while tracing.
 - Gradients reach the leaves' buffers, where shardwise's eager autograd puts them.
+- Under ``shardwise.strict()`` a frame whose graph broke in a shardwise program compiles
+  to a function that raises the break (:mod:`shardwise.ops.graph_breaks`).
 """
 
 from __future__ import annotations
@@ -27,6 +29,8 @@ from typing import Any
 
 import torch
 
+from shardwise.ops import graph_breaks
+from shardwise.ops.fallbacks import is_strict
 from shardwise.sharding.errors import ShardingError
 from shardwise.tensors.tensor import Tensor
 
@@ -119,6 +123,15 @@ def compile_backend(inner: str | Callable[..., Any] = "inductor") -> Callable[..
         from torch._functorch.aot_autograd import aot_function
         from torch._functorch.partitioners import min_cut_rematerialization_partition
 
+        error = graph_breaks.strict_error()
+        if error is not None:  # strict mode: the frame broke; none of it runs
+
+            def refuse(*args: Any) -> Any:
+                if is_strict():
+                    raise error
+                return gm(*args)  # (strict mode ended: the graph runs, uncompiled)
+
+            return refuse
         _, in_specs = _take_apart(example_inputs)
         out_specs: list[tuple[bool, list[Spec]]] = []
 
