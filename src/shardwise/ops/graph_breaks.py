@@ -7,15 +7,18 @@ breaks of shardwise programs visible, as :mod:`shardwise.ops.fallbacks` does the
 gathered fallback.
 
 Invariants:
-- A break is shardwise's when its reason names a file of the shardwise package (a
-  call into shardwise code that Dynamo does not trace, ``tensors.tensor._skip_in_dynamo``)
-  or when the frame being compiled ran a torch function on a shardwise Tensor
-  (:data:`shardwise.tensors.compiled.ROUTED`): either way a graph of shardwise ops is split.
+- A break here is a graph break or a frame Dynamo gave up on (``unimplemented``: it
+  then runs eagerly whole, as silently). It is shardwise's when its reason names a
+  file of the shardwise package (a call into shardwise code that Dynamo does not
+  trace, ``tensors.compiled._skip_in_dynamo``) or when the frame being compiled ran a
+  torch function on a shardwise Tensor (:data:`shardwise.tensors.compiled.ROUTED`):
+  either way a graph of shardwise ops is split.
 - Each such break is seen once, when Dynamo finishes compiling the frame (its end
-  callback, :func:`_end`). ``torch._dynamo.reset()`` drops Dynamo's callbacks: they
-  come back when a compile first traces a shardwise Tensor (an op on it, or taking it
-  apart), and that compile is watched from there on: listeners (:func:`add_listener`,
+  callback, :func:`_end`): listeners (:func:`add_listener`,
   ``shardwise.debug.GraphBreakCounter``) get a :class:`GraphBreak`.
+  ``torch._dynamo.reset()`` drops Dynamo's callbacks: they come back when a compile
+  first traces a shardwise Tensor (an op on it, or taking it apart), and that compile
+  is watched from there on.
 - In strict mode (``shardwise.strict()``) a :class:`GraphBreakError` (a ShardingError)
   names the reason and the fix: raised by the frame's compiled graph before any of it
   runs (``shardwise.compile_backend`` asks :func:`strict_error`), else (torch's own
@@ -92,18 +95,23 @@ def _start(args: Any) -> None:
     # raise only here (an error in the end callback leaves Dynamo's count of pending
     # compiles behind)
     error, _PENDING[:] = _PENDING[:1], []
-    _BEFORE[0] = Counter(counters["graph_break"])
+    _BEFORE[0] = _counts()
     compiled.ROUTED[0] = False
     if error:
         raise error[0]
+
+
+def _counts() -> Counter[str]:
+    """Dynamo's counts of graph breaks and of frames it gave up on (``unimplemented``:
+    the frame runs eagerly, as after a break), by reason."""
+    return counters["graph_break"] + counters["unimplemented"]
 
 
 def _breaks(compile_id: str) -> list[GraphBreak]:
     """The breaks of a shardwise program since the compile of this frame began."""
     before = _BEFORE[0]
     routed = compiled.ROUTED[0]
-    return [GraphBreak(r, compile_id, _ROOT in r)
-            for r, n in counters["graph_break"].items()
+    return [GraphBreak(r, compile_id, _ROOT in r) for r, n in _counts().items()
             if n > before.get(r, 0) and (routed or _ROOT in r)]
 
 
@@ -119,7 +127,7 @@ def strict_error() -> GraphBreakError | None:
     breaks = _breaks(str(CompileContext.current_compile_id()))
     if not breaks:
         return None
-    _BEFORE[0] = Counter(counters["graph_break"])  # raised once, by the graph
+    _BEFORE[0] = _counts()  # raised once, by the graph
     compiled.ROUTED[0] = False
     return _error(breaks[0])
 
@@ -151,7 +159,7 @@ def _install() -> None:
     is then watched from that op on)."""
     handler = torch._dynamo.callback_handler
     if _start not in handler.start_callbacks:
-        _BEFORE[0] = Counter(counters["graph_break"])
+        _BEFORE[0] = _counts()
         handler.register_start_callback(_start)
         handler.register_end_callback(_end)
 
