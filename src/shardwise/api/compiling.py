@@ -39,7 +39,7 @@ __all__ = ["compile_backend"]
 #: the inner compilers :func:`compile_backend` takes
 INNER = ("inductor", "aot_eager")
 
-Spec = tuple[int, Any, tuple[int, ...]] | None  # buffers, flatten context, shape; None: plain
+Spec = tuple[int, Any, torch.Size] | None  # buffers, flatten context, size; None: plain
 
 
 def _take_apart(values: Sequence[Any]) -> tuple[list[Any], list[Spec]]:
@@ -50,7 +50,7 @@ def _take_apart(values: Sequence[Any]) -> tuple[list[Any], list[Spec]]:
         if isinstance(v, Tensor):
             names, context = v.__tensor_flatten__()
             flat.extend(getattr(v, n) for n in names)
-            specs.append((len(names), context, tuple(v.shape)))
+            specs.append((len(names), context, v.shape))
         else:
             flat.append(v)
             specs.append(None)
@@ -65,11 +65,23 @@ def _rebuild(flat: Sequence[Any], specs: Sequence[Spec]) -> list[Any]:
             out.append(flat[i])
             i += 1
             continue
-        n, context, shape = spec
-        inner = {f"_held{j}": flat[i + j] for j in range(n)}
-        out.append(Tensor.__tensor_unflatten__(inner, context, shape, None))
+        n, context, size = spec
+        out.append(Tensor.from_buffers(flat[i:i + n], context, size))
         i += n
     return out
+
+
+def _buffers_of(values: Sequence[Any]) -> list[Any]:
+    """The values with each Tensor replaced by its buffers (``__tensor_flatten__``'s,
+    in its order), read straight from what the Tensor holds: a compiled function's
+    inputs on every call, whose layouts Dynamo's guards have checked already."""
+    flat: list[Any] = []
+    for v in values:
+        if isinstance(v, Tensor):
+            flat.extend(v.held.buffers())
+        else:
+            flat.append(v)
+    return flat
 
 
 def _compilers(inner: str | Callable[..., Any]
@@ -148,7 +160,7 @@ def compile_backend(inner: str | Callable[..., Any] = "inductor") -> Callable[..
                                 decompositions=decompositions)
 
         def run(*args: Any) -> Any:
-            flat = _take_apart(args)[0]
+            flat = _buffers_of(args)
             if out_specs:
                 got = compiled(*flat)
             else:  # the first call traces: shardwise's code then issues graph collectives

@@ -23,7 +23,7 @@ import functools
 import importlib
 import os
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -144,7 +144,7 @@ class CompiledMixin(MetaMixin):
     @classmethod
     def __tensor_unflatten__(cls, inner: dict[str, torch.Tensor], context: tuple[Any, ...],
                              outer_size: Any, outer_stride: Any) -> Any:
-        layout, pattern, dtype, open_dims = context
+        layout = context[0]
         if (torch.is_grad_enabled() and any(t.requires_grad for t in inner.values())
                 and sys._getframe(1).f_globals.get("__name__") == _AOT_SUBCLASSES):
             raise ShardingError(
@@ -154,26 +154,42 @@ class CompiledMixin(MetaMixin):
                 "so backward would find nothing to differentiate. Compile with "
                 "backend=shardwise.compile_backend() (or compile_backend('aot_eager')), "
                 "or run the compiled function under torch.no_grad().")
+        return cls.from_buffers([inner[n] for n in _held_names(cls, len(inner))], context,
+                                torch.Size(outer_size))
+
+    @classmethod
+    def from_buffers(cls, buffers: Sequence[torch.Tensor], context: tuple[Any, ...],
+                     size: torch.Size) -> Any:
+        """The Tensor around ``buffers`` (in ``__tensor_flatten__``'s order) with the
+        flatten ``context``, of global ``size``: what ``__tensor_unflatten__`` builds,
+        for a caller that has the buffers in a list (``shardwise.compile_backend``)."""
+        layout, pattern, dtype, open_dims = context
         if pattern is None:
-            held: Local = Whole(inner["_held0"], layout)
-            first = inner["_held0"]
+            first = buffers[0]
+            held: Local = Whole(first, layout)
         else:
-            blocks = tuple(None if j is None else inner[f"_held{j}"] for j in pattern)
+            blocks = tuple(None if j is None else buffers[j] for j in pattern)
             held = Blocks(blocks)
             first = next(b for b in blocks if b is not None)
-        return cls.from_held(held, layout, torch.Size(outer_size), dtype, first.device,
-                             open_dims)
+        return cls.from_held(held, layout, size, dtype, first.device, open_dims)
+
+
+#: the names of the first n buffers, by n (each a property of the class)
+_NAMES: dict[int, list[str]] = {}
 
 
 def _held_names(cls: type, n: int) -> list[str]:
     """The attribute names of a Tensor's first ``n`` buffers (``_held0``...), each a
     property of the class added on first need: a ``__getattr__`` would slow every
     attribute read of every Tensor."""
-    names = [f"_held{j}" for j in range(n)]
-    for j, name in enumerate(names):
-        if name not in cls.__dict__:
-            setattr(cls, name, property(functools.partial(_buffer, j)))
-    return names
+    names = _NAMES.get(n)
+    if names is None:
+        names = [f"_held{j}" for j in range(n)]
+        for j, name in enumerate(names):
+            if name not in cls.__dict__:
+                setattr(cls, name, property(functools.partial(_buffer, j)))
+        _NAMES[n] = names
+    return list(names)  # (torch may keep and change the list it is given)
 
 
 def _buffer(j: int, t: Any) -> torch.Tensor:
