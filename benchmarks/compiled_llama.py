@@ -97,11 +97,9 @@ def _cases(model: Any, compiled: Any, ids: torch.Tensor, labels: torch.Tensor
 def _warm(cases: dict[str, Any]) -> dict[str, Any]:
     """First calls (the compiles), their seconds, Dynamo's counts, and the largest
     difference of a compiled result (logits, loss) from the eager one."""
-    import torch._dynamo
     from torch._dynamo.utils import counters
 
-    torch._dynamo.reset()
-    counters.clear()
+    counters.clear()  # (not torch._dynamo.reset(): another library's graphs stay)
     first, got = {}, {}
     for name, call in cases.items():
         t0 = time.perf_counter()
@@ -116,7 +114,8 @@ def _warm(cases: dict[str, Any]) -> dict[str, Any]:
 
 
 def rank_body(args: argparse.Namespace) -> dict[str, Any]:
-    """One Gloo rank: DTensor's and shardwise's cases, timed interleaved per library."""
+    """One Gloo rank: DTensor's and shardwise's cases, all timed interleaved (one call of
+    each per round), so that the shared machine's load hits both libraries alike."""
     import torch.distributed as dist
 
     import shardwise as sw
@@ -127,6 +126,7 @@ def rank_body(args: argparse.Namespace) -> dict[str, Any]:
     world = dist.get_world_size()
     ref, ids, labels = _reference()
     out: dict[str, Any] = {"world": world}
+    every: dict[str, Any] = {}
     for lib in args.libs.split(","):
         if lib == "dtensor":
             model = _dtensor(ref, world)
@@ -135,12 +135,12 @@ def rank_body(args: argparse.Namespace) -> dict[str, Any]:
             model = _shardwise(ref, DeviceMesh.cpu(world, "tp"))
             compiled = torch.compile(model, backend=sw.compile_backend(), dynamic=False)
         cases = _cases(model, compiled, ids, labels)
-        warm = _warm(cases)
-        times = dist_time(cases, args.repeat)
-        out[lib] = {**warm, "ms": {k: None if v is None else v["median"] * 1e3
-                                   for k, v in times.items()},
-                    "min_ms": {k: None if v is None else v["min"] * 1e3
-                               for k, v in times.items()}}
+        out[lib] = _warm(cases)
+        every.update({f"{lib}|{k}": v for k, v in cases.items()})
+    for key, t in dist_time(every, args.repeat).items():
+        lib, case = key.split("|")
+        out[lib].setdefault("ms", {})[case] = None if t is None else t["median"] * 1e3
+        out[lib].setdefault("min_ms", {})[case] = None if t is None else t["min"] * 1e3
     return out
 
 

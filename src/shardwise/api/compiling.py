@@ -2,7 +2,7 @@
 graph to one graph of local torch ops and functional collectives.
 
 Dynamo records each torch function on a shardwise Tensor as one node (the Tensor is a
-traceable wrapper subclass; :func:`shardwise.tensors.tensor.in_graph`). torch's own
+traceable wrapper subclass; :mod:`shardwise.tensors.compiled`). torch's own
 AOTAutograd would then differentiate the wrapper, but a shardwise Tensor keeps no
 autograd state of its own: autograd runs on the buffers it holds. So this backend
 desugars first: the graph becomes a function of the buffers (each Tensor input
