@@ -359,6 +359,8 @@ def permute(x: torch.Tensor | None, send_to: int | None, recv_from: int | None,
     ``g``: the group of every process taking part (each calls this, also one that
     keeps its own block, so that all agree first); ``tag`` must be the same on all
     of them (e.g. the whole permutation), the block shape may differ."""
+    if torch.compiler.is_compiling():
+        return traced_permute(x, send_to, recv_from, like, g)
     done = agree_permute(g, like, tag) if g is not None else None
     ops = []
     # Receivers are overwritten whole; only a device that receives nothing holds zeros.
@@ -375,6 +377,28 @@ def permute(x: torch.Tensor | None, send_to: int | None, recv_from: int | None,
         pair = g or Group(None, (), peers, 0, f"ranks {peers}")
         _call("ppermute", pair, lambda: agreement.wait_all(dist.batch_isend_irecv(ops)))
     return out
+
+
+def traced_permute(x: torch.Tensor | None, send_to: int | None, recv_from: int | None,
+                   like: torch.Tensor, g: Group | None) -> torch.Tensor:
+    """:func:`permute` for a graph being traced: one all_to_all over ``g`` that every
+    member calls (a member that keeps its block too: ``send_to`` and ``recv_from``
+    None), sending ``x`` whole to one rank and receiving ``like``'s size from one."""
+    import torch.distributed._functional_collectives as funcol
+
+    if g is None or g.pg is None:
+        raise ShardingError(
+            "torch.compile cannot trace a point-to-point exchange outside a process "
+            "group of the mesh. Run this part eagerly (torch.compiler.disable).")
+    order = sorted(g.ranks)  # torch's order of the members
+    sending = x is not None and send_to is not None
+    flat = x.contiguous().view(-1) if sending else like.new_empty(0)  # type: ignore[union-attr]
+    got = funcol.all_to_all_single(
+        flat, [like.numel() if r == recv_from else 0 for r in order],
+        [flat.numel() if r == send_to else 0 for r in order], g.pg)
+    if recv_from is None:  # (+ the empty result's sum: the graph keeps the exchange)
+        return torch.zeros_like(like, memory_format=torch.contiguous_format) + got.sum()
+    return got.view(like.shape)
 
 
 def agree_permute(g: Group, like: torch.Tensor, tag: str) -> Callable[[], None]:
