@@ -119,6 +119,11 @@ def test_graph_breaks_are_listed_and_strict_mode_raises_naming_them() -> None:
     assert gb.counts["Attempted to call function marked as skipped (tensor)"] == 1, gb
     assert all(e.in_shardwise for e in gb.events)
 
+    torch._dynamo.reset()  # torch's own backend: the next compile (the resumed frame) raises
+    h = torch.compile(_breaking, backend="eager", dynamic=False)
+    with sw.strict(), torch.no_grad(), pytest.raises(ShardingError, match=r"Tensor\.item\(\)"):
+        h(x)
+
     def plain(t: torch.Tensor) -> torch.Tensor:  # not shardwise's: neither listed nor raised
         return t * 2 if t.sum().item() > 0 else t
 
