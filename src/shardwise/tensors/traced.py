@@ -9,7 +9,7 @@ node's value, and AOTAutograd runs it again on the graph's tensors, recording th
 local ops and functional collectives it issues.
 
 Invariants:
-- Dynamo traces this module (``tensors.tensor.TRACED_MODULES``); eagerly a traced
+- Dynamo traces this module (``tensors.compiled.TRACED_MODULES``); eagerly a traced
   function costs one ``torch.compiler.is_compiling()`` call more than a direct call.
 - :func:`eager_only` hooks are skipped by compiled code: Dynamo folds the test, so
   neither the hook nor a break is in the graph.
