@@ -13,6 +13,10 @@
   first compiled call's seconds are reported (``compile_s``); ``frames_compiled`` counts
   the frames Dynamo compiled while warming up, ``recompiles`` those it compiled during
   the timed calls (0: no storm).
+- ``steps`` (:mod:`benchmarks.compiled_llama`): the issue-37 table, a tiny HF Llama
+  (hidden 64, batch 4 x 64, eager attention) forward and training step, eager and
+  compiled, DTensor beside shardwise on 2 Gloo ranks and shardwise on the simulated
+  mesh (``gloo=False``: the simulated rows only).
 Cases are interleaved (:mod:`benchmarks.timing`), one torch thread, process CPU time.
 """
 
@@ -62,8 +66,19 @@ def _forward(model: Any, ids: torch.Tensor) -> Any:
     return model(input_ids=ids, use_cache=False).logits
 
 
-def run(repeat: int = 15) -> dict[str, Any]:
-    """The Llama row (JSON-ready), or ``{"skipped": why}``."""
+def run(repeat: int = 15, gloo: bool = True) -> dict[str, Any]:
+    """The Llama forward row and the ``steps`` rows (JSON-ready), or ``{"skipped": why}``."""
+    res = _forward_row(repeat)
+    if "skipped" not in res:
+        from benchmarks import compiled_llama
+
+        res["steps"] = (compiled_llama.run(repeat=repeat) if gloo else
+                        {"case": "simulated only", "simulated": compiled_llama.simulated(repeat)})
+    return res
+
+
+def _forward_row(repeat: int) -> dict[str, Any]:
+    """The Llama forward row (JSON-ready), or ``{"skipped": why}``."""
     try:
         import transformers  # noqa: F401
     except ImportError:
@@ -122,6 +137,10 @@ def tables(res: dict[str, Any]) -> list[str]:
                  f"{res.get('frames_compiled', '?')} frames compiled, "
                  f"max |compiled - eager| {res['max_abs_diff']:.1e}, recompiles while timed: "
                  f"{res['recompiles']}")
+    if res.get("steps"):
+        from benchmarks.compiled_llama import tables as step_tables
+
+        lines += step_tables(res["steps"])
     return lines
 
 

@@ -15,7 +15,8 @@ Sections (each documented in its module):
   (``sw.tensor``, ``sw.shard``, ``from_local``, a collective's output) beside plain
   torch (:mod:`benchmarks.entry_points`);
 - ``compile``: ``torch.compile`` of a parallelized tiny HF Llama forward beside the
-  eager one (:mod:`benchmarks.compiled`; says so when transformers is missing);
+  eager one, and its forward and training step eager and compiled beside DTensor's on
+  2 Gloo ranks (:mod:`benchmarks.compiled`; says so when transformers is missing);
 - ``attention``: context-parallel attention (ring, all-to-all) at cp = 1, 2, 4 beside
   full attention and the all_gather-the-sequence baseline, simulated and on cp Gloo
   ranks, with CommCounter bytes beside the closed forms (:mod:`benchmarks.attention`);
@@ -142,7 +143,7 @@ def run_suite(preset: str = "full", *, devices: tuple[int, ...] = (4, 8), gloo: 
         from benchmarks import compiled
 
         say("torch.compile of a parallelized Llama forward beside eager ...")
-        res["compile"] = compiled.run(repeat=cfg["small_repeat"])
+        res["compile"] = compiled.run(repeat=cfg["small_repeat"], gloo=gloo)
     if memory:
         from benchmarks import spread
 

@@ -1,6 +1,7 @@
-"""torch.compile through shardwise (issue 37, first step): Dynamo records shardwise
-Tensors' ops and a parallelized module's hooks as one graph, and
-``shardwise.compile_backend`` lowers it to local ops and functional collectives.
+"""torch.compile through shardwise (issue 37): Dynamo records shardwise Tensors' ops and
+a parallelized module's hooks as one graph (tensor parallel, fully_shard, loss
+parallel, pipeline stages), ``shardwise.compile_backend`` lowers it to local ops and functional
+collectives, and graph breaks of shardwise programs are listed and raise in strict mode.
 
 Kept cheap: tiny programs, the ``aot_eager`` inner compiler (graph breaks, guards and
 the traced graphs are the same whatever compiles them), one Gloo launch of 2 ranks.
@@ -10,14 +11,17 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 import torch
 import torch._dynamo
 from torch._dynamo.exc import TorchDynamoException
+from torch._dynamo.utils import counters
 
 import shardwise as sw
 from shardwise import DeviceMesh, PlacementMapping, Replicated, Sharded, ShardingError
+from shardwise.parallel import parallelize_module
 from tests.helpers import compile_bodies
 from tests.helpers.harness import check_body
 
@@ -36,7 +40,8 @@ def test_compile_body_on_gloo(name: str) -> None:
 
 @pytest.mark.parametrize("name", compile_bodies.BODIES)
 def test_compile_body_simulated(name: str) -> None:
-    getattr(compile_bodies, name)(2)
+    # fully_shard and the GPT example's plan on a 2x2 (dp, tp) mesh here; 2 ranks on Gloo
+    getattr(compile_bodies, name)(4 if name == "body_fsdp_and_loss_parallel" else 2)
 
 
 def _operands() -> tuple[sw.Tensor, sw.Tensor]:
@@ -75,3 +80,96 @@ def test_dynamic_shapes_are_refused_naming_the_fix() -> None:
 def test_unknown_inner_compiler_is_named() -> None:
     with pytest.raises(ShardingError, match="'inductor', 'aot_eager'"):
         sw.compile_backend("tvm")
+
+
+def _breaking(x: sw.Tensor) -> sw.Tensor:
+    y = x.relu()
+    if y.sum().item() > 0:  # a data-dependent branch: Dynamo breaks the graph here
+        return y * 2
+    return y
+
+
+def test_graph_breaks_are_listed_and_strict_mode_raises_naming_them() -> None:
+    from shardwise.debug import GraphBreakCounter
+
+    x, _ = _operands()
+    rep = PlacementMapping(x.mesh, [Replicated()])
+    f = torch.compile(_breaking, backend=sw.compile_backend("aot_eager"), dynamic=False)
+    with GraphBreakCounter() as gb, torch.no_grad():
+        torch.testing.assert_close(f(x).to_torch(), _breaking(x).to_torch())
+    assert gb.total == 1 and "Tensor.item()" in next(iter(gb.counts)), gb
+    assert not gb.events[0].in_shardwise
+    torch._dynamo.reset()
+    with sw.strict(), torch.no_grad(), pytest.raises(
+            ShardingError, match=r"broke the graph on a shardwise Tensor .*Tensor\.item\(\)"):
+        f(x)
+
+    def placing(x: sw.Tensor) -> sw.Tensor:  # shardwise's placing functions run eagerly
+        return x + sw.tensor(torch.ones(4, 8), sharding=rep)
+
+    g = torch.compile(placing, backend=sw.compile_backend("aot_eager"), dynamic=False)
+    with sw.strict(), torch.no_grad(), pytest.raises(
+            ShardingError, match=r"in shardwise's code .*\(tensor\)"):
+        g(x)
+    with torch.no_grad():  # out of strict mode, the graph runs (uncompiled)
+        torch.testing.assert_close(g(x).to_torch(), placing(x).to_torch())
+
+    def placing_again(x: sw.Tensor) -> sw.Tensor:  # (a frame not compiled yet)
+        return x + sw.tensor(torch.ones(4, 8), sharding=rep)
+
+    with GraphBreakCounter() as gb, torch.no_grad():
+        torch.compile(placing_again, backend=sw.compile_backend("aot_eager"), dynamic=False)(x)
+    assert gb.counts["Attempted to call function marked as skipped (tensor)"] == 1, gb
+    assert all(e.in_shardwise for e in gb.events)
+
+    torch._dynamo.reset()  # torch's own backend: the next compile (the resumed frame) raises
+    h = torch.compile(_breaking, backend="eager", dynamic=False)
+    with sw.strict(), torch.no_grad(), pytest.raises(ShardingError, match=r"Tensor\.item\(\)"):
+        h(x)
+
+    def plain(t: torch.Tensor) -> torch.Tensor:  # not shardwise's: neither listed nor raised
+        return t * 2 if t.sum().item() > 0 else t
+
+    with sw.strict(), GraphBreakCounter() as gb:
+        torch.compile(plain, backend="eager")(torch.ones(2))
+    assert gb.total == 0
+
+
+def test_pipeline_stages_compile() -> None:
+    """pp=2 x tp=2, 1F1B over 2 microbatches, each stage's module compiled in place
+    (``nn.Module.compile``): no graph break, one graph per stage over 2 steps (4 calls of
+    each stage), losses and gradients equal to the eager pipeline's."""
+    import copy
+
+    from shardwise.debug import GraphBreakCounter
+    from shardwise.pipelining import Schedule1F1B, pipeline
+    from tests.helpers import pp_models as pm
+
+    ref, (x, t) = pm.make(2), pm.batch(pm.config(2), 2)
+
+    def steps(compiled: bool) -> list[Any]:
+        pipe = pipeline(copy.deepcopy(ref), DeviceMesh.cpu((2, 2), ("pp", "tp")),
+                        split_points=["layers.1"])
+        for st in pipe.stages:
+            parallelize_module(st.module, st.mesh, pm.plan_for(st.module))
+            if compiled:
+                st.module.compile(backend=sw.compile_backend("aot_eager"), dynamic=False)
+        out: list[Any] = []
+        for _ in range(2):
+            losses: list[Any] = []
+            Schedule1F1B(pipe, n_microbatches=2, loss_fn=pm.loss_fn).step(x, target=t,
+                                                                          losses=losses)
+            out += [pm.values(v) for v in losses]
+            out += [pm.values(p.grad) for st in pipe.stages for p in st.module.parameters()]
+            for st in pipe.stages:
+                st.module.zero_grad(set_to_none=True)
+        return out
+
+    want = steps(False)
+    counters.clear()
+    with GraphBreakCounter() as gb:
+        got = steps(True)
+    assert gb.total == 0 and not counters["graph_break"], gb
+    assert counters["stats"]["unique_graphs"] == 2, counters["stats"]  # one per stage
+    for a, b in zip(got, want, strict=True):
+        torch.testing.assert_close(a, b)

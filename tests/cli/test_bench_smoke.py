@@ -192,6 +192,18 @@ def test_compile_section_tables() -> None:
     assert "1.20x" in "\n".join(compile_tables(row))
     (target,) = [t for t in check_targets({"compile": row}) if t["target"] == "compile"]
     assert target["met"] is True and "compile" in TARGETS
+    cases = ("forward eager", "forward compiled", "train eager", "train compiled")
+    lib = {"ms": dict(zip(cases, (20.0, 8.0, 40.0, 16.0), strict=True)),
+           "first_s": dict.fromkeys(cases, 1.0), "graph_breaks": 0, "unique_graphs": 2,
+           "max_abs_diff": 0.0}
+    slower = {**lib, "ms": {k: 2 * v for k, v in lib["ms"].items()}}
+    steps = {"case": "tiny HF Llama", "gloo": {"world": 2, "dtensor": slower, "shardwise": lib},
+             "simulated": lib}
+    text = "\n".join(compile_tables({**row, "steps": steps}))
+    assert "dtensor, 2 Gloo ranks" in text and "DeviceMesh.cpu(2)" in text
+    met = {t["target"]: t["met"] for t in check_targets({"compile": {**row, "steps": steps}})}
+    assert met["compile_forward_vs_dtensor"] is True and met["compile_train_vs_dtensor"] is True
+    assert "compile_train_vs_dtensor" in TARGETS
 
 
 def test_dispatch_section_tiny() -> None:

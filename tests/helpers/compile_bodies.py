@@ -10,11 +10,19 @@ from typing import Any
 import torch
 import torch._dynamo
 import torch.nn as nn
+import torch.nn.functional as F
 from torch._dynamo.utils import counters
 
 import shardwise as sw
+from examples.gpt import GPT, Config, batch, parallelize
 from shardwise import DeviceMesh, PlacementMapping, Replicated, Sharded
-from shardwise.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+from shardwise.parallel import (
+    ColwiseParallel,
+    RowwiseParallel,
+    fully_shard,
+    loss_parallel,
+    parallelize_module,
+)
 
 
 class Graphs:
@@ -100,4 +108,81 @@ def body_megatron_mlp(n: int) -> None:
         assert "_c10d_functional" not in forward, forward
 
 
-BODIES = ["body_tiny_program", "body_megatron_mlp"]
+def _steps(model: nn.Module, forward: Any, inputs: Any, optimizer: Any) -> list[list[Any]]:
+    """Three training steps of ``model`` called as ``forward``: per step the loss and
+    the gradients, then the parameters after the last optimizer step."""
+    opt = optimizer(model.parameters())
+    out = []
+    for step in range(3):
+        with loss_parallel():  # (only F.cross_entropy's handler changes)
+            loss = forward(*inputs(step))
+            loss = loss if loss.ndim == 0 else loss.sum()
+        loss.backward()
+        out.append([loss.to_torch()] + [p.grad.to_torch() for p in model.parameters()])
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return [*out, [p.to_torch() for p in model.parameters()]]
+
+
+def _compiled_equals_eager(build: Any, inputs: Any, optimizer: Any) -> None:
+    """The model ``build()`` makes, compiled: no graph break, one graph over three
+    steps, losses, gradients and optimizer steps equal to eager shardwise's."""
+    eager = build()
+    want = _steps(eager, eager, inputs, optimizer)
+    model = build()
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = torch.compile(model, backend=sw.compile_backend("aot_eager"), dynamic=False)
+    got = _steps(model, compiled, inputs, optimizer)
+    assert not counters["graph_break"], dict(counters["graph_break"])
+    assert counters["stats"]["unique_graphs"] == 1, counters["stats"]  # no recompile
+    for a, b in zip(got, want, strict=True):
+        torch.testing.assert_close(a, b)
+
+
+class Head(nn.Module):
+    """A classifier head and its loss (loss parallel over the class dim, under TP)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.head = nn.Linear(8, 16)
+
+    def forward(self, x: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(self.head(x), target)
+
+
+def body_fsdp_and_loss_parallel(n: int) -> None:
+    """fully_shard over n devices (an MLP, SGD), a Colwise head with loss parallel over
+    n devices (AdamW), then the GPT example's plan (TP x FSDP, the head's loss parallel;
+    AdamW) on a (n/2, 2) mesh ((1, 2) on 2 devices: its relayouts permute blocks)."""
+    torch.manual_seed(0)
+    base = MLP()
+    mesh = DeviceMesh.cpu(n, "dp")
+    x = sw.tensor(torch.randn(4 * n, 8), sharding=PlacementMapping(mesh, [Sharded(0)]))
+    _compiled_equals_eager(lambda: fully_shard(_copy(base), mesh), lambda step: (x + step,),
+                           lambda ps: torch.optim.SGD(ps, lr=0.1))
+    head, tp = Head(), DeviceMesh.cpu(n, "tp")
+    y, target = torch.randn(6, 8), torch.randint(0, 16, (6,))
+    _compiled_equals_eager(
+        lambda: parallelize_module(_copy(head), tp, {
+            "head": ColwiseParallel(output_layouts=Sharded(-1))}),
+        lambda step: (y + step, target), lambda ps: torch.optim.AdamW(ps, lr=0.01))
+    cfg = Config(seq=8, layers=1)
+    gpt = GPT(cfg)
+    mesh2 = DeviceMesh.cpu((max(n // 2, 1), 2), ("dp", "tp"))
+    data = PlacementMapping(mesh2, (Sharded(0), Replicated()))
+
+    def inputs(step: int) -> tuple[Any, ...]:
+        return tuple(sw.tensor(t, sharding=data) for t in batch(cfg, 4, step))
+
+    _compiled_equals_eager(lambda: parallelize(_copy(gpt), mesh2), inputs,
+                           lambda ps: torch.optim.AdamW(ps, lr=0.01))
+
+
+def _copy(m: nn.Module) -> Any:
+    import copy
+
+    return copy.deepcopy(m)
+
+
+BODIES = ["body_tiny_program", "body_megatron_mlp", "body_fsdp_and_loss_parallel"]

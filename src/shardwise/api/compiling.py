@@ -2,7 +2,7 @@
 graph to one graph of local torch ops and functional collectives.
 
 Dynamo records each torch function on a shardwise Tensor as one node (the Tensor is a
-traceable wrapper subclass; :func:`shardwise.tensors.tensor.in_graph`). torch's own
+traceable wrapper subclass; :mod:`shardwise.tensors.compiled`). torch's own
 AOTAutograd would then differentiate the wrapper, but a shardwise Tensor keeps no
 autograd state of its own: autograd runs on the buffers it holds. So this backend
 desugars first: the graph becomes a function of the buffers (each Tensor input
@@ -17,6 +17,8 @@ Invariants:
 - The compiled graph runs no shardwise Python: relayouts are local ops and torch's
   functional collectives (process runtime), recorded once while tracing.
 - Gradients reach the leaves' buffers, where shardwise's eager autograd puts them.
+- Under ``shardwise.strict()`` a frame whose graph broke in a shardwise program compiles
+  to a function that raises the break (:mod:`shardwise.ops.graph_breaks`).
 """
 
 from __future__ import annotations
@@ -27,6 +29,8 @@ from typing import Any
 
 import torch
 
+from shardwise.ops import graph_breaks
+from shardwise.ops.fallbacks import is_strict
 from shardwise.sharding.errors import ShardingError
 from shardwise.tensors.tensor import Tensor
 
@@ -35,7 +39,7 @@ __all__ = ["compile_backend"]
 #: the inner compilers :func:`compile_backend` takes
 INNER = ("inductor", "aot_eager")
 
-Spec = tuple[int, Any, tuple[int, ...]] | None  # buffers, flatten context, shape; None: plain
+Spec = tuple[int, Any, torch.Size] | None  # buffers, flatten context, size; None: plain
 
 
 def _take_apart(values: Sequence[Any]) -> tuple[list[Any], list[Spec]]:
@@ -46,7 +50,7 @@ def _take_apart(values: Sequence[Any]) -> tuple[list[Any], list[Spec]]:
         if isinstance(v, Tensor):
             names, context = v.__tensor_flatten__()
             flat.extend(getattr(v, n) for n in names)
-            specs.append((len(names), context, tuple(v.shape)))
+            specs.append((len(names), context, v.shape))
         else:
             flat.append(v)
             specs.append(None)
@@ -61,11 +65,23 @@ def _rebuild(flat: Sequence[Any], specs: Sequence[Spec]) -> list[Any]:
             out.append(flat[i])
             i += 1
             continue
-        n, context, shape = spec
-        inner = {f"_held{j}": flat[i + j] for j in range(n)}
-        out.append(Tensor.__tensor_unflatten__(inner, context, shape, None))
+        n, context, size = spec
+        out.append(Tensor.from_buffers(flat[i:i + n], context, size))
         i += n
     return out
+
+
+def _buffers_of(values: Sequence[Any]) -> list[Any]:
+    """The values with each Tensor replaced by its buffers (``__tensor_flatten__``'s,
+    in its order), read straight from what the Tensor holds: a compiled function's
+    inputs on every call, whose layouts Dynamo's guards have checked already."""
+    flat: list[Any] = []
+    for v in values:
+        if isinstance(v, Tensor):
+            flat.extend(v.held.buffers())
+        else:
+            flat.append(v)
+    return flat
 
 
 def _compilers(inner: str | Callable[..., Any]
@@ -119,6 +135,15 @@ def compile_backend(inner: str | Callable[..., Any] = "inductor") -> Callable[..
         from torch._functorch.aot_autograd import aot_function
         from torch._functorch.partitioners import min_cut_rematerialization_partition
 
+        error = graph_breaks.strict_error()
+        if error is not None:  # strict mode: the frame broke; none of it runs
+
+            def refuse(*args: Any) -> Any:
+                if is_strict():
+                    raise error
+                return gm(*args)  # (strict mode ended: the graph runs, uncompiled)
+
+            return refuse
         _, in_specs = _take_apart(example_inputs)
         out_specs: list[tuple[bool, list[Spec]]] = []
 
@@ -135,7 +160,7 @@ def compile_backend(inner: str | Callable[..., Any] = "inductor") -> Callable[..
                                 decompositions=decompositions)
 
         def run(*args: Any) -> Any:
-            flat = _take_apart(args)[0]
+            flat = _buffers_of(args)
             if out_specs:
                 got = compiled(*flat)
             else:  # the first call traces: shardwise's code then issues graph collectives

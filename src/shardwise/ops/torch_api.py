@@ -34,6 +34,8 @@ Invariants:
   global operands and returns a Replicated result, warning once per op by name
   (:class:`ShardwiseFallbackWarning`); an in-place op without a rule raises, naming
   the op (writing into a gathered copy would be lost silently).
+- torch.compile's graph breaks in shardwise programs are watched from here on
+  (:mod:`shardwise.ops.graph_breaks`): listed by ``shardwise.debug``, raised in strict mode.
 - ``out=`` (any op): the op runs without it, then its result is copied into ``out``
   (:func:`~shardwise.ops.registry.write_out`), as torch fills it.
 - In-place ops write each distinct local buffer once (replicas share one buffer), so
@@ -55,6 +57,7 @@ from shardwise.ops import (
     elementwise,
     factories,
     foreach,
+    graph_breaks,  # noqa: F401  (watches torch.compile's graph breaks: strict mode, debug)
     indexing,
     inplace,
     joins,

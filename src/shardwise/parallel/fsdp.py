@@ -18,6 +18,11 @@ Invariants:
   gathering is then a view, and the optimizer's ops run once on the whole value.
 - Gathering, gradient reduction and resharding are in
   :mod:`shardwise.parallel.fsdp_unit` (see its invariants).
+- Under ``torch.compile`` the unit's hooks are skipped (``tensors.traced.eager_only``):
+  the parameters stay sharded in the graph and each op relayouts them as it needs (the
+  planner's all_gathers; their gradients' reductions in the backward graph), so values,
+  gradients and optimizer steps equal eager; a unit with a casting ``mp_policy`` keeps
+  its hooks (a graph break).
 """
 
 from __future__ import annotations
@@ -37,6 +42,7 @@ from shardwise.sharding.layout import Layout
 from shardwise.sharding.mesh import DeviceMesh
 from shardwise.sharding.shapes import local_shape
 from shardwise.tensors.tensor import Tensor, place
+from shardwise.tensors.traced import eager_only
 
 __all__ = ["MixedPrecisionPolicy", "fully_shard", "memory_per_device"]
 
@@ -127,8 +133,12 @@ def fully_shard(module: nn.Module, mesh: DeviceMesh, axis: str = "dp", *,
         inner = getattr(sub, UNIT, None)
         if inner is not None:
             inner.site = position.site(path, "fully_shard")
-    module.register_forward_pre_hook(_pre_forward, with_kwargs=True)
-    module.register_forward_hook(_post_forward, always_call=True)
+    # Compiled code skips the hooks: the graph's ops gather the sharded parameters
+    # (relayouts to what each op needs, differentiated to their reductions); a policy
+    # that casts keeps them, a graph break that strict mode names (no silent dtype change)
+    wrap = eager_only if mp_policy == NO_CAST else (lambda f: f)
+    module.register_forward_pre_hook(wrap(_pre_forward), with_kwargs=True)
+    module.register_forward_hook(wrap(_post_forward), always_call=True)
     gather_on_save(module)  # a transformers model's save_pretrained writes global values
     return module
 

@@ -19,14 +19,10 @@ Invariants:
   registry's fallback (exact; plain results, views stay Replicated Tensors); writes in
   place into it and wrapped values leaving a transform are refused. Any other aten op
   reaching it is refused.
-- Under ``torch.compile`` it is a traceable wrapper subclass (``__tensor_flatten__``:
-  the distinct buffers this process holds; the context: layout, replica pattern,
-  dtype, open dims). Dynamo records torch functions on it as graph nodes, their
-  example values computed by this routing on fake buffers; AOTAutograd, given the
-  graph on the buffers (:mod:`shardwise.api.compiling`), runs the same routing on
-  them, so the compiled graph holds the local ops and functional collectives. Dynamo
-  traces no frame of shardwise but :data:`TRACED_MODULES` (:func:`_skip_in_dynamo`),
-  so no guard reads shardwise's Python state.
+- Under ``torch.compile`` it is a traceable wrapper subclass, whose flattening and
+  routing while Dynamo and AOTAutograd trace are :class:`~shardwise.tensors.compiled.
+  CompiledMixin`'s (:mod:`shardwise.tensors.compiled`); eagerly they cost one
+  attribute read an op.
 - Only torch's in-place ops (``add_``, ``copy_``, the optimizers' updates) mutate a
   Tensor, writing each distinct local buffer once; every other op leaves its inputs
   alone, so replicas share one buffer and shards may be views of a larger buffer.
@@ -36,16 +32,18 @@ Invariants:
   runtime holds wholly the global value itself (blocks cut from it on demand, ops run
   once on it, autograd on it). Nothing here asks which: the Local answers (blocks,
   buffers, gradients, hooks) and the runtime's ``run_local`` runs the ops.
-- The class is built from three bases, each in its own module and each below this
+- The class is built from four bases, each in its own module and each below this
   one: :class:`~shardwise.tensors.meta.MetaMixin` (the fields, torch metadata, mesh
   views) < :class:`~shardwise.tensors.relayout.RelayoutMixin` (layout changes) <
-  :class:`~shardwise.tensors.grad.GradMixin` (autograd, gradients). What a value keeps
+  :class:`~shardwise.tensors.grad.GradMixin` (autograd, gradients), and beside them
+  :class:`~shardwise.tensors.compiled.CompiledMixin` (torch.compile). What a value keeps
   for ops lives in slots (:mod:`~shardwise.tensors.cache`), never in ``__dict__``. None
   subclasses ``torch.Tensor``; they precede it in the bases, so their properties
   (``shape``, ``grad``, ``requires_grad``, ``data``...) override torch's.
 - Every torch function routed here runs as the current op of the program position
   (:mod:`shardwise.runtime.position`), which the multi-process collectives it
-  causes carry in their fingerprint; the previous op is restored after it.
+  causes carry in their fingerprint; the previous op is restored after it (the
+  table and the route: :mod:`shardwise.tensors.routing`).
 - Here: construction, torch's routing, Python protocols, DCP hooks, values out,
   ``backward`` (through ``torch.autograd.backward``, whose handler is the registry's
   ``autograd`` family), and the placing functions (``place``, ``to_layout``, ...).
@@ -53,11 +51,9 @@ Invariants:
 
 from __future__ import annotations
 
-import functools
 import importlib
-import os
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -72,125 +68,25 @@ from shardwise.sharding.mappings import ShardingSpec
 from shardwise.sharding.mesh import DeviceMesh
 from shardwise.sharding.types import dtype_name
 from shardwise.tensors import cache, chunks, dtensor, ordering
+from shardwise.tensors.compiled import COMPILER, CompiledMixin
 from shardwise.tensors.dtensor_names import DTensorNamesMixin
 from shardwise.tensors.grad import GradMixin
 from shardwise.tensors.meta import MetaMixin
 from shardwise.tensors.relayout import RelayoutMixin
+from shardwise.tensors.routing import FALLBACK, HANDLERS, REGISTRY, WRITE_OUT, route
 
-__all__ = ["Tensor", "pieces", "rehome"]
+__all__ = ["FALLBACK", "HANDLERS", "REGISTRY", "WRITE_OUT", "Tensor", "pieces", "rehome",
+           "route"]
 
 
-#: torch function -> handler, filled by :mod:`shardwise.ops` (the op registry).
-HANDLERS: dict[Any, Callable[..., Any]] = {}
-#: the module that fills HANDLERS and FALLBACK, loaded on the first torch call.
-REGISTRY = "shardwise.ops.torch_api"
-#: called for a torch function without a handler: ``(func, args, kwargs) -> result``
-#: (Replicated Tensors; with ``plain=True``, plain torch tensors of the global values).
-FALLBACK: list[Callable[..., Any]] = []
 #: ``ordering.ORDERS`` (the same list): the sequence orders' dispatch, once one exists
 _ORDERS = ordering.ORDERS
-#: called for a torch function given ``out=``: runs it without, then writes ``out``.
-WRITE_OUT: list[Callable[[Any, tuple[Any, ...], dict[str, Any]], Any]] = []
 
-
-def route(func: Any, args: Any, kwargs: Any) -> Any:
-    """One torch function on shardwise Tensors: its handler, else the fallback. The
-    collectives it runs carry ``func`` in their program position (restored after: a
-    rank's extra local op leaves nothing behind)."""
-    here = HERE
-    before = here.op
-    here.op = func
-    try:
-        handler = HANDLERS.get(func)
-        if not kwargs:  # the common call: straight to its handler
-            if handler is not None:
-                return handler(*args)
-        elif WRITE_OUT and kwargs.get("out") is not None:
-            return WRITE_OUT[0](func, tuple(args), kwargs)
-        elif handler is not None:
-            return handler(*args, **kwargs)
-        if not FALLBACK:  # the registry is filled by the API floor's ops, named here as
-            importlib.import_module(REGISTRY)  # a plugin (no static upward import)
-            return route(func, args, kwargs)
-        return FALLBACK[0](func, tuple(args), kwargs or {})
-    finally:
-        here.op = before
-
-
-def _compiled_route(func: Any, args: Any, kwargs: Any) -> Any:
-    """A torch function on shardwise Tensors while torch.compile runs: Dynamo computing
-    a graph node's example value on fake buffers, or AOTAutograd tracing the node on
-    the graph's tensors. A function with a handler runs it, as eagerly; any other
-    (torch reading a fake Tensor's metadata: ``_is_view``, ``untyped_storage``, ...)
-    runs on the wrapper itself, and an op without a rule is refused by
-    :meth:`Tensor.__torch_dispatch__` (the gathered fallback is eager only)."""
-    if not FALLBACK:  # a compiled function may be the first torch call: fill the registry
-        importlib.import_module(REGISTRY)
-    if func in HANDLERS:
-        for a in args:
-            if isinstance(a, Tensor) and not all(type(d) is int for d in a._shape):
-                raise ShardingError(
-                    f"torch.compile traced {func} on {a!r} with symbolic sizes: shardwise "
-                    "decides layouts on concrete shapes, and dynamic shapes are not "
-                    "supported yet. Pass dynamic=False to torch.compile (Dynamo turns "
-                    "shapes dynamic by itself after a recompile for new shapes).")
-        if _ORDERS:  # some value is held in a sequence order: kept only where exact
-            return _ORDERS[0](func, tuple(args), kwargs or {})
-        return route(func, args, kwargs)
-    with torch._C.DisableTorchFunctionSubclass():
-        return func(*args, **(kwargs or {}))
-
-
-class _CompilingFlag:
-    """``torch.compiler.is_compiling()`` read as an attribute, where torch has no
-    ``_is_compiling_flag`` (the flag it returns; TorchScript never runs this code)."""
-
-    @property
-    def _is_compiling_flag(self) -> bool:
-        return torch.compiler.is_compiling()
-
-
-#: read as ``_COMPILER._is_compiling_flag`` on every op: a module attribute, where
-#: calling ``is_compiling()`` costs two Python frames (~0.1 us an op)
-_COMPILER: Any = (torch.compiler if hasattr(torch.compiler, "_is_compiling_flag")
-                  else _CompilingFlag())
-
-
-#: the module where torch's AOTAutograd rebuilds subclass instances to differentiate them
-_AOT_SUBCLASSES = "torch._functorch._aot_autograd.schemas"
-
-#: the modules Dynamo traces: where compiled code enters shardwise functions (the
-#: parallel styles' hooks), each one graph node (tensors/traced.py)
-TRACED_MODULES = ("tensors/traced.py", "parallel/style.py")
-
-
-def _skip_in_dynamo() -> None:
-    """Dynamo traces no frame of shardwise's own code but the entry points of
-    :data:`TRACED_MODULES`: the rest branches on Python state (caches, plan counters,
-    the ids of shared blocks) that Dynamo would guard on and recompile for whenever it
-    changes (a parallelized model hit recompile_limit in the simulated backend's
-    run_step, its hooks and the planner, ~2x slower than eager once warm). A call into
-    a skipped module from compiled code is a graph break that runs eagerly. Dynamo's
-    skip list is torch-internal (a torch without it would trace every frame)."""
-    rules = getattr(torch._dynamo, "trace_rules", None)  # imported by compiler.disable
-    skip = getattr(rules, "SKIP_DIRS", None)
-    recompile = getattr(rules, "_recompile_re", None)
-    if skip is None or recompile is None:
-        return
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    spared = {os.path.join(root, *m.split("/")) for m in TRACED_MODULES}
-    for folder, _, files in os.walk(root):
-        skip.extend(path for path in (os.path.join(folder, f) for f in files
-                                      if f.endswith(".py")) if path not in spared)
-    recompile()
-
-
-_skip_in_dynamo()
 
 # The mixins come first, so their properties (grad, data, shape...) override torch's;
 # mypy flags each read-only property that replaces a writable torch attribute.
-class Tensor(GradMixin, DTensorNamesMixin, RelayoutMixin, MetaMixin,  # type: ignore[misc,override]
-             torch.Tensor):
+class Tensor(CompiledMixin, GradMixin, DTensorNamesMixin, RelayoutMixin,  # type: ignore[misc,override]
+             MetaMixin, torch.Tensor):
     """A global value laid out on a :class:`DeviceMesh`; a ``torch.Tensor``.
 
     ``shape``/``dtype``/``device``/``requires_grad`` are the global ones, so
@@ -272,8 +168,8 @@ class Tensor(GradMixin, DTensorNamesMixin, RelayoutMixin, MetaMixin,  # type: ig
     @classmethod
     def __torch_function__(cls, func: Any, types: Any, args: Any = (),
                            kwargs: Any = None) -> Any:
-        if _COMPILER._is_compiling_flag:
-            return _compiled_route(func, args, kwargs)
+        if COMPILER._is_compiling_flag:
+            return cls.compiled_route(func, args, kwargs)
         if _ORDERS:  # some value is held in a sequence order: kept only where exact
             return _ORDERS[0](func, tuple(args), kwargs or {})
         if kwargs:
@@ -302,7 +198,7 @@ class Tensor(GradMixin, DTensorNamesMixin, RelayoutMixin, MetaMixin,  # type: ig
         transform = _functorch_caller()
         if transform is not None:
             return _under_transform(transform, func, args, kwargs or {})
-        if _COMPILER._is_compiling_flag:
+        if COMPILER._is_compiling_flag:
             raise ShardingError(
                 f"{func} has no sharding rule, and under torch.compile the gathered "
                 "fallback (eager only) cannot run: the op would leave the graph. Run this "
@@ -318,47 +214,6 @@ class Tensor(GradMixin, DTensorNamesMixin, RelayoutMixin, MetaMixin,  # type: ig
             "Tensors the transform does not see; return x.to_torch() from the function, "
             "or pass those Tensors through the transform.)"
         )
-
-    # --- torch.compile: a traceable wrapper subclass (module doc) -------------------------
-    def __tensor_flatten__(self) -> tuple[list[str], tuple[Any, ...]]:
-        """The distinct buffers this process holds, as attribute names (``_held<j>``),
-        and what rebuilds the Tensor around them: layout, each device's buffer index
-        (None: another process's; the whole pattern None: one buffer holding the global
-        value), dtype, open dims. Equal contexts mean equal layouts, so Dynamo's guards on it
-        recompile only for another layout."""
-        local = self._local
-        if isinstance(local, Blocks):
-            blocks = local.blocks
-            index = {id(blocks[k]): j for j, k in enumerate(local.unique())}
-            pattern: tuple[int | None, ...] | None = tuple(
-                None if b is None else index[id(b)] for b in blocks)
-            names = _held_names(len(index))
-        else:
-            pattern, names = None, _held_names(1)
-        return names, (self._layout, pattern, self._dtype, self._open)
-
-    @staticmethod
-    def __tensor_unflatten__(inner: dict[str, torch.Tensor], context: tuple[Any, ...],
-                             outer_size: Any, outer_stride: Any) -> Tensor:
-        layout, pattern, dtype, open_dims = context
-        if (torch.is_grad_enabled() and any(t.requires_grad for t in inner.values())
-                and sys._getframe(1).f_globals.get("__name__") == _AOT_SUBCLASSES):
-            raise ShardingError(
-                f"torch.compile's AOTAutograd is differentiating a shardwise.Tensor laid "
-                f"out as {layout}: it would record gradients on the wrapper, which holds "
-                "no autograd state (a shardwise Tensor's autograd runs on its buffers), "
-                "so backward would find nothing to differentiate. Compile with "
-                "backend=shardwise.compile_backend() (or compile_backend('aot_eager')), "
-                "or run the compiled function under torch.no_grad().")
-        if pattern is None:
-            held: Local = Whole(inner["_held0"], layout)
-            first = inner["_held0"]
-        else:
-            blocks = tuple(None if j is None else inner[f"_held{j}"] for j in pattern)
-            held = Blocks(blocks)
-            first = next(b for b in blocks if b is not None)
-        return Tensor.from_held(held, layout, torch.Size(outer_size), dtype, first.device,
-                                open_dims)
 
     def __repr__(self) -> str:  # type: ignore[override]
         grad = ", requires_grad=True" if self.requires_grad else ""
@@ -410,7 +265,7 @@ class Tensor(GradMixin, DTensorNamesMixin, RelayoutMixin, MetaMixin,  # type: ig
         its first local block (DTensor answers with its local tensor's). Two Tensors
         share one exactly when they share data (tied weights), which is what checkpoint
         writers (safetensors, transformers' ``save_pretrained``) ask it to tell."""
-        if _COMPILER._is_compiling_flag:  # torch describing the wrapper: none of its own
+        if COMPILER._is_compiling_flag:  # torch describing the wrapper: none of its own
             return torch.Tensor.untyped_storage(self)
         first = self._local.first()
         assert first is not None, "this process holds none of the value"
@@ -490,21 +345,6 @@ class Tensor(GradMixin, DTensorNamesMixin, RelayoutMixin, MetaMixin,  # type: ig
                 f"{self._shape}. Pass gradient= (same global shape) or reduce first."
             )
         torch.autograd.backward(self, gradient, retain_graph, create_graph, inputs=inputs)
-
-
-def _held_names(n: int) -> list[str]:
-    """The attribute names of a Tensor's first ``n`` buffers (``_held0``...), each a
-    property of the class added on first need: a ``__getattr__`` would slow every
-    attribute read of every Tensor."""
-    names = [f"_held{j}" for j in range(n)]
-    for j, name in enumerate(names):
-        if name not in Tensor.__dict__:
-            setattr(Tensor, name, property(functools.partial(_buffer, j)))
-    return names
-
-
-def _buffer(j: int, t: Tensor) -> torch.Tensor:
-    return t._local.buffers()[j]
 
 
 #: torch.func's transforms, by the frame that runs the user's function under them

@@ -9,8 +9,10 @@ node's value, and AOTAutograd runs it again on the graph's tensors, recording th
 local ops and functional collectives it issues.
 
 Invariants:
-- Dynamo traces this module (``tensors.tensor.TRACED_MODULES``); eagerly a traced
+- Dynamo traces this module (``tensors.compiled.TRACED_MODULES``); eagerly a traced
   function costs one ``torch.compiler.is_compiling()`` call more than a direct call.
+- :func:`eager_only` hooks are skipped by compiled code: Dynamo folds the test, so
+  neither the hook nor a break is in the graph.
 - A node's arguments are modules, Tensors, plain tensors and constants (meshes,
   layouts, placements: registered as pytree constants here; strings, numbers).
 """
@@ -28,7 +30,7 @@ from shardwise.sharding.layout import Layout
 from shardwise.sharding.mesh import DeviceMesh
 from shardwise.sharding.placements import Partial, Replicated, Sharded
 
-__all__ = ["traced"]
+__all__ = ["eager_only", "traced"]
 
 class _Traced:
     """A shardwise function that enters Dynamo's graph as one node."""
@@ -55,6 +57,31 @@ def traced(fn: Callable[..., Any]) -> Callable[..., Any]:
     [2.0, 2.0]
     """
     return _Traced(fn)
+
+
+class _EagerOnly:
+    """A module hook that compiled code skips (see :func:`eager_only`)."""
+
+    def __init__(self, fn: Callable[..., Any]) -> None:
+        self.fn = fn
+        functools.update_wrapper(self, fn)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if torch.compiler.is_compiling():  # folded by Dynamo: the hook is not in the graph
+            return None
+        return self.fn(*args, **kwargs)
+
+
+def eager_only(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn`` (a module hook) run eagerly and skipped by compiled code (a hook returning
+    None changes nothing), where its Python would break the graph: its work is then
+    done by the graph's own ops.
+
+    >>> hook = eager_only(lambda module, args: print("eager"))
+    >>> hook(None, ())
+    eager
+    """
+    return _EagerOnly(fn)
 
 
 # the specs a node takes as arguments: constants of the graph (immutable and hashable)

@@ -92,10 +92,13 @@ _FUNCTIONAL_OP = {ReduceOp.SUM: "sum", ReduceOp.AVG: "avg", ReduceOp.MIN: "min",
 
 
 def traced(what: str, x: torch.Tensor, g: Group, *, op: ReduceOp | None = None,
-           dim: int = 0, sizes: Sequence[int] = ()) -> torch.Tensor:
+           dim: int = 0, sizes: Sequence[int] = (), dim2: int = 0,
+           send: Sequence[int] = ()) -> torch.Tensor:
     """The collective ``what`` as a functional collective of torch's, for a graph being
     traced: all_reduce (``op``), all_gather and reduce_scatter along ``dim`` of the
-    members' blocks of ``sizes``, even and in torch's rank order. Others raise."""
+    members' blocks of ``sizes``, and all_to_all (``x`` split along ``dim2`` in pieces
+    of ``send``, the pieces received, of ``sizes``, joined along ``dim``), even and in
+    torch's rank order. Others raise."""
     import torch.distributed._functional_collectives as funcol
 
     even = g.slot is None and len(set(sizes)) <= 1
@@ -110,10 +113,19 @@ def traced(what: str, x: torch.Tensor, g: Group, *, op: ReduceOp | None = None,
         out = funcol.reduce_scatter_tensor(x.movedim(dim, 0).contiguous(),
                                            _FUNCTIONAL_OP[op], 0, g.pg)
         return out.movedim(0, dim)
+    if what == "all_to_all" and even and len(set(send)) <= 1:
+        chunks = [c.movedim(dim, 0).reshape(-1) for c in x.split(list(send), dim2)]
+        moved = list(x.movedim(dim, 0).shape)  # a received piece: as all_to_all's
+        if dim2 != dim:
+            moved[dim2 + 1 if dim2 < dim else dim2] = send[g.pos]
+        rest = math.prod(moved[1:])
+        out = funcol.all_to_all_single(torch.cat(chunks), [n * rest for n in sizes],
+                                       [c.numel() for c in chunks], g.pg)
+        return out.view(sum(sizes), *moved[1:]).movedim(0, dim)
     raise ShardingError(
         f"torch.compile cannot trace shardwise's {what} over {g.label or 'its group'} "
         f"yet (sizes {tuple(sizes)}, members in mesh order {g.slot}): only all_reduce, and "
-        "all_gather / reduce_scatter of even blocks in rank order, are functional "
+        "all_gather / reduce_scatter / all_to_all of even blocks in rank order, are functional "
         "collectives in the graph. Run this part eagerly (torch.compiler.disable) or "
         "choose a layout with even blocks.")
 
@@ -309,7 +321,7 @@ def all_to_all(x: torch.Tensor, dim: int, dim2: int, g: Group, send: Sequence[in
     if g.size == 1:
         return x
     if torch.compiler.is_compiling():
-        return traced("all_to_all", x, g)
+        return traced("all_to_all", x, g, dim=dim, sizes=recv, dim2=dim2, send=send)
     # send/recv are this member's row and column of the exchange: not rank-independent
     done = _agree("all_to_all", g, _shape(x.shape, {dim: -1, dim2: -1}), x.dtype,
                   f"{tag} dim {dim}<-{dim2}", device=x.device)
@@ -347,6 +359,8 @@ def permute(x: torch.Tensor | None, send_to: int | None, recv_from: int | None,
     ``g``: the group of every process taking part (each calls this, also one that
     keeps its own block, so that all agree first); ``tag`` must be the same on all
     of them (e.g. the whole permutation), the block shape may differ."""
+    if torch.compiler.is_compiling():
+        return traced_permute(x, send_to, recv_from, like, g)
     done = agree_permute(g, like, tag) if g is not None else None
     ops = []
     # Receivers are overwritten whole; only a device that receives nothing holds zeros.
@@ -363,6 +377,28 @@ def permute(x: torch.Tensor | None, send_to: int | None, recv_from: int | None,
         pair = g or Group(None, (), peers, 0, f"ranks {peers}")
         _call("ppermute", pair, lambda: agreement.wait_all(dist.batch_isend_irecv(ops)))
     return out
+
+
+def traced_permute(x: torch.Tensor | None, send_to: int | None, recv_from: int | None,
+                   like: torch.Tensor, g: Group | None) -> torch.Tensor:
+    """:func:`permute` for a graph being traced: one all_to_all over ``g`` that every
+    member calls (a member that keeps its block too: ``send_to`` and ``recv_from``
+    None), sending ``x`` whole to one rank and receiving ``like``'s size from one."""
+    import torch.distributed._functional_collectives as funcol
+
+    if g is None or g.pg is None:
+        raise ShardingError(
+            "torch.compile cannot trace a point-to-point exchange outside a process "
+            "group of the mesh. Run this part eagerly (torch.compiler.disable).")
+    order = sorted(g.ranks)  # torch's order of the members
+    sending = x is not None and send_to is not None
+    flat = x.contiguous().view(-1) if sending else like.new_empty(0)  # type: ignore[union-attr]
+    got = funcol.all_to_all_single(
+        flat, [like.numel() if r == recv_from else 0 for r in order],
+        [flat.numel() if r == send_to else 0 for r in order], g.pg)
+    if recv_from is None:  # (+ the empty result's sum: the graph keeps the exchange)
+        return torch.zeros_like(like, memory_format=torch.contiguous_format) + got.sum()
+    return got.view(like.shape)
 
 
 def agree_permute(g: Group, like: torch.Tensor, tag: str) -> Callable[[], None]:

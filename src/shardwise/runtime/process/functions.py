@@ -321,6 +321,8 @@ def _exchange(x: torch.Tensor, send_to: int | None, recv_from: int | None,
     """One send/recv among ``grp``'s members; a member that keeps its block (KEEP)
     still takes part in the agreement."""
     if send_to == KEEP:
+        if torch.compiler.is_compiling():  # every member takes part in the graph's exchange
+            return x + collectives.traced_permute(None, None, None, x.new_empty(0), grp).sum()
         collectives.agree_permute(grp, x, tag)()
         return x.view_as(x)
     like = x if recv_shape is None or recv_shape == tuple(x.shape) else x.new_empty(recv_shape)
