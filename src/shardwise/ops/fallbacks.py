@@ -102,10 +102,7 @@ def add_listener(listener: Listener) -> None:
 
 def remove_listener(listener: Listener) -> None:
     """Stop calling ``listener`` (its last registration)."""
-    for i in range(len(_LISTENERS) - 1, -1, -1):
-        if _LISTENERS[i] == listener:
-            del _LISTENERS[i]
-            return
+    observe.remove_last(_LISTENERS, listener)
 
 
 def forget_warnings() -> None:

@@ -39,6 +39,7 @@ from torch._dynamo.exc import TorchRuntimeError
 from torch._dynamo.utils import counters
 
 from shardwise.ops.fallbacks import ENV, is_strict
+from shardwise.runtime import observe
 from shardwise.sharding.errors import ShardingError
 from shardwise.tensors import compiled
 
@@ -84,10 +85,7 @@ def add_listener(listener: Listener) -> None:
 
 def remove_listener(listener: Listener) -> None:
     """Stop calling ``listener`` (its last registration)."""
-    for i in range(len(_LISTENERS) - 1, -1, -1):
-        if _LISTENERS[i] == listener:
-            del _LISTENERS[i]
-            return
+    observe.remove_last(_LISTENERS, listener)
 
 
 def _start(args: Any) -> None:

@@ -35,7 +35,7 @@ import torch
 
 __all__ = ["Event", "Holder", "Observer", "active", "add", "add_holder", "counted_as", "hold",
            "holding", "in_library", "on_backward", "record", "remove", "remove_holder",
-           "source_line"]
+           "remove_last", "source_line"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,10 +78,7 @@ def add(observer: Observer) -> None:
 
 def remove(observer: Observer) -> None:
     """Stop calling ``observer`` (the last registration of it)."""
-    for i in range(len(_OBSERVERS) - 1, -1, -1):
-        if _OBSERVERS[i] == observer:  # == : a bound method is a new object per access
-            del _OBSERVERS[i]
-            return
+    remove_last(_OBSERVERS, observer)
 
 
 def active() -> bool:
@@ -101,9 +98,21 @@ def add_holder(holder: Holder) -> None:
 
 def remove_holder(holder: Holder) -> None:
     """Stop telling ``holder`` (the last registration of it)."""
-    for i in range(len(_HOLDERS) - 1, -1, -1):
-        if _HOLDERS[i] == holder:
-            del _HOLDERS[i]
+    remove_last(_HOLDERS, holder)
+
+
+def remove_last(registered: list[Any], item: Any) -> None:
+    """Remove the last registration of ``item`` from ``registered`` (none: no-op), so
+    nested registrations of one listener end in reverse order. Compared with ``==``:
+    a bound method is a new object at each access.
+
+    >>> seen = [print, len, print]
+    >>> remove_last(seen, print); seen == [print, len]
+    True
+    """
+    for i in range(len(registered) - 1, -1, -1):
+        if registered[i] == item:
+            del registered[i]
             return
 
 
