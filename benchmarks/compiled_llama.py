@@ -2,7 +2,8 @@
 training step, on Gloo ranks (and shardwise alone on the simulated mesh).
 
 - The model: a tiny HF ``LlamaForCausalLM`` (2 layers, hidden 64, 4 heads, 2 KV heads:
-  GQA; vocab 128; eager attention), batch 4 x 64 tokens, Megatron tensor parallelism
+  GQA; on 4 ranks 8 and 4, since DTensor's local views need a KV head per rank; vocab
+  128; eager attention), batch 4 x 64 tokens, Megatron tensor parallelism
   over every rank (q/k/v/gate/up Colwise, o/down Rowwise): shardwise's
   ``parallelize_module`` beside torch's DTensor one, the same plan.
 - Cases: ``forward`` (logits, ``no_grad``) and ``train`` (forward, cross-entropy,
@@ -31,12 +32,15 @@ PLAN = {"model.layers.*.self_attn.[qkv]_proj": "colwise",
         "model.layers.*.mlp.down_proj": "rowwise"}
 
 
-def _reference() -> tuple[Any, torch.Tensor, torch.Tensor]:
+def _reference(tp: int = 2) -> tuple[Any, torch.Tensor, torch.Tensor]:
+    """The tiny Llama with ``tp`` kv heads (at least 2) and twice as many query heads:
+    GQA, and DTensor's local views need a kv head per rank at least."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     attn: dict[str, Any] = {"attn_implementation": "eager"}  # (not in its typed signature)
     cfg = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128,
-                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                      num_hidden_layers=2, num_attention_heads=2 * max(tp, 2),
+                      num_key_value_heads=max(tp, 2),
                       max_position_embeddings=128, **attn)
     torch.manual_seed(0)
     ids = torch.randint(0, 128, (4, 65), generator=torch.Generator().manual_seed(1))
@@ -124,7 +128,7 @@ def rank_body(args: argparse.Namespace) -> dict[str, Any]:
 
     torch.set_num_threads(1)
     world = dist.get_world_size()
-    ref, ids, labels = _reference()
+    ref, ids, labels = _reference(world)
     out: dict[str, Any] = {"world": world}
     every: dict[str, Any] = {}
     for lib in args.libs.split(","):
