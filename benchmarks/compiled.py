@@ -74,6 +74,8 @@ def run(repeat: int = 15, gloo: bool = True) -> dict[str, Any]:
 
         res["steps"] = (compiled_llama.run(repeat=repeat) if gloo else
                         {"case": "simulated only", "simulated": compiled_llama.simulated(repeat)})
+        if gloo:  # the second process count
+            res["steps4"] = compiled_llama.run(world=4, repeat=repeat, no_simulated=True)
     return res
 
 
@@ -137,10 +139,11 @@ def tables(res: dict[str, Any]) -> list[str]:
                  f"{res.get('frames_compiled', '?')} frames compiled, "
                  f"max |compiled - eager| {res['max_abs_diff']:.1e}, recompiles while timed: "
                  f"{res['recompiles']}")
-    if res.get("steps"):
-        from benchmarks.compiled_llama import tables as step_tables
+    from benchmarks.compiled_llama import tables as step_tables
 
-        lines += step_tables(res["steps"])
+    for key in ("steps", "steps4"):
+        if res.get(key):
+            lines += step_tables(res[key])
     return lines
 
 

@@ -203,6 +203,12 @@ def test_compile_section_tables() -> None:
     assert "dtensor, 2 Gloo ranks" in text and "DeviceMesh.cpu(2)" in text
     met = {t["target"]: t["met"] for t in check_targets({"compile": {**row, "steps": steps}})}
     assert met["compile_forward_vs_dtensor"] is True and met["compile_train_vs_dtensor"] is True
+    four = {"case": "tiny HF Llama", "gloo": {"world": 4, "dtensor": lib, "shardwise": slower}}
+    both = check_targets({"compile": {**row, "steps": steps, "steps4": four}})
+    scoped = {(t["target"], t["scope"]): t["met"] for t in both}
+    assert scoped[("compile_train_vs_dtensor", "Llama train compiled, 4 Gloo ranks")] is False
+    assert scoped[("compile_train_vs_dtensor", "Llama train compiled, 2 Gloo ranks")] is True
+    assert "dtensor, 4 Gloo ranks" in "\n".join(compile_tables({**row, "steps4": four}))
     assert "compile_train_vs_dtensor" in TARGETS
 
 
