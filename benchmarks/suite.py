@@ -71,7 +71,7 @@ PRESETS: dict[str, dict[str, Any]] = {
              "pipeline": {"repeat": 7},
              "attention": {"seq": 1024, "repeat": 5},
              "moe": {"repeat": 7},
-             "planning": {"repeat": 5, "quick": False, "do_scale": True}},
+             "planning": {"repeat": 7, "quick": False, "do_scale": True}},
     "quick": {"size": 1024, "small": 8, "repeat": 3, "small_repeat": 6, "small_inner": 50,
               "profile_calls": 300, "gloo": {"size": 1024, "repeat": 3, "small_repeat": 20,
                                              "choices": False},
