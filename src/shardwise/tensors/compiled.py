@@ -136,9 +136,9 @@ class CompiledMixin(MetaMixin):
             index = {id(blocks[k]): j for j, k in enumerate(local.unique())}
             pattern: tuple[int | None, ...] | None = tuple(
                 None if b is None else index[id(b)] for b in blocks)
-            names = _held_names(type(self), len(index))
+            names = _held_names(len(index))
         else:
-            pattern, names = None, _held_names(type(self), 1)
+            pattern, names = None, _held_names(1)
         return names, (self._layout, pattern, self._dtype, self._open)
 
     @classmethod
@@ -154,7 +154,7 @@ class CompiledMixin(MetaMixin):
                 "so backward would find nothing to differentiate. Compile with "
                 "backend=shardwise.compile_backend() (or compile_backend('aot_eager')), "
                 "or run the compiled function under torch.no_grad().")
-        return cls.from_buffers([inner[n] for n in _held_names(cls, len(inner))], context,
+        return cls.from_buffers([inner[n] for n in _held_names(len(inner))], context,
                                 torch.Size(outer_size))
 
     @classmethod
@@ -178,16 +178,16 @@ class CompiledMixin(MetaMixin):
 _NAMES: dict[int, list[str]] = {}
 
 
-def _held_names(cls: type, n: int) -> list[str]:
+def _held_names(n: int) -> list[str]:
     """The attribute names of a Tensor's first ``n`` buffers (``_held0``...), each a
-    property of the class added on first need: a ``__getattr__`` would slow every
-    attribute read of every Tensor."""
+    property of :class:`CompiledMixin` (so of every Tensor class) added on first need: a
+    ``__getattr__`` would slow every attribute read of every Tensor."""
     names = _NAMES.get(n)
     if names is None:
         names = [f"_held{j}" for j in range(n)]
         for j, name in enumerate(names):
-            if name not in cls.__dict__:
-                setattr(cls, name, property(functools.partial(_buffer, j)))
+            if name not in CompiledMixin.__dict__:
+                setattr(CompiledMixin, name, property(functools.partial(_buffer, j)))
         _NAMES[n] = names
     return list(names)  # (torch may keep and change the list it is given)
 
