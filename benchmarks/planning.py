@@ -169,6 +169,9 @@ def compare(world: int = 4, repeat: int = 5, quick: bool = False,
                     "links": {f"{n}x stride {s}": {"alpha_us": lk.alpha * 1e6,
                                                    "beta_ns_per_byte": lk.beta * 1e9}
                               for (n, s), lk in sorted(profile.groups.items())},
+                    "p2p": None if profile.p2p is None else {
+                        "alpha_us": profile.p2p.alpha * 1e6,
+                        "beta_ns_per_byte": profile.p2p.beta * 1e9},
                     "measure_s": measure_s},
         "plans": rows,
         "within_20": sum(abs(r["error"]) <= 0.2 for r in rows),

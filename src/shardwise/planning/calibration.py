@@ -9,7 +9,9 @@ Invariants:
   sized by ``CommCounter``'s bytes, so the fitted ``beta`` prices the bytes the estimate
   counts and ``alpha`` (per ring hop) everything else a collective costs.
 - Links are fitted per group (size, stride) of the meshes ``(n,)`` and, for an even
-  ``n`` above 2, ``(2, n/2)``: the groups a plan on ``n`` devices runs collectives on.
+  ``n`` above 2, ``(2, n/2)``: the groups a plan on ``n`` devices runs collectives on;
+  and one for a pipeline stage's send (``Profile.p2p``): every even rank sends to the
+  next at once, as neighbouring stages do.
 - The processes are spawned here (torch.multiprocessing, Gloo on 127.0.0.1, a free
   port); nothing is left running: a rank that fails or outlives the limit is killed.
 """
@@ -227,6 +229,11 @@ def _op_overhead(repeat: int) -> float:
     return max(0.0, spent / max(calls.n, 1))
 
 
+# each link point's timed calls in one round of measurements: one call's time on
+# ranks sharing cores moved 2-5x between rounds
+LINK_SAMPLES = 5
+
+
 def _links(repeat: int) -> dict[str, list[float]]:
     import torch
 
@@ -259,10 +266,43 @@ def _links(repeat: int) -> dict[str, list[float]]:
                     with CommCounter() as cc:
                         call()
                     nbytes = sum(e.nbytes for e in cc.events if e.kind == kind)
-                    seconds = slowest(call, repeat)
+                    seconds = slowest(call, repeat * LINK_SAMPLES)
                     hops = 2 * (size - 1) if kind == "all_reduce" else size - 1
                     points.setdefault(f"{size},{stride}", []).extend(
                         [float(hops), float(nbytes), seconds])
+    points["p2p"] = _sends(repeat * LINK_SAMPLES)
+    return points
+
+
+def _sends(repeat: int) -> list[float]:
+    """``[hops, bytes, seconds, ...]`` of a pipeline stage's send (the pipeline's own
+    transport, its header and packing included) from each even rank to the next, all
+    pairs at once; a send's time is its receiver's, the slowest rank's."""
+    import torch
+    import torch.distributed as dist
+
+    from shardwise.api.creation import tensor
+    from shardwise.pipelining.transport_process import ProcessTransport
+    from shardwise.sharding.mappings import PlacementMapping
+    from shardwise.sharding.mesh import DeviceMesh
+    from shardwise.sharding.placements import Replicated
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    mesh = DeviceMesh.cpu((world, 1), ("pp", "dp"))
+    stages = [mesh.submesh(pp=i) for i in range(world)]
+    transport = ProcessTransport(stages)
+    points: list[float] = []
+    for numel in (256, 1 << 14, 1 << 18):
+        x = tensor(torch.ones(numel),
+                   sharding=PlacementMapping(stages[rank], (Replicated(),)))
+
+        def hop(x: Any = x, tag: str = f"calibrate{numel}") -> None:
+            if rank % 2 == 0 and rank + 1 < world:
+                transport.send(x, rank, rank + 1, tag)
+                transport.flush()
+            elif rank % 2 == 1:
+                transport.recv(rank - 1, rank, tag)
+        points.extend([1.0, float(numel * 4), slowest(hop, repeat)])
     return points
 
 
@@ -298,10 +338,14 @@ def profile_of(rounds: list[dict[str, Any]], devices: int) -> Profile:
                             "none; pass [measurements(), ...].")
     c = {k: statistics.median(r["compute"][k] for r in rounds) for k in rounds[0]["compute"]}
     groups: dict[tuple[int, int], Link] = {}
+    p2p = None
     for key, first in rounds[0]["links"].items():
         points = list(first)
         for i in range(2, len(points), 3):  # [hops, bytes, seconds] per point
             points[i] = statistics.median(r["links"][key][i] for r in rounds)
+        if key == "p2p":
+            p2p = fit(points)
+            continue
         size, stride = (int(v) for v in key.split(","))
         groups[(size, stride)] = fit(points)
     slow = max(groups.values(), key=lambda lk: lk.beta)
@@ -312,7 +356,7 @@ def profile_of(rounds: list[dict[str, Any]], devices: int) -> Profile:
         memory_bandwidth=c["bandwidth"], memory=_memory() // devices,
         intra=slow, inter=slow, devices_per_node=devices, op_overhead=c["op"],
         kernel_overhead=c["kernel"], overlap=0.0, groups=groups, host_bound=True,
-        cores=_cores())
+        cores=_cores(), p2p=p2p)
 
 
 def _cores() -> int:

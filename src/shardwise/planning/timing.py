@@ -158,7 +158,7 @@ def time_step(ops: Sequence[OpRecord], comms: Sequence[CommRecord], profile: Pro
     share = {r: rank_of.count(r) for r in set(rank_of)}
     fwd = [work(r, ("forward",)) / m / share[r] for r in rank_of]
     bwd = [work(r, ("backward",)) / m / share[r] for r in rank_of]
-    p2p = profile.inter.seconds("permute", 2, pipeline.p2p_bytes)
+    p2p = (profile.p2p or profile.inter).seconds("permute", 2, pipeline.p2p_bytes)
     # a send that does not overlap (Gloo's blocks) holds its rank for the hop: each F
     # but the last stage's sends an activation, each B but the first stage's a gradient
     held = (1.0 - profile.overlap) * p2p
