@@ -126,9 +126,8 @@ def _spearman(a: list[float], b: list[float]) -> float:
 def compare(world: int = 4, repeat: int = 5, quick: bool = False,
             log: Any = None) -> dict[str, Any]:
     """Calibrate, predict and measure every plan, and ``auto_plan``'s pick."""
-    from shardwise.planning import auto_plan
+    from shardwise.planning import auto_plan, estimate_plan
     from shardwise.planning.calibration import profile_of, spawn
-    from shardwise.planning.search import _Model, evaluate
 
     say = log or (lambda msg: None)
     config, batch = _config(quick), 16
@@ -140,9 +139,8 @@ def compare(world: int = 4, repeat: int = 5, quick: bool = False,
     measure_s = time.perf_counter() - t0
     measured = got["times"]
     profile = profile_of(got["rounds"], world)
-    model = _Model(config, None)
     say(f"predict {len(plans)} plans (simulated mesh, fake tensors) ...")
-    predicted = [evaluate(model, p, batch, profile).time_s for p in plans]
+    predicted = [estimate_plan(config, p, batch=batch, profile=profile).time_s for p in plans]
     say("auto_plan with the calibrated profile ...")
     choice = auto_plan(config, devices=world, batch=batch, profile=profile,
                        memory_budget=profile.memory, refine=3)
@@ -186,8 +184,7 @@ def compare(world: int = 4, repeat: int = 5, quick: bool = False,
 _SCALE = r'''
 import json, resource, sys, time
 import torch
-from shardwise.planning import ModelConfig, ParallelPlan, auto_plan
-from shardwise.planning.search import _Model, evaluate
+from shardwise.planning import ModelConfig, ParallelPlan, auto_plan, estimate_plan
 case = sys.argv[1]
 t0 = time.perf_counter()
 megatron = %r
@@ -201,7 +198,7 @@ else:
     styles = megatron + (("layers.*.mlp.w3", "colwise"), ("head", "colwise_sharded"),
                          ("embed.tok", "rowwise"))
     plan = ParallelPlan(dp=dp, tp=8, fsdp=True, styles=styles)
-    est = evaluate(_Model(cfg, None), plan, 1024 if case == "8b" else 2048, None)
+    est = estimate_plan(cfg, plan, batch=1024 if case == "8b" else 2048)
     out = {"plan": str(plan), "time_s": est.time_s, "peak_gib": est.memory.peak / 2**30,
            "all_reduce_tp": est.counts.get("all_reduce", 0)}
 out["seconds"] = time.perf_counter() - t0

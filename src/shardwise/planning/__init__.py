@@ -12,10 +12,11 @@ from shardwise.planning.calibration import calibrate
 from shardwise.planning.estimator import CommRow, Estimate, Memory, estimate, fake_world
 from shardwise.planning.plans import ParallelPlan, Recompute
 from shardwise.planning.profiles import PRESETS, Link, Profile, get_profile
-from shardwise.planning.search import Candidate, PlanChoice, auto_plan
+from shardwise.planning.search import Candidate, PlanChoice, auto_plan, estimate_plan
 from shardwise.planning.timing import Timing
 from shardwise.planning.transformer import ModelConfig, Transformer
 
 __all__ = ["PRESETS", "Candidate", "CommRow", "Estimate", "Link", "Memory", "ModelConfig",
            "ParallelPlan", "PlanChoice", "Profile", "Recompute", "Timing", "Transformer",
-           "auto_plan", "calibrate", "estimate", "fake_world", "get_profile"]
+           "auto_plan", "calibrate", "estimate", "estimate_plan", "fake_world",
+           "get_profile"]

@@ -156,6 +156,29 @@ def evaluate(model: _Model, plan: ParallelPlan, batch: int, profile: Profile,
                        profile=profile)
 
 
+def estimate_plan(model: Any, plan: ParallelPlan, *, batch: int,
+                  profile: str | Profile | None = None, seq: int | None = None,
+                  dtype: torch.dtype | None = None) -> Estimate:
+    """The estimate of one training step of ``model`` laid out by ``plan`` (what
+    :func:`auto_plan` ranks each candidate by), on fake tensors: no device is touched.
+
+    Args:
+        model: a ``ModelConfig``, or a function building the model (as ``auto_plan``).
+        plan: the :class:`ParallelPlan` to price.
+        batch: sequences per step (the global batch).
+        profile: a preset name, a ``Profile`` or ``calibrate()``'s result.
+        seq: the context length (default: the model's).
+        dtype: the model's dtype (default: as built, float32).
+
+    >>> from shardwise.planning import ModelConfig, ParallelPlan
+    >>> gpt = ModelConfig.gpt(vocab=256, seq=32, dim=64, heads=4, layers=2)
+    >>> est = estimate_plan(gpt, ParallelPlan(dp=2, tp=2), batch=4, profile="h100")
+    >>> est.counts["all_reduce"] > 0 and est.time_s > 0
+    True
+    """
+    return evaluate(_Model(model, seq), plan, batch, get_profile(profile), dtype=dtype)
+
+
 def _summary(est: Estimate) -> dict[str, Any]:
     comm: dict[str, int] = {}
     for (axes, _, _), row in est.comm.items():
