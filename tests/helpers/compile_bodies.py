@@ -118,10 +118,15 @@ def _steps(model: nn.Module, forward: Any, inputs: Any, optimizer: Any) -> list[
             loss = forward(*inputs(step))
             loss = loss if loss.ndim == 0 else loss.sum()
         loss.backward()
-        out.append([loss.to_torch()] + [p.grad.to_torch() for p in model.parameters()])
+        out.append([loss.to_torch()] + [_value(p.grad) for p in model.parameters()])
         opt.step()
         opt.zero_grad(set_to_none=True)
-    return [*out, [p.to_torch() for p in model.parameters()]]
+    return [*out, [_value(p) for p in model.parameters()]]
+
+
+def _value(t: torch.Tensor) -> torch.Tensor:
+    """The global value (a parameter that no plan names stays a plain tensor)."""
+    return t.to_torch() if isinstance(t, sw.Tensor) else t.detach().clone()
 
 
 def _compiled_equals_eager(build: Any, inputs: Any, optimizer: Any) -> None:
@@ -179,10 +184,83 @@ def body_fsdp_and_loss_parallel(n: int) -> None:
                            lambda ps: torch.optim.AdamW(ps, lr=0.01))
 
 
+def _tiny_llama() -> Any:
+    import transformers as T  # the `hf` test extra
+
+    torch.manual_seed(0)
+    return T.LlamaForCausalLM(T.LlamaConfig(
+        vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+        attn_implementation="eager"))
+
+
+def _llama_steps(model: nn.Module, forward: Any, ids: Any) -> list[list[Any]]:
+    """Three AdamW steps of ``model`` called as ``forward`` on HF's own loss (its labels
+    padded by one position: a pad of the Sharded labels)."""
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+    out = []
+    for _ in range(3):
+        loss = forward(ids, labels=ids).loss
+        loss.backward()
+        out.append([loss.to_torch()] + [_value(p.grad) for p in model.parameters()])
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return [*out, [_value(p) for p in model.parameters()]]
+
+
+def _value(t: torch.Tensor) -> torch.Tensor:
+    """The global value (a parameter that no plan names stays a plain tensor)."""
+    return t.to_torch() if isinstance(t, sw.Tensor) else t.detach().clone()
+
+
+def body_hf_llama(n: int) -> None:
+    """A tiny HF Llama under ``hf_plan``, trained on HF's loss, compiled: on a simulated
+    (n/2, 2) mesh with ``fully_shard`` per layer and root over dp, compiled whole and
+    then per block (torchtitan); on processes (kept cheap) TP over the n ranks,
+    compiled whole. No graph break, one graph per compiled module over three steps,
+    losses, gradients and AdamW steps equal to eager shardwise's."""
+    from shardwise.parallel import hf_plan
+
+    base = _tiny_llama()
+    processes = torch.distributed.is_initialized()
+    mesh = DeviceMesh.cpu((1, n) if processes else (n // 2, 2), ("dp", "tp"))
+    ids = sw.tensor(torch.randint(0, 128, (4, 16), generator=torch.Generator().manual_seed(0)),
+                    sharding=PlacementMapping(mesh, (Sharded(0), Replicated())))
+
+    def build() -> Any:
+        model = parallelize_module(_copy(base), mesh, hf_plan(base), axis="tp")
+        if processes:
+            return model
+        for layer in model.model.layers:
+            fully_shard(layer, mesh, axis="dp")
+        return fully_shard(model, mesh, axis="dp")
+
+    eager = build()
+    want = _llama_steps(eager, eager, ids)
+    for blocks in (False,) if processes else (False, True):
+        model = build()
+        torch._dynamo.reset()
+        counters.clear()
+        if blocks:
+            for layer in model.model.layers:
+                layer.compile(backend=sw.compile_backend("aot_eager"), dynamic=False)
+            forward = model
+        else:
+            forward = torch.compile(model, backend=sw.compile_backend("aot_eager"),
+                                    dynamic=False)
+        got = _llama_steps(model, forward, ids)
+        assert not counters["graph_break"], (blocks, dict(counters["graph_break"]))
+        graphs = len(model.model.layers) if blocks else 1  # no recompile
+        assert counters["stats"]["unique_graphs"] == graphs, (blocks, counters["stats"])
+        for a, b in zip(got, want, strict=True):
+            torch.testing.assert_close(a, b)
+
+
 def _copy(m: nn.Module) -> Any:
     import copy
 
     return copy.deepcopy(m)
 
 
-BODIES = ["body_tiny_program", "body_megatron_mlp", "body_fsdp_and_loss_parallel"]
+BODIES = ["body_tiny_program", "body_megatron_mlp", "body_fsdp_and_loss_parallel",
+          "body_hf_llama"]
