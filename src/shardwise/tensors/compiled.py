@@ -65,8 +65,9 @@ _AOT_SUBCLASSES = "torch._functorch._aot_autograd.schemas"
 _META_CONVERTER = "torch._subclasses.meta_utils"
 
 #: the modules Dynamo traces: where compiled code enters shardwise functions (the
-#: parallel styles' hooks, FSDP's), each one graph node (tensors/traced.py)
-TRACED_MODULES = ("tensors/traced.py", "parallel/style.py")
+#: parallel styles' hooks, each one graph node: tensors/traced.py), and fully_shard's
+#: compiled hooks for mixed precision (torch functions and module attributes only)
+TRACED_MODULES = ("tensors/traced.py", "parallel/style.py", "parallel/precision.py")
 
 
 def _skip_in_dynamo() -> None:
