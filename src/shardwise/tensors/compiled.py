@@ -177,7 +177,7 @@ class CompiledMixin(MetaMixin):
         history of an input that is an op's result), the buffers get that history
         instead, as they carry the Tensor's autograd."""
         if sys._getframe(2).f_globals.get("__name__") != _META_CONVERTER:
-            return self.map_buffers(lambda b: b)
+            return self._with_buffers(lambda b: b)
 
         def faked(b: torch.Tensor) -> torch.Tensor:
             if not b.requires_grad:
@@ -187,7 +187,12 @@ class CompiledMixin(MetaMixin):
             return torch._C._functions.DelayedError(
                 "Internal error: Tried to backward() through example input", 1)(b)
 
-        return self.map_buffers(faked)
+        return self._with_buffers(faked)
+
+    def _with_buffers(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
+        local = self._local.map(fn, self._layout)
+        return type(self).from_held(local, self._layout, self._size, self._dtype,
+                                    self._device, self._open)
 
     @classmethod
     def from_buffers(cls, buffers: Sequence[torch.Tensor], context: tuple[Any, ...],
