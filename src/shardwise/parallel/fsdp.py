@@ -21,8 +21,8 @@ Invariants:
 - Under ``torch.compile`` the unit's hooks are skipped (``tensors.traced.eager_only``):
   the parameters stay sharded in the graph and each op relayouts them as it needs (the
   planner's all_gathers; their gradients' reductions in the backward graph), so values,
-  gradients and optimizer steps equal eager; a unit with a casting ``mp_policy`` keeps
-  its hooks (a graph break).
+  gradients and optimizer steps equal eager; a unit with a casting ``mp_policy`` runs
+  its casts as graph ops instead (``precision.compiled_hooks``).
 """
 
 from __future__ import annotations
