@@ -227,10 +227,10 @@ def _value(t: torch.Tensor) -> torch.Tensor:
 
 def body_hf_llama(n: int) -> None:
     """A tiny HF Llama under ``hf_plan``, trained on HF's loss, compiled: on a simulated
-    (n/2, 2) mesh with ``fully_shard`` per layer and root over dp, compiled whole and
-    then per block (torchtitan); on processes (kept cheap) TP over the n ranks,
-    compiled whole. No graph break, one graph per compiled module over three steps,
-    losses, gradients and AdamW steps equal to eager shardwise's."""
+    (n/2, 2) mesh with ``fully_shard`` per layer and root over dp, on processes (kept
+    cheap) TP over the n ranks; compiled whole, then per block (torchtitan). No graph
+    break, one graph per compiled module over three steps, losses, gradients and AdamW
+    steps equal to eager shardwise's."""
     from shardwise.parallel import hf_plan
 
     base = _tiny_llama()
@@ -249,7 +249,7 @@ def body_hf_llama(n: int) -> None:
 
     eager = build()
     want = _llama_steps(eager, eager, ids)
-    for blocks in (False,) if processes else (False, True):
+    for blocks in (False, True):
         model = build()
         torch._dynamo.reset()
         counters.clear()
