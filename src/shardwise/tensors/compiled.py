@@ -11,6 +11,9 @@ Invariants:
   computed by :meth:`CompiledMixin.compiled_route` on fake buffers; AOTAutograd, given
   the graph on the buffers (:mod:`shardwise.api.compiling`), runs the same routing on
   them, so the compiled graph holds the local ops and functional collectives.
+- A Tensor that is an op's result enters a compiled frame with its autograd history on
+  its faked buffers, where torch's fake conversion puts it on the wrapper
+  (``__tensor_unflatten__`` and :meth:`CompiledMixin._shallow_copy`, asked by it).
 - Dynamo traces no frame of shardwise but :data:`TRACED_MODULES`
   (:func:`_skip_in_dynamo`), so no guard reads shardwise's Python state.
 - Eager ops pay one attribute read (:data:`COMPILER`) for all of this; what runs under
@@ -153,7 +156,7 @@ class CompiledMixin(MetaMixin):
         if caller == _META_CONVERTER and not all(t.is_leaf for t in inner.values()):
             # Dynamo faking an input that is the result of an op (a compiled block's
             # input): torch fakes the autograd history of the wrapper itself (a leaf it
-            # builds, then gives history through :meth:`CompiledMixin.shallow_copy`),
+            # builds, then gives history through :meth:`CompiledMixin._shallow_copy`),
             # where a shardwise Tensor's history is its buffers'. Built around leaves of
             # the faked buffers, the wrapper passes; the compiled graph meets the real
             # buffers' history at run time (compile_backend hands them to AOTAutograd).
@@ -170,7 +173,7 @@ class CompiledMixin(MetaMixin):
         return cls.from_buffers([inner[n] for n in _held_names(len(inner))], context,
                                 torch.Size(outer_size))
 
-    def shallow_copy(self) -> Any:
+    def _shallow_copy(self) -> Any:
         """torch's C++ shallow copy of the wrapper (``aten.detach`` at the dispatcher,
         under compile): a new wrapper around the same buffers, as the wrapper holds no
         autograd state of its own. Asked by the fake conversion (faking the autograd
