@@ -40,8 +40,11 @@ def test_compile_body_on_gloo(name: str) -> None:
 
 @pytest.mark.parametrize("name", compile_bodies.BODIES)
 def test_compile_body_simulated(name: str) -> None:
-    # fully_shard and the GPT example's plan on a 2x2 (dp, tp) mesh here; 2 ranks on Gloo
-    getattr(compile_bodies, name)(4 if name == "body_fsdp_and_loss_parallel" else 2)
+    getattr(compile_bodies, name)(4 if name in FOUR else 2)
+
+
+#: the bodies run on a simulated 2x2 (dp, tp) mesh here (2 ranks on Gloo)
+FOUR = ("body_fsdp_and_loss_parallel", "body_hf_llama")
 
 
 def _operands() -> tuple[sw.Tensor, sw.Tensor]:

@@ -153,7 +153,8 @@ register(F.channel_shuffle, torch.channel_shuffle, getattr(torch, "native_channe
 register(F.local_response_norm)(_per_batch(F.local_response_norm, None, "local_response_norm"))
 
 
-@register(F.pad, torch.constant_pad_nd)
+# torch._C._nn.pad: what F.pad calls, and what Dynamo records once it has traced F.pad
+@register(F.pad, torch._C._nn.pad, torch.constant_pad_nd)
 def pad(x: Any, pad: Any, mode: str = "constant", value: Any = None) -> Any:
     """A dim with no padding shards freely in constant mode; other modes keep the batch
     dim (a dim that is not padded) only, as their kernels refuse empty channels."""

@@ -21,8 +21,8 @@ Invariants:
 - Under ``torch.compile`` the unit's hooks are skipped (``tensors.traced.eager_only``):
   the parameters stay sharded in the graph and each op relayouts them as it needs (the
   planner's all_gathers; their gradients' reductions in the backward graph), so values,
-  gradients and optimizer steps equal eager; a unit with a casting ``mp_policy`` keeps
-  its hooks (a graph break).
+  gradients and optimizer steps equal eager; a unit with a casting ``mp_policy`` runs
+  its casts as graph ops instead (``precision.compiled_hooks``).
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ import torch.nn as nn
 from shardwise.parallel import replicas
 from shardwise.parallel.fsdp_unit import UNIT, Param, Unit, sharded_layout
 from shardwise.parallel.hf import gather_on_save
-from shardwise.parallel.precision import MixedPrecisionPolicy, cast_floating
+from shardwise.parallel.precision import MixedPrecisionPolicy, cast_floating, compiled_hooks
 from shardwise.runtime import backend_for, position
 from shardwise.sharding.errors import ShardingError, ShardingTypeError
 from shardwise.sharding.layout import Layout
@@ -135,10 +135,10 @@ def fully_shard(module: nn.Module, mesh: DeviceMesh, axis: str = "dp", *,
             inner.site = position.site(path, "fully_shard")
     # Compiled code skips the hooks: the graph's ops gather the sharded parameters
     # (relayouts to what each op needs, differentiated to their reductions); a policy
-    # that casts keeps them, a graph break that strict mode names (no silent dtype change)
-    wrap = eager_only if mp_policy == NO_CAST else (lambda f: f)
-    module.register_forward_pre_hook(wrap(_pre_forward), with_kwargs=True)
-    module.register_forward_hook(wrap(_post_forward), always_call=True)
+    # that casts runs its casts as graph ops instead
+    before, after = (None, None) if mp_policy == NO_CAST else compiled_hooks(unit)
+    module.register_forward_pre_hook(eager_only(_pre_forward, before), with_kwargs=True)
+    module.register_forward_hook(eager_only(_post_forward, after), always_call=True)
     gather_on_save(module)  # a transformers model's save_pretrained writes global values
     return module
 

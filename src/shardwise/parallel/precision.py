@@ -8,19 +8,25 @@ Invariants:
 - Gradients arrive in ``param_dtype``, are cast to ``reduce_dtype`` before the
   reduce_scatter and stored in the parameter's dtype.
 - ``None`` means "no cast": a policy of ``None``s changes nothing.
+- Under ``torch.compile`` a unit's hooks are :func:`compiled_hooks` (Dynamo traces this
+  module): the parameters' casts are graph ops on the sharded parameters, each op
+  gathering as it needs; the cast's backward brings gradients back to the
+  parameter's dtype.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.nn as nn
 
 from shardwise.sharding.errors import ShardingTypeError
 from shardwise.tensors.tensor import Tensor
 
-__all__ = ["MixedPrecisionPolicy", "cast_floating"]
+__all__ = ["MixedPrecisionPolicy", "cast_floating", "compiled_hooks"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,3 +81,41 @@ def cast_floating(value: Any, dtype: torch.dtype | None) -> Any:
     if isinstance(value, dict):
         return {k: cast_floating(v, dtype) for k, v in value.items()}
     return value
+
+
+def compiled_hooks(unit: Any) -> tuple[Callable[..., Any], Callable[..., Any]]:
+    """The forward pre- and post-hooks that compiled code runs for a ``fully_shard``
+    unit (``unit``: its ``params``, each with ``sharded`` and ``owners``, and its
+    ``policy``): before the forward each parameter's module holds it cast to
+    ``param_dtype`` (a graph op on the sharded parameter) and the floating inputs are
+    cast; after it the modules hold the sharded parameters again and the floating
+    outputs are cast to ``output_dtype``. Dynamo traces both (no shardwise Python is
+    called: torch functions and attributes only).
+
+    >>> class Unit:
+    ...     params, policy = [], MixedPrecisionPolicy(param_dtype=torch.float64)
+    >>> before, after = compiled_hooks(Unit())
+    >>> before(None, (torch.ones(1),), {})[0][0].dtype
+    torch.float64
+    """
+
+    def before(module: nn.Module, args: Any, kwargs: Any) -> Any:
+        policy = unit.policy
+        dtype = policy.param_dtype
+        if dtype is None:
+            return args, kwargs
+        for fp in unit.params:
+            cast = fp.sharded.to(dtype)
+            for owner, name in fp.owners:
+                owner._parameters[name] = cast
+        if policy.cast_forward_inputs:
+            return cast_floating(args, dtype), cast_floating(kwargs, dtype)
+        return args, kwargs
+
+    def after(module: nn.Module, args: Any, output: Any) -> Any:
+        for fp in unit.params:
+            for owner, name in fp.owners:
+                owner._parameters[name] = fp.sharded
+        return cast_floating(output, unit.policy.output_dtype)
+
+    return before, after

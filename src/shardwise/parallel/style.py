@@ -276,7 +276,13 @@ class RowwiseParallel(ParallelStyle):
 def _vocab_forward(self: nn.Embedding, ids: Any) -> Any:
     """nn.Embedding.forward over a vocabulary-sharded table (the input hook placed
     ``ids`` on the mesh): a Partial(SUM) lookup, reduced by the output hook."""
-    return vocab_embedding(ids, self.weight, self.padding_idx)  # type: ignore[arg-type]
+    if self.padding_idx is None:  # (a compiled node's arguments hold no None)
+        return _vocab_lookup(ids, self.weight)
+    return _vocab_lookup(ids, self.weight, self.padding_idx)
+
+
+#: the lookup as one node of a compiled graph (its per-block Python would break it)
+_vocab_lookup = traced(vocab_embedding)
 
 
 class SequenceParallel(ParallelStyle):

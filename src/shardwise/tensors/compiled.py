@@ -11,6 +11,9 @@ Invariants:
   computed by :meth:`CompiledMixin.compiled_route` on fake buffers; AOTAutograd, given
   the graph on the buffers (:mod:`shardwise.api.compiling`), runs the same routing on
   them, so the compiled graph holds the local ops and functional collectives.
+- A Tensor that is an op's result enters a compiled frame with its autograd history on
+  its faked buffers, where torch's fake conversion puts it on the wrapper
+  (``__tensor_unflatten__`` and :meth:`CompiledMixin._shallow_copy`, asked by it).
 - Dynamo traces no frame of shardwise but :data:`TRACED_MODULES`
   (:func:`_skip_in_dynamo`), so no guard reads shardwise's Python state.
 - Eager ops pay one attribute read (:data:`COMPILER`) for all of this; what runs under
@@ -61,9 +64,13 @@ WATCH: list[Callable[[], None]] = []
 #: the module where torch's AOTAutograd rebuilds subclass instances to differentiate them
 _AOT_SUBCLASSES = "torch._functorch._aot_autograd.schemas"
 
+#: the module where torch's fake conversion builds a subclass input around fake buffers
+_META_CONVERTER = "torch._subclasses.meta_utils"
+
 #: the modules Dynamo traces: where compiled code enters shardwise functions (the
-#: parallel styles' hooks, FSDP's), each one graph node (tensors/traced.py)
-TRACED_MODULES = ("tensors/traced.py", "parallel/style.py")
+#: parallel styles' hooks, each one graph node: tensors/traced.py), and fully_shard's
+#: compiled hooks for mixed precision (torch functions and module attributes only)
+TRACED_MODULES = ("tensors/traced.py", "parallel/style.py", "parallel/precision.py")
 
 
 def _skip_in_dynamo() -> None:
@@ -145,8 +152,17 @@ class CompiledMixin(MetaMixin):
     def __tensor_unflatten__(cls, inner: dict[str, torch.Tensor], context: tuple[Any, ...],
                              outer_size: Any, outer_stride: Any) -> Any:
         layout = context[0]
+        caller = sys._getframe(1).f_globals.get("__name__")
+        if caller == _META_CONVERTER and not all(t.is_leaf for t in inner.values()):
+            # Dynamo faking an input that is the result of an op (a compiled block's
+            # input): torch fakes the autograd history of the wrapper itself (a leaf it
+            # builds, then gives history through :meth:`CompiledMixin._shallow_copy`),
+            # where a shardwise Tensor's history is its buffers'. Built around leaves of
+            # the faked buffers, the wrapper passes; the compiled graph meets the real
+            # buffers' history at run time (compile_backend hands them to AOTAutograd).
+            inner = {n: t.detach().requires_grad_(t.requires_grad) for n, t in inner.items()}
         if (torch.is_grad_enabled() and any(t.requires_grad for t in inner.values())
-                and sys._getframe(1).f_globals.get("__name__") == _AOT_SUBCLASSES):
+                and caller == _AOT_SUBCLASSES):
             raise ShardingError(
                 f"torch.compile's AOTAutograd is differentiating a shardwise.Tensor laid "
                 f"out as {layout}: it would record gradients on the wrapper, which holds "
@@ -156,6 +172,30 @@ class CompiledMixin(MetaMixin):
                 "or run the compiled function under torch.no_grad().")
         return cls.from_buffers([inner[n] for n in _held_names(len(inner))], context,
                                 torch.Size(outer_size))
+
+    def _shallow_copy(self) -> Any:
+        """torch's C++ shallow copy of the wrapper (``aten.detach`` at the dispatcher,
+        under compile): a new wrapper around the same buffers, as the wrapper holds no
+        autograd state of its own. Asked by the fake conversion (faking the autograd
+        history of an input that is an op's result), the buffers get that history
+        instead, as they carry the Tensor's autograd."""
+        if sys._getframe(2).f_globals.get("__name__") != _META_CONVERTER:
+            return self._with_buffers(lambda b: b)
+
+        def faked(b: torch.Tensor) -> torch.Tensor:
+            if not b.requires_grad:
+                return b
+            # (as torch's meta converter fakes a plain tensor's history: a backward
+            # reaching it raises)
+            return torch._C._functions.DelayedError(
+                "Internal error: Tried to backward() through example input", 1)(b)
+
+        return self._with_buffers(faked)
+
+    def _with_buffers(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
+        local = self._local.map(fn, self._layout)
+        return type(self).from_held(local, self._layout, self._size, self._dtype,
+                                    self._device, self._open)
 
     @classmethod
     def from_buffers(cls, buffers: Sequence[torch.Tensor], context: tuple[Any, ...],

@@ -50,7 +50,10 @@ class GradMixin(RelayoutMixin):
 
     @requires_grad.setter
     def requires_grad(self, value: bool) -> None:
-        self.requires_grad_(value)
+        # (already so: kept as held; torch's fake conversion sets the flag it just
+        # built, and a Partial leaf made anew would be its blocks, not its whole)
+        if value != self._local.requires_grad:
+            self.requires_grad_(value)
 
     @property
     def is_leaf(self) -> bool:

@@ -199,6 +199,8 @@ class Tensor(CompiledMixin, GradMixin, DTensorNamesMixin, RelayoutMixin,  # type
         if transform is not None:
             return _under_transform(transform, func, args, kwargs or {})
         if COMPILER._is_compiling_flag:
+            if func is torch.ops.aten.detach.default and isinstance(args[0], cls):
+                return args[0]._shallow_copy()  # (torch faking an input's autograd history)
             raise ShardingError(
                 f"{func} has no sharding rule, and under torch.compile the gathered "
                 "fallback (eager only) cannot run: the op would leave the graph. Run this "

@@ -60,28 +60,31 @@ def traced(fn: Callable[..., Any]) -> Callable[..., Any]:
 
 
 class _EagerOnly:
-    """A module hook that compiled code skips (see :func:`eager_only`)."""
+    """A module hook that compiled code skips or replaces (see :func:`eager_only`)."""
 
-    def __init__(self, fn: Callable[..., Any]) -> None:
+    def __init__(self, fn: Callable[..., Any], compiled: Callable[..., Any] | None) -> None:
         self.fn = fn
+        self.compiled = compiled
         functools.update_wrapper(self, fn)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if torch.compiler.is_compiling():  # folded by Dynamo: the hook is not in the graph
-            return None
+            return None if self.compiled is None else self.compiled(*args, **kwargs)
         return self.fn(*args, **kwargs)
 
 
-def eager_only(fn: Callable[..., Any]) -> Callable[..., Any]:
+def eager_only(fn: Callable[..., Any], compiled: Callable[..., Any] | None = None
+               ) -> Callable[..., Any]:
     """``fn`` (a module hook) run eagerly and skipped by compiled code (a hook returning
     None changes nothing), where its Python would break the graph: its work is then
-    done by the graph's own ops.
+    done by the graph's own ops. ``compiled``: a hook that compiled code runs instead,
+    traced by Dynamo (so defined in one of ``tensors.compiled.TRACED_MODULES``).
 
     >>> hook = eager_only(lambda module, args: print("eager"))
     >>> hook(None, ())
     eager
     """
-    return _EagerOnly(fn)
+    return _EagerOnly(fn, compiled)
 
 
 # the specs a node takes as arguments: constants of the graph (immutable and hashable)
