@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch._dynamo.utils import counters
 
 import shardwise as sw
-from examples.gpt import GPT, Config, batch, parallelize
+from examples.gpt import GPT, Config, batch, parallelize, tp_plan
 from shardwise import DeviceMesh, PlacementMapping, Replicated, Sharded
 from shardwise.parallel import (
     ColwiseParallel,
@@ -268,6 +268,66 @@ def body_hf_llama(n: int) -> None:
             torch.testing.assert_close(a, b)
 
 
+def _cp_steps(model: nn.Module, forward: Any, cp: Any, data: Any) -> list[list[Any]]:
+    """Three AdamW steps of examples/gpt.py's GPT called as ``forward`` inside the
+    region ``cp`` (entered around the compiled call, as torchtitan does), the batch
+    through ``cp.shard``."""
+    cfg = model.config  # type: ignore[union-attr]
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+    out = []
+    for step in range(3):
+        ids, targets = batch(cfg, 2, step)
+        with cp, loss_parallel():
+            positions = (torch.arange(cfg.seq) if cp.method == "ring"
+                         else cp.shard(torch.arange(cfg.seq), 0))
+            loss = forward(cp.shard(ids, 1, data), cp.shard(targets, 1, data), positions)
+        loss.backward()
+        out.append([loss.to_torch()] + [_value(p.grad) for p in model.parameters()])
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return [*out, [_value(p) for p in model.parameters()]]
+
+
+def body_context_parallel(n: int) -> None:
+    """examples/gpt.py's GPT with context parallel, ring and all-to-all (Ulysses),
+    compiled whole and per block: on a simulated cp x tp = 2x2 mesh with the TP plan,
+    on processes cp over the n ranks. No graph break, one graph per compiled module
+    over three steps, losses, gradients and AdamW steps equal to eager shardwise's."""
+    from shardwise.parallel import context_parallel
+
+    processes = torch.distributed.is_initialized()
+    mesh = DeviceMesh.cpu(n, "cp") if processes else DeviceMesh.cpu((2, 2), ("cp", "tp"))
+    data = PlacementMapping(mesh, tuple(Replicated() for _ in mesh.axis_names))
+    torch.manual_seed(0)
+    base = GPT(Config(seq=8, layers=1))
+
+    def build() -> Any:
+        model = _copy(base)
+        if not processes:
+            parallelize_module(model, mesh, tp_plan(), axis="tp")
+        return model
+
+    for method, blocks in (("ring", False), ("alltoall", False), ("ring", True)):
+        cp = context_parallel(mesh, "cp", method=method)
+        eager = build()
+        want = _cp_steps(eager, eager, cp, data)
+        model = build()
+        torch._dynamo.reset()
+        counters.clear()
+        if blocks:  # torchtitan: each block compiled
+            for layer in model.layers:
+                layer.compile(backend=sw.compile_backend("aot_eager"), dynamic=False)
+            forward = model
+        else:
+            forward = torch.compile(model, backend=sw.compile_backend("aot_eager"),
+                                    dynamic=False)
+        got = _cp_steps(model, forward, cp, data)
+        assert not counters["graph_break"], (method, dict(counters["graph_break"]))
+        assert counters["stats"]["unique_graphs"] == 1, (method, counters["stats"])
+        for a, b in zip(got, want, strict=True):
+            torch.testing.assert_close(a, b)
+
+
 def _copy(m: nn.Module) -> Any:
     import copy
 
@@ -275,4 +335,4 @@ def _copy(m: nn.Module) -> Any:
 
 
 BODIES = ["body_tiny_program", "body_megatron_mlp", "body_fsdp_and_loss_parallel",
-          "body_hf_llama"]
+          "body_hf_llama", "body_context_parallel"]

@@ -221,7 +221,11 @@ def tiling_view(shards: Sequence[torch.Tensor | None], layout: Layout,
         if not t.numel():
             continue
         if base is None:
-            base, ptr, stride = t, t.untyped_storage().data_ptr(), t.stride()
+            try:
+                ptr = t.untyped_storage().data_ptr()
+            except RuntimeError:  # fake or functional blocks (torch.compile): no address
+                return None
+            base, stride = t, t.stride()
             offset = int(t.storage_offset()) - sum(a * b for a, b in zip(start, stride))
             if offset < 0:
                 return None

@@ -147,6 +147,8 @@ def reorder(x: T, target: Layout, keep_whole: bool = False) -> T:
     gathered = held.relayout(mid, keep_whole=keep_whole)
     for d in changed:
         index = reorder_index(src.order_of(d), target.order_of(d), x._shape[d])
+        if torch.compiler.is_compiling():  # a constant of the graph, not a real tensor
+            index = torch.tensor(index.tolist(), dtype=torch.long)
         gathered = gathered.map_buffers(functools.partial(_select, d, index))
     return relabel(gathered.relayout(bare, keep_whole=keep_whole), target)
 

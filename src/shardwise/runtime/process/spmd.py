@@ -25,15 +25,20 @@ Invariants:
 - Uneven sizes are exchanged first (one small all_gather or send/recv of the
   sizes) for tiled all_gather, all_to_all and ppermute; equal-shape calls skip it.
 - Forward-mode tangents go through the same (linear) forward.
+- While torch.compile traces, those sizes are exchanged for real (the tracing modes
+  off: :func:`host_ints`), so they are constants of the graph, as every rank traces
+  the same program; the compiled graph exchanges no sizes.
 """
 
 from __future__ import annotations
 
+import contextlib
 import itertools
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
+from torch.utils._python_dispatch import _disable_current_modes
 
 from shardwise.runtime import SpmdOutputs, observe, spmd
 from shardwise.runtime.process import collectives, functions
@@ -48,9 +53,32 @@ __all__ = ["DistEnv", "replicate", "run_spmd", "spmd_outputs", "take_first"]
 
 def sizes_of(n: int, grp: collectives.Group, device: torch.device) -> list[int]:
     """Every member's ``n`` (axis order), by one small all_gather."""
-    t = torch.tensor([n], dtype=torch.int64, device=device)
-    got = collectives.all_gather(t, 0, grp, [1] * grp.size, "lax: sizes")
-    return [int(v) for v in got.tolist()]
+    return host_ints(lambda: collectives.all_gather(
+        torch.tensor([n], dtype=torch.int64, device=device), 0, grp, [1] * grp.size,
+        "lax: sizes"))
+
+
+def host_ints(exchange: Callable[[], torch.Tensor]) -> list[int]:
+    """The ints of a small exchange of sizes. While torch.compile traces (fake or
+    functional tensors, whose values are not known) it runs for real with the
+    tracing modes off: the sizes become constants of the graph."""
+    if torch.compiler.is_compiling():
+        with _disable_current_modes(), _eagerly():
+            return [int(v) for v in exchange().tolist()]
+    return [int(v) for v in exchange().tolist()]
+
+
+@contextlib.contextmanager
+def _eagerly() -> Iterator[None]:
+    """The process runtime's eager collectives for a moment, though torch.compile is
+    tracing: torch's compile flag (read by ``torch.compiler.is_compiling()``) off. (Its
+    functional collectives on real tensors hung on Gloo while Dynamo traced.)"""
+    flag = torch.compiler._is_compiling_flag
+    torch.compiler._is_compiling_flag = False
+    try:
+        yield
+    finally:
+        torch.compiler._is_compiling_flag = flag
 
 
 # --- the lax collectives: specs of the one family (functions.py) -------------------------
@@ -68,11 +96,10 @@ def _ppermute(x: torch.Tensor, grp: collectives.Group, pairs: tuple[tuple[int, i
     send_to = functions.KEEP if keep else None if dst is None else grp.ranks[dst]
     recv_from = functions.KEEP if keep else None if src is None else grp.ranks[src]
     # The receiver learns the sender's shape first (blocks may be uneven).
-    shape = torch.tensor(list(x.shape), dtype=torch.int64, device=x.device)
-    got = functions.Permute(send_to, recv_from, grp,
-                            f"{tag}: shapes of {x.dtype} blocks").forward(shape)
-    recv_shape = (tuple(int(v) for v in got.tolist()) if recv_from not in (None, functions.KEEP)
-                  else tuple(x.shape))
+    got = host_ints(lambda: functions.Permute(
+        send_to, recv_from, grp, f"{tag}: shapes of {x.dtype} blocks").forward(
+            torch.tensor(list(x.shape), dtype=torch.int64, device=x.device)))
+    recv_shape = (tuple(got) if recv_from not in (None, functions.KEEP) else tuple(x.shape))
     return functions.run(
         functions.Permute(send_to, recv_from, grp, tag, (tuple(x.shape), recv_shape)), x)
 
@@ -218,9 +245,11 @@ def spmd_outputs(mesh: DeviceMesh, index: int | None,
         # One small all_gather tells every process every block's shape.
         flat = [s for j in needs for s in mine[j].shape]
         grp = collectives.group(mesh, tuple(range(mesh.ndim)))
-        t = torch.tensor(flat, dtype=torch.int64, device=mine[needs[0]].device)
-        rows = collectives.all_gather(t, 0, grp, [len(flat)] * grp.size, "lax: output shapes"
-                                      ).view(grp.size, -1).tolist()
+        device = mine[needs[0]].device
+        got = host_ints(lambda: collectives.all_gather(
+            torch.tensor(flat, dtype=torch.int64, device=device), 0, grp,
+            [len(flat)] * grp.size, "lax: output shapes"))
+        rows = [got[i:i + len(flat)] for i in range(0, len(got), len(flat))]
         off = 0
         for j in needs:
             v = mine[j]

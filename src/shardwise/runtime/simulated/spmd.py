@@ -100,6 +100,9 @@ class Rendezvous:
         self.action_error: BaseException | None = None
         self.snapshot: list[Any] | None = None
         self._lock = threading.Lock()
+        #: while torch.compile traces: held by the one device running (the tracing
+        #: modes' state is shared, not per thread), let go while it waits here
+        self.baton: threading.Lock | None = None
         self.barrier = threading.Barrier(n, action=self._check, timeout=timeout_s)
 
     def exchange(self, k: int, op: str, x: Any, axes: tuple[int, ...],
@@ -109,7 +112,14 @@ class Rendezvous:
         buf = self._bufs[s % 2]
         buf[k] = (op, axes, params, x)
         self.doing[k] = (s, op, axes, params)
-        self.barrier.wait()
+        if self.baton is None:
+            self.barrier.wait()
+        else:
+            self.baton.release()
+            try:
+                self.barrier.wait()
+            finally:
+                self.baton.acquire()
         self.doing[k] = None
         if op == "return":
             return None
@@ -258,7 +268,30 @@ def _thread_modes() -> list[Callable[[], Any]]:
         if torch.is_autocast_enabled(dev):
             dtype = torch.get_autocast_dtype(dev)
             modes.append(functools.partial(torch.autocast, dev, dtype=dtype))
+    if torch._C._len_torch_dispatch_stack():  # torch.compile tracing (fake, functional, proxy)
+        modes.append(functools.partial(_tracing, torch._C._dispatch_tls_local_include_set(),
+                                       torch._C._dispatch_tls_local_exclude_set(), [
+            torch._C._get_dispatch_stack_at(i)
+            for i in range(torch._C._len_torch_dispatch_stack())]))
     return modes
+
+
+@contextlib.contextmanager
+def _tracing(include: Any, exclude: Any, stack: list[Any]) -> Any:
+    """The caller's dispatch modes and keys (thread-local) in a worker thread: while
+    torch.compile traces (Dynamo's fake values, AOTAutograd's functional graph), each
+    device's ops and factories must meet the same modes, and record into the same
+    graph; devices run one at a time between rendezvous, under the GIL."""
+    python = include.has(torch._C.DispatchKey.PythonDispatcher)
+    with torch._C._ForceDispatchKeyGuard(include, exclude), (
+            torch._C._EnablePythonDispatcher() if python else contextlib.nullcontext()):
+        for mode in stack:
+            torch._C._push_on_torch_dispatch_stack(mode)
+        try:
+            yield
+        finally:
+            for mode in reversed(stack):
+                torch._C._pop_torch_dispatch_stack(getattr(mode, "_mode_key", None))
 
 
 def run(fn: Callable[..., Any], mesh: DeviceMesh, args: Sequence[Sequence[Any]],
@@ -271,11 +304,15 @@ def run(fn: Callable[..., Any], mesh: DeviceMesh, args: Sequence[Sequence[Any]],
     results: list[Any] = [None] * n
     done = threading.Semaphore(0)
     modes = _thread_modes()
+    if torch._C._len_torch_dispatch_stack():
+        rdv.baton = threading.Lock()
 
     def work(k: int) -> None:
         prev = spmd.enter(SimEnv(mesh, k, rdv))
         try:
             with contextlib.ExitStack() as stack:
+                if rdv.baton is not None:
+                    stack.enter_context(rdv.baton)
                 if k:
                     for mode in modes:
                         stack.enter_context(mode())
