@@ -44,7 +44,8 @@ def test_compile_body_simulated(name: str) -> None:
 
 
 #: the bodies run on a simulated 2x2 (dp, tp) mesh here (2 ranks on Gloo)
-FOUR = ("body_fsdp_and_loss_parallel", "body_hf_llama", "body_context_parallel")
+FOUR = ("body_fsdp_and_loss_parallel", "body_hf_llama", "body_context_parallel",
+        "body_expert_parallel")
 
 
 def _operands() -> tuple[sw.Tensor, sw.Tensor]:

@@ -61,6 +61,7 @@ from shardwise.sharding.mesh import DeviceMesh
 from shardwise.sharding.placements import Sharded
 from shardwise.spmd import lax
 from shardwise.spmd.shard_map import shard_map
+from shardwise.tensors.traced import traced
 
 __all__ = ["ExpertParallel"]
 
@@ -131,8 +132,11 @@ class ExpertParallel(ParallelStyle):
             shard_parameter(module, pname, mesh, axis, Sharded(0))
         plan = _Plan(type(module).forward, tuple(n for n, _ in params), mesh,
                      mesh.axis_names[axis], experts, self.capacity_factor, where)
+        forward = functools.partial(_forward, plan)
+        # fixed slots: one node of a compiled graph (its exchanges have static sizes);
+        # dropless reads the counts on the host, a graph break that is listed
         module.forward = types.MethodType(
-            functools.partial(_forward, plan), module)
+            forward if plan.capacity_factor is None else traced(forward), module)
         mark(module, mesh, name, "ExpertParallel")
 
 
@@ -234,8 +238,18 @@ def _capacity(plan: _Plan, module: nn.Module, per_group: int, capacity: int,
     even = ((local * width,) * ep,) * ep  # every device's slots for every device's experts
     got = lax.ragged_all_to_all(sent, plan.axis, even)  # [ep, local, groups, C] rows
     mine = got.view(ep, local, width, dim).transpose(0, 1).reshape(-1, dim)  # expert-major
-    local_counts = torch.full((local,), ep * width, dtype=counts.dtype, device=counts.device)
-    out = plan.forward(_local(plan, module, blocks), mine, local_counts)
+    if torch.compiler.is_compiling():
+        # one call per expert with a one-count tensor: a constant a traced graph can read
+        # on the host (the module's forward may split rows by the counts)
+        rows = ep * width
+        out = torch.cat([plan.forward(
+            _local(plan, module, [b[e:e + 1] for b in blocks]), mine[e * rows:(e + 1) * rows],
+            torch.tensor([rows], dtype=counts.dtype, device=counts.device))
+            for e in range(local)])
+    else:
+        local_counts = torch.full((local,), ep * width, dtype=counts.dtype,
+                                  device=counts.device)
+        out = plan.forward(_local(plan, module, blocks), mine, local_counts)
     out = out.view(local, ep, width, dim).transpose(0, 1).reshape(-1, dim)
     back = lax.ragged_all_to_all(out, plan.axis, even)  # [E, groups, C] rows
     back = back.view(experts, groups, capacity, dim).transpose(0, 1).reshape(-1, dim)
