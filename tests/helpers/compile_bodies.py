@@ -371,6 +371,7 @@ def body_expert_parallel(n: int) -> None:
         torch.compile(model, backend=sw.compile_backend("aot_eager"), dynamic=False)(
             *inputs(0))
     assert gb.total and all(e.in_shardwise for e in gb.events), gb
+    assert any("capacity_factor" in cause for cause in gb.counts), gb  # the fix, named
 
 
 def _copy(m: nn.Module) -> Any:

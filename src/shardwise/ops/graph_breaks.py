@@ -43,7 +43,8 @@ from shardwise.runtime import observe
 from shardwise.sharding.errors import ShardingError
 from shardwise.tensors import compiled
 
-__all__ = ["GraphBreak", "GraphBreakError", "add_listener", "remove_listener", "strict_error"]
+__all__ = ["GraphBreak", "GraphBreakError", "add_listener", "explain", "remove_listener",
+           "strict_error"]
 
 #: the shardwise package's folder, as Dynamo's reasons name the files they skip
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -68,7 +69,10 @@ class GraphBreak(NamedTuple):
         """The reason's first line, with the function it names, if any."""
         first = self.reason.split("\n", 1)[0]
         named = re.search(r"the function `([^`]+)`", self.reason)
-        return f"{first} ({named.group(1)})" if named else first
+        if not named:
+            return first
+        why = _WHY.get(named.group(1))
+        return f"{first} ({named.group(1)}{': ' + why if why else ''})"
 
 
 Listener = Callable[[GraphBreak], None]
@@ -76,6 +80,22 @@ Listener = Callable[[GraphBreak], None]
 _LISTENERS: list[Listener] = []
 _BEFORE: list[Counter[str]] = [Counter()]  # Dynamo's break counts when the compile began
 _PENDING: list[GraphBreakError] = []  # strict mode's error for the next compile to raise
+
+
+#: why a shardwise function that Dynamo skips breaks the graph, and the fix, by name
+_WHY: dict[str, str] = {}
+
+
+def explain(function: str, why: str) -> None:
+    """Name why a call into shardwise ``function`` (a function Dynamo does not trace)
+    breaks the graph, and the fix: the break's cause (listed by
+    ``shardwise.debug.GraphBreakCounter``, raised under strict mode) says it.
+
+    >>> explain("_example", "it reads a value on the host; pass sizes instead")
+    >>> GraphBreak("Skipped the function `_example`", "0/0", True).cause
+    'Skipped the function `_example` (_example: it reads a value on the host; pass sizes instead)'
+    """
+    _WHY[function] = why
 
 
 def add_listener(listener: Listener) -> None:

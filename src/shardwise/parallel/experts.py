@@ -48,6 +48,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
+from shardwise.ops import graph_breaks
 from shardwise.parallel.dispatch import (
     capacity_of,
     capacity_slots,
@@ -132,11 +133,11 @@ class ExpertParallel(ParallelStyle):
             shard_parameter(module, pname, mesh, axis, Sharded(0))
         plan = _Plan(type(module).forward, tuple(n for n, _ in params), mesh,
                      mesh.axis_names[axis], experts, self.capacity_factor, where)
-        forward = functools.partial(_forward, plan)
         # fixed slots: one node of a compiled graph (its exchanges have static sizes);
-        # dropless reads the counts on the host, a graph break that is listed
-        module.forward = types.MethodType(
-            forward if plan.capacity_factor is None else traced(forward), module)
+        # dropless reads the counts on the host: under compile a listed graph break
+        forward = (functools.partial(_dropless_forward, plan) if plan.capacity_factor is None
+                   else traced(functools.partial(_forward, plan)))
+        module.forward = types.MethodType(forward, module)
         mark(module, mesh, name, "ExpertParallel")
 
 
@@ -195,6 +196,18 @@ def _forward(plan: _Plan, module: nn.Module, x: Any, num_tokens_per_expert: Any)
     run = shard_map(body, plan.mesh, in_specs=(spread, counts_spec, *[(plan.axis,)] * len(params)),
                     out_specs=spread, out_shapes=tuple(x.shape))
     return run(x, counts.reshape(groups, plan.experts), *params)
+
+
+def _dropless_forward(plan: _Plan, module: nn.Module, x: Any, num_tokens_per_expert: Any
+                      ) -> Any:
+    """The dropless forward (its name is the cause of its graph break under compile)."""
+    return _forward(plan, module, x, num_tokens_per_expert)
+
+
+graph_breaks.explain(
+    "_dropless_forward", "dropless ExpertParallel reads the token counts on the host to "
+    "size its exchanges, so it runs eagerly; ExpertParallel(capacity_factor=...) (fixed "
+    "slots, static exchanges) compiles")
 
 
 def _local(plan: _Plan, module: nn.Module, blocks: Sequence[torch.Tensor]) -> nn.Module:
