@@ -3,7 +3,9 @@
 Invariants:
 - ``fn`` runs once per mesh device, each in its own thread (device 0 on the
   caller's, the others on a pool of reused daemon threads), under the caller's
-  grad mode, inference mode, autocast and contextvars.
+  grad mode, inference mode, autocast and contextvars; while torch.compile traces,
+  also under its dispatch modes and keys, one device at a time (a baton, let go only
+  while a device waits at a rendezvous: the modes' state is shared by the threads).
 - Every collective is one rendezvous of *all* devices: each deposits its local
   value, meets the others at one ``threading.Barrier`` (whose action checks, once,
   that every device called the same op with the same arguments and compatible
@@ -268,12 +270,18 @@ def _thread_modes() -> list[Callable[[], Any]]:
         if torch.is_autocast_enabled(dev):
             dtype = torch.get_autocast_dtype(dev)
             modes.append(functools.partial(torch.autocast, dev, dtype=dtype))
-    if torch._C._len_torch_dispatch_stack():  # torch.compile tracing (fake, functional, proxy)
+    if _tracing_now():  # torch.compile tracing (fake, functional, proxy modes)
         modes.append(functools.partial(_tracing, torch._C._dispatch_tls_local_include_set(),
                                        torch._C._dispatch_tls_local_exclude_set(), [
             torch._C._get_dispatch_stack_at(i)
             for i in range(torch._C._len_torch_dispatch_stack())]))
     return modes
+
+
+def _tracing_now() -> bool:
+    """Whether torch.compile is tracing through dispatch modes here (eager code under a
+    user's dispatch mode, e.g. a memory ledger, keeps its threads as they were)."""
+    return torch.compiler.is_compiling() and bool(torch._C._len_torch_dispatch_stack())
 
 
 @contextlib.contextmanager
@@ -304,7 +312,7 @@ def run(fn: Callable[..., Any], mesh: DeviceMesh, args: Sequence[Sequence[Any]],
     results: list[Any] = [None] * n
     done = threading.Semaphore(0)
     modes = _thread_modes()
-    if torch._C._len_torch_dispatch_stack():
+    if _tracing_now():
         rdv.baton = threading.Lock()
 
     def work(k: int) -> None:
