@@ -59,7 +59,11 @@ class Factors:
             for fs, es in zip(self.operands, ext)))
         object.__setattr__(self, "out_shape", tuple(
             self.sizes[f] * e for f, e in zip(self.output, out_ext)))
-        object.__setattr__(self, "_hash", hash((self.op, self.text, self.sizes)))
+        try:
+            h = hash((self.op, self.text, self.sizes))
+        except TypeError:  # symbolic sizes (torch.compile's dynamic shapes): never cached
+            h = hash((self.op, self.text))
+        object.__setattr__(self, "_hash", h)
 
     def __hash__(self) -> int:
         return self._hash
