@@ -1,7 +1,8 @@
 """torch.compile through shardwise (issue 37): Dynamo records shardwise Tensors' ops and
 a parallelized module's hooks as one graph (tensor parallel, fully_shard, loss
 parallel, pipeline stages), ``shardwise.compile_backend`` lowers it to local ops and functional
-collectives, and graph breaks of shardwise programs are listed and raise in strict mode.
+collectives, and graph breaks of shardwise programs are listed and raise in strict mode;
+dynamic shapes keep one graph over sequence lengths (``body_dynamic_sequence``).
 
 Kept cheap: tiny programs, the ``aot_eager`` inner compiler (graph breaks, guards and
 the traced graphs are the same whatever compiles them), one Gloo launch of 2 ranks.
@@ -67,11 +68,6 @@ def test_an_op_without_a_rule_is_refused_under_compile() -> None:
                       dynamic=False)
     with pytest.raises(TorchDynamoException, match="no sharding rule, and under torch"):
         f(x)
-
-
-def test_dynamic_sequence_length() -> None:
-    # on the simulated mesh (Gloo: see DESIGN's decisions log, issue 37 dynamic shapes)
-    compile_bodies.body_dynamic_sequence(2)
 
 
 def test_unknown_inner_compiler_is_named() -> None:

@@ -201,10 +201,10 @@ def _lengths(forward: Any, run: Any, lengths: tuple[int, ...], dynamic: bool | N
 
 def body_dynamic_sequence(n: int) -> None:
     """A changing sequence length under dynamic shapes: the GPT example with Megatron
-    TP (batch replicated) compiles once with ``dynamic=True`` and twice with Dynamo's
-    default (static first, dynamic after the first new length) over 4 lengths; a
-    program on a sequence sharded over the mesh keeps one graph while the mesh
-    divides the length and specialises one that it does not (9 over 2)."""
+    TP (batch replicated) compiles once with ``dynamic=True`` over 4 lengths, the
+    Megatron MLP twice with Dynamo's default (static first, dynamic after the first
+    new length); a program on a sequence sharded over the mesh keeps one graph while
+    the mesh divides the length and specialises one that it does not (9 over 2)."""
     torch.manual_seed(0)
     cfg = Config(seq=24, layers=1)
     gpt = parallelize(GPT(cfg), DeviceMesh.cpu(n, "tp"), fsdp=False)
@@ -220,9 +220,20 @@ def body_dynamic_sequence(n: int) -> None:
         return [v.to_torch() if isinstance(v, sw.Tensor) else v for v in [loss, *grads]]
 
     assert _lengths(gpt, step, (8, 12, 16, 24), True) == 1
-    assert _lengths(gpt, step, (8, 12, 16, 24), None) == 2
     mesh = DeviceMesh.cpu(n, "tp")
-    w = sw.tensor(torch.randn(6, 6), sharding=PlacementMapping(mesh, [Replicated()]))
+    mlp = parallelize_module(MLP(), mesh, {"up": ColwiseParallel(), "down": RowwiseParallel()})
+
+    def mlp_step(f: Any, t: int) -> list[Any]:
+        y = f(torch.randn(4, t, 8, generator=torch.Generator().manual_seed(t)))
+        y.sum().backward()
+        grads = [p.grad.to_torch() for p in mlp.parameters()]
+        mlp.zero_grad(set_to_none=True)
+        return [y.to_torch(), *grads]
+
+    assert _lengths(mlp, mlp_step, (8, 12, 16, 24), None) == 2
+    # sizes no two of which Dynamo's duck sizing could take for one (batch 3, blocks of
+    # t/2, width 5): it would guard on their equality
+    w = sw.tensor(torch.randn(5, 5), sharding=PlacementMapping(mesh, [Replicated()]))
     w.requires_grad_()
 
     def forward(x: Any, w: Any) -> Any:
@@ -230,7 +241,7 @@ def body_dynamic_sequence(n: int) -> None:
         return h.sum(-1), h.sum()
 
     def program(f: Any, t: int) -> list[Any]:
-        x = sw.tensor(torch.randn(4, t, 6, generator=torch.Generator().manual_seed(t)),
+        x = sw.tensor(torch.randn(3, t, 5, generator=torch.Generator().manual_seed(t)),
                       sharding=PlacementMapping(mesh, [Sharded(1)]))
         rows, total = f(x, w)
         total.backward()
@@ -240,4 +251,5 @@ def body_dynamic_sequence(n: int) -> None:
     assert _lengths(forward, program, (8, 12, 16, 9), True) == 2  # (9: its own graph)
 
 
-BODIES = ["body_tiny_program", "body_megatron_mlp", "body_fsdp_and_loss_parallel"]
+BODIES = ["body_tiny_program", "body_megatron_mlp", "body_fsdp_and_loss_parallel",
+          "body_dynamic_sequence"]

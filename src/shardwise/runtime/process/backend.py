@@ -315,7 +315,10 @@ def assemble(shards: Sequence[torch.Tensor | None], src: Layout, dst: Layout,
     k = collectives.my_index(mesh)
     if k is None:
         return out
-    rep_dst, nodes = blocks.assemble_recipe(src, dst, shape)
+    try:
+        rep_dst, nodes = blocks.assemble_recipe(src, dst, shape)
+    except TypeError:  # symbolic sizes (torch.compile, dynamic shapes): bounds stay symbolic
+        rep_dst, nodes = blocks.assemble_recipe.__wrapped__(src, dst, shape)
     block = blocks.run_node(nodes[rep_dst[k]], shards)  # type: ignore[arg-type]
     dev = device_of(mesh, k)
     # a meta block (a model built on the meta device) stays meta until to_empty
