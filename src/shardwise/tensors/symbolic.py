@@ -13,7 +13,7 @@ Invariants:
   depends on it. A dim that a relayout moves blocks along, or splits unevenly, is
   specialised to its hint (a Dynamo guard: a new size recompiles, as
   ``torch._dynamo.mark_static`` would), never sliced at the hint's offsets; a dim
-  the user marked dynamic there raises, naming the fix.
+  the user marked dynamic there fails torch's constraint check, which names it.
 - Eager code never comes here: symbolic sizes exist only while torch.compile traces.
 """
 
@@ -76,16 +76,12 @@ def static(d: Any) -> Any:
     return h if statically_known_true(d == h) else d
 
 
-def _pin(size: Any, what: str) -> int:
-    """``size`` specialised to its hint: a Dynamo guard (a new size recompiles)."""
-    try:
-        return guard_int(size)
-    except Exception as e:  # torch's constraint violation: the dim was marked dynamic
-        raise ShardingError(
-            f"Cannot keep {what} symbolic ({size}): shardwise moves blocks along it or "
-            "splits it unevenly, at offsets it must know. Got a dim marked dynamic "
-            "(torch._dynamo.mark_dynamic); mark it static (torch._dynamo.mark_static) or "
-            "compile with dynamic=False.") from e
+def _pin(size: Any) -> int:
+    """``size`` specialised to its hint: a Dynamo guard (a new size recompiles). A dim
+    the user marked dynamic (``torch._dynamo.mark_dynamic``) then fails torch's own
+    constraint check at the end of the trace, which names it ("marked ... as dynamic
+    but your code specialized it"): mark it static or compile with dynamic=False."""
+    return guard_int(size)
 
 
 def _pieces(layout: Layout, d: int) -> int:
@@ -110,7 +106,7 @@ def planned_shape(shape: Sequence[Any], source: Layout, target: Layout) -> tuple
     each dim it moves blocks along (or splits unevenly) first specialised (module doc).
 
     >>> from shardwise import DeviceMesh
-    >>> lay = Layout.replicated(DeviceMesh.cpu(2), 1)
+    >>> lay = Layout.replicated(DeviceMesh.cpu(2, "x"), 1)
     >>> planned_shape((4,), lay, lay)
     (4,)
     """
@@ -119,7 +115,7 @@ def planned_shape(shape: Sequence[Any], source: Layout, target: Layout) -> tuple
         size = static(size)
         if type(size) is not int and not (_kept(size, source, target, d)
                                           and _kept(size, None, source, d)):
-            size = _pin(size, f"dim {d} of a value of shape {tuple(shape)}")
+            size = _pin(size)
         out.append(hint(size))
     return tuple(out)
 
@@ -129,7 +125,14 @@ def pinned_factors(factors: Factors, layouts: Sequence[Layout | None],
     """``factors`` (decided on their hints as ``required`` and ``out``, from operands
     laid out as ``layouts``) with each symbolic dim that the decision moves blocks
     along or splits unevenly specialised to its hint, and every size Dynamo has
-    pinned as an int: what the op's local shapes are computed from."""
+    pinned as an int: what the op's local shapes are computed from.
+
+    >>> from shardwise import DeviceMesh
+    >>> from shardwise.propagation.binding import bind
+    >>> f, lay = bind("neg", ((4,),)), Layout.replicated(DeviceMesh.cpu(2, "x"), 1)
+    >>> pinned_factors(f, [lay], [lay], lay) is f  # (plain ints: nothing to pin)
+    True
+    """
     pinned = False
     for i, (lay, req) in enumerate(zip(layouts, required)):
         if lay is None or req is None:
@@ -138,12 +141,12 @@ def pinned_factors(factors: Factors, layouts: Sequence[Layout | None],
             size = static(size)
             if type(size) is not int and not (_kept(size, lay, req, d)
                                               and _kept(size, None, lay, d)):
-                _pin(size, f"dim {d} of {factors.op}'s operand {i}")
+                _pin(size)
                 pinned = True
     for d, size in enumerate(factors.out_shape):
         size = static(size)
         if type(size) is not int and not _kept(size, None, out, d):
-            _pin(size, f"dim {d} of {factors.op}'s output")
+            _pin(size)
             pinned = True
     if not pinned and not any(type(static(v)) is int and type(v) is not int
                               for v in factors.sizes):
@@ -155,7 +158,12 @@ def pinned_factors(factors: Factors, layouts: Sequence[Layout | None],
 
 
 def hinted(factors: Factors) -> Factors:
-    """``factors`` with every size replaced by its hint: what the decision is made on."""
+    """``factors`` with every size replaced by its hint: what the decision is made on.
+
+    >>> from shardwise.propagation.binding import bind
+    >>> hinted(bind("matmul", ((4, 8), (8, 2)))).out_shape
+    (4, 2)
+    """
     return dataclasses.replace(factors, sizes=hint(factors.sizes),
                                extents=hint(factors.extents),
                                out_extents=hint(factors.out_extents))
