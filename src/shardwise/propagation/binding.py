@@ -61,8 +61,8 @@ class Factors:
             self.sizes[f] * e for f, e in zip(self.output, out_ext)))
         try:
             h = hash((self.op, self.text, self.sizes))
-        except TypeError:  # symbolic sizes (torch.compile's dynamic shapes): never cached
-            h = hash((self.op, self.text))
+        except TypeError:  # symbolic sizes (torch.compile's dynamic shapes): never cached,
+            h = id(self)     # nor compared (equal sizes would be a guard)
         object.__setattr__(self, "_hash", h)
 
     def __hash__(self) -> int:
