@@ -55,7 +55,7 @@ from shardwise.runtime.local import COPY_BYTES, Local, Whole, local_mesh, versio
 from shardwise.runtime.owner import GradOwner
 from shardwise.sharding.layout import Layout
 from shardwise.sharding.shapes import local_shape
-from shardwise.tensors.symbolic import hinted, is_symbolic, pinned_factors, planned_shape
+from shardwise.tensors.symbolic import hinted, is_symbolic, pinned_factors, plan_of
 
 __all__ = ["COPY_BYTES", "Decided", "Operand", "OperandCache", "aliases_copy", "blocks",
            "kept_layouts", "local_mesh", "relayout", "runs_whole", "whole", "whole_of"]
@@ -207,17 +207,17 @@ def _kept(x: Operand, target: Layout, diverge: tuple[int, ...], whole: bool,
             del table[k]  # (stale entries never revive: versions only grow)
     # a whole request moves the whole value (its own or derived), as metadata
     source = local.as_whole(layout, x._shape, x._dtype.itemsize) if whole else local
-    shape = x._shape
+    alternatives = not diverge
     try:
-        plan = make_plan(layout, target, shape, x._dtype.itemsize)
-    except TypeError:  # symbolic sizes (tensors/symbolic.py): planned on their hints
-        shape = planned_shape(shape, layout, target)
-        plan = make_plan(layout, target, shape, x._dtype.itemsize)
-    if table and not diverge:  # the cheapest fresh kept layout of the same request
+        plan = make_plan(layout, target, x._shape, x._dtype.itemsize)
+    except TypeError:  # symbolic sizes (tensors/symbolic.py): kept layouts not priced
+        plan = plan_of(layout, target, x._shape, x._dtype.itemsize)
+        alternatives = False
+    if table and alternatives:  # the cheapest fresh kept layout of the same request
         for (lay, div, g, w), entry in table.items():
             if div or g != grad or w != whole:
                 continue
-            other = make_plan(lay, target, shape, x._dtype.itemsize)
+            other = make_plan(lay, target, x._shape, x._dtype.itemsize)
             if other.bytes_per_device < plan.bytes_per_device:
                 source, plan = entry.kept, other
     out = source.moved(plan, target, diverge, x._grad_owner, view)

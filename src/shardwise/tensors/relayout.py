@@ -29,7 +29,7 @@ from shardwise.sharding.errors import ShardingError
 from shardwise.sharding.layout import Layout
 from shardwise.tensors import ordering
 from shardwise.tensors.meta import MetaMixin
-from shardwise.tensors.symbolic import planned_shape
+from shardwise.tensors.symbolic import plan_of
 
 __all__ = ["RelayoutMixin", "record_plan", "run_plan"]
 
@@ -75,9 +75,8 @@ class RelayoutMixin(MetaMixin):
             source, target = source.with_orders(()), target.with_orders(())
         try:
             return make_plan(source, target, self._shape, self._dtype.itemsize)
-        except TypeError:  # symbolic sizes (tensors/symbolic.py): planned on their hints
-            return make_plan(source, target, planned_shape(self._shape, source, target),
-                             self._dtype.itemsize)
+        except TypeError:  # symbolic sizes (tensors/symbolic.py)
+            return plan_of(source, target, self._shape, self._dtype.itemsize)
 
     def unique_shards(self) -> tuple[list[int], list[torch.Tensor]]:
         """Representative device indices and their (distinct) local tensors."""

@@ -26,11 +26,12 @@ from typing import Any
 import torch
 from torch.fx.experimental.symbolic_shapes import guard_int, statically_known_true
 
+from shardwise.planner import Plan, make_plan
 from shardwise.propagation.binding import Factors
 from shardwise.sharding.errors import ShardingError
 from shardwise.sharding.layout import Layout
 
-__all__ = ["hint", "hinted", "is_symbolic", "pinned_factors", "planned_shape", "static"]
+__all__ = ["hint", "hinted", "is_symbolic", "pinned_factors", "plan_of", "static"]
 
 
 def is_symbolic(shape: Sequence[Any]) -> bool:
@@ -93,31 +94,41 @@ def _pieces(layout: Layout, d: int) -> int:
 
 def _kept(size: Any, before: Layout | None, after: Layout, d: int) -> bool:
     """Whether a symbolic dim ``d`` of ``size`` may stay symbolic going from ``before``
-    (None: the same) to ``after``: no block moves along it (its sharding is kept),
-    and where it is sharded it splits evenly (a guard that it keeps doing so)."""
-    if before is not None and before.dims[d] != after.dims[d]:
+    (None: the same) to ``after``: its blocks stay or are only cut further (each new
+    block a slice of the one held: a local narrow at symbolic offsets), and where it
+    is sharded it splits evenly (a guard that it keeps doing so)."""
+    if before is not None and after.dims[d][:len(before.dims[d])] != before.dims[d]:
         return False
     n = _pieces(after, d)
     return n == 1 or bool(size % n == 0)
 
 
-def planned_shape(shape: Sequence[Any], source: Layout, target: Layout) -> tuple[int, ...]:
-    """The shape a relayout from ``source`` to ``target`` is planned on: the hints,
-    each dim it moves blocks along (or splits unevenly) first specialised (module doc).
+def plan_of(source: Layout, target: Layout, shape: Sequence[Any], itemsize: int) -> Plan:
+    """The plan of a relayout of a value of symbolic ``shape`` (module doc): on the
+    hints, each dim it moves blocks along (or splits unevenly) first specialised; a
+    dim it only cuts further keeps its symbolic size (the plan then uncached: its
+    slices' offsets are symbolic).
 
     >>> from shardwise import DeviceMesh
     >>> lay = Layout.replicated(DeviceMesh.cpu(2, "x"), 1)
-    >>> planned_shape((4,), lay, lay)
-    (4,)
+    >>> plan_of(lay, lay, (4,), 4).steps
+    ()
     """
-    out = []
+    out: list[Any] = []
+    cut = False
     for d, size in enumerate(shape):
         size = static(size)
-        if type(size) is not int and not (_kept(size, source, target, d)
-                                          and _kept(size, None, source, d)):
-            size = _pin(size)
+        if type(size) is not int:
+            if not (_kept(size, source, target, d) and _kept(size, None, source, d)):
+                size = _pin(size)
+            elif source.dims[d] != target.dims[d]:
+                cut = True
+                out.append(size)
+                continue
         out.append(hint(size))
-    return tuple(out)
+    if cut:
+        return make_plan.__wrapped__(source, target, tuple(out), itemsize)
+    return make_plan(source, target, tuple(out), itemsize)
 
 
 def pinned_factors(factors: Factors, layouts: Sequence[Layout | None],

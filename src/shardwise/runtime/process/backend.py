@@ -153,13 +153,17 @@ check_handlers(_SPEC_OF, "the multi-process runtime", elsewhere=[StepKind.PERMUT
 def _spec(step: Step, shape: tuple[int, ...], k: int) -> functions.Spec:
     """The spec of ``step`` on mesh device ``k``, computed once (cached on WORLD.specs,
     cleared with the world: it holds the world's groups)."""
-    key = (step, shape, k)
-    hit = WORLD.specs.get(key)
+    key: tuple[Step, tuple[int, ...], int] | None = (step, shape, k)
+    try:
+        hit = WORLD.specs.get(key)
+    except TypeError:  # symbolic sizes (torch.compile, dynamic shapes): never cached
+        hit, key = None, None
     if hit is not None:
         return hit
     mesh = step.before.mesh
     out = _SPEC_OF[step.kind](step, collectives.group(mesh, step.axes), mesh.coord_of(k), shape)
-    WORLD.specs[key] = out
+    if key is not None:
+        WORLD.specs[key] = out
     return out
 
 
