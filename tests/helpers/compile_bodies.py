@@ -201,26 +201,29 @@ def _lengths(forward: Any, run: Any, lengths: tuple[int, ...], dynamic: bool | N
 
 def body_dynamic_sequence(n: int) -> None:
     """A changing sequence length under dynamic shapes: the GPT example with Megatron
-    TP (batch replicated) compiles once with ``dynamic=True`` over 4 lengths, the
-    Megatron MLP twice with Dynamo's default (static first, dynamic after the first
-    new length); a program on a sequence sharded over the mesh keeps one graph while
-    the mesh divides the length and specialises one that it does not (9 over 2)."""
+    TP (its batch Sharded) compiles once with ``dynamic=True`` over 4 lengths, the
+    Megatron MLP (batch replicated) twice with Dynamo's default (static first,
+    dynamic after the first new length); a program on a sequence sharded over the
+    mesh keeps one graph while the mesh divides the length and specialises one that
+    it does not (9 over 2)."""
     torch.manual_seed(0)
     cfg = Config(seq=24, layers=1)
-    gpt = parallelize(GPT(cfg), DeviceMesh.cpu(n, "tp"), fsdp=False)
+    mesh = DeviceMesh.cpu(n, "tp")
+    gpt = parallelize(GPT(cfg), mesh, fsdp=False)
+    rows = PlacementMapping(mesh, [Sharded(0)])
 
     def step(f: Any, t: int) -> list[Any]:
         g = torch.Generator().manual_seed(t)
         ids = torch.randint(0, cfg.vocab, (4, t + 1), generator=g)
-        with loss_parallel():
-            loss = f(ids[:, :-1], ids[:, 1:])
+        with loss_parallel():  # (the batch Sharded: gathered and cut along batch x sequence)
+            loss = f(sw.tensor(ids[:, :-1].contiguous(), sharding=rows),
+                     sw.tensor(ids[:, 1:].contiguous(), sharding=rows))
         loss.backward()
         grads = [p.grad for p in gpt.parameters()]
         gpt.zero_grad(set_to_none=True)
         return [v.to_torch() if isinstance(v, sw.Tensor) else v for v in [loss, *grads]]
 
     assert _lengths(gpt, step, (8, 12, 16, 24), True) == 1
-    mesh = DeviceMesh.cpu(n, "tp")
     mlp = parallelize_module(MLP(), mesh, {"up": ColwiseParallel(), "down": RowwiseParallel()})
 
     def mlp_step(f: Any, t: int) -> list[Any]:

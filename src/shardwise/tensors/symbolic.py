@@ -94,11 +94,14 @@ def _pieces(layout: Layout, d: int) -> int:
 
 def _kept(size: Any, before: Layout | None, after: Layout, d: int) -> bool:
     """Whether a symbolic dim ``d`` of ``size`` may stay symbolic going from ``before``
-    (None: the same) to ``after``: its blocks stay or are only cut further (each new
-    block a slice of the one held: a local narrow at symbolic offsets), and where it
-    is sharded it splits evenly (a guard that it keeps doing so)."""
-    if before is not None and after.dims[d][:len(before.dims[d])] != before.dims[d]:
-        return False
+    (None: the same) to ``after``: its blocks stay, are only cut further (each new
+    block a slice of the one held: a local narrow at symbolic offsets) or only joined
+    (an all_gather of even blocks), and where it is sharded it splits evenly (a guard
+    that it keeps doing so)."""
+    if before is not None:
+        was, now = before.dims[d], after.dims[d]
+        if now[:len(was)] != was and was[:len(now)] != now:
+            return False
     n = _pieces(after, d)
     return n == 1 or bool(size % n == 0)
 
