@@ -175,7 +175,10 @@ def compile_backend(inner: str | Callable[..., Any] = "inductor") -> Callable[..
     Each torch function on a shardwise Tensor is a node of Dynamo's graph, and so are
     a parallelized module's input and output hooks; relayouts become torch's
     functional collectives in a process world (all_reduce, even all_gather and
-    reduce_scatter so far) and local ops on the simulated mesh. torch's own backends
+    reduce_scatter so far) and local ops on the simulated mesh. Dynamic shapes
+    (``dynamic=True``, or Dynamo's automatic dynamic after new sizes) keep one graph
+    over changing sizes of dims that no relayout moves blocks along
+    (:mod:`shardwise.tensors.symbolic`; other dims are specialised). torch's own backends
     (``torch.compile(model)``) work under ``torch.no_grad()`` only: their AOTAutograd
     would differentiate the wrapper, and refuses to.
 

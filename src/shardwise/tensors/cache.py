@@ -55,7 +55,7 @@ from shardwise.runtime.local import COPY_BYTES, Local, Whole, local_mesh, versio
 from shardwise.runtime.owner import GradOwner
 from shardwise.sharding.layout import Layout
 from shardwise.sharding.shapes import local_shape
-from shardwise.tensors.symbolic import hinted, is_symbolic, pinned_factors, plan_of
+from shardwise.tensors.symbolic import hinted, pinned_factors, plan_of
 
 __all__ = ["COPY_BYTES", "Decided", "Operand", "OperandCache", "aliases_copy", "blocks",
            "kept_layouts", "local_mesh", "relayout", "runs_whole", "whole", "whole_of"]
@@ -314,7 +314,7 @@ class Decided:
         """The decision for ``tensors`` (None: a constant) under ``factors``, pricing the
         layouts each keeps now as free."""
         layouts = tuple(None if x is None else x._layout for x in tensors)
-        symbolic = is_symbolic(factors.sizes)  # (torch.compile, dynamic shapes)
+        symbolic = factors.symbolic  # (torch.compile, dynamic shapes)
         dec = decide(hinted(factors) if symbolic else factors, layouts,
                      tuple(None if x is None else x._open for x in tensors),
                      tuple(0 if x is None else x._dtype.itemsize for x in tensors),
