@@ -226,9 +226,11 @@ def compile_backend(inner: str | Callable[..., Any] = "inductor") -> Callable[..
                 partition_fn=min_cut_rematerialization_partition,
                 decompositions=decompositions)
         single, specs = out_specs[0]
+        # (an output of symbolic size: read from its buffers per call; else nothing to read)
+        sized = any(spec is not None and min(spec[2], default=0) < 0 for spec in specs)
 
         def run(*args: Any) -> Any:
-            outs = _rebuild(compiled(*_buffers_of(args)), specs, sized=True)
+            outs = _rebuild(compiled(*_buffers_of(args)), specs, sized)
             return outs[0] if single else type(outs)(outs)
 
         return run
