@@ -274,5 +274,74 @@ def _copy(m: nn.Module) -> Any:
     return copy.deepcopy(m)
 
 
+def _lengths(forward: Any, run: Any, lengths: tuple[int, ...], dynamic: bool | None) -> int:
+    """``run(f, t)`` (a list of values) for each sequence length ``t``, with ``f`` the
+    eager ``forward`` and compiled (``dynamic``): values equal, no graph break.
+    Returns the number of graphs Dynamo compiled."""
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = torch.compile(forward, backend=sw.compile_backend("aot_eager"), dynamic=dynamic)
+    for t in lengths:
+        for got, want in zip(run(compiled, t), run(forward, t), strict=True):
+            torch.testing.assert_close(got, want)
+    assert not counters["graph_break"], dict(counters["graph_break"])
+    return int(counters["stats"]["unique_graphs"])
+
+
+def body_dynamic_sequence(n: int) -> None:
+    """A changing sequence length under dynamic shapes: the GPT example with Megatron
+    TP (its batch Sharded) compiles once with ``dynamic=True`` over 4 lengths, the
+    Megatron MLP (batch replicated) twice with Dynamo's default (static first,
+    dynamic after the first new length); a program on a sequence sharded over the
+    mesh keeps one graph while the mesh divides the length and specialises one that
+    it does not (9 over 2)."""
+    torch.manual_seed(0)
+    cfg = Config(seq=24, layers=1)
+    mesh = DeviceMesh.cpu(n, "tp")
+    gpt = parallelize(GPT(cfg), mesh, fsdp=False)
+    rows = PlacementMapping(mesh, [Sharded(0)])
+
+    def step(f: Any, t: int) -> list[Any]:
+        g = torch.Generator().manual_seed(t)
+        ids = torch.randint(0, cfg.vocab, (4, t + 1), generator=g)
+        with loss_parallel():  # (the batch Sharded: gathered and cut along batch x sequence)
+            loss = f(sw.tensor(ids[:, :-1].contiguous(), sharding=rows),
+                     sw.tensor(ids[:, 1:].contiguous(), sharding=rows))
+        loss.backward()
+        grads = [p.grad for p in gpt.parameters()]
+        gpt.zero_grad(set_to_none=True)
+        return [v.to_torch() if isinstance(v, sw.Tensor) else v for v in [loss, *grads]]
+
+    assert _lengths(gpt, step, (8, 12, 16, 24), True) == 1
+    mlp = parallelize_module(MLP(), mesh, {"up": ColwiseParallel(), "down": RowwiseParallel()})
+
+    def mlp_step(f: Any, t: int) -> list[Any]:
+        y = f(torch.randn(4, t, 8, generator=torch.Generator().manual_seed(t)))
+        y.sum().backward()
+        grads = [p.grad.to_torch() for p in mlp.parameters()]
+        mlp.zero_grad(set_to_none=True)
+        return [y.to_torch(), *grads]
+
+    assert _lengths(mlp, mlp_step, (8, 12, 16, 24), None) == 2
+    # sizes no two of which Dynamo's duck sizing could take for one (batch 3, blocks of
+    # t/2, width 5): it would guard on their equality
+    w = sw.tensor(torch.randn(5, 5), sharding=PlacementMapping(mesh, [Replicated()]))
+    w.requires_grad_()
+
+    def forward(x: Any, w: Any) -> Any:
+        h = F.linear(x, w).relu()
+        return h.sum(-1), h.sum()
+
+    def program(f: Any, t: int) -> list[Any]:
+        x = sw.tensor(torch.randn(3, t, 5, generator=torch.Generator().manual_seed(t)),
+                      sharding=PlacementMapping(mesh, [Sharded(1)]))
+        rows, total = f(x, w)
+        total.backward()
+        g, w.grad = w.grad.to_torch(), None
+        return [rows.to_torch(), total.to_torch(), g]
+
+    assert _lengths(forward, program, (8, 12, 16, 9), True) == 2  # (9: its own graph)
+
+
 BODIES = ["body_tiny_program", "body_megatron_mlp", "body_fsdp_and_loss_parallel",
-          "body_hf_llama"]
+          "body_hf_llama", "body_dynamic_sequence"]
