@@ -109,15 +109,13 @@ def body_megatron_mlp(n: int) -> None:
         assert "_c10d_functional" not in forward, forward
 
 
-def _steps(model: nn.Module, forward: Any, inputs: Any, optimizer: Any) -> list[list[Any]]:
-    """Three training steps of ``model`` called as ``forward``: per step the loss and
-    the gradients, then the parameters after the last optimizer step."""
+def _steps(model: nn.Module, loss_of: Any, optimizer: Any) -> list[list[Any]]:
+    """Three training steps of ``model`` on ``loss_of(step)``: per step the loss and the
+    gradients, then the parameters after the last optimizer step."""
     opt = optimizer(model.parameters())
     out = []
     for step in range(3):
-        with loss_parallel():  # (only F.cross_entropy's handler changes)
-            loss = forward(*inputs(step))
-            loss = loss if loss.ndim == 0 else loss.sum()
+        loss = loss_of(step)
         loss.backward()
         out.append([loss.to_torch()] + [_value(p.grad) for p in model.parameters()])
         opt.step()
@@ -125,9 +123,24 @@ def _steps(model: nn.Module, forward: Any, inputs: Any, optimizer: Any) -> list[
     return [*out, [_value(p) for p in model.parameters()]]
 
 
+def _parallel_loss(forward: Any, inputs: Any) -> Any:
+    """``loss_of`` for :func:`_steps`: ``forward(*inputs(step))`` under loss_parallel,
+    summed where it is not a scalar."""
+
+    def loss_of(step: int) -> Any:
+        with loss_parallel():  # (only F.cross_entropy's handler changes)
+            loss = forward(*inputs(step))
+        return loss if loss.ndim == 0 else loss.sum()
+    return loss_of
+
+
 def _value(t: torch.Tensor) -> torch.Tensor:
     """The global value (a parameter that no plan names stays a plain tensor)."""
     return t.to_torch() if isinstance(t, sw.Tensor) else t.detach().clone()
+
+
+def _adamw(params: Any) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(params, lr=0.01)
 
 
 def _compiled_equals_eager(build: Any, inputs: Any, optimizer: Any, graphs: int = 1,
@@ -136,12 +149,12 @@ def _compiled_equals_eager(build: Any, inputs: Any, optimizer: Any, graphs: int 
     steps, losses, gradients and optimizer steps equal to eager shardwise's (``close``:
     assert_close's tolerances)."""
     eager = build()
-    want = _steps(eager, eager, inputs, optimizer)
+    want = _steps(eager, _parallel_loss(eager, inputs), optimizer)
     model = build()
     torch._dynamo.reset()
     counters.clear()
     compiled = torch.compile(model, backend=sw.compile_backend("aot_eager"), dynamic=False)
-    got = _steps(model, compiled, inputs, optimizer)
+    got = _steps(model, _parallel_loss(compiled, inputs), optimizer)
     assert not counters["graph_break"], dict(counters["graph_break"])
     assert counters["stats"]["unique_graphs"] == graphs, counters["stats"]  # no recompile
     for a, b in zip(got, want, strict=True):
@@ -183,7 +196,7 @@ def body_fsdp_and_loss_parallel(n: int) -> None:
     _compiled_equals_eager(
         lambda: parallelize_module(_copy(head), tp, {
             "head": ColwiseParallel(output_layouts=Sharded(-1))}),
-        lambda step: (y + step, target), lambda ps: torch.optim.AdamW(ps, lr=0.01))
+        lambda step: (y + step, target), _adamw)
     cfg = Config(seq=8, layers=1)
     gpt = GPT(cfg)
     mesh2 = DeviceMesh.cpu((max(n // 2, 1), 2), ("dp", "tp"))
@@ -193,7 +206,7 @@ def body_fsdp_and_loss_parallel(n: int) -> None:
         return tuple(sw.tensor(t, sharding=data) for t in batch(cfg, 4, step))
 
     _compiled_equals_eager(lambda: parallelize(_copy(gpt), mesh2), inputs,
-                           lambda ps: torch.optim.AdamW(ps, lr=0.01))
+                           _adamw)
 
 
 def _tiny_llama() -> Any:
@@ -206,23 +219,10 @@ def _tiny_llama() -> Any:
         attn_implementation="eager"))
 
 
-def _llama_steps(model: nn.Module, forward: Any, ids: Any) -> list[list[Any]]:
-    """Three AdamW steps of ``model`` called as ``forward`` on HF's own loss (its labels
-    padded by one position: a pad of the Sharded labels)."""
-    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
-    out = []
-    for _ in range(3):
-        loss = forward(ids, labels=ids).loss
-        loss.backward()
-        out.append([loss.to_torch()] + [_value(p.grad) for p in model.parameters()])
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-    return [*out, [_value(p) for p in model.parameters()]]
-
-
-def _value(t: torch.Tensor) -> torch.Tensor:
-    """The global value (a parameter that no plan names stays a plain tensor)."""
-    return t.to_torch() if isinstance(t, sw.Tensor) else t.detach().clone()
+def _hf_loss(forward: Any, ids: Any) -> Any:
+    """``loss_of`` for :func:`_steps`: HF's own loss (its labels padded by one
+    position: a pad of the Sharded labels)."""
+    return lambda step: forward(ids, labels=ids).loss
 
 
 def body_hf_llama(n: int) -> None:
@@ -248,7 +248,7 @@ def body_hf_llama(n: int) -> None:
         return fully_shard(model, mesh, axis="dp")
 
     eager = build()
-    want = _llama_steps(eager, eager, ids)
+    want = _steps(eager, _hf_loss(eager, ids), _adamw)
     for blocks in (False, True):
         model = build()
         torch._dynamo.reset()
@@ -260,7 +260,7 @@ def body_hf_llama(n: int) -> None:
         else:
             forward = torch.compile(model, backend=sw.compile_backend("aot_eager"),
                                     dynamic=False)
-        got = _llama_steps(model, forward, ids)
+        got = _steps(model, _hf_loss(forward, ids), _adamw)
         assert not counters["graph_break"], (blocks, dict(counters["graph_break"]))
         graphs = len(model.model.layers) if blocks else 1  # no recompile
         assert counters["stats"]["unique_graphs"] == graphs, (blocks, counters["stats"])
