@@ -109,15 +109,13 @@ def body_megatron_mlp(n: int) -> None:
         assert "_c10d_functional" not in forward, forward
 
 
-def _steps(model: nn.Module, forward: Any, inputs: Any, optimizer: Any) -> list[list[Any]]:
-    """Three training steps of ``model`` called as ``forward``: per step the loss and
-    the gradients, then the parameters after the last optimizer step."""
+def _steps(model: nn.Module, loss_of: Any, optimizer: Any) -> list[list[Any]]:
+    """Three training steps of ``model`` on ``loss_of(step)``: per step the loss and the
+    gradients, then the parameters after the last optimizer step."""
     opt = optimizer(model.parameters())
     out = []
     for step in range(3):
-        with loss_parallel():  # (only F.cross_entropy's handler changes)
-            loss = forward(*inputs(step))
-            loss = loss if loss.ndim == 0 else loss.sum()
+        loss = loss_of(step)
         loss.backward()
         out.append([loss.to_torch()] + [_value(p.grad) for p in model.parameters()])
         opt.step()
@@ -125,9 +123,24 @@ def _steps(model: nn.Module, forward: Any, inputs: Any, optimizer: Any) -> list[
     return [*out, [_value(p) for p in model.parameters()]]
 
 
+def _parallel_loss(forward: Any, inputs: Any) -> Any:
+    """``loss_of`` for :func:`_steps`: ``forward(*inputs(step))`` under loss_parallel,
+    summed where it is not a scalar."""
+
+    def loss_of(step: int) -> Any:
+        with loss_parallel():  # (only F.cross_entropy's handler changes)
+            loss = forward(*inputs(step))
+        return loss if loss.ndim == 0 else loss.sum()
+    return loss_of
+
+
 def _value(t: torch.Tensor) -> torch.Tensor:
     """The global value (a parameter that no plan names stays a plain tensor)."""
     return t.to_torch() if isinstance(t, sw.Tensor) else t.detach().clone()
+
+
+def _adamw(params: Any) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(params, lr=0.01)
 
 
 def _compiled_equals_eager(build: Any, inputs: Any, optimizer: Any, graphs: int = 1,
@@ -136,12 +149,12 @@ def _compiled_equals_eager(build: Any, inputs: Any, optimizer: Any, graphs: int 
     steps, losses, gradients and optimizer steps equal to eager shardwise's (``close``:
     assert_close's tolerances)."""
     eager = build()
-    want = _steps(eager, eager, inputs, optimizer)
+    want = _steps(eager, _parallel_loss(eager, inputs), optimizer)
     model = build()
     torch._dynamo.reset()
     counters.clear()
     compiled = torch.compile(model, backend=sw.compile_backend("aot_eager"), dynamic=False)
-    got = _steps(model, compiled, inputs, optimizer)
+    got = _steps(model, _parallel_loss(compiled, inputs), optimizer)
     assert not counters["graph_break"], dict(counters["graph_break"])
     assert counters["stats"]["unique_graphs"] == graphs, counters["stats"]  # no recompile
     for a, b in zip(got, want, strict=True):
@@ -183,7 +196,7 @@ def body_fsdp_and_loss_parallel(n: int) -> None:
     _compiled_equals_eager(
         lambda: parallelize_module(_copy(head), tp, {
             "head": ColwiseParallel(output_layouts=Sharded(-1))}),
-        lambda step: (y + step, target), lambda ps: torch.optim.AdamW(ps, lr=0.01))
+        lambda step: (y + step, target), _adamw)
     cfg = Config(seq=8, layers=1)
     gpt = GPT(cfg)
     mesh2 = DeviceMesh.cpu((max(n // 2, 1), 2), ("dp", "tp"))
@@ -193,7 +206,7 @@ def body_fsdp_and_loss_parallel(n: int) -> None:
         return tuple(sw.tensor(t, sharding=data) for t in batch(cfg, 4, step))
 
     _compiled_equals_eager(lambda: parallelize(_copy(gpt), mesh2), inputs,
-                           lambda ps: torch.optim.AdamW(ps, lr=0.01))
+                           _adamw)
 
 
 def _tiny_llama() -> Any:
@@ -206,23 +219,10 @@ def _tiny_llama() -> Any:
         attn_implementation="eager"))
 
 
-def _llama_steps(model: nn.Module, forward: Any, ids: Any) -> list[list[Any]]:
-    """Three AdamW steps of ``model`` called as ``forward`` on HF's own loss (its labels
-    padded by one position: a pad of the Sharded labels)."""
-    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
-    out = []
-    for _ in range(3):
-        loss = forward(ids, labels=ids).loss
-        loss.backward()
-        out.append([loss.to_torch()] + [_value(p.grad) for p in model.parameters()])
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-    return [*out, [_value(p) for p in model.parameters()]]
-
-
-def _value(t: torch.Tensor) -> torch.Tensor:
-    """The global value (a parameter that no plan names stays a plain tensor)."""
-    return t.to_torch() if isinstance(t, sw.Tensor) else t.detach().clone()
+def _hf_loss(forward: Any, ids: Any) -> Any:
+    """``loss_of`` for :func:`_steps`: HF's own loss (its labels padded by one
+    position: a pad of the Sharded labels)."""
+    return lambda step: forward(ids, labels=ids).loss
 
 
 def body_hf_llama(n: int) -> None:
@@ -248,7 +248,7 @@ def body_hf_llama(n: int) -> None:
         return fully_shard(model, mesh, axis="dp")
 
     eager = build()
-    want = _llama_steps(eager, eager, ids)
+    want = _steps(eager, _hf_loss(eager, ids), _adamw)
     for blocks in (False, True):
         model = build()
         torch._dynamo.reset()
@@ -260,7 +260,7 @@ def body_hf_llama(n: int) -> None:
         else:
             forward = torch.compile(model, backend=sw.compile_backend("aot_eager"),
                                     dynamic=False)
-        got = _llama_steps(model, forward, ids)
+        got = _steps(model, _hf_loss(forward, ids), _adamw)
         assert not counters["graph_break"], (blocks, dict(counters["graph_break"]))
         graphs = len(model.model.layers) if blocks else 1  # no recompile
         assert counters["stats"]["unique_graphs"] == graphs, (blocks, counters["stats"])
@@ -268,24 +268,19 @@ def body_hf_llama(n: int) -> None:
             torch.testing.assert_close(a, b)
 
 
-def _cp_steps(model: nn.Module, forward: Any, cp: Any, data: Any) -> list[list[Any]]:
-    """Three AdamW steps of examples/gpt.py's GPT called as ``forward`` inside the
-    region ``cp`` (entered around the compiled call, as torchtitan does), the batch
+def _cp_loss(forward: Any, cp: Any, data: Any) -> Any:
+    """``loss_of`` for :func:`_steps`: examples/gpt.py's GPT called as ``forward`` inside
+    the region ``cp`` (entered around the compiled call, as torchtitan does), the batch
     through ``cp.shard``."""
-    cfg = model.config  # type: ignore[union-attr]
-    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
-    out = []
-    for step in range(3):
+    cfg = Config(seq=8, layers=1)
+
+    def loss_of(step: int) -> Any:
         ids, targets = batch(cfg, 2, step)
         with cp, loss_parallel():
             positions = (torch.arange(cfg.seq) if cp.method == "ring"
                          else cp.shard(torch.arange(cfg.seq), 0))
-            loss = forward(cp.shard(ids, 1, data), cp.shard(targets, 1, data), positions)
-        loss.backward()
-        out.append([loss.to_torch()] + [_value(p.grad) for p in model.parameters()])
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-    return [*out, [_value(p) for p in model.parameters()]]
+            return forward(cp.shard(ids, 1, data), cp.shard(targets, 1, data), positions)
+    return loss_of
 
 
 def body_context_parallel(n: int) -> None:
@@ -310,7 +305,7 @@ def body_context_parallel(n: int) -> None:
     for method, blocks in (("ring", False), ("alltoall", False), ("ring", True)):
         cp = context_parallel(mesh, "cp", method=method)
         eager = build()
-        want = _cp_steps(eager, eager, cp, data)
+        want = _steps(eager, _cp_loss(eager, cp, data), _adamw)
         model = build()
         torch._dynamo.reset()
         counters.clear()
@@ -321,7 +316,7 @@ def body_context_parallel(n: int) -> None:
         else:
             forward = torch.compile(model, backend=sw.compile_backend("aot_eager"),
                                     dynamic=False)
-        got = _cp_steps(model, forward, cp, data)
+        got = _steps(model, _cp_loss(forward, cp, data), _adamw)
         assert not counters["graph_break"], (method, dict(counters["graph_break"]))
         assert counters["stats"]["unique_graphs"] == 1, (method, counters["stats"])
         for a, b in zip(got, want, strict=True):
@@ -360,8 +355,7 @@ def body_expert_parallel(n: int) -> None:
     # steps then differ by ~1e-5 on a few elements)
     close = dict(rtol=1e-3, atol=1e-4) if processes else {}
     _compiled_equals_eager(lambda: moe.parallelize(_copy(base), mesh, capacity_factor=4.0),
-                           inputs, lambda ps: torch.optim.AdamW(ps, lr=0.01), graphs=2,
-                           **close)
+                           inputs, _adamw, graphs=2, **close)
 
     from shardwise.debug import GraphBreakCounter
 
@@ -380,5 +374,75 @@ def _copy(m: nn.Module) -> Any:
     return copy.deepcopy(m)
 
 
+def _lengths(forward: Any, run: Any, lengths: tuple[int, ...], dynamic: bool | None) -> int:
+    """``run(f, t)`` (a list of values) for each sequence length ``t``, with ``f`` the
+    eager ``forward`` and compiled (``dynamic``): values equal, no graph break.
+    Returns the number of graphs Dynamo compiled."""
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = torch.compile(forward, backend=sw.compile_backend("aot_eager"), dynamic=dynamic)
+    for t in lengths:
+        for got, want in zip(run(compiled, t), run(forward, t), strict=True):
+            torch.testing.assert_close(got, want)
+    assert not counters["graph_break"], dict(counters["graph_break"])
+    return int(counters["stats"]["unique_graphs"])
+
+
+def body_dynamic_sequence(n: int) -> None:
+    """A changing sequence length under dynamic shapes: the GPT example with Megatron
+    TP (its batch Sharded) compiles once with ``dynamic=True`` over 4 lengths, the
+    Megatron MLP (batch replicated) twice with Dynamo's default (static first,
+    dynamic after the first new length); a program on a sequence sharded over the
+    mesh keeps one graph while the mesh divides the length and specialises one that
+    it does not (9 over 2)."""
+    torch.manual_seed(0)
+    cfg = Config(seq=24, layers=1)
+    mesh = DeviceMesh.cpu(n, "tp")
+    gpt = parallelize(GPT(cfg), mesh, fsdp=False)
+    rows = PlacementMapping(mesh, [Sharded(0)])
+
+    def step(f: Any, t: int) -> list[Any]:
+        g = torch.Generator().manual_seed(t)
+        ids = torch.randint(0, cfg.vocab, (4, t + 1), generator=g)
+        with loss_parallel():  # (the batch Sharded: gathered and cut along batch x sequence)
+            loss = f(sw.tensor(ids[:, :-1].contiguous(), sharding=rows),
+                     sw.tensor(ids[:, 1:].contiguous(), sharding=rows))
+        loss.backward()
+        grads = [p.grad for p in gpt.parameters()]
+        gpt.zero_grad(set_to_none=True)
+        return [v.to_torch() if isinstance(v, sw.Tensor) else v for v in [loss, *grads]]
+
+    assert _lengths(gpt, step, (8, 12, 16, 24), True) == 1
+    mlp = parallelize_module(MLP(), mesh, {"up": ColwiseParallel(), "down": RowwiseParallel()})
+
+    def mlp_step(f: Any, t: int) -> list[Any]:
+        y = f(torch.randn(4, t, 8, generator=torch.Generator().manual_seed(t)))
+        y.sum().backward()
+        grads = [p.grad.to_torch() for p in mlp.parameters()]
+        mlp.zero_grad(set_to_none=True)
+        return [y.to_torch(), *grads]
+
+    assert _lengths(mlp, mlp_step, (8, 12, 16, 24), None) == 2
+    # sizes no two of which Dynamo's duck sizing could take for one (batch 3, blocks of
+    # t/2, width 5): it would guard on their equality
+    w = sw.tensor(torch.randn(5, 5), sharding=PlacementMapping(mesh, [Replicated()]))
+    w.requires_grad_()
+
+    def forward(x: Any, w: Any) -> Any:
+        h = F.linear(x, w).relu()
+        return h.sum(-1), h.sum()
+
+    def program(f: Any, t: int) -> list[Any]:
+        x = sw.tensor(torch.randn(3, t, 5, generator=torch.Generator().manual_seed(t)),
+                      sharding=PlacementMapping(mesh, [Sharded(1)]))
+        rows, total = f(x, w)
+        total.backward()
+        g, w.grad = w.grad.to_torch(), None
+        return [rows.to_torch(), total.to_torch(), g]
+
+    assert _lengths(forward, program, (8, 12, 16, 9), True) == 2  # (9: its own graph)
+
+
 BODIES = ["body_tiny_program", "body_megatron_mlp", "body_fsdp_and_loss_parallel",
-          "body_hf_llama", "body_context_parallel", "body_expert_parallel"]
+          "body_hf_llama", "body_dynamic_sequence", "body_context_parallel",
+          "body_expert_parallel"]

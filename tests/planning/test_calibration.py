@@ -1,5 +1,6 @@
 """``calibrate`` on 2 Gloo processes, and where its figures go: a pipeline stage's send
-is priced on the measured send link (``Profile.p2p``), not on the slowest collective's."""
+is priced on ``Profile.p2p`` (calibrated: the median group link), not on the slowest
+collective link."""
 
 from __future__ import annotations
 
@@ -15,10 +16,10 @@ from shardwise.planning.search import inputs, train_step
 from shardwise.planning.transformer import loss_fn
 
 
-def test_calibrate_fits_each_group_and_a_stage_send() -> None:
+def test_calibrate_fits_each_group_and_prices_sends_on_their_median() -> None:
     profile = sw.calibrate(2, repeat=1, limit_s=240)
     assert set(profile.groups) == {(2, 1)}
-    assert profile.p2p is not None and profile.p2p.alpha + profile.p2p.beta > 0
+    assert profile.p2p == profile.groups[(2, 1)]
     assert profile.flops["float32"] > 0 and profile.op_overhead > 0
 
 
@@ -39,3 +40,14 @@ def test_a_stage_send_is_priced_on_the_p2p_link() -> None:
         times[name] = est.time_s
     assert times["p2p"] > times["inter"] + 1e-3          # the send's hops, on the p2p link
     assert times["p2p"] == times["inter slow"]            # as the inter link was before
+
+
+def test_profile_of_prices_sends_on_the_median_group() -> None:
+    from shardwise.planning.calibration import profile_of
+
+    def one(seconds: float) -> list[float]:  # [hops, bytes, seconds] at 0 and 1 MB
+        return [1, 0, 1e-3, 1, 1e6, 1e-3 + seconds]
+    links = {"4,1": one(3e-3), "2,2": one(4e-3), "2,1": one(13e-3)}   # one noisy fit
+    compute = {"flops": 1e11, "bandwidth": 1e10, "kernel": 2e-6, "op": 1e-4}
+    profile = profile_of([{"compute": compute, "links": links}], devices=4)
+    assert profile.p2p == profile.groups[(2, 2)] and profile.inter == profile.groups[(2, 1)]

@@ -32,6 +32,7 @@ import torch
 from shardwise.ops import graph_breaks
 from shardwise.ops.fallbacks import is_strict
 from shardwise.sharding.errors import ShardingError
+from shardwise.tensors.symbolic import is_symbolic, static
 from shardwise.tensors.tensor import Tensor
 
 __all__ = ["compile_backend"]
@@ -57,7 +58,10 @@ def _take_apart(values: Sequence[Any]) -> tuple[list[Any], list[Spec]]:
     return flat, specs
 
 
-def _rebuild(flat: Sequence[Any], specs: Sequence[Spec]) -> list[Any]:
+def _rebuild(flat: Sequence[Any], specs: Sequence[Spec], sized: bool = False) -> list[Any]:
+    """The values of ``flat`` (buffers) rebuilt as ``specs`` say; ``sized``: specs of
+    :func:`_sized`, whose size ``-k`` along a dim (a symbolic size) is ``k`` times the
+    first buffer's size there."""
     out: list[Any] = []
     i = 0
     for spec in specs:
@@ -66,9 +70,63 @@ def _rebuild(flat: Sequence[Any], specs: Sequence[Spec]) -> list[Any]:
             i += 1
             continue
         n, context, size = spec
+        if sized and min(size, default=0) < 0:
+            first = flat[i].shape
+            size = torch.Size([-s * first[d] if s < 0 else s for d, s in enumerate(size)])
         out.append(Tensor.from_buffers(flat[i:i + n], context, size))
         i += n
     return out
+
+
+def _sized(spec: Spec) -> Spec:
+    """An output's spec with each symbolic size (dynamic shapes) as ``-k``: ``k``
+    times its first buffer's size along that dim, read on each call (:func:`_rebuild`).
+    A symbolic dim is unsharded, or split evenly (:mod:`shardwise.tensors.symbolic`):
+    ``k`` is its number of pieces (1 where one buffer holds the whole value)."""
+    if spec is None:
+        return None
+    n, context, size = spec
+    if not is_symbolic(size):
+        return spec
+    layout, pattern = context[0], context[1]
+    dims = []
+    for d, s in enumerate(size):
+        s = static(s)
+        if type(s) is not int:
+            pieces = 1
+            for a in layout.dims[d] if pattern is not None else ():
+                pieces *= layout.mesh.mesh_shape[a]
+            s = -pieces
+        dims.append(s)
+    return n, context, torch.Size(dims)
+
+
+def _traced_sizes(gm: torch.fx.GraphModule, specs: list[Spec]) -> list[Spec]:
+    """``specs`` of Dynamo's example inputs with the sizes Dynamo traced them with:
+    its example inputs are the call's own values (AOTAutograd fakes their buffers
+    again, with the same symbols), whose sizes are concrete where Dynamo's are
+    symbolic (dynamic shapes)."""
+    inputs = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    if len(inputs) != len(specs):
+        return specs
+    out: list[Spec] = []
+    for node, spec in zip(inputs, specs):
+        traced = node.meta.get("example_value")
+        if spec is not None and isinstance(traced, Tensor):
+            spec = (spec[0], spec[1], torch.Size([static(d) for d in traced.shape]))
+        out.append(spec)
+    return out
+
+
+class _Module(torch.nn.Module):
+    """A function as the module AOTAutograd compiles (it takes modules)."""
+
+    def __init__(self, fn: Callable[..., Any]) -> None:
+        super().__init__()
+        self.fn = fn
+
+    def forward(self, *flat: Any) -> Any:
+        return self.fn(*flat)
 
 
 def _buffers_of(values: Sequence[Any]) -> list[Any]:
@@ -117,7 +175,10 @@ def compile_backend(inner: str | Callable[..., Any] = "inductor") -> Callable[..
     Each torch function on a shardwise Tensor is a node of Dynamo's graph, and so are
     a parallelized module's input and output hooks; relayouts become torch's
     functional collectives in a process world (all_reduce, even all_gather and
-    reduce_scatter so far) and local ops on the simulated mesh. torch's own backends
+    reduce_scatter so far) and local ops on the simulated mesh. Dynamic shapes
+    (``dynamic=True``, or Dynamo's automatic dynamic after new sizes) keep one graph
+    over changing sizes of dims that no relayout moves blocks along
+    (:mod:`shardwise.tensors.symbolic`; other dims are specialised). torch's own backends
     (``torch.compile(model)``) work under ``torch.no_grad()`` only: their AOTAutograd
     would differentiate the wrapper, and refuses to.
 
@@ -132,7 +193,7 @@ def compile_backend(inner: str | Callable[..., Any] = "inductor") -> Callable[..
             "Got an unknown name; pass 'inductor' to compile, 'aot_eager' to trace only.")
 
     def backend(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> Callable[..., Any]:
-        from torch._functorch.aot_autograd import aot_function
+        from torch._functorch.aot_autograd import aot_module_simplified
         from torch._functorch.partitioners import min_cut_rematerialization_partition
 
         error = graph_breaks.strict_error()
@@ -144,30 +205,32 @@ def compile_backend(inner: str | Callable[..., Any] = "inductor") -> Callable[..
                 return gm(*args)  # (strict mode ended: the graph runs, uncompiled)
 
             return refuse
-        _, in_specs = _take_apart(example_inputs)
+        flat_examples, in_specs = _take_apart(example_inputs)
+        in_specs = _traced_sizes(gm, in_specs)
         out_specs: list[tuple[bool, list[Spec]]] = []
 
         def on_buffers(*flat: Any) -> tuple[Any, ...]:
             outs = gm(*_rebuild(flat, in_specs))
             single = not isinstance(outs, (tuple, list))
             got, specs = _take_apart([outs] if single else list(outs))
-            out_specs[:] = [(single, specs)]  # the same on every trace of this graph
+            out_specs[:] = [(single, [_sized(spec) for spec in specs])]  # (alike each trace)
             return tuple(got)
 
         fw, bw, decompositions = _compilers(inner)
-        compiled = aot_function(on_buffers, fw_compiler=fw, bw_compiler=bw,
-                                partition_fn=min_cut_rematerialization_partition,
-                                decompositions=decompositions)
+        # traced now, on Dynamo's fake inputs: their symbolic sizes (dynamic shapes)
+        # stay symbols of the graph, where inputs traced on the first call were concrete
+        with _compiling():
+            compiled = aot_module_simplified(
+                _Module(on_buffers),  # type: ignore[arg-type]  # (any module serves)
+                flat_examples, fw_compiler=fw, bw_compiler=bw,
+                partition_fn=min_cut_rematerialization_partition,
+                decompositions=decompositions)
+        single, specs = out_specs[0]
+        # (an output of symbolic size: read from its buffers per call; else nothing to read)
+        sized = any(spec is not None and min(spec[2], default=0) < 0 for spec in specs)
 
         def run(*args: Any) -> Any:
-            flat = _buffers_of(args)
-            if out_specs:
-                got = compiled(*flat)
-            else:  # the first call traces: shardwise's code then issues graph collectives
-                with _compiling():
-                    got = compiled(*flat)
-            single, specs = out_specs[0]
-            outs = _rebuild(got, specs)
+            outs = _rebuild(compiled(*_buffers_of(args)), specs, sized)
             return outs[0] if single else type(outs)(outs)
 
         return run

@@ -237,7 +237,9 @@ def reshape(x: Tensor, *shape: Any) -> Tensor:
     t = _need(x, "reshape")
     if len(shape) == 1 and isinstance(shape[0], (list, tuple, torch.Size)):
         shape = tuple(shape[0])
-    target = tuple(int(s) for s in shape)
+    # a symbolic size (torch.compile's dynamic shapes) stays one: int() would guard on it
+    target = tuple(s if type(s) is int or isinstance(s, torch.SymInt) else int(s)
+                   for s in shape)
     return apply("reshape", (t,), _reshape_block, target, shaped=True)
 
 

@@ -50,6 +50,7 @@ from shardwise.sharding.shapes import local_shape
 from shardwise.tensors import cache
 from shardwise.tensors.cache import Decided, records
 from shardwise.tensors.keys import decision_key
+from shardwise.tensors.symbolic import is_symbolic
 from shardwise.tensors.tensor import Tensor, place
 
 __all__ = ["DECISIONS_MAX", "apply", "apply_elementwise", "apply_outputs", "clear_decisions",
@@ -147,7 +148,10 @@ def apply(op: str, operands: Sequence[Any], fn: Callable[..., torch.Tensor], *pa
     already seen in the same layouts, shapes, open dims, dtypes and kept layouts, with
     the same ``params``: the per-op path then binds and decides nothing."""
     key = decision_key(op, shaped, params, operands)
-    hit = None if key is None else _DECISIONS.get(key)
+    try:
+        hit = None if key is None else _DECISIONS.get(key)
+    except TypeError:  # symbolic sizes (torch.compile, dynamic shapes): decided per trace
+        key = hit = None
     args, stored = operands, False
     if hit is None:
         args, hit, stored = _decide(op, operands, fn, params, shaped, key)
@@ -187,7 +191,7 @@ def _decide(op: str, operands: Sequence[Any], fn: Callable[..., torch.Tensor],
     tensors: list[Tensor | None] = [x if isinstance(x, Tensor) else None for x in args]
     wrapping = [i for i, x in enumerate(tensors)  # integer or bool Partial operands
                 if x is not None and x.dist_layout.is_partial and not _sums_exactly(x.dtype)]
-    factors = bind(op, tuple(() if x is None else tuple(x.shape) for x in tensors), *params)
+    factors = _bind(op, tuple(() if x is None else tuple(x.shape) for x in tensors), params)
     if wrapping:
         _reduce_wrapping_partials(wrapping, args, tensors, fn, factors, shaped)
     hit = Decided.of(factors, tensors)
@@ -208,7 +212,10 @@ def decision_of(op: str, operands: Sequence[Any], *params: Any) -> Decision | No
     True
     """
     key = decision_key(op, False, params, operands) if operands else None
-    hit = None if key is None else _DECISIONS.get(key)
+    try:
+        hit = None if key is None else _DECISIONS.get(key)
+    except TypeError:  # symbolic sizes: decided per trace, never cached
+        key, hit = (), None
     if hit is not None:  # (stored only for operands that pass the checks below)
         return hit.dec
     if key is None or not all(isinstance(x, Tensor) for x in operands):
@@ -217,10 +224,28 @@ def decision_of(op: str, operands: Sequence[Any], *params: Any) -> Decision | No
     for x in operands:
         if x.mesh != mesh or (x.dist_layout.is_partial and not _sums_exactly(x.dtype)):
             return None  # (apply names the two meshes in its error, or reduces first)
-    factors = bind(op, tuple(tuple(x.shape) for x in operands), *params)
+    factors = _bind(op, tuple(tuple(x.shape) for x in operands), params)
     hit = Decided.of(factors, operands)
-    _store(key, hit)
+    if key:
+        _store(key, hit)
     return hit.dec
+
+
+def _bind(op: str, shapes: tuple[tuple[Any, ...], ...], params: tuple[Any, ...]) -> Factors:
+    """``bind``, cached, or uncached where a size is symbolic (torch.compile's dynamic
+    shapes: tensors/symbolic.py; a SymInt has no hash, and its checks are guards)."""
+    try:
+        return bind(op, shapes, *params)
+    except TypeError:
+        if not any(is_symbolic(s) for s in shapes) and not is_symbolic(_flat(params)):
+            raise
+        return bind.__wrapped__(op, shapes, *params)
+
+
+def _flat(params: Any) -> list[Any]:
+    if isinstance(params, (tuple, list)):
+        return [v for p in params for v in _flat(p)]
+    return [params] if isinstance(params, (int, torch.SymInt)) else []
 
 
 def _meta_dtype(fn: Callable[..., torch.Tensor], args: Sequence[Any], dec: Decision,

@@ -67,9 +67,12 @@ def shape_args(args: tuple[Any, ...]) -> tuple[int, ...]:
     >>> shape_args((2, 3)), shape_args(([2, 3],)), shape_args((torch.Size([4]),))
     ((2, 3), (2, 3), (4,))
     """
+    sizes: Sequence[Any] = args
     if len(args) == 1 and isinstance(args[0], (list, tuple, torch.Size)):
-        return tuple(int(s) for s in args[0])
-    return tuple(int(s) for s in args)
+        sizes = args[0]
+    # a symbolic size (torch.compile's dynamic shapes) stays one: int() would guard on it
+    return tuple(s if type(s) is int or isinstance(s, torch.SymInt) else int(s)  # type: ignore[misc]
+                 for s in sizes)
 
 
 def reduce_dims(x: Any, dim: Any, what: str = "dim") -> tuple[int, ...]:

@@ -76,11 +76,11 @@ class StepList:
         frac = (n - 1) / n if n else 0.0
         match kind:
             case StepKind.ALL_GATHER:
-                return int(self.block_bytes(after) * frac)
+                return _share(self.block_bytes(after), frac, n)
             case StepKind.ALL_REDUCE:
-                return int(2 * self.block_bytes(after) * frac)
+                return _share(2 * self.block_bytes(after), frac, n)
             case StepKind.REDUCE_SCATTER | StepKind.ALL_TO_ALL:
-                return int(self.block_bytes(before) * frac)
+                return _share(self.block_bytes(before), frac, n)
             case StepKind.PERMUTE:
                 return self.block_bytes(before)
             case StepKind.SLICE | StepKind.MAKE_PARTIAL:
@@ -98,3 +98,11 @@ class StepList:
         self.steps.append(Step(kind, axes, before, after, dim, dim2, op,
                                self.moved(kind, n, before, after)))
         self.cur = after
+
+
+def _share(nbytes: int, frac: float, n: int) -> int:
+    """``int(nbytes * frac)``; a symbolic size (torch.compile's dynamic shapes), which
+    ``int()`` of a float would specialise, in integer arithmetic instead."""
+    if type(nbytes) is int:
+        return int(nbytes * frac)
+    return nbytes * (n - 1) // n if n else 0

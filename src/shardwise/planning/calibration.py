@@ -9,9 +9,8 @@ Invariants:
   sized by ``CommCounter``'s bytes, so the fitted ``beta`` prices the bytes the estimate
   counts and ``alpha`` (per ring hop) everything else a collective costs.
 - Links are fitted per group (size, stride) of the meshes ``(n,)`` and, for an even
-  ``n`` above 2, ``(2, n/2)``: the groups a plan on ``n`` devices runs collectives on;
-  and one for a pipeline stage's send (``Profile.p2p``): every even rank sends to the
-  next at once, as neighbouring stages do.
+  ``n`` above 2, ``(2, n/2)``: the groups a plan on ``n`` devices runs collectives on.
+  A pipeline stage's send (``Profile.p2p``) is priced on the median of them (by beta).
 - The processes are spawned here (torch.multiprocessing, Gloo on 127.0.0.1, a free
   port); nothing is left running: a rank that fails or outlives the limit is killed.
 """
@@ -270,39 +269,6 @@ def _links(repeat: int) -> dict[str, list[float]]:
                     hops = 2 * (size - 1) if kind == "all_reduce" else size - 1
                     points.setdefault(f"{size},{stride}", []).extend(
                         [float(hops), float(nbytes), seconds])
-    points["p2p"] = _sends(repeat * LINK_SAMPLES)
-    return points
-
-
-def _sends(repeat: int) -> list[float]:
-    """``[hops, bytes, seconds, ...]`` of a pipeline stage's send (the pipeline's own
-    transport, its header and packing included) from each even rank to the next, all
-    pairs at once; a send's time is its receiver's, the slowest rank's."""
-    import torch
-    import torch.distributed as dist
-
-    from shardwise.api.creation import tensor
-    from shardwise.pipelining.transport_process import ProcessTransport
-    from shardwise.sharding.mappings import PlacementMapping
-    from shardwise.sharding.mesh import DeviceMesh
-    from shardwise.sharding.placements import Replicated
-
-    rank, world = dist.get_rank(), dist.get_world_size()
-    mesh = DeviceMesh.cpu((world, 1), ("pp", "dp"))
-    stages = [mesh.submesh(pp=i) for i in range(world)]
-    transport = ProcessTransport(stages)
-    points: list[float] = []
-    for numel in (256, 1 << 14, 1 << 18):
-        x = tensor(torch.ones(numel),
-                   sharding=PlacementMapping(stages[rank], (Replicated(),)))
-
-        def hop(x: Any = x, tag: str = f"calibrate{numel}") -> None:
-            if rank % 2 == 0 and rank + 1 < world:
-                transport.send(x, rank, rank + 1, tag)
-                transport.flush()
-            elif rank % 2 == 1:
-                transport.recv(rank - 1, rank, tag)
-        points.extend([1.0, float(numel * 4), slowest(hop, repeat)])
     return points
 
 
@@ -338,17 +304,17 @@ def profile_of(rounds: list[dict[str, Any]], devices: int) -> Profile:
                             "none; pass [measurements(), ...].")
     c = {k: statistics.median(r["compute"][k] for r in rounds) for k in rounds[0]["compute"]}
     groups: dict[tuple[int, int], Link] = {}
-    p2p = None
     for key, first in rounds[0]["links"].items():
         points = list(first)
         for i in range(2, len(points), 3):  # [hops, bytes, seconds] per point
             points[i] = statistics.median(r["links"][key][i] for r in rounds)
-        if key == "p2p":
-            p2p = fit(points)
-            continue
         size, stride = (int(v) for v in key.split(","))
         groups[(size, stride)] = fit(points)
-    slow = max(groups.values(), key=lambda lk: lk.beta)
+    by_beta = sorted(groups.values(), key=lambda lk: lk.beta)
+    slow = by_beta[-1]
+    # a stage's send: one hop, while the other ranks compute on the shared cores, as a
+    # collective's hop; the median group, so that one noisy fit moves no pipeline plan
+    p2p = by_beta[(len(by_beta) - 1) // 2]
     rates = {"float32": c["flops"], "bfloat16": c["flops"] / 4,
              **{k: c[k] for k in ("attention", "transcendental") if k in c}}
     return Profile(

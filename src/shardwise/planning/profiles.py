@@ -7,8 +7,8 @@ Invariants:
   (``calibrate``: keyed by group size and stride of a mesh axis). On an accelerator a
   kernel's launch overlaps the previous kernel (an op costs the larger of the two);
   on a ``host_bound`` machine (the CPU, which both launches and computes) they add.
-- ``p2p``: a pipeline stage's send, where measured (``calibrate``); else a send
-  crosses nodes (``inter``).
+- ``p2p``: the link a pipeline stage's send runs on, where calibrated (``calibrate``:
+  the median of its measured groups); else a send crosses nodes (``inter``).
 - ``cores``: where the ``devices_per_node`` processes share fewer cores (calibrated on
   4 Gloo ranks of a 2-core machine), the rates are those measured with every process
   busy; a process runs faster while others idle (a pipeline's bubble). 0: no sharing.

@@ -50,6 +50,8 @@ class Factors:
     shapes: tuple[tuple[int, ...], ...] = field(init=False, compare=False)
     out_shape: tuple[int, ...] = field(init=False, compare=False)
     _hash: int = field(init=False, repr=False, compare=False)
+    # some size is symbolic (torch.compile's dynamic shapes: tensors/symbolic.py)
+    symbolic: bool = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         ext = self.extents or tuple((1,) * len(fs) for fs in self.operands)
@@ -59,7 +61,13 @@ class Factors:
             for fs, es in zip(self.operands, ext)))
         object.__setattr__(self, "out_shape", tuple(
             self.sizes[f] * e for f, e in zip(self.output, out_ext)))
-        object.__setattr__(self, "_hash", hash((self.op, self.text, self.sizes)))
+        symbolic = False
+        try:
+            h = hash((self.op, self.text, self.sizes))
+        except TypeError:  # symbolic sizes (torch.compile's dynamic shapes): never cached,
+            h, symbolic = id(self), True  # nor compared (equal sizes would be a guard)
+        object.__setattr__(self, "_hash", h)
+        object.__setattr__(self, "symbolic", symbolic)
 
     def __hash__(self) -> int:
         return self._hash

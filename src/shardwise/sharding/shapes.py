@@ -42,7 +42,7 @@ def split_size(size: int, n: int, k: int) -> int:
 
 def split_bounds(size: int, n: int, k: int) -> tuple[int, int]:
     """``(start, stop)`` of piece ``k`` when ``size`` is split into ``n`` pieces."""
-    base, rem = divmod(size, n)
+    base, rem = size // n, size % n  # (not divmod: a symbolic size, from dynamic shapes)
     start = k * base + min(k, rem)
     return start, start + base + (1 if k < rem else 0)
 

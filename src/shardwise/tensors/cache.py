@@ -40,6 +40,7 @@ Invariants:
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from typing import Any, Protocol, Self, TypeVar
 
@@ -53,6 +54,8 @@ from shardwise.runtime import observe as comm
 from shardwise.runtime.local import COPY_BYTES, Local, Whole, local_mesh, versions
 from shardwise.runtime.owner import GradOwner
 from shardwise.sharding.layout import Layout
+from shardwise.sharding.shapes import local_shape
+from shardwise.tensors.symbolic import hinted, pinned_factors, plan_of
 
 __all__ = ["COPY_BYTES", "Decided", "Operand", "OperandCache", "aliases_copy", "blocks",
            "kept_layouts", "local_mesh", "relayout", "runs_whole", "whole", "whole_of"]
@@ -204,8 +207,13 @@ def _kept(x: Operand, target: Layout, diverge: tuple[int, ...], whole: bool,
             del table[k]  # (stale entries never revive: versions only grow)
     # a whole request moves the whole value (its own or derived), as metadata
     source = local.as_whole(layout, x._shape, x._dtype.itemsize) if whole else local
-    plan = make_plan(layout, target, x._shape, x._dtype.itemsize)
-    if table and not diverge:  # the cheapest fresh kept layout of the same request
+    alternatives = not diverge
+    try:
+        plan = make_plan(layout, target, x._shape, x._dtype.itemsize)
+    except TypeError:  # symbolic sizes (tensors/symbolic.py): kept layouts not priced
+        plan = plan_of(layout, target, x._shape, x._dtype.itemsize)
+        alternatives = False
+    if table and alternatives:  # the cheapest fresh kept layout of the same request
         for (lay, div, g, w), entry in table.items():
             if div or g != grad or w != whole:
                 continue
@@ -306,10 +314,16 @@ class Decided:
         """The decision for ``tensors`` (None: a constant) under ``factors``, pricing the
         layouts each keeps now as free."""
         layouts = tuple(None if x is None else x._layout for x in tensors)
-        dec = decide(factors, layouts,
+        symbolic = factors.symbolic  # (torch.compile, dynamic shapes)
+        dec = decide(hinted(factors) if symbolic else factors, layouts,
                      tuple(None if x is None else x._open for x in tensors),
                      tuple(0 if x is None else x._dtype.itemsize for x in tensors),
                      kept_layouts(tensors, runs_whole(tensors)))
+        if symbolic:  # decided on the hints; the shapes stay symbolic where nothing cuts
+            factors = pinned_factors(factors, layouts, dec.required, dec.output)
+            dec = dataclasses.replace(dec, local_shapes=tuple(
+                local_shape(factors.out_shape, dec.output, dec.output.mesh.coord_of(k))
+                for k in range(dec.output.mesh.num_devices)))
         return cls(factors, dec, layouts)
 
     def blocks(self, args: Sequence[Any]) -> Sequence[Sequence[torch.Tensor | None] | None]:

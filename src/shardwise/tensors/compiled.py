@@ -115,13 +115,6 @@ class CompiledMixin(MetaMixin):
         for watch in WATCH:  # (tracing only: compiled code never runs this)
             watch()
         if func in HANDLERS:
-            for a in args:
-                if isinstance(a, cls) and not all(type(d) is int for d in a._shape):
-                    raise ShardingError(
-                        f"torch.compile traced {func} on {a!r} with symbolic sizes: "
-                        "shardwise decides layouts on concrete shapes, and dynamic shapes "
-                        "are not supported yet. Pass dynamic=False to torch.compile (Dynamo "
-                        "turns shapes dynamic by itself after a recompile for new shapes).")
             if ordering.ORDERS:  # some value is held in a sequence order: kept only where exact
                 return ordering.ORDERS[0](func, tuple(args), kwargs or {})
             return route(func, args, kwargs)

@@ -29,6 +29,7 @@ from shardwise.sharding.errors import ShardingError
 from shardwise.sharding.layout import Layout
 from shardwise.tensors import ordering
 from shardwise.tensors.meta import MetaMixin
+from shardwise.tensors.symbolic import plan_of
 
 __all__ = ["RelayoutMixin", "record_plan", "run_plan"]
 
@@ -72,7 +73,10 @@ class RelayoutMixin(MetaMixin):
         source = self._layout
         if source.orders or target.orders:  # (blocks are cut alike in every order)
             source, target = source.with_orders(()), target.with_orders(())
-        return make_plan(source, target, self._shape, self._dtype.itemsize)
+        try:
+            return make_plan(source, target, self._shape, self._dtype.itemsize)
+        except TypeError:  # symbolic sizes (tensors/symbolic.py)
+            return plan_of(source, target, self._shape, self._dtype.itemsize)
 
     def unique_shards(self) -> tuple[list[int], list[torch.Tensor]]:
         """Representative device indices and their (distinct) local tensors."""

@@ -32,11 +32,14 @@ Invariants:
   runtime holds wholly the global value itself (blocks cut from it on demand, ops run
   once on it, autograd on it). Nothing here asks which: the Local answers (blocks,
   buffers, gradients, hooks) and the runtime's ``run_local`` runs the ops.
-- The class is built from four bases, each in its own module and each below this
+- The class is built from bases, each in its own module and each below this
   one: :class:`~shardwise.tensors.meta.MetaMixin` (the fields, torch metadata, mesh
   views) < :class:`~shardwise.tensors.relayout.RelayoutMixin` (layout changes) <
-  :class:`~shardwise.tensors.grad.GradMixin` (autograd, gradients), and beside them
-  :class:`~shardwise.tensors.compiled.CompiledMixin` (torch.compile). What a value keeps
+  :class:`~shardwise.tensors.grad.GradMixin` (autograd, gradients),
+  :class:`~shardwise.tensors.values.ValuesMixin` (values out, DCP's hooks) and
+  :class:`~shardwise.tensors.dtensor_names.DTensorNamesMixin` (DTensor's names), and
+  beside them :class:`~shardwise.tensors.compiled.CompiledMixin` (torch.compile);
+  torch.func's transforms are met by :mod:`~shardwise.tensors.transforms`. What a value keeps
   for ops lives in slots (:mod:`~shardwise.tensors.cache`), never in ``__dict__``. None
   subclasses ``torch.Tensor``; they precede it in the bases, so their properties
   (``shape``, ``grad``, ``requires_grad``, ``data``...) override torch's.
@@ -44,20 +47,17 @@ Invariants:
   (:mod:`shardwise.runtime.position`), which the multi-process collectives it
   causes carry in their fingerprint; the previous op is restored after it (the
   table and the route: :mod:`shardwise.tensors.routing`).
-- Here: construction, torch's routing, Python protocols, DCP hooks, values out,
+- Here: construction, torch's routing, Python protocols,
   ``backward`` (through ``torch.autograd.backward``, whose handler is the registry's
   ``autograd`` family), and the placing functions (``place``, ``to_layout``, ...).
 """
 
 from __future__ import annotations
 
-import importlib
-import sys
 from collections.abc import Sequence
 from typing import Any
 
 import torch
-import torch.utils._pytree as pytree
 
 from shardwise.runtime import backend_for
 from shardwise.runtime.local import Blocks, Local, Whole, hold
@@ -67,13 +67,15 @@ from shardwise.sharding.layout import Layout
 from shardwise.sharding.mappings import ShardingSpec
 from shardwise.sharding.mesh import DeviceMesh
 from shardwise.sharding.types import dtype_name
-from shardwise.tensors import cache, chunks, dtensor, ordering
+from shardwise.tensors import ordering
 from shardwise.tensors.compiled import COMPILER, CompiledMixin
 from shardwise.tensors.dtensor_names import DTensorNamesMixin
 from shardwise.tensors.grad import GradMixin
 from shardwise.tensors.meta import MetaMixin
 from shardwise.tensors.relayout import RelayoutMixin
 from shardwise.tensors.routing import FALLBACK, HANDLERS, REGISTRY, WRITE_OUT, route
+from shardwise.tensors.transforms import functorch_caller, refuse_wrapped, under_transform
+from shardwise.tensors.values import ValuesMixin
 
 __all__ = ["FALLBACK", "HANDLERS", "REGISTRY", "WRITE_OUT", "Tensor", "pieces", "rehome",
            "route"]
@@ -85,8 +87,8 @@ _ORDERS = ordering.ORDERS
 
 # The mixins come first, so their properties (grad, data, shape...) override torch's;
 # mypy flags each read-only property that replaces a writable torch attribute.
-class Tensor(CompiledMixin, GradMixin, DTensorNamesMixin, RelayoutMixin,  # type: ignore[misc,override]
-             MetaMixin, torch.Tensor):
+class Tensor(CompiledMixin, GradMixin, DTensorNamesMixin, ValuesMixin,  # type: ignore[misc,override]
+             RelayoutMixin, MetaMixin, torch.Tensor):
     """A global value laid out on a :class:`DeviceMesh`; a ``torch.Tensor``.
 
     ``shape``/``dtype``/``device``/``requires_grad`` are the global ones, so
@@ -195,9 +197,9 @@ class Tensor(CompiledMixin, GradMixin, DTensorNamesMixin, RelayoutMixin,  # type
         # own layers already peeled off), or a C++ path with torch functions disabled.
         # The wrapper has no data: under a transform the aten op runs on the gathered
         # values (the fallback: exact), elsewhere it is refused.
-        transform = _functorch_caller()
+        transform = functorch_caller()
         if transform is not None:
-            return _under_transform(transform, func, args, kwargs or {})
+            return under_transform(cls, transform, func, args, kwargs or {})
         if COMPILER._is_compiling_flag:
             if func is torch.ops.aten.detach.default and isinstance(args[0], cls):
                 return args[0]._shallow_copy()  # (torch faking an input's autograd history)
@@ -206,7 +208,7 @@ class Tensor(CompiledMixin, GradMixin, DTensorNamesMixin, RelayoutMixin,  # type
                 "fallback (eager only) cannot run: the op would leave the graph. Run this "
                 "part eagerly (torch.compiler.disable), gather first (x.to_torch() before "
                 "the op, outside the compiled function), or add a rule for the op.")
-        _refuse_wrapped("a torch.func transform", func, args, kwargs or {})
+        refuse_wrapped(cls, "a torch.func transform", func, args, kwargs or {})
         raise ShardingError(
             f"{func} reached torch's dispatcher with a shardwise.Tensor, which holds no data "
             "of its own (its shards do). This torch path bypasses __torch_function__; gather "
@@ -262,73 +264,6 @@ class Tensor(CompiledMixin, GradMixin, DTensorNamesMixin, RelayoutMixin,  # type
             "x.to_torch() (the global value)."
         )
 
-    def untyped_storage(self) -> torch.UntypedStorage:
-        """The storage of what this process holds of the value: its whole value, else
-        its first local block (DTensor answers with its local tensor's). Two Tensors
-        share one exactly when they share data (tied weights), which is what checkpoint
-        writers (safetensors, transformers' ``save_pretrained``) ask it to tell."""
-        if COMPILER._is_compiling_flag:  # torch describing the wrapper: none of its own
-            return torch.Tensor.untyped_storage(self)
-        first = self._local.first()
-        assert first is not None, "this process holds none of the value"
-        return first.untyped_storage()
-
-    # --- torch.distributed.checkpoint: the blocks as chunks with global offsets --------
-    def __create_write_items__(self, fqn: str, object: Any) -> list[Any]:
-        x = self._natural()
-        return chunks.write_items(fqn, x._shards, x._layout, x._shape, x._dtype)
-
-    def __create_chunk_list__(self) -> list[Any]:
-        x = self._natural()
-        return chunks.chunk_list(x._shards, x._layout, x._shape)
-
-    def __get_tensor_shard__(self, index: Any) -> torch.Tensor:
-        x = self._natural()
-        return chunks.tensor_shard(x._shards, x._layout, x._shape, index)
-
-    def _natural(self) -> Tensor:
-        """This value with its blocks in natural order: the chunks and DTensors others
-        read have one offset per dim (a relayout where it is held in a sequence order)."""
-        return self.relayout(self._layout.with_orders(())) if self._layout.orders else self
-
-    def to_dtensor(self) -> Any:
-        """This value as a torch ``DTensor`` on the same processes and placements (no
-        copy where the uneven-split conventions agree); process meshes only."""
-        return dtensor.to_dtensor(self._natural())
-
-    # --- values -------------------------------------------------------------------------
-    def to_torch(self) -> torch.Tensor:
-        """The global value as a new torch tensor (Partial axes reduced), on the
-        first device of the mesh. Differentiable."""
-        out = self.global_value()
-        try:
-            storages = {s.untyped_storage()._cdata for s in self._local.buffers()}
-            alias = out.untyped_storage()._cdata in storages
-        except NotImplementedError:  # torch.func's wrappers hide their storage: copy
-            alias = True
-        return out.clone() if alias else out
-
-    def numpy(self, *, force: bool = False) -> Any:
-        # torch's rules (grad, device), then always a gathered copy: the array never
-        # shares memory with the shards
-        if not force and self.requires_grad:
-            raise RuntimeError(
-                "Can't call numpy() on Tensor that requires grad. Use tensor.detach().numpy() "
-                "instead (or numpy(force=True)).")
-        if not force and self.device.type != "cpu":
-            raise TypeError(
-                f"can't convert {self.device} device type tensor to numpy. Use Tensor.cpu() "
-                "to copy the tensor to host memory first (or numpy(force=True)).")
-        return self.to_torch().detach().cpu().numpy()
-
-    def tolist(self) -> Any:
-        return self.to_torch().tolist()
-
-    def item(self) -> Any:
-        # through the kept relayout: ``loss.item()`` then ``loss.backward()`` reduce once
-        full = cache.relayout(self, Layout.replicated(self.mesh, self.ndim))
-        return full._local.global_value(full._layout, full._shape, full._dtype).item()
-
     # --- autograd's entry (the rest is GradMixin's): torch.autograd.backward, as
     # torch's own Tensor.backward calls it (routed to the registry's autograd family)
     def backward(self, gradient: Any = None, retain_graph: bool | None = None,
@@ -347,70 +282,6 @@ class Tensor(CompiledMixin, GradMixin, DTensorNamesMixin, RelayoutMixin,  # type
                 f"{self._shape}. Pass gradient= (same global shape) or reduce first."
             )
         torch.autograd.backward(self, gradient, retain_graph, create_graph, inputs=inputs)
-
-
-#: torch.func's transforms, by the frame that runs the user's function under them
-_TRANSFORMS = {"grad_and_value_impl": "grad", "vmap_impl": "vmap", "_vjp_with_argnums": "vjp",
-               "_jvp_with_argnums": "jvp", "_jacfwd": "jacfwd"}
-
-
-def _functorch_caller() -> str | None:
-    """The outermost torch.func transform on the call stack, if any (jacrev shows as the
-    vjp it runs; ``"transform"`` for another torch._functorch frame, such as the
-    function that ``vjp`` returns)."""
-    found = None
-    frame = sys._getframe(1)
-    while frame is not None:
-        if frame.f_globals.get("__name__", "").startswith("torch._functorch"):
-            found = _TRANSFORMS.get(frame.f_code.co_name, found or "transform")
-        frame = frame.f_back  # type: ignore[assignment]
-    return found
-
-
-def _under_transform(transform: str, func: Any, args: Any, kwargs: dict[str, Any]) -> Any:
-    """An aten op that a torch.func transform ran on shardwise Tensors: the registry's
-    gathered fallback (values exact, the fallback warning; an error under
-    ``shardwise.strict()``), returning the plain global values, except views, which
-    stay Replicated Tensors. The transform wraps the results again, so gradients and
-    batching are torch's own. Refused: writes in place into a shardwise Tensor (into a
-    gathered copy they would be lost), and a Tensor whose values are a transform's
-    wrapped tensors (made inside it from plain inputs or dual tangents: it crossed out
-    of the transform, which cannot see into it to unwrap them)."""
-    if func._schema.is_mutable:
-        raise ShardingError(
-            f"torch.func ({transform}) ran {func}, which writes in place, on a "
-            "shardwise.Tensor: under a torch.func transform an op reaches a "
-            "shardwise.Tensor below __torch_function__, where it runs on a gathered "
-            "copy, and a write into a copy would be lost. Write out of place inside the "
-            "transformed function, or use shardwise.grad / vjp / jvp.")
-    _refuse_wrapped(f"torch.func ({transform})", func, args, kwargs)
-    if not FALLBACK:
-        importlib.import_module(REGISTRY)
-    # A result that aliases an input (a view) stays a Tensor (a Replicated copy), so a
-    # write through it is refused as above; any other result is the plain global value,
-    # and what the transform does with it next is torch's alone (torch's composite ops
-    # write in place into their fresh results, e.g. matmul's squeeze_ under vmap).
-    aliases = any(r.alias_info is not None for r in func._schema.returns)
-    return FALLBACK[0](func, tuple(args), kwargs, plain=not aliases)
-
-
-def _refuse_wrapped(who: str, func: Any, args: Any, kwargs: dict[str, Any]) -> None:
-    for t in pytree.tree_leaves((args, kwargs)):
-        if isinstance(t, Tensor) and _wrapped(t):
-            raise ShardingError(
-                f"{who} met {t!r}, whose values are a transform's own wrapped tensors "
-                f"({func}): it was made inside a transformed function (from a plain or "
-                "transformed input mixed with shardwise Tensors the transform does not see, "
-                "or by jvp's dual tangents, as in jacfwd / hessian) and crossed out of it, "
-                "and the transform cannot see into a shardwise.Tensor to unwrap them. "
-                "Return x.to_torch() (a plain tensor) from the function, pass every "
-                "shardwise.Tensor it uses through the transform (torch.func.functional_call "
-                "for a module's parameters), or use shardwise.grad / vjp / jvp.")
-
-
-def _wrapped(t: Tensor) -> bool:
-    value = t._local.first()
-    return value is not None and torch._C._functorch.is_functorch_wrapped_tensor(value)
 
 
 def with_open_dims(t: Tensor, sharding: object) -> Tensor:

@@ -153,13 +153,17 @@ check_handlers(_SPEC_OF, "the multi-process runtime", elsewhere=[StepKind.PERMUT
 def _spec(step: Step, shape: tuple[int, ...], k: int) -> functions.Spec:
     """The spec of ``step`` on mesh device ``k``, computed once (cached on WORLD.specs,
     cleared with the world: it holds the world's groups)."""
-    key = (step, shape, k)
-    hit = WORLD.specs.get(key)
+    key: tuple[Step, tuple[int, ...], int] | None = (step, shape, k)
+    try:
+        hit = WORLD.specs.get(key)
+    except TypeError:  # symbolic sizes (torch.compile, dynamic shapes): never cached
+        hit, key = None, None
     if hit is not None:
         return hit
     mesh = step.before.mesh
     out = _SPEC_OF[step.kind](step, collectives.group(mesh, step.axes), mesh.coord_of(k), shape)
-    WORLD.specs[key] = out
+    if key is not None:
+        WORLD.specs[key] = out
     return out
 
 
@@ -315,7 +319,10 @@ def assemble(shards: Sequence[torch.Tensor | None], src: Layout, dst: Layout,
     k = collectives.my_index(mesh)
     if k is None:
         return out
-    rep_dst, nodes = blocks.assemble_recipe(src, dst, shape)
+    try:
+        rep_dst, nodes = blocks.assemble_recipe(src, dst, shape)
+    except TypeError:  # symbolic sizes (torch.compile, dynamic shapes): bounds stay symbolic
+        rep_dst, nodes = blocks.assemble_recipe.__wrapped__(src, dst, shape)
     block = blocks.run_node(nodes[rep_dst[k]], shards)  # type: ignore[arg-type]
     dev = device_of(mesh, k)
     # a meta block (a model built on the meta device) stays meta until to_empty

@@ -101,7 +101,8 @@ def traced(what: str, x: torch.Tensor, g: Group, *, op: ReduceOp | None = None,
     torch's rank order. Others raise."""
     import torch.distributed._functional_collectives as funcol
 
-    even = g.slot is None and len(set(sizes)) <= 1
+    # (pairwise, not a set: a symbolic size, from dynamic shapes, has no hash)
+    even = g.slot is None and all(n == sizes[0] for n in sizes[1:])
     # (traced, each returns its result already waited for: a wait_tensor node)
     if what == "all_reduce" and op is not None:
         out: torch.Tensor = funcol.all_reduce(x, _FUNCTIONAL_OP[op], g.pg)
@@ -113,7 +114,7 @@ def traced(what: str, x: torch.Tensor, g: Group, *, op: ReduceOp | None = None,
         out = funcol.reduce_scatter_tensor(x.movedim(dim, 0).contiguous(),
                                            _FUNCTIONAL_OP[op], 0, g.pg)
         return out.movedim(0, dim)
-    if what == "all_to_all" and even and len(set(send)) <= 1:
+    if what == "all_to_all" and even and all(n == send[0] for n in send[1:]):
         chunks = [c.movedim(dim, 0).reshape(-1) for c in x.split(list(send), dim2)]
         moved = list(x.movedim(dim, 0).shape)  # a received piece: as all_to_all's
         if dim2 != dim:

@@ -1,0 +1,93 @@
+"""The compile section's simulated-mesh row (issue 37 item 3): the GPT example at D=256
+trained with its TP x FSDP plan on ``DeviceMesh.cpu((2, 2))``, compiled through
+``shardwise.compile_backend()`` (inductor), beside the same model on one device
+compiled by torch; the target is at most 1.2x compiled single-device torch.
+
+- The step: forward, the loss (``loss_parallel`` for shardwise), backward, AdamW's
+  step and ``zero_grad``, on a batch of 8 sequences Sharded over ``dp``.
+- Both eager steps are timed too; all four interleaved (:mod:`benchmarks.timing`),
+  one torch thread, the median of ``repeat`` rounds.
+- Before timing, two steps of each warm up (the first compiles); the row keeps the
+  first calls' seconds and Dynamo's graph breaks over the shardwise compile.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import time
+from typing import Any
+
+__all__ = ["run"]
+
+
+def run(repeat: int = 15, dim: int = 256) -> dict[str, Any]:
+    """The row (JSON-ready)."""
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    import shardwise as sw
+    from benchmarks.common import example_gpt
+    from benchmarks.timing import interleave
+    from shardwise import DeviceMesh, PlacementMapping, Replicated, Sharded
+    from shardwise.parallel import loss_parallel
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        gpt = example_gpt()
+        mesh = DeviceMesh.cpu((2, 2), ("dp", "tp"))
+        config = gpt.Config(dim=dim)
+        torch.manual_seed(0)
+        ref = gpt.GPT(config)
+        model = gpt.parallelize(copy.deepcopy(ref), mesh)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3)
+        x, y = gpt.batch(config, 8, 0)
+        data = PlacementMapping(mesh, (Sharded(0), Replicated()))
+        xs, ys = sw.tensor(x, sharding=data), sw.tensor(y, sharding=data)
+        torch._dynamo.reset()
+        counters.clear()
+        ours = torch.compile(model, backend=sw.compile_backend(), dynamic=False)
+        theirs = torch.compile(ref, dynamic=False)
+
+        def step(m: Any, o: Any, a: Any, b: Any, scope: Any) -> Any:
+            def call() -> None:
+                with scope():
+                    m(a, b).backward()
+                o.step()
+                o.zero_grad()
+            return call
+
+        cases = {"shardwise eager": step(model, opt, xs, ys, loss_parallel),
+                 "shardwise compiled": step(ours, opt, xs, ys, loss_parallel),
+                 "torch eager": step(ref, ref_opt, x, y, contextlib.nullcontext),
+                 "torch compiled": step(theirs, ref_opt, x, y, contextlib.nullcontext)}
+        first = {}
+        for name, call in cases.items():
+            t0 = time.perf_counter()
+            call()
+            first[name] = time.perf_counter() - t0
+        breaks = sum(counters["graph_break"].values())
+        t = interleave(cases, repeat)
+        ms = {k: v["median_s"] * 1e3 for k, v in t.items() if v is not None}
+        return {"case": f"GPT example D={dim}, TP x FSDP on DeviceMesh.cpu((2, 2)), batch 8, "
+                        "training step with AdamW",
+                "ms": ms, "first_s": first, "graph_breaks": breaks,
+                "ratio": ms["shardwise compiled"] / ms["torch compiled"],
+                "ratio_eager": ms["shardwise eager"] / ms["torch eager"]}
+    finally:
+        torch.set_num_threads(threads)
+        torch._dynamo.reset()
+
+
+def table(row: dict[str, Any]) -> list[str]:
+    """The row as text lines."""
+    ms = row["ms"]
+    return [f"compile: {row['case']} (median ms)",
+            f"  shardwise eager {ms['shardwise eager']:.2f}, compiled "
+            f"{ms['shardwise compiled']:.2f} | torch (one device) eager "
+            f"{ms['torch eager']:.2f}, compiled {ms['torch compiled']:.2f} | compiled "
+            f"{row['ratio']:.2f}x torch compiled (eager {row['ratio_eager']:.2f}x); first "
+            f"compiled step {row['first_s']['shardwise compiled']:.1f} s, breaks "
+            f"{row['graph_breaks']}"]
