@@ -202,7 +202,13 @@ else:
     out = {"plan": str(plan), "time_s": est.time_s, "peak_gib": est.memory.peak / 2**30,
            "all_reduce_tp": est.counts.get("all_reduce", 0)}
 out["seconds"] = time.perf_counter() - t0
-out["max_rss_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+# this process's own peak (VmHWM: reset by exec), where Linux keeps ru_maxrss across
+# exec, so that it counts the parent that forked it (the whole bench)
+try:
+    hwm = [line for line in open("/proc/self/status") if line.startswith("VmHWM:")][0]
+    out["max_rss_mib"] = int(hwm.split()[1]) / 1024
+except (OSError, IndexError):
+    out["max_rss_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 print(json.dumps(out))
 '''
 
