@@ -177,7 +177,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--repeat", type=int, default=15)
     p.add_argument("--libs", default="dtensor,shardwise")
     p.add_argument("--no-simulated", action="store_true")
-    p.add_argument("--out", default="bench_compile.json")
+    p.add_argument("--out", default="benchmarks/results/compile.json")
     return launch_flags(p, 2)
 
 
