@@ -39,17 +39,17 @@ Invariants:
   :class:`~shardwise.tensors.values.ValuesMixin` (values out, DCP's hooks) and
   :class:`~shardwise.tensors.dtensor_names.DTensorNamesMixin` (DTensor's names), and
   beside them :class:`~shardwise.tensors.compiled.CompiledMixin` (torch.compile);
-  torch.func's transforms are met by :mod:`~shardwise.tensors.transforms`. What a value keeps
-  for ops lives in slots (:mod:`~shardwise.tensors.cache`), never in ``__dict__``. None
+  torch.func's transforms are met by :mod:`~shardwise.tensors.transforms`. What a
+  value keeps for ops lives in slots (:mod:`~shardwise.tensors.cache`), never in ``__dict__``. None
   subclasses ``torch.Tensor``; they precede it in the bases, so their properties
   (``shape``, ``grad``, ``requires_grad``, ``data``...) override torch's.
 - Every torch function routed here runs as the current op of the program position
   (:mod:`shardwise.runtime.position`), which the multi-process collectives it
   causes carry in their fingerprint; the previous op is restored after it (the
   table and the route: :mod:`shardwise.tensors.routing`).
-- Here: construction, torch's routing, Python protocols,
-  ``backward`` (through ``torch.autograd.backward``, whose handler is the registry's
-  ``autograd`` family), and the placing functions (``place``, ``to_layout``, ...).
+- Here: construction, torch's routing, Python protocols, ``backward`` (through
+  ``torch.autograd.backward``, whose handler is the registry's ``autograd`` family),
+  and the placing functions (``place``, ``to_layout``, ...).
 """
 
 from __future__ import annotations
