@@ -18,7 +18,7 @@ import copy
 import time
 from typing import Any
 
-__all__ = ["run"]
+__all__ = ["run", "table"]
 
 
 def run(repeat: int = 15, dim: int = 256) -> dict[str, Any]:
