@@ -49,14 +49,15 @@ LR = 1e-2
 def train(mesh: DeviceMesh, *, tp: bool, reshard: bool = True, steps: int = 10,
           check: Any = None, watch: list[Any] | None = None, rtol: float = 1e-4,
           policy: MixedPrecisionPolicy | None = None, batch_spec: Any = None,
-          ) -> tuple[nn.Module, Any, list[Any]]:
+          fused: bool = False) -> tuple[nn.Module, Any, list[Any]]:
     """``steps`` AdamW steps of the GPT under fully_shard (per Block, then the root),
     beside single-device torch; asserts losses and final parameters to ``rtol``.
     ``check(step, model, phase, counter)`` is called after forward, backward and step;
     ``watch`` receives the layout of every Block's ``mlp.w1.weight`` during forward.
     With a bf16 ``policy`` the reference computes with bf16 copies of its fp32
     weights (FSDP2's semantics): losses within one bf16 ulp (2**-7 relative),
-    parameters within 5 * LR (an AdamW step moves a parameter by about LR at most)."""
+    parameters within 5 * LR (an AdamW step moves a parameter by about LR at most).
+    ``fused``: both optimizers are AdamW(fused=True) (torchtitan's default)."""
     gpt = example_gpt()
     torch.manual_seed(0)
     c = gpt.Config()
@@ -73,8 +74,8 @@ def train(mesh: DeviceMesh, *, tp: bool, reshard: bool = True, steps: int = 10,
         for block in model.layers:
             block.mlp.w1.register_forward_hook(
                 lambda mod, args, out: watch.append(mod.weight.dist_layout))
-    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.1)
-    ropt = torch.optim.AdamW(ref.parameters(), lr=LR, weight_decay=0.1)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.1, fused=fused)
+    ropt = torch.optim.AdamW(ref.parameters(), lr=LR, weight_decay=0.1, fused=fused)
     batch = batch_spec or PlacementMapping(mesh, [Sharded(0)] + [R] * (mesh.ndim - 1))
     counters: list[Any] = []
     for step in range(steps):
@@ -143,9 +144,10 @@ def body_fsdp_gpt(n: int) -> None:
 
 
 def body_fsdp_tp_gpt(n: int) -> None:
-    """FSDP over "dp" x hand TP over "tp" on a (2, n/2) mesh: parity and memory."""
+    """FSDP over "dp" x hand TP over "tp" on a (2, n/2) mesh, AdamW(fused=True) (its
+    kernel on each process's blocks): parity and memory."""
     mesh = DeviceMesh.cpu((2, n // 2), ("dp", "tp"))
-    model, opt, _ = train(mesh, tp=True, reshard=False, steps=STEPS)
+    model, opt, _ = train(mesh, tp=True, reshard=False, steps=STEPS, fused=True)
     total = sum(p.numel() * p.dtype.itemsize for p in model.parameters()) * 3  # + AdamW m, v
     assert max(memory_per_device(model, opt)) <= 0.6 * total
     sd = model.state_dict()

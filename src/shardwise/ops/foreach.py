@@ -13,6 +13,13 @@ Invariants:
 - shardwise Tensors are foreach-capable for ``torch.utils._foreach_utils`` (as DTensor
   registers itself), so ``clip_grad_norm_`` and ``get_total_norm`` take that path by
   default.
+- The fused optimizer kernels (``torch._fused_adamw_``..., what ``torch.optim``'s
+  ``fused=True`` calls, torchtitan's default) run once, on the lists of every
+  parameter's local buffers with its gradient's and state's pieces at the same place:
+  the kernel is elementwise per parameter, so the values are single-device torch's.
+  Each parameter's gradient and state are laid out like it (what autograd and
+  ``zeros_like`` give); a Partial parameter or another layout is refused, naming it.
+  Plain torch parameters in the same lists pass through as they are.
 """
 
 from __future__ import annotations
@@ -27,7 +34,7 @@ from shardwise.ops.reductions import norm_reduction
 from shardwise.ops.registry import TensorMethod, register
 from shardwise.sharding.errors import ShardingError
 from shardwise.sharding.layout import Layout
-from shardwise.tensors.tensor import Tensor
+from shardwise.tensors.tensor import Tensor, pieces
 
 __all__: list[str] = []
 
@@ -100,6 +107,56 @@ def foreach_norm(tensors: Any, ord: Any = 2, dtype: Any = None) -> list[Any]:
         for j, (i, _, _) in enumerate(members):
             out[i] = norms[j]
     return out
+
+
+def _fused(name: str) -> Callable[..., Any]:
+    """``torch._fused_<optimizer>_(params, grads, states..., **options)``: the kernel once,
+    on the parameters' local buffers and their lists' pieces at the same place."""
+
+    def handler(params: Any, *lists: Any, **kwargs: Any) -> None:
+        cols: list[list[Any]] = [[] for _ in range(1 + len(lists))]
+        used = [i for i, lst in enumerate(lists) if len(lst)]  # (sgd: no momentum list)
+        for k, v in kwargs.items():
+            if isinstance(v, Tensor):
+                raise ShardingError(
+                    f"torch.{name}: option {k}= is a shardwise.Tensor ({v!r:.80}); the "
+                    "kernel takes it as a plain tensor. Pass v.to_torch().")
+        for n, p in enumerate(params):
+            row = [lists[i][n] for i in used]
+            if isinstance(p, Tensor):
+                rows = pieces(p, row)
+            else:  # a plain parameter beside shardwise ones: its own tensors as they are
+                rows = None if any(isinstance(x, Tensor) for x in row) else [(p, row)]
+            if rows is None:
+                raise _unfused(name, n, p, row)
+            for b, pieces_of in rows:
+                cols[0].append(b)
+                for j, i in enumerate(used):
+                    cols[1 + i].append(pieces_of[j])
+        getattr(torch, name)(*cols, **kwargs)
+
+    return handler
+
+
+def _unfused(name: str, n: int, p: Any, row: list[Any]) -> ShardingError:
+    if isinstance(p, Tensor) and p.dist_layout.is_partial:
+        return ShardingError(
+            f"torch.{name}: parameter {n} is Partial ({p.dist_layout}): its devices hold "
+            "addends, so an update would not apply to the value. Reduce it first "
+            "(shardwise.all_reduce), or keep it out of the optimizer.")
+    what = ", ".join(str(x.dist_layout) if isinstance(x, Tensor) else type(x).__name__
+                     for x in (p, *row))
+    return ShardingError(
+        f"torch.{name}: parameter {n}, its gradient and its state ({what}) are not laid "
+        "out alike; the fused kernel runs on each parameter's local pieces. Give the "
+        "gradient and state the parameter's layout (p.grad = g.redistribute(...)), keep "
+        "every parameter a shardwise Tensor or none of its tensors, or use the optimizer "
+        "with fused=False.")
+
+
+for _name in ("_fused_adam_", "_fused_adamw_", "_fused_sgd_", "_fused_adagrad_"):
+    if hasattr(torch, _name):
+        register(getattr(torch, _name))(_fused(_name))
 
 
 def _foreach_capable() -> None:

@@ -203,13 +203,14 @@ class Local:
 class Blocks(Local):
     """One torch tensor per mesh device (None where another process holds it)."""
 
-    __slots__ = ("blocks", "bufs", "derived", "uniq")
+    __slots__ = ("blocks", "bufs", "derived", "pat", "uniq")
 
     def __init__(self, blocks: tuple[torch.Tensor | None, ...]) -> None:
         self.blocks = blocks
         self.uniq: tuple[int, ...] | None = None
         self.bufs: tuple[torch.Tensor, ...] | None = None
         self.derived: tuple[Any, ...] | None = None
+        self.pat: tuple[int | None, ...] | None = None
 
     def __repr__(self) -> str:
         return f"Blocks({[None if b is None else tuple(b.shape) for b in self.blocks]})"
@@ -232,6 +233,16 @@ class Blocks(Local):
             blocks = self.blocks
             bufs = self.bufs = tuple(blocks[k] for k in self.unique())  # type: ignore[misc]
         return bufs
+
+    def pattern(self) -> tuple[int | None, ...]:
+        """Each device's index into :meth:`buffers` (None: another process's block);
+        cached, as Dynamo's guards ask it on every call of a compiled function."""
+        pat = self.pat
+        if pat is None:
+            blocks = self.blocks
+            index = {id(blocks[k]): j for j, k in enumerate(self.unique())}
+            pat = self.pat = tuple(None if b is None else index[id(b)] for b in blocks)
+        return pat
 
     def map(self, fn: Callable[[torch.Tensor], torch.Tensor], layout: Layout) -> Local:
         done: dict[int, torch.Tensor] = {}

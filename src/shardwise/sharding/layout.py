@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass, field
+from typing import Any
 
 from shardwise.sharding.errors import ConversionError, ShardingError, ShardingTypeError
 from shardwise.sharding.mesh import DeviceMesh
@@ -88,6 +89,11 @@ class Layout:
 
     def __hash__(self) -> int:
         return self._hash
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> Layout:
+        # a frozen value: its copy is itself. Dynamo deep-copies a compiled input's
+        # metadata for its guard, which then compares by identity, not field by field
+        return self
 
     def __repr__(self) -> str:
         orders = f", orders={self.orders!r}" if self.orders else ""

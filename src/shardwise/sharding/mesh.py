@@ -134,6 +134,9 @@ class DeviceMesh:
     def __hash__(self) -> int:
         return self._hash
 
+    def __deepcopy__(self, memo: dict[int, Any]) -> DeviceMesh:
+        return self  # a frozen value (Layout.__deepcopy__ says why)
+
     def __repr__(self) -> str:
         axes = ", ".join(f"{n}={s}" for n, s in zip(self.axis_names, self.mesh_shape, strict=True))
         ids = [getattr(d, "id", d) for d in self.devices]

@@ -132,11 +132,8 @@ class CompiledMixin(MetaMixin):
                 watch()
         local = self._local
         if isinstance(local, Blocks):
-            blocks = local.blocks
-            index = {id(blocks[k]): j for j, k in enumerate(local.unique())}
-            pattern: tuple[int | None, ...] | None = tuple(
-                None if b is None else index[id(b)] for b in blocks)
-            names = _held_names(len(index))
+            pattern: tuple[int | None, ...] | None = local.pattern()
+            names = _held_names(len(local.unique()))
         else:
             pattern, names = None, _held_names(1)
         return names, (self._layout, pattern, self._dtype, self._open)
