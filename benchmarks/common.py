@@ -19,6 +19,7 @@ import importlib.util
 import json
 import os
 import queue as queue_mod
+import random
 import socket
 import statistics
 import sys
@@ -39,12 +40,16 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def dist_time(fns: dict[str, Callable[[], Any] | None], repeat: int, warmup: int = 2
-              ) -> dict[str, dict[str, float] | None]:
+def dist_time(fns: dict[str, Callable[[], Any] | None], repeat: int, warmup: int = 2,
+              shuffle: bool = False) -> dict[str, dict[str, float] | None]:
     """Seconds per call of each of ``fns`` (collectives every rank runs), interleaved
     (one call of each per iteration, the order rotating) so that drift in a noisy
     machine's load hits them alike: median (and min) over ``repeat`` iterations of
-    the max over ranks, after ``warmup`` calls of each. None entries give None."""
+    the max over ranks, after ``warmup`` calls of each. None entries give None.
+    ``shuffle``: each iteration's order is a permutation drawn from a fixed seed (the
+    same on every rank), not a rotation, in which each call follows the same
+    neighbour: what a heavy call leaves behind (freed memory, garbage) then falls on
+    every call alike instead of on its fixed successor."""
     import torch
     import torch.distributed as dist
 
@@ -55,9 +60,12 @@ def dist_time(fns: dict[str, Callable[[], Any] | None], repeat: int, warmup: int
             dist.barrier()
             fn()
     times = torch.empty(len(calls), repeat, dtype=torch.float64)
+    rng = random.Random(0)
     for i in range(repeat):
-        for j in range(len(calls)):
-            k = (i + j) % len(calls)
+        order = [(i + j) % len(calls) for j in range(len(calls))]
+        if shuffle:
+            rng.shuffle(order)
+        for k in order:
             dist.barrier()
             t0 = time.perf_counter()
             calls[k]()

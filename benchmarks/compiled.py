@@ -74,9 +74,10 @@ def run(repeat: int = 15, gloo: bool = True) -> dict[str, Any]:
     if "skipped" not in res:
         from benchmarks import compiled_llama
 
-        # 3x the rounds: the rows compare medians of two libraries within a few percent,
-        # on ranks that share cores (one round of 4 ranks: about half a second)
-        steps = 3 * repeat
+        # 6x the rounds: the rows compare medians of two libraries whose graphs hold the
+        # same ops, within a few percent, on ranks that share cores, where one call's time
+        # moves by 20% (one round: about 0.1 s on 2 ranks, half a second on 4)
+        steps = 6 * repeat
         res["steps"] = (compiled_llama.run(repeat=steps) if gloo else
                         {"case": "simulated only", "simulated": compiled_llama.simulated(steps)})
         if gloo:  # the second process count

@@ -141,7 +141,7 @@ def rank_body(args: argparse.Namespace) -> dict[str, Any]:
         cases = _cases(model, compiled, ids, labels)
         out[lib] = _warm(cases)
         every.update({f"{lib}|{k}": v for k, v in cases.items()})
-    for key, t in dist_time(every, args.repeat).items():
+    for key, t in dist_time(every, args.repeat, shuffle=True).items():
         lib, case = key.split("|")
         out[lib].setdefault("ms", {})[case] = None if t is None else t["median"] * 1e3
         out[lib].setdefault("min_ms", {})[case] = None if t is None else t["min"] * 1e3

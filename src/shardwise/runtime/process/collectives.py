@@ -90,6 +90,21 @@ def _call(what: str, g: Group, fn: Callable[[], Any]) -> Any:
 _FUNCTIONAL_OP = {ReduceOp.SUM: "sum", ReduceOp.AVG: "avg", ReduceOp.MIN: "min",
                   ReduceOp.MAX: "max", ReduceOp.PROD: "product"}
 
+#: a traced all_reduce of at most this many bytes on CPU (Gloo) is an all_gather and a
+#: local reduction: one pass round the ring instead of two, which is what small
+#: messages pay for (measured on 4 ranks: 64 KiB 2.5 against 4.4 ms, 256 KiB 3.2 against
+#: 4.9; at 1 MiB the ring's half the bytes wins, 5.0 against 7.1)
+GATHER_REDUCE_MAX = 256 * 1024
+_LOCAL_REDUCE = {ReduceOp.SUM: lambda t: t.sum(0, dtype=t.dtype),
+                 ReduceOp.MAX: lambda t: t.amax(0), ReduceOp.MIN: lambda t: t.amin(0)}
+
+
+def _gather_reduce(x: torch.Tensor, op: ReduceOp) -> bool:
+    """Whether a traced all_reduce of ``x`` by ``op`` goes as all_gather + local reduce."""
+    n = x.numel()
+    return (x.device.type == "cpu" and op in _LOCAL_REDUCE and isinstance(n, int)
+            and 0 < n * x.element_size() <= GATHER_REDUCE_MAX)
+
 
 def traced(what: str, x: torch.Tensor, g: Group, *, op: ReduceOp | None = None,
            dim: int = 0, sizes: Sequence[int] = (), dim2: int = 0,
@@ -105,6 +120,9 @@ def traced(what: str, x: torch.Tensor, g: Group, *, op: ReduceOp | None = None,
     even = g.slot is None and all(n == sizes[0] for n in sizes[1:])
     # (traced, each returns its result already waited for: a wait_tensor node)
     if what == "all_reduce" and op is not None:
+        if _gather_reduce(x, op):  # (every member reduces the same rows in rank order)
+            rows = funcol.all_gather_tensor(x.reshape(1, -1), 0, g.pg)
+            return _LOCAL_REDUCE[op](rows).view(x.shape)
         out: torch.Tensor = funcol.all_reduce(x, _FUNCTIONAL_OP[op], g.pg)
         return out
     if what == "all_gather" and even:
