@@ -95,8 +95,12 @@ _FUNCTIONAL_OP = {ReduceOp.SUM: "sum", ReduceOp.AVG: "avg", ReduceOp.MIN: "min",
 #: messages pay for (measured on 4 ranks: 64 KiB 2.5 against 4.4 ms, 256 KiB 3.2 against
 #: 4.9; at 1 MiB the ring's half the bytes wins, 5.0 against 7.1)
 GATHER_REDUCE_MAX = 256 * 1024
-_LOCAL_REDUCE = {ReduceOp.SUM: lambda t: t.sum(0, dtype=t.dtype),
-                 ReduceOp.MAX: lambda t: t.amax(0), ReduceOp.MIN: lambda t: t.amin(0)}
+#: the reduction of the members' pieces stacked along dim 0 (in the pieces' dtype)
+_LOCAL_REDUCE: dict[ReduceOp, Callable[[torch.Tensor], torch.Tensor]] = {
+    ReduceOp.SUM: lambda t: t.sum(0, dtype=t.dtype), ReduceOp.AVG: lambda t: t.mean(0),
+    ReduceOp.MAX: lambda t: t.amax(0), ReduceOp.MIN: lambda t: t.amin(0),
+    ReduceOp.PROD: lambda t: t.prod(0, dtype=t.dtype),
+}
 
 
 def _gather_reduce(x: torch.Tensor, op: ReduceOp) -> bool:
@@ -302,13 +306,6 @@ def reduce_scatter(x: torch.Tensor, dim: int, g: Group, sizes: Sequence[int],
     done()
     _call("reduce_scatter", g, lambda: _reduce_scatter(out, inp, _TORCH_OP[op], group=g.pg))
     return out.narrow(0, 0, sizes[g.pos]).movedim(0, dim)
-
-
-_LOCAL_REDUCE: dict[ReduceOp, Callable[[torch.Tensor], torch.Tensor]] = {
-    ReduceOp.SUM: lambda t: t.sum(0), ReduceOp.AVG: lambda t: t.mean(0),
-    ReduceOp.MAX: lambda t: t.amax(0), ReduceOp.MIN: lambda t: t.amin(0),
-    ReduceOp.PROD: lambda t: t.prod(0),
-}
 
 
 def _reduce_scatter_by_exchange(x: torch.Tensor, dim: int, g: Group, sizes: Sequence[int],
