@@ -39,6 +39,16 @@ def test_compile_body_on_gloo(name: str) -> None:
     check_body(compile_bodies.__name__, compile_bodies.BODIES, 2, name)
 
 
+#: on 4 Gloo ranks too: the small all_reduce as an all_gather (3+ ranks), and the HF
+#: Llama's hf_plan x fully_shard on a (2, 2) process mesh
+ON_FOUR = ("body_megatron_mlp", "body_hf_llama")
+
+
+@pytest.mark.parametrize("name", ON_FOUR)
+def test_compile_body_on_four_gloo_ranks(name: str) -> None:
+    check_body(compile_bodies.__name__, ON_FOUR, 4, name)
+
+
 @pytest.mark.parametrize("name", compile_bodies.BODIES)
 def test_compile_body_simulated(name: str) -> None:
     getattr(compile_bodies, name)(4 if name in FOUR else 2)

@@ -103,9 +103,11 @@ def body_megatron_mlp(n: int) -> None:
         torch.testing.assert_close(got, want)
     forward = graphs.code[0]
     if torch.distributed.is_initialized():  # the rowwise output's all_reduce, in the graph
-        # (small on CPU: an all_gather and a local sum, collectives.GATHER_REDUCE_MAX)
-        assert forward.count("_c10d_functional.all_gather_into_tensor") == 1, forward
-        assert "_c10d_functional.all_reduce" not in forward, forward
+        # (small, on CPU, over 3+ ranks: an all_gather and a local sum,
+        # collectives.GATHER_REDUCE_MAX)
+        one = "all_gather_into_tensor" if n > 2 else "all_reduce"
+        assert forward.count(f"_c10d_functional.{one}") == 1, forward
+        assert forward.count("_c10d_functional.all_") == 1, forward
         assert forward.count("_c10d_functional.wait_tensor") == 1, forward
     else:  # the simulated mesh: a relayout of whole values is local
         assert "_c10d_functional" not in forward, forward
@@ -228,22 +230,22 @@ def _hf_loss(forward: Any, ids: Any) -> Any:
 
 
 def body_hf_llama(n: int) -> None:
-    """A tiny HF Llama under ``hf_plan``, trained on HF's loss, compiled: on a simulated
-    (n/2, 2) mesh with ``fully_shard`` per layer and root over dp, on processes (kept
-    cheap) TP over the n ranks; compiled whole, then per block (torchtitan). No graph
-    break, one graph per compiled module over three steps, losses, gradients and AdamW
-    steps equal to eager shardwise's."""
+    """A tiny HF Llama under ``hf_plan``, trained on HF's loss, compiled: on a (n/2, 2)
+    mesh with ``fully_shard`` per layer and root over dp (simulated, and on 4 ranks),
+    on 2 ranks (kept cheap) TP over both; compiled whole, then per block (torchtitan).
+    No graph break, one graph per compiled module over three steps, losses, gradients
+    and AdamW steps equal to eager shardwise's."""
     from shardwise.parallel import hf_plan
 
     base = _tiny_llama()
-    processes = torch.distributed.is_initialized()
-    mesh = DeviceMesh.cpu((1, n) if processes else (n // 2, 2), ("dp", "tp"))
+    tp_only = torch.distributed.is_initialized() and n < 4
+    mesh = DeviceMesh.cpu((1, n) if tp_only else (n // 2, 2), ("dp", "tp"))
     ids = sw.tensor(torch.randint(0, 128, (4, 16), generator=torch.Generator().manual_seed(0)),
                     sharding=PlacementMapping(mesh, (Sharded(0), Replicated())))
 
     def build() -> Any:
         model = parallelize_module(_copy(base), mesh, hf_plan(base), axis="tp")
-        if processes:
+        if tp_only:
             return model
         for layer in model.model.layers:
             fully_shard(layer, mesh, axis="dp")
@@ -266,8 +268,12 @@ def body_hf_llama(n: int) -> None:
         assert not counters["graph_break"], (blocks, dict(counters["graph_break"]))
         graphs = len(model.model.layers) if blocks else 1  # no recompile
         assert counters["stats"]["unique_graphs"] == graphs, (blocks, counters["stats"])
+        # (on 4 ranks the graph's gradient exchanges sum in another order than eager's:
+        # AdamW's normalized steps magnify the last bits)
+        close = dict(rtol=1e-3, atol=1e-4) if torch.distributed.is_initialized() and not (
+            tp_only) else {}
         for a, b in zip(got, want, strict=True):
-            torch.testing.assert_close(a, b)
+            torch.testing.assert_close(a, b, **close)
 
 
 def _cp_loss(forward: Any, cp: Any, data: Any) -> Any:

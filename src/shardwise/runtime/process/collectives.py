@@ -90,10 +90,11 @@ def _call(what: str, g: Group, fn: Callable[[], Any]) -> Any:
 _FUNCTIONAL_OP = {ReduceOp.SUM: "sum", ReduceOp.AVG: "avg", ReduceOp.MIN: "min",
                   ReduceOp.MAX: "max", ReduceOp.PROD: "product"}
 
-#: a traced all_reduce of at most this many bytes on CPU (Gloo) is an all_gather and a
-#: local reduction: one pass round the ring instead of two, which is what small
-#: messages pay for (measured on 4 ranks: 64 KiB 2.5 against 4.4 ms, 256 KiB 3.2 against
-#: 4.9; at 1 MiB the ring's half the bytes wins, 5.0 against 7.1)
+#: a traced all_reduce of at most this many bytes on CPU (Gloo) over 3 or more members
+#: is an all_gather and a local reduction: one pass round the ring instead of two,
+#: which is what small messages pay for (measured on 4 ranks: 64 KiB 2.5 against 4.4
+#: ms, 256 KiB 3.2 against 4.9; at 1 MiB the ring's half the bytes wins, 5.0 against
+#: 7.1; on 2 members the ring is one exchange already, and no slower)
 GATHER_REDUCE_MAX = 256 * 1024
 #: the reduction of the members' pieces stacked along dim 0 (in the pieces' dtype)
 _LOCAL_REDUCE: dict[ReduceOp, Callable[[torch.Tensor], torch.Tensor]] = {
@@ -103,11 +104,12 @@ _LOCAL_REDUCE: dict[ReduceOp, Callable[[torch.Tensor], torch.Tensor]] = {
 }
 
 
-def _gather_reduce(x: torch.Tensor, op: ReduceOp) -> bool:
-    """Whether a traced all_reduce of ``x`` by ``op`` goes as all_gather + local reduce."""
+def _gather_reduce(x: torch.Tensor, op: ReduceOp, g: Group) -> bool:
+    """Whether a traced all_reduce of ``x`` by ``op`` over ``g`` goes as all_gather +
+    local reduce."""
     n = x.numel()
-    return (x.device.type == "cpu" and op in _LOCAL_REDUCE and isinstance(n, int)
-            and 0 < n * x.element_size() <= GATHER_REDUCE_MAX)
+    return (g.size > 2 and x.device.type == "cpu" and op in _LOCAL_REDUCE
+            and isinstance(n, int) and 0 < n * x.element_size() <= GATHER_REDUCE_MAX)
 
 
 def traced(what: str, x: torch.Tensor, g: Group, *, op: ReduceOp | None = None,
@@ -115,26 +117,32 @@ def traced(what: str, x: torch.Tensor, g: Group, *, op: ReduceOp | None = None,
            send: Sequence[int] = ()) -> torch.Tensor:
     """The collective ``what`` as a functional collective of torch's, for a graph being
     traced: all_reduce (``op``), all_gather and reduce_scatter along ``dim`` of the
-    members' blocks of ``sizes``, and all_to_all (``x`` split along ``dim2`` in pieces
-    of ``send``, the pieces received, of ``sizes``, joined along ``dim``), even and in
-    torch's rank order. Others raise."""
+    members' blocks of ``sizes`` (even; members in any order), and all_to_all (``x``
+    split along ``dim2`` in pieces of ``send``, the pieces received, of ``sizes``,
+    joined along ``dim``; even and in torch's rank order). Others raise."""
     import torch.distributed._functional_collectives as funcol
 
     # (pairwise, not a set: a symbolic size, from dynamic shapes, has no hash)
-    even = g.slot is None and all(n == sizes[0] for n in sizes[1:])
+    same = all(n == sizes[0] for n in sizes[1:])
+    even = g.slot is None and same
     # (traced, each returns its result already waited for: a wait_tensor node)
     if what == "all_reduce" and op is not None:
-        if _gather_reduce(x, op):  # (every member reduces the same rows in rank order)
+        if _gather_reduce(x, op, g):  # (every member reduces the same rows in rank order)
             rows = funcol.all_gather_tensor(x.reshape(1, -1), 0, g.pg)
             return _LOCAL_REDUCE[op](rows).view(x.shape)
         out: torch.Tensor = funcol.all_reduce(x, _FUNCTIONAL_OP[op], g.pg)
         return out
-    if what == "all_gather" and even:
+    if what == "all_gather" and same:  # (members in torch's rank order, then in theirs)
         out = funcol.all_gather_tensor(x.movedim(dim, 0).contiguous(), 0, g.pg)
+        if g.slot is not None:
+            m = sizes[0]
+            out = torch.cat([out.narrow(0, j * m, m) for j in g.slot])
         return out.movedim(0, dim)
-    if what == "reduce_scatter" and even and op is not None:
-        out = funcol.reduce_scatter_tensor(x.movedim(dim, 0).contiguous(),
-                                           _FUNCTIONAL_OP[op], 0, g.pg)
+    if what == "reduce_scatter" and same and op is not None:
+        xm = x.movedim(dim, 0)
+        if g.slot is not None:  # the members' pieces in torch's rank order
+            xm = torch.cat(g.by_slot(list(xm.split(sizes[0], 0))))
+        out = funcol.reduce_scatter_tensor(xm.contiguous(), _FUNCTIONAL_OP[op], 0, g.pg)
         return out.movedim(0, dim)
     if what == "all_to_all" and even and all(n == send[0] for n in send[1:]):
         chunks = [c.movedim(dim, 0).reshape(-1) for c in x.split(list(send), dim2)]
@@ -147,10 +155,10 @@ def traced(what: str, x: torch.Tensor, g: Group, *, op: ReduceOp | None = None,
         return out.view(sum(sizes), *moved[1:]).movedim(0, dim)
     raise ShardingError(
         f"torch.compile cannot trace shardwise's {what} over {g.label or 'its group'} "
-        f"yet (sizes {tuple(sizes)}, members in mesh order {g.slot}): only all_reduce, and "
-        "all_gather / reduce_scatter / all_to_all of even blocks in rank order, are functional "
-        "collectives in the graph. Run this part eagerly (torch.compiler.disable) or "
-        "choose a layout with even blocks.")
+        f"yet (sizes {tuple(sizes)}, members in mesh order {g.slot}): only all_reduce, "
+        "all_gather / reduce_scatter of even blocks, and all_to_all of even blocks in "
+        "rank order, are functional collectives in the graph. Run this part eagerly "
+        "(torch.compiler.disable) or choose a layout with even blocks.")
 
 
 def _shape(shape: Sequence[int], dims: dict[int, int]) -> tuple[int, ...]:
