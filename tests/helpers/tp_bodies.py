@@ -14,11 +14,16 @@ def _check(plan: dict[str, object], n: int) -> dict[str, object]:
     mesh = gpt_plans.mesh_of(2, n // 2)
     run = gpt_plans.train(mesh, plan)
     gpt_plans.assert_parity(run)
-    # each process holds only its own block of a tp-sharded weight
+    # each process holds only its own block of a tp-sharded weight, in its own memory
+    # (not a view keeping the global weight alive), contiguous for a column block too
     w = run["model"].get_parameter("layers.0.mlp.w1.weight")
     assert len(w.addressable_shards) == 1
     (block,) = w.addressable_shards.values()
     assert block.shape[0] == w.shape[0] // (n // 2)
+    for name in ("layers.0.mlp.w1.weight", "layers.0.mlp.w2.weight"):
+        (block,) = run["model"].get_parameter(name).addressable_shards.values()
+        assert block.is_contiguous(), name
+        assert block.untyped_storage().nbytes() == block.numel() * block.element_size(), name
     return run
 
 

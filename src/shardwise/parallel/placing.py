@@ -13,7 +13,8 @@ Invariants:
   ops run once on the whole value rather than block by block.
 - Parameters become ``nn.Parameter`` over shardwise Tensors with the same value
   and ``requires_grad``; every process must hold the same initial value (seed
-  every rank alike), as for ``shardwise.tensor``.
+  every rank alike), as for ``shardwise.tensor``. A process keeps its own blocks
+  (contiguous copies), not the global value they were cut from.
 - A module planned on a mesh whose parameters were moved onto a slice of it (a
   pipeline stage's, by ``pipeline()``) lays values out on that slice (:func:`home_of`):
   the plan's axis is found there by name (:func:`slice_axis`).
@@ -29,6 +30,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
+from shardwise.runtime import backend_for
 from shardwise.runtime.position import issuing
 from shardwise.sharding.errors import ShardingError, ShardingTypeError
 from shardwise.sharding.layout import Layout, normalize_dim
@@ -195,6 +197,12 @@ def shard_parameter(module: nn.Module, name: str, mesh: DeviceMesh, axis: int,
         return
     value = place_on(p.detach(), mesh, axis, placement, Replicated(),
                      where=f"parameter {name!r}")
+    home = value.mesh
+    if len(backend_for(home).owned(home)) < home.num_devices:
+        # blocks cut from the global value are views of it: a copy of each (contiguous)
+        # lets the global value go, so a process keeps its blocks only (as DTensor's
+        # distribute_tensor does); a mesh held wholly keeps the one global value
+        value = value.map_blocks(lambda s: s.clone(memory_format=torch.contiguous_format))
     param = nn.Parameter(value, requires_grad=p.requires_grad)
     assert isinstance(param, Tensor)  # nn.Parameter keeps a tensor subclass's type
     module.register_parameter(name, param)
