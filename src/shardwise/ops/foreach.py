@@ -2,10 +2,16 @@
 Tensors.
 
 Invariants:
-- ``torch._foreach_op(lists...)`` is the per-tensor op over the lists, each call routed
-  as usual, so each tensor keeps its own layout and its own rule.
-- An in-place ``_foreach_op_`` writes each tensor through the in-place handlers and
-  returns None, as torch's does; one without a per-tensor op raises, naming the loop.
+- ``torch._foreach_op(lists...)`` is torch's foreach op once, on the local pieces,
+  where every tensor of the first list is a shardwise Tensor with no Partial axis and
+  the other lists' tensors are laid out like it (or are numbers); the op is
+  elementwise, so each result keeps its tensor's layout (``torch.optim``'s foreach
+  path: one call a step and op, not one per parameter). Otherwise, and under
+  autograd, it is the per-tensor op over the lists, each call routed as usual, so
+  each tensor keeps its own layout and its own rule.
+- An in-place ``_foreach_op_`` writes each tensor (batched, or through the in-place
+  handlers) and returns its first list, as torch's does; one without a per-tensor op
+  raises, naming the loop.
 - ``_foreach_norm`` is the exception: each tensor's reduction stays Partial, the
   reductions with one layout are stacked and reduced together (one all_reduce per
   distinct group of mesh axes, not one per tensor), then each norm is finished; the
@@ -59,6 +65,10 @@ def _foreach(name: str) -> Callable[..., Any]:
                                 "with the per-tensor op instead.")
 
     def handler(*args: Any, **kwargs: Any) -> Any:
+        if base not in _NOT_ELEMENTWISE:
+            done = _batched(name, inplace, args, kwargs)
+            if done is not _LOOP:
+                return done
         n = len(args[0])
         out = []
         for i in range(n):
@@ -67,9 +77,58 @@ def _foreach(name: str) -> Callable[..., Any]:
             if plain in ("addcmul", "addcdiv") and len(call) > 3:  # value is keyword-only
                 kw = {**kwargs, "value": call.pop()}
             out.append(per(*call, **kw))
-        return None if inplace else out
+        return args[0] if inplace else out
 
     return handler
+
+
+#: foreach ops that are not elementwise (their results have other shapes)
+_NOT_ELEMENTWISE = {"norm", "max"}
+_LOOP = object()  # (the per-tensor loop: not batched)
+
+
+def _batched(name: str, inplace: bool, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """``torch.<name>`` once on the local pieces of every tensor of the lists (module
+    doc), its results (out of place) as Tensors in their tensors' layouts; ``_LOOP``
+    where that does not hold."""
+    first = args[0] if args else None
+    if not isinstance(first, (list, tuple)) or not first:
+        return _LOOP
+    n = len(first)
+    lists = [isinstance(a, (list, tuple)) for a in args]
+    for a, is_list in zip(args, lists):
+        if (is_list and len(a) != n) or (not is_list and isinstance(a, Tensor)):
+            return _LOOP
+    if any(isinstance(v, torch.Tensor) for v in kwargs.values()):
+        return _LOOP
+    grad = torch.is_grad_enabled()
+    call: list[Any] = [[] if is_list else a for a, is_list in zip(args, lists)]
+    counts = []
+    for i, t in enumerate(first):
+        if type(t) is not Tensor or t.dist_layout.is_partial:
+            return _LOOP
+        rows = pieces(t, [a[i] for a, is_list in zip(args[1:], lists[1:]) if is_list])
+        if rows is None:
+            return _LOOP
+        for b, row in rows:
+            if grad and (b.requires_grad or any(
+                    isinstance(x, torch.Tensor) and x.requires_grad for x in row)):
+                return _LOOP  # (autograd: the per-tensor ops record it)
+            call[0].append(b)
+            it = iter(row)
+            for k in range(1, len(args)):
+                if lists[k]:
+                    call[k].append(next(it))
+        counts.append(len(rows))
+    out = getattr(torch, name)(*call, **kwargs)
+    if inplace:
+        return first  # (torch's in-place foreach ops return their first list)
+    results = iter(out)
+    made = []
+    for t, c in zip(first, counts):
+        mine = iter([next(results) for _ in range(c)])
+        made.append(t.map_buffers(lambda _, mine=mine: next(mine)))
+    return made
 
 
 for _name in dir(torch):
