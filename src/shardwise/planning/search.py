@@ -395,12 +395,12 @@ def auto_plan(model: Any, *, devices: int, batch: int, memory_budget: int | None
     >>> from shardwise.planning import ModelConfig
     >>> gpt = ModelConfig.gpt(vocab=8192, seq=512, dim=1024, heads=8, layers=2)
     >>> choice = auto_plan(gpt, devices=4, batch=8, profile="h100")
-    >>> print(choice.plan)                          # it fits: data parallel is fastest
-    dp4
+    >>> print(choice.plan)                # it fits: data parallel (sharded) is fastest
+    dp4(fsdp)
     >>> tp = next(c for c in choice.candidates if c.plan.tp > 1)
     >>> print(tp.plan)                              # Megatron: column then row parallel
-    dp2 x tp2 [wq colwise, wk colwise, wv colwise, wo rowwise, w1 colwise, w2 rowwise, \
-head colwise_sharded]
+    dp2(fsdp) x tp2 [wq colwise, wk colwise, wv colwise, wo rowwise, w1 colwise, \
+w2 rowwise, head colwise_sharded]
     >>> tp.estimate.comm["tp", "forward", "all_reduce"].n   # two per block, two in the loss
     6
     """
