@@ -30,7 +30,7 @@ Invariants:
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, cast
 
 import torch
@@ -82,6 +82,32 @@ def _foreach(name: str) -> Callable[..., Any]:
     return handler
 
 
+def _columns(first: Sequence[Any], others: Sequence[Sequence[Any]], plain: bool = False
+             ) -> tuple[list[list[Any]], list[int]] | int:
+    """The local pieces of the lists' tensors, a list per list (``first``, then
+    ``others``, of its length): each tensor of ``first``'s buffers with the others'
+    tensors' pieces at the same place (:func:`~shardwise.tensors.tensor.pieces`), and
+    how many each tensor of ``first`` has; or the index of the first tensor whose lists
+    do not line up. ``plain``: a plain torch tensor of ``first`` with no shardwise
+    Tensor beside it passes as it is."""
+    cols: list[list[Any]] = [[] for _ in range(1 + len(others))]
+    counts = []
+    for i, t in enumerate(first):
+        row = [o[i] for o in others]
+        if isinstance(t, Tensor):
+            rows = pieces(t, row)
+        else:
+            rows = [(t, row)] if plain and not any(isinstance(x, Tensor) for x in row) else None
+        if rows is None:
+            return i
+        for b, at in rows:
+            cols[0].append(b)
+            for col, x in zip(cols[1:], at):
+                col.append(x)
+        counts.append(len(rows))
+    return cols, counts
+
+
 #: foreach ops that are not elementwise (their results have other shapes)
 _NOT_ELEMENTWISE = {"norm", "max"}
 _LOOP = object()  # (the per-tensor loop: not batched)
@@ -101,25 +127,15 @@ def _batched(name: str, inplace: bool, args: tuple[Any, ...], kwargs: dict[str, 
             return _LOOP
     if any(isinstance(v, torch.Tensor) for v in kwargs.values()):
         return _LOOP
-    grad = torch.is_grad_enabled()
-    call: list[Any] = [[] if is_list else a for a, is_list in zip(args, lists)]
-    counts = []
-    for i, t in enumerate(first):
-        if type(t) is not Tensor or t.dist_layout.is_partial:
-            return _LOOP
-        rows = pieces(t, [a[i] for a, is_list in zip(args[1:], lists[1:]) if is_list])
-        if rows is None:
-            return _LOOP
-        for b, row in rows:
-            if grad and (b.requires_grad or any(
-                    isinstance(x, torch.Tensor) and x.requires_grad for x in row)):
-                return _LOOP  # (autograd: the per-tensor ops record it)
-            call[0].append(b)
-            it = iter(row)
-            for k in range(1, len(args)):
-                if lists[k]:
-                    call[k].append(next(it))
-        counts.append(len(rows))
+    got = _columns(first, [a for a, is_list in zip(args[1:], lists[1:]) if is_list])
+    if isinstance(got, int):
+        return _LOOP
+    cols, counts = got
+    if torch.is_grad_enabled() and any(
+            isinstance(x, torch.Tensor) and x.requires_grad for col in cols for x in col):
+        return _LOOP  # (autograd: the per-tensor ops record it)
+    found = iter(cols)
+    call = [next(found) if is_list else a for a, is_list in zip(args, lists)]
     out = getattr(torch, name)(*call, **kwargs)
     if inplace:
         return first  # (torch's in-place foreach ops return their first list)
@@ -173,26 +189,19 @@ def _fused(name: str) -> Callable[..., Any]:
     on the parameters' local buffers and their lists' pieces at the same place."""
 
     def handler(params: Any, *lists: Any, **kwargs: Any) -> None:
-        cols: list[list[Any]] = [[] for _ in range(1 + len(lists))]
-        used = [i for i, lst in enumerate(lists) if len(lst)]  # (sgd: no momentum list)
         for k, v in kwargs.items():
             if isinstance(v, Tensor):
                 raise ShardingError(
                     f"torch.{name}: option {k}= is a shardwise.Tensor ({v!r:.80}); the "
                     "kernel takes it as a plain tensor. Pass v.to_torch().")
-        for n, p in enumerate(params):
-            row = [lists[i][n] for i in used]
-            if isinstance(p, Tensor):
-                rows = pieces(p, row)
-            else:  # a plain parameter beside shardwise ones: its own tensors as they are
-                rows = None if any(isinstance(x, Tensor) for x in row) else [(p, row)]
-            if rows is None:
-                raise _unfused(name, n, p, row)
-            for b, pieces_of in rows:
-                cols[0].append(b)
-                for j, i in enumerate(used):
-                    cols[1 + i].append(pieces_of[j])
-        getattr(torch, name)(*cols, **kwargs)
+        used = [lst for lst in lists if len(lst)]  # (sgd: no momentum list)
+        # (plain parameters beside shardwise ones: their own tensors as they are)
+        got = _columns(params, used, plain=True)
+        if isinstance(got, int):
+            raise _unfused(name, got, params[got], [lst[got] for lst in used])
+        found = iter(got[0][1:])
+        getattr(torch, name)(got[0][0], *(next(found) if len(lst) else lst
+                                          for lst in lists), **kwargs)
 
     return handler
 

@@ -34,7 +34,7 @@ import torch
 from shardwise.runtime.local import Blocks, Local, Whole
 from shardwise.sharding.errors import ShardingError
 from shardwise.tensors import ordering
-from shardwise.tensors.meta import MetaMixin
+from shardwise.tensors.relayout import RelayoutMixin
 from shardwise.tensors.routing import FALLBACK, HANDLERS, REGISTRY, route
 
 __all__ = ["COMPILER", "ROUTED", "TRACED_MODULES", "WATCH", "CompiledMixin"]
@@ -97,7 +97,7 @@ def _skip_in_dynamo() -> None:
 _skip_in_dynamo()
 
 
-class CompiledMixin(MetaMixin):
+class CompiledMixin(RelayoutMixin):
     """What makes the Tensor traceable by ``torch.compile`` (see the module doc)."""
 
     @classmethod
@@ -170,7 +170,7 @@ class CompiledMixin(MetaMixin):
         history of an input that is an op's result), the buffers get that history
         instead, as they carry the Tensor's autograd."""
         if sys._getframe(2).f_globals.get("__name__") != _META_CONVERTER:
-            return self._with_buffers(lambda b: b)
+            return self.map_buffers(lambda b: b)
 
         def faked(b: torch.Tensor) -> torch.Tensor:
             if not b.requires_grad:
@@ -180,12 +180,7 @@ class CompiledMixin(MetaMixin):
             return torch._C._functions.DelayedError(
                 "Internal error: Tried to backward() through example input", 1)(b)
 
-        return self._with_buffers(faked)
-
-    def _with_buffers(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
-        local = self._local.map(fn, self._layout)
-        return type(self).from_held(local, self._layout, self._size, self._dtype,
-                                    self._device, self._open)
+        return self.map_buffers(faked)
 
     @classmethod
     def from_buffers(cls, buffers: Sequence[torch.Tensor], context: tuple[Any, ...],

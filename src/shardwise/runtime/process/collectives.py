@@ -104,12 +104,12 @@ _LOCAL_REDUCE: dict[ReduceOp, Callable[[torch.Tensor], torch.Tensor]] = {
 }
 
 
-def _gather_reduce(x: torch.Tensor, op: ReduceOp, g: Group) -> bool:
-    """Whether a traced all_reduce of ``x`` by ``op`` over ``g`` goes as all_gather +
-    local reduce."""
+def _gather_reduce(x: torch.Tensor, g: Group) -> bool:
+    """Whether a traced all_reduce of ``x`` over ``g`` goes as all_gather + local
+    reduce (every op has its local reduction in ``_LOCAL_REDUCE``)."""
     n = x.numel()
-    return (g.size > 2 and x.device.type == "cpu" and op in _LOCAL_REDUCE
-            and isinstance(n, int) and 0 < n * x.element_size() <= GATHER_REDUCE_MAX)
+    return (g.size > 2 and x.device.type == "cpu" and isinstance(n, int)
+            and 0 < n * x.element_size() <= GATHER_REDUCE_MAX)
 
 
 def traced(what: str, x: torch.Tensor, g: Group, *, op: ReduceOp | None = None,
@@ -127,7 +127,7 @@ def traced(what: str, x: torch.Tensor, g: Group, *, op: ReduceOp | None = None,
     even = g.slot is None and same
     # (traced, each returns its result already waited for: a wait_tensor node)
     if what == "all_reduce" and op is not None:
-        if _gather_reduce(x, op, g):  # (every member reduces the same rows in rank order)
+        if _gather_reduce(x, g):  # (every member reduces the same rows in rank order)
             rows = funcol.all_gather_tensor(x.reshape(1, -1), 0, g.pg)
             return _LOCAL_REDUCE[op](rows).view(x.shape)
         out: torch.Tensor = funcol.all_reduce(x, _FUNCTIONAL_OP[op], g.pg)
