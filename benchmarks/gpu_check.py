@@ -14,6 +14,7 @@ The rows (:mod:`benchmarks.on_device` says what each runs):
 - a world of one process (NCCL; Gloo on the CPU): every collective with torch beside
   it, the agreement check's control message, the pipeline transport to itself;
 - torchrun runs of the multi-process examples (on two or more GPUs; else SKIP);
+- ``examples/gpt.py --compile`` (inductor) on the simulated mesh and under torchrun;
 - speed: per-op dispatch (torch, the wrapper floor, DTensor on a one-device mesh,
   shardwise) and the simulated training steps beside torch.
 
@@ -54,6 +55,7 @@ BUDGETS: dict[str, dict[str, float]] = {   # seconds per check, by size (the cor
     "examples": {"small": 150, "full": 150},      # at most 150 + 150 s in all)
     "world": {"small": 90, "full": 90},
     "torchrun": {"small": 150, "full": 150},
+    "compile": {"small": 150, "full": 150},
     "speed": {"small": 150, "full": 150},
 }
 ROWS: dict[str, tuple[str, ...]] = {   # each check's rows, in order
@@ -61,6 +63,7 @@ ROWS: dict[str, tuple[str, ...]] = {   # each check's rows, in order
     "examples": ("examples.gpt", "examples.gpt_pp"),
     "world": ("world.collectives", "world.agreement", "world.p2p"),
     "torchrun": ("torchrun.gpt", "torchrun.gpt_pp"),
+    "compile": ("compile.gpt", "compile.torchrun"),
     "speed": ("speed.dispatch", "speed.training"),
 }
 _MARK = "GPU_CHECK_ROW "
@@ -81,6 +84,8 @@ def _titles(device: str) -> dict[str, str]:
         "world.p2p": f"{backend} world of 1: p2p loopback",
         "torchrun.gpt": f"torchrun gpt.py ({procs})",
         "torchrun.gpt_pp": f"torchrun gpt_pp.py ({procs})",
+        "compile.gpt": f"compiled gpt.py TP x FSDP (2x2) {on}",
+        "compile.torchrun": f"compiled gpt.py under torchrun ({backend})",
         "speed.dispatch": f"speed: per-op dispatch, {backend} rank",
         "speed.training": f"speed: training steps {on}",
     }
@@ -126,7 +131,7 @@ def _emit(key: str, status: str, detail: str, data: dict[str, Any], seconds: flo
 
 
 # --- the parent: every check in a process of its own ------------------------------------------
-PARALLEL = ("conformance", "examples", "world", "torchrun")
+PARALLEL = ("conformance", "examples", "world", "torchrun", "compile")
 """The correctness checks, run side by side; ``speed`` runs alone afterwards, so that
 nothing shares the machine with its timings (at ``--size small``, whose timings are
 too short to keep, it runs beside them)."""

@@ -13,6 +13,10 @@ check yields its rows as ``(key, run)``, ``run()`` returning ``(ok, detail, data
 - :func:`world`: a world of this one process (:mod:`benchmarks.world_of_one`).
 - :func:`torchrun`: the multi-process examples, one process per GPU on NCCL (two Gloo
   processes on the CPU); skipped with the reason on fewer than two GPUs.
+- :func:`compiled`: ``examples/gpt.py --compile`` (TP x FSDP through
+  ``shardwise.compile_backend``, inductor: Triton kernels on a GPU) on the simulated
+  2x2 mesh on one GPU, and under torchrun as :func:`torchrun` runs it; every loss at
+  parity with torch, no graph break.
 - :func:`speed`: the ``dispatch`` bench section in a world of one process, and the
   training steps of :func:`benchmarks.torchnative.training_steps` beside torch.
 """
@@ -37,8 +41,8 @@ from typing import Any
 import torch
 from torch.overrides import TorchFunctionMode
 
-__all__ = ["CHECKS", "BodiesOnDevice", "conformance", "examples", "speed", "torchrun",
-           "virtual_meshes", "world"]
+__all__ = ["CHECKS", "BodiesOnDevice", "compiled", "conformance", "examples", "speed",
+           "torchrun", "virtual_meshes", "world"]
 
 ROOT = Path(__file__).resolve().parent.parent
 Row = tuple[bool | None, str, dict[str, Any]]
@@ -166,8 +170,15 @@ def _example(main: Callable[[list[str]], int], argv: list[str]) -> Row:
     verdict = next((ln for ln in reversed(lines) if ln.startswith("parity")), "no verdict")
     last = lines[lines.index(verdict) - 1].split() if verdict in lines else []
     diff = f", last step's rel. diff {last[-1]}" if len(last) == 4 else ""
-    detail = f"{verdict}{diff} ({' '.join(argv)})"
+    detail = f"{verdict}{diff}{_compiled_line(text)} ({' '.join(argv)})"
     return code == 0 and verdict == "parity OK", detail, {"output": text[-3000:]}
+
+
+def _compiled_line(text: str) -> str:
+    """``examples/gpt.py --compile``'s summary line (graphs, breaks, first step), as a
+    detail's part; empty for a run without it."""
+    line = next((ln for ln in text.splitlines() if ln.startswith("compiled (")), None)
+    return "" if line is None else "; " + line
 
 
 def world(device: str, size: str) -> Rows:
@@ -209,12 +220,44 @@ def torchrun(device: str, size: str) -> Rows:
     yield "torchrun.gpt_pp", pp.result
 
 
+def compiled(device: str, size: str) -> Rows:
+    """``examples/gpt.py --compile``: on the simulated 2x2 mesh of virtual devices on one
+    GPU, and under torchrun (one process per GPU on NCCL, two Gloo processes on the
+    CPU; skipped with the reason on fewer than two GPUs). Inductor, except in the small
+    run on the CPU (the test suite's), where ``aot_eager`` traces the same graphs
+    without compiling their C++ (the suite compiles the example with inductor
+    itself)."""
+    from benchmarks.common import example_gpt
+
+    small = size == SMALL
+    how = "aot_eager" if device == "cpu" and small else "inductor"
+    cuda = device == "cuda"
+    rtol = ["--rtol", "1e-3"] if cuda else []
+    sizes = ["--steps", "2", "--layers", "1"] if small else ["--steps", "4"]
+    gpus = torch.cuda.device_count() if cuda else 0
+    launched = None
+    if not cuda or gpus >= 2:  # (started first: it runs while the simulated row does)
+        n = gpus - gpus % 2 if cuda else 2
+        launched = _Torchrun(n, ["examples/gpt.py", "--device", device, *sizes,
+                                 "--compile", how, *rtol], compiled=True)
+    yield "compile.gpt", lambda: _example(example_gpt().main, [
+        "--device", device, "--devices-per-gpu", "4", *rtol, "--mesh", "2x2", *sizes,
+        "--compile", how])
+    if launched is None:
+        why = (f"{gpus} GPU visible: NCCL runs one process per GPU (it refuses two ranks "
+               "on one GPU); this run needs 2 or more")
+        yield "compile.torchrun", lambda: (None, why, {})
+    else:
+        yield "compile.torchrun", launched.result
+
+
 class _Torchrun:
     """``torchrun --nproc-per-node n argv`` started now, in a session of its own (killed
     whole 15 s before the check's budget ends), its output read by a thread (a full pipe
     would stall it while another launch is waited for); :meth:`result` waits for it."""
 
-    def __init__(self, n: int, argv: list[str], env: dict[str, str] | None = None) -> None:
+    def __init__(self, n: int, argv: list[str], env: dict[str, str] | None = None,
+                 compiled: bool = False) -> None:
         from benchmarks.common import free_port
         from benchmarks.gpu_check import BUDGET_ENV
 
@@ -224,6 +267,7 @@ class _Torchrun:
         self.shown = " ".join([*(f"{k}={v}" for k, v in (env or {}).items()), "torchrun",
                                "--nproc-per-node", str(n), *argv])
         self.n, self.limit_s, self.start = n, limit_s, time.monotonic()
+        self.compiled = compiled  # (the run must also report its graphs: no break)
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(n),
                "--master-port", str(free_port()), *argv]
         self.proc = subprocess.Popen(
@@ -247,8 +291,10 @@ class _Torchrun:
         if self.got is None:
             return False, f"did not finish within {self.limit_s:.0f} s (killed)", {}
         out, err, took = self.got
-        if self.proc.returncode == 0 and out.count("parity OK") == 1:
-            return True, f"parity OK on {self.n} processes ({self.shown})", {
+        summary = _compiled_line(out)
+        if (self.proc.returncode == 0 and out.count("parity OK") == 1
+                and (not self.compiled or " 0 graph breaks" in summary)):
+            return True, f"parity OK on {self.n} processes{summary} ({self.shown})", {
                 "output": out[-2000:], "seconds": took}
         tail = [ln for ln in err.splitlines() if ln.strip()][-1:] or ["no error output"]
         return False, f"exit {self.proc.returncode}: {tail[0][:200]} ({self.shown})", {
@@ -318,5 +364,5 @@ def _short(row: dict[str, Any]) -> str:
 
 CHECKS: dict[str, Callable[[str, str], Rows]] = {
     "conformance": conformance, "examples": examples, "world": world,
-    "torchrun": torchrun, "speed": speed}
+    "torchrun": torchrun, "compile": compiled, "speed": speed}
 """Each check by name, in the order the run takes them."""

@@ -222,6 +222,7 @@ def main(argv: list[str] | None = None) -> int:
     import argparse
     import contextlib
     import copy
+    import time
 
     import shardwise as sw
     from shardwise import PlacementMapping, Replicated, Sharded
@@ -245,6 +246,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--cp-method", default="ring", choices=("ring", "alltoall"))
     p.add_argument("--save", metavar="DIR", help="save model + optimizer + step at the end")
     p.add_argument("--resume", metavar="DIR", help="resume from a --save (any mesh)")
+    p.add_argument("--compile", nargs="?", const="inductor", default=None,
+                   choices=("inductor", "aot_eager"),
+                   help="torch.compile the model (shardwise.compile_backend, inductor by "
+                        "default): one graph per step's forward and backward, collectives "
+                        "inside")
     device_flags(p)
     args = p.parse_args(argv)
     multi = maybe_initialize(backend="gloo" if args.device == "cpu" else "nccl")
@@ -290,6 +296,16 @@ def main(argv: list[str] | None = None) -> int:
         # the model's own position ids (natural order) meet the batch in its order
         return region.shard(ids, 1, data), region.shard(targets, 1, data)
 
+    forward: Any = model
+    if args.compile:
+        from torch import _dynamo
+        from torch._dynamo.utils import counters
+
+        _dynamo.reset()
+        counters.clear()
+        forward = torch.compile(model, backend=sw.compile_backend(args.compile),
+                                dynamic=False)
+
     def reference_step(step: int) -> float:
         ids, targets = (t.to(dev) for t in batch(cfg, args.batch, step))
         loss = reference(ids, targets)
@@ -309,21 +325,31 @@ def main(argv: list[str] | None = None) -> int:
     bar, advance = _progress(args.steps - start)
     if bar is not None:
         bar.start()
+    first_s = 0.0
     try:
         for step in range(start, args.steps):
             ids, targets = (t.to(dev) for t in batch(cfg, args.batch, step))
-            with CommCounter() as counter, loss_parallel(), region or contextlib.nullcontext():
-                loss = model(*inputs(ids, targets))
+            # (compiled, the collectives run inside the graphs, where no counter sees them)
+            counting = contextlib.nullcontext() if args.compile else CommCounter()
+            t0 = time.perf_counter()
+            with counting as counter, loss_parallel(), region or contextlib.nullcontext():
+                loss = forward(*inputs(ids, targets))
                 loss.backward()
             opt.step()
             opt.zero_grad()
             got, want = loss.item(), reference_step(step)
+            if step == start:
+                first_s = time.perf_counter() - t0
             rows.append((step, got, want))
             comm = counter
             advance(got)
     finally:
         if bar is not None:
             bar.stop()
+    if args.compile:
+        breaks = sum(counters["graph_break"].values())
+        _say(f"compiled ({args.compile}): {counters['stats']['unique_graphs']} graphs, "
+             f"{breaks} graph breaks, first step {first_s:.1f} s")
     if comm is not None:
         _say(f"collectives per step: forward {dict(comm.counts)} "
              f"({sum(comm.bytes.values()) / 1024:.1f} KiB/device), backward "
@@ -333,6 +359,9 @@ def main(argv: list[str] | None = None) -> int:
         sw.checkpoint.save_train_state(args.save, model, opt, step=args.steps)
         _say(f"saved step {args.steps} to {args.save}")
     ok = parity(rows, args.rtol)
+    if args.compile and breaks:
+        _say(f"compile FAILED: {dict(counters['graph_break'])}")
+        ok = False
     if multi:
         shutdown()
     return 0 if ok else 1

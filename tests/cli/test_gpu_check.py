@@ -53,7 +53,8 @@ def test_the_cpu_run_passes_every_row(tmp_path: Path) -> None:
     assert "parity OK on 2 processes" in out and "p2p loopback" in out
     assert "per-op dispatch, process runtime: 1 Gloo ranks" in out   # the speed tables
     assert "training steps (median ms" in out
-    assert "11 passed, 0 failed, 0 skipped in" in out and str(tmp_path) in out
+    assert "13 passed, 0 failed, 0 skipped in" in out and str(tmp_path) in out
+    assert out.count("compiled (aot_eager): 1 graphs, 0 graph breaks") == 2
     dispatch = next(r for r in rows if r["key"] == "speed.dispatch")["data"]["dispatch"]
     assert [r["op"] for r in dispatch["rows"]] == ["gelu", "add", "linear"]
 

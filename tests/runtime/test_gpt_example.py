@@ -42,3 +42,25 @@ def test_unchanged_under_torchrun() -> None:
     assert out.returncode == 0, out.stderr[-3000:]
     assert "DeviceMesh(dp=2, tp=2) (torch.distributed, 4 processes)" in out.stdout
     assert out.stdout.count("parity OK") == 1  # only process 0 prints
+
+
+def test_compiled_with_context_parallel_on_the_simulated_mesh() -> None:
+    """``--compile`` on its first call under context parallel (the sequence in head-tail
+    order): one graph, no break, at parity. The first reorder index used to be made
+    and cached while Dynamo traced on fake tensors, and the next call met it."""
+    out = run_bounded([sys.executable, str(GPT), "--cp", "2", "--steps", "3",
+                       "--compile", "aot_eager"], LIMIT_S)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "DeviceMesh(dp=2, cp=2, tp=2) (simulated)" in out.stdout
+    assert "compiled (aot_eager): 1 graphs, 0 graph breaks" in out.stdout
+    assert "parity OK" in out.stdout
+
+
+def test_compiled_with_inductor_under_torchrun() -> None:
+    torchrun = str(Path(sys.executable).with_name("torchrun"))
+    out = run_bounded([torchrun, "--nproc-per-node", "2", "--master-port", str(free_port()),
+                       str(GPT), "--steps", "3", "--layers", "1", "--compile"], LIMIT_S)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "DeviceMesh(dp=2, tp=1) (torch.distributed, 2 processes)" in out.stdout
+    assert out.stdout.count("compiled (inductor): 1 graphs, 0 graph breaks") == 1
+    assert out.stdout.count("parity OK") == 1
