@@ -5,6 +5,7 @@ equal eager shardwise's, and what the forward graph holds."""
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import torch
@@ -191,10 +192,20 @@ def body_fsdp_and_loss_parallel(n: int) -> None:
     # a module's hooks as frames beside its forward); on processes the compiled graph
     # sums the gradient's shares in bf16 where eager sums them in reduce_dtype: equal
     # within a few bf16 ulps
+    # (and says so, once per unit, with a warning when the graph compiles)
     bf16 = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    _compiled_equals_eager(lambda: fully_shard(_copy(base), mesh, mp_policy=bf16),
-                           lambda step: (x + step,), lambda ps: torch.optim.SGD(ps, lr=0.1),
-                           graphs=2, rtol=1 / 64, atol=1 / 16)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        _compiled_equals_eager(lambda: fully_shard(_copy(base), mesh, mp_policy=bf16),
+                               lambda step: (x + step,),
+                               lambda ps: torch.optim.SGD(ps, lr=0.1),
+                               graphs=2, rtol=1 / 64, atol=1 / 16)
+    said = [str(w.message) for w in seen if "sums the gradients' shares" in str(w.message)]
+    if torch.distributed.is_initialized():
+        # (two units were built, eager's and the compiled one's: both are still alive)
+        assert len(said) == 2 and "not in reduce_dtype (torch.float32)" in said[0], said
+    else:  # the simulated mesh reduces whole values: compiled equals eager exactly
+        assert not said, said
     head, tp = Head(), DeviceMesh.cpu(n, "tp")
     y, target = torch.randn(6, 8), torch.randint(0, 16, (6,))
     _compiled_equals_eager(

@@ -34,6 +34,7 @@ from shardwise.ops.fallbacks import is_strict
 from shardwise.sharding.errors import ShardingError
 from shardwise.tensors.symbolic import is_symbolic, static
 from shardwise.tensors.tensor import Tensor
+from shardwise.tensors.traced import ON_COMPILE
 
 __all__ = ["compile_backend"]
 
@@ -205,6 +206,8 @@ def compile_backend(inner: str | Callable[..., Any] = "inductor") -> Callable[..
                 return gm(*args)  # (strict mode ended: the graph runs, uncompiled)
 
             return refuse
+        for check in ON_COMPILE:
+            check()
         flat_examples, in_specs = _take_apart(example_inputs)
         in_specs = _traced_sizes(gm, in_specs)
         out_specs: list[tuple[bool, list[Spec]]] = []

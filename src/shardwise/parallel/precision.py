@@ -11,11 +11,16 @@ Invariants:
 - Under ``torch.compile`` a unit's hooks are :func:`compiled_hooks` (Dynamo traces this
   module): the parameters' casts are graph ops on the sharded parameters, each op
   gathering as it needs; the cast's backward brings gradients back to the
-  parameter's dtype.
+  parameter's dtype. On processes the graph sums the gradients' shares in
+  ``param_dtype`` (the relayout's backward, before the cast's): a unit whose
+  ``reduce_dtype`` differs says so once, with a warning, when a graph is compiled
+  (:func:`warn_reduce_in_graph`).
 """
 
 from __future__ import annotations
 
+import warnings
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -25,8 +30,13 @@ import torch.nn as nn
 
 from shardwise.sharding.errors import ShardingTypeError
 from shardwise.tensors.tensor import Tensor
+from shardwise.tensors.traced import ON_COMPILE
 
-__all__ = ["MixedPrecisionPolicy", "cast_floating", "compiled_hooks"]
+__all__ = ["MixedPrecisionPolicy", "cast_floating", "compiled_hooks", "warn_reduce_in_graph"]
+
+#: units whose policy reduces in another dtype than it computes in, on a process mesh
+#: (compiled, their gradients are summed in param_dtype), until each has been warned of
+_REDUCE_APART: weakref.WeakSet[Any] = weakref.WeakSet()
 
 
 @dataclass(frozen=True, slots=True)
@@ -99,6 +109,11 @@ def compiled_hooks(unit: Any) -> tuple[Callable[..., Any], Callable[..., Any]]:
     torch.float64
     """
 
+    policy = unit.policy
+    if (policy.reduce_dtype is not None and policy.param_dtype is not None
+            and policy.reduce_dtype != policy.param_dtype and not unit.local):
+        _REDUCE_APART.add(unit)
+
     def before(module: nn.Module, args: Any, kwargs: Any) -> Any:
         policy = unit.policy
         dtype = policy.param_dtype
@@ -119,3 +134,25 @@ def compiled_hooks(unit: Any) -> tuple[Callable[..., Any], Callable[..., Any]]:
         return cast_floating(output, unit.policy.output_dtype)
 
     return before, after
+
+
+def warn_reduce_in_graph() -> None:
+    """Warn once per ``fully_shard`` unit on a process mesh whose ``reduce_dtype``
+    differs from its ``param_dtype``: compiled, its gradients' shares are summed in
+    ``param_dtype`` (run by ``shardwise.compile_backend`` when it compiles a graph).
+
+    >>> warn_reduce_in_graph()  # (no such unit)
+    """
+    for unit in list(_REDUCE_APART):
+        _REDUCE_APART.discard(unit)
+        policy = unit.policy
+        warnings.warn(
+            f"fully_shard(mp_policy={policy}) on {unit.mesh!r} under torch.compile: the "
+            f"compiled graph sums the gradients' shares over the FSDP axis in param_dtype "
+            f"({policy.param_dtype}), not in reduce_dtype ({policy.reduce_dtype}) as eager "
+            "code does (gradients differ by a few ulps of param_dtype). Run the step "
+            "eagerly where reduce_dtype matters, or pass reduce_dtype=None to accept the "
+            "graph's reduction.", UserWarning, stacklevel=3)
+
+
+ON_COMPILE.append(warn_reduce_in_graph)

@@ -30,7 +30,11 @@ from shardwise.sharding.layout import Layout
 from shardwise.sharding.mesh import DeviceMesh
 from shardwise.sharding.placements import Partial, Replicated, Sharded
 
-__all__ = ["eager_only", "traced"]
+__all__ = ["ON_COMPILE", "eager_only", "traced"]
+
+#: called (untraced) by ``shardwise.compile_backend`` each time it compiles a graph:
+#: checks of upper floors that warn where compiled code will differ from eager code
+ON_COMPILE: list[Callable[[], None]] = []
 
 class _Traced:
     """A shardwise function that enters Dynamo's graph as one node."""
