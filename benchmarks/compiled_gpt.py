@@ -1,6 +1,6 @@
 """The compile section's simulated-mesh row (issue 37 item 3): the GPT example at D=256
-trained with its TP x FSDP plan on ``DeviceMesh.cpu((2, 2))``, compiled through
-``shardwise.compile_backend()`` (inductor), beside the same model on one device
+trained with its TP x FSDP plan on ``DeviceMesh.cpu((2, 2))``, compiled by
+``torch.compile(model)`` (inductor; shardwise routes it to ``compile_backend``), beside the same model on one device
 compiled by torch; the target is at most 1.2x compiled single-device torch.
 
 - The step: forward, the loss (``loss_parallel`` for shardwise), backward, AdamW's
@@ -53,7 +53,7 @@ def run(repeat: int = 15, dim: int = 256) -> dict[str, Any]:
         xs, ys = sw.tensor(x, sharding=data), sw.tensor(y, sharding=data)
         torch._dynamo.reset()
         counters.clear()
-        ours = torch.compile(model, backend=sw.compile_backend(), dynamic=False)
+        ours = torch.compile(model, dynamic=False)  # (torch's inductor: routed for shardwise)
         theirs = torch.compile(ref, dynamic=False)
 
         def step(m: Any, o: Any, a: Any, b: Any, scope: Any) -> Any:

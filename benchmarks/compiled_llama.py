@@ -7,8 +7,9 @@ training step, on Gloo ranks (and shardwise alone on the simulated mesh).
   over every rank (q/k/v/gate/up Colwise, o/down Rowwise): shardwise's
   ``parallelize_module`` beside torch's DTensor one, the same plan.
 - Cases: ``forward`` (logits, ``no_grad``) and ``train`` (forward, cross-entropy,
-  backward, gradients cleared), each ``eager`` and ``compiled`` (inductor; shardwise
-  through ``shardwise.compile_backend()``, DTensor through torch's own backend).
+  backward, gradients cleared), each ``eager`` and ``compiled`` (``torch.compile(model,
+  dynamic=False)``, inductor, for both: shardwise routes torch's backend to
+  ``shardwise.compile_backend`` for its graphs).
 - Per case: the median and min over ranks' max (:func:`benchmarks.common.dist_time`),
   the graph breaks and frames Dynamo compiled, and the first call's seconds.
 """
@@ -122,7 +123,6 @@ def rank_body(args: argparse.Namespace) -> dict[str, Any]:
     each per round), so that the shared machine's load hits both libraries alike."""
     import torch.distributed as dist
 
-    import shardwise as sw
     from benchmarks.common import dist_time
     from shardwise import DeviceMesh
 
@@ -137,7 +137,7 @@ def rank_body(args: argparse.Namespace) -> dict[str, Any]:
             compiled = torch.compile(model, dynamic=False)
         else:
             model = _shardwise(ref, DeviceMesh.cpu(world, "tp"))
-            compiled = torch.compile(model, backend=sw.compile_backend(), dynamic=False)
+            compiled = torch.compile(model, dynamic=False)  # (inductor, as for DTensor)
         cases = _cases(model, compiled, ids, labels)
         out[lib] = _warm(cases)
         every.update({f"{lib}|{k}": v for k, v in cases.items()})
@@ -150,7 +150,6 @@ def rank_body(args: argparse.Namespace) -> dict[str, Any]:
 
 def simulated(repeat: int) -> dict[str, Any]:
     """shardwise's cases on ``DeviceMesh.cpu(2, 'tp')`` in this process."""
-    import shardwise as sw
     from benchmarks.timing import interleave
     from shardwise import DeviceMesh
 
@@ -159,7 +158,7 @@ def simulated(repeat: int) -> dict[str, Any]:
     try:
         ref, ids, labels = _reference()
         model = _shardwise(ref, DeviceMesh.cpu(2, "tp"))
-        compiled = torch.compile(model, backend=sw.compile_backend(), dynamic=False)
+        compiled = torch.compile(model, dynamic=False)
         cases = _cases(model, compiled, ids, labels)
         warm = _warm(cases)
         t = interleave(cases, repeat, clock=time.process_time)

@@ -13,8 +13,8 @@ check yields its rows as ``(key, run)``, ``run()`` returning ``(ok, detail, data
 - :func:`world`: a world of this one process (:mod:`benchmarks.world_of_one`).
 - :func:`torchrun`: the multi-process examples, one process per GPU on NCCL (two Gloo
   processes on the CPU); skipped with the reason on fewer than two GPUs.
-- :func:`compiled`: ``examples/gpt.py --compile`` (TP x FSDP through
-  ``shardwise.compile_backend``, inductor: Triton kernels on a GPU) on the simulated
+- :func:`compiled`: ``examples/gpt.py --compile`` (TP x FSDP under
+  ``torch.compile(model)``, inductor: Triton kernels on a GPU) on the simulated
   2x2 mesh on one GPU, and under torchrun as :func:`torchrun` runs it; every loss at
   parity with torch, no graph break.
 - :func:`speed`: the ``dispatch`` bench section in a world of one process, and the

@@ -248,9 +248,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--resume", metavar="DIR", help="resume from a --save (any mesh)")
     p.add_argument("--compile", nargs="?", const="inductor", default=None,
                    choices=("inductor", "aot_eager"),
-                   help="torch.compile the model (shardwise.compile_backend, inductor by "
-                        "default): one graph per step's forward and backward, collectives "
-                        "inside")
+                   help="torch.compile the model (inductor by default): one graph per "
+                        "step's forward and backward, collectives inside")
     device_flags(p)
     args = p.parse_args(argv)
     multi = maybe_initialize(backend="gloo" if args.device == "cpu" else "nccl")
@@ -303,8 +302,8 @@ def main(argv: list[str] | None = None) -> int:
 
         _dynamo.reset()
         counters.clear()
-        forward = torch.compile(model, backend=sw.compile_backend(args.compile),
-                                dynamic=False)
+        # (torch's own backends: shardwise compiles a graph of its Tensors for them)
+        forward = torch.compile(model, backend=args.compile, dynamic=False)
 
     def reference_step(step: int) -> float:
         ids, targets = (t.to(dev) for t in batch(cfg, args.batch, step))

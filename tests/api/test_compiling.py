@@ -66,10 +66,41 @@ def _operands() -> tuple[sw.Tensor, sw.Tensor]:
     return x, w.requires_grad_()
 
 
-def test_torch_backends_refuse_to_differentiate_and_name_the_fix() -> None:
+def _linear_sum(x: Any, w: Any) -> Any:
+    return torch.nn.functional.linear(x, w).sum()
+
+
+@pytest.mark.parametrize("backend", ["inductor", "aot_eager"])
+def test_torch_compile_with_torchs_own_backends_trains(backend: str) -> None:
+    """``torch.compile(f)`` (inductor, the default) and ``backend="aot_eager"`` compile
+    a graph of shardwise Tensors as ``compile_backend`` does: values and gradients equal
+    eager, one graph, no break; a graph of plain tensors still goes to torch's backend
+    (its compiled code is torch's own)."""
     x, w = _operands()
-    f = torch.compile(lambda x, w: torch.nn.functional.linear(x, w).sum(), backend="aot_eager",
-                      dynamic=False)
+    want = _linear_sum(x, w)
+    want.backward()
+    grad, w.grad = w.grad.to_torch(), None
+    torch._dynamo.reset()
+    counters.clear()
+    f = torch.compile(_linear_sum, backend=backend, dynamic=False)
+    for _ in range(3):
+        got = f(x, w)
+        got.backward()
+        torch.testing.assert_close(got.to_torch(), want.to_torch())
+        torch.testing.assert_close(w.grad.to_torch(), grad)
+        w.grad = None
+    assert not counters["graph_break"] and counters["stats"]["unique_graphs"] == 1
+    plain = torch.compile(lambda a: (a * 2).sum(), backend=backend, dynamic=False)
+    assert plain(torch.ones(3)).item() == 6.0
+
+
+def test_other_aot_backends_refuse_to_differentiate_and_name_the_fix() -> None:
+    from functorch.compile import make_boxed_func
+    from torch._dynamo.backends.common import aot_autograd
+
+    x, w = _operands()
+    own = aot_autograd(fw_compiler=lambda gm, _: make_boxed_func(gm))  # a user's own backend
+    f = torch.compile(_linear_sum, backend=own, dynamic=False)
     with pytest.raises(TorchDynamoException, match=re.escape("backend=shardwise.compile_backend")):
         f(x, w)
     with torch.no_grad():  # nothing to differentiate: torch's own AOTAutograd is enough

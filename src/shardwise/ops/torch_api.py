@@ -71,6 +71,7 @@ from shardwise.ops import (
     spectral,
     views,
 )
+from shardwise.ops import compiling as _compiling  # noqa: F401  (routes torch's backends)
 from shardwise.ops.registry import ShardwiseFallbackWarning, fallback, register, write_out
 from shardwise.tensors.tensor import FALLBACK, WRITE_OUT
 

@@ -9,7 +9,7 @@ Invariants:
   the Tensor around the buffers.
 - Dynamo records torch functions on a Tensor as graph nodes, their example values
   computed by :meth:`CompiledMixin.compiled_route` on fake buffers; AOTAutograd, given
-  the graph on the buffers (:mod:`shardwise.api.compiling`), runs the same routing on
+  the graph on the buffers (:mod:`shardwise.ops.compiling`), runs the same routing on
   them, so the compiled graph holds the local ops and functional collectives.
 - A Tensor that is an op's result enters a compiled frame with its autograd history on
   its faked buffers, where torch's fake conversion puts it on the wrapper
