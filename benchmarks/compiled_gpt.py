@@ -1,7 +1,8 @@
 """The compile section's simulated-mesh row (issue 37 item 3): the GPT example at D=256
 trained with its TP x FSDP plan on ``DeviceMesh.cpu((2, 2))``, compiled by
-``torch.compile(model)`` (inductor; shardwise routes it to ``compile_backend``), beside the same model on one device
-compiled by torch; the target is at most 1.2x compiled single-device torch.
+``torch.compile(model)`` (inductor; shardwise routes it to ``compile_backend``), beside
+the same model on one device compiled by torch; the target is at most 1.2x compiled
+single-device torch.
 
 - The step: forward, the loss (``loss_parallel`` for shardwise), backward, AdamW's
   step and ``zero_grad``, on a batch of 8 sequences Sharded over ``dp``. AdamW is
