@@ -36,7 +36,7 @@ from shardwise.parallel import replicas
 from shardwise.parallel.fsdp_unit import UNIT, Param, Unit, sharded_layout
 from shardwise.parallel.hf import gather_on_save
 from shardwise.parallel.precision import MixedPrecisionPolicy, cast_floating, compiled_hooks
-from shardwise.runtime import backend_for, position
+from shardwise.runtime import holds_whole, position
 from shardwise.sharding.errors import ShardingError, ShardingTypeError
 from shardwise.sharding.layout import Layout
 from shardwise.sharding.mesh import DeviceMesh
@@ -199,7 +199,7 @@ def _shard(p: torch.Tensor, name: str, mesh: DeviceMesh, axis: int) -> Param:
             f"{axis_name!r}. Give it shape (1,), or move it out of the module.")
     target, dim = sharded_layout(here, axis, tuple(p.shape))
     with torch.no_grad():
-        if len(backend_for(mesh).owned(mesh)) == mesh.num_devices:
+        if holds_whole(mesh):
             # a mesh this process holds wholly: the parameter keeps its global value
             # (blocks cut from it as views), so its gathers are copies of it and the
             # optimizer's ops run once on it, not once per block

@@ -30,7 +30,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from shardwise.runtime import backend_for
+from shardwise.runtime import holds_whole
 from shardwise.runtime.position import issuing
 from shardwise.sharding.errors import ShardingError, ShardingTypeError
 from shardwise.sharding.layout import Layout, normalize_dim
@@ -198,7 +198,7 @@ def shard_parameter(module: nn.Module, name: str, mesh: DeviceMesh, axis: int,
     value = place_on(p.detach(), mesh, axis, placement, Replicated(),
                      where=f"parameter {name!r}")
     home = value.mesh
-    if len(backend_for(home).owned(home)) < home.num_devices:
+    if not holds_whole(home):
         # blocks cut from the global value are views of it: a copy of each (contiguous)
         # lets the global value go, so a process keeps its blocks only (as DTensor's
         # distribute_tensor does); a mesh held wholly keeps the one global value

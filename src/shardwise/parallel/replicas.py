@@ -30,7 +30,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from shardwise.runtime import backend_for, world_backend
+from shardwise.runtime import backend_for, holds_whole, world_backend
 from shardwise.sharding.errors import CollectiveError, ShardingTypeError
 from shardwise.sharding.mesh import DeviceMesh
 from shardwise.tensors.tensor import Tensor
@@ -214,7 +214,7 @@ def _check(items: list[tuple[str, Any]], step: int | None) -> None:
     table: list[dict[int, int]] = [
         {k: _crc(b) for k, b in enumerate(blocks) if b is not None}
         for _, _, _, blocks in checked]
-    multi = any(not _local(mesh) for _, mesh, _, _ in checked)
+    multi = any(not holds_whole(mesh) for _, mesh, _, _ in checked)
     if multi:
         table = _exchange(checked, table)
     problems = []
@@ -233,9 +233,6 @@ def _check(items: list[tuple[str, Any]], step: int | None) -> None:
             "the data-parallel axis instead of feeding ranks different data), and look "
             "for rank-dependent code before this step.")
 
-
-def _local(mesh: DeviceMesh) -> bool:
-    return len(backend_for(mesh).owned(mesh)) == mesh.num_devices
 
 
 def _exchange(checked: list[Any], table: list[dict[int, int]]) -> list[dict[int, int]]:

@@ -24,7 +24,7 @@ from typing import Any, Protocol
 import torch
 import torch.utils._pytree as pytree
 
-from shardwise.runtime import backend_for
+from shardwise.runtime import holds_whole
 from shardwise.sharding.errors import ShardingError
 from shardwise.sharding.mesh import DeviceMesh
 from shardwise.tensors.tensor import Tensor, rehome
@@ -92,7 +92,7 @@ def transport_for(meshes: list[DeviceMesh]) -> Transport:
     """The transport for stages on ``meshes`` (one per stage): :class:`SimTransport`
     where this process holds every stage's devices (the simulated mesh), else the
     process backend's point-to-point transport."""
-    if all(len(backend_for(m).owned(m)) == m.num_devices for m in meshes):
+    if all(holds_whole(m) for m in meshes):
         return SimTransport(meshes)
     from shardwise.pipelining import transport_process
 

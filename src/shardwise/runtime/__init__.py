@@ -41,7 +41,7 @@ if TYPE_CHECKING:
     from shardwise.propagation.decide import Decision
 
 __all__ = ["Backend", "Decided", "GradOwner", "Link", "SpmdOutputs", "backend_for",
-           "check_reduce", "world_backend", "world_started"]
+           "check_reduce", "holds_whole", "world_backend", "world_started"]
 
 
 class Decided(Protocol):
@@ -257,6 +257,16 @@ def backend_for(mesh: DeviceMesh) -> Backend:
     if mesh in groups.WORLD.checked or groups.process_mesh(mesh):
         return _LOADED.get("process.backend") or _module("process.backend")
     return _module("simulated.backend")
+
+
+def holds_whole(mesh: DeviceMesh) -> bool:
+    """Whether this process holds every device of ``mesh`` (the simulated mesh; a world
+    of one process for a one-device mesh), so that values on it may stay whole.
+
+    >>> holds_whole(DeviceMesh.cpu(2, "x"))
+    True
+    """
+    return len(backend_for(mesh).owned(mesh)) == mesh.num_devices
 
 
 def world_started() -> bool:
