@@ -26,6 +26,7 @@ from collections.abc import Callable
 from typing import Any, Protocol, Self, TypeVar
 
 import torch
+from torch._subclasses.fake_tensor import unset_fake_temporarily
 
 from shardwise.runtime.local import Local
 from shardwise.runtime.owner import GradOwner
@@ -157,31 +158,24 @@ def _select(dim: int, index: torch.Tensor, held: torch.Tensor) -> torch.Tensor:
     return held.index_select(dim, index.to(held.device))
 
 
+@functools.lru_cache(maxsize=256)
 def reorder_index(src: SequenceOrder | None, dst: SequenceOrder | None, size: int
                   ) -> torch.Tensor:
     """The ``index_select`` index that takes a dim of ``size`` held in order ``src``
-    to order ``dst`` (None: natural): a real tensor, cached, even when asked while
-    torch.compile traces on fake tensors (a fake index in the cache would reach the
-    next eager call).
+    to order ``dst`` (None: natural): a real tensor (cached), made outside torch's fake
+    mode even when first asked while torch.compile traces on fake tensors (a fake index
+    in the cache would reach the next eager call).
 
     >>> reorder_index(None, SequenceOrder(0, 4, 2), 4).tolist()
     [0, 3, 1, 2]
     >>> reorder_index(SequenceOrder(0, 4, 2), None, 4).tolist()
     [0, 2, 3, 1]
     """
-    from torch._subclasses.fake_tensor import unset_fake_temporarily
-
-    with unset_fake_temporarily():
-        return _reorder_index(src, dst, size)
-
-
-@functools.lru_cache(maxsize=256)
-def _reorder_index(src: SequenceOrder | None, dst: SequenceOrder | None, size: int
-                   ) -> torch.Tensor:
-    want = torch.tensor(dst.positions(size) if dst is not None else range(size),
-                        dtype=torch.long)
-    if src is None:
-        return want
-    where = torch.empty(size, dtype=torch.long)  # natural index -> held index in src
-    where[torch.tensor(src.positions(size), dtype=torch.long)] = torch.arange(size)
-    return where[want]
+    with unset_fake_temporarily():  # (a cache miss only: hits return the real index)
+        want = torch.tensor(dst.positions(size) if dst is not None else range(size),
+                            dtype=torch.long)
+        if src is None:
+            return want
+        where = torch.empty(size, dtype=torch.long)  # natural index -> held index in src
+        where[torch.tensor(src.positions(size), dtype=torch.long)] = torch.arange(size)
+        return where[want]
