@@ -196,19 +196,33 @@ def world(device: str, size: str) -> Rows:
         sd.shutdown()
 
 
+def _processes(device: str) -> tuple[int, str | None]:
+    """How many processes a torchrun of ``examples/gpt.py`` takes on ``device`` (its
+    mesh is 2 x n/2: an even count of GPUs, or two Gloo processes on the CPU), or 0 and
+    why it cannot run."""
+    if device != "cuda":
+        return 2, None
+    gpus = torch.cuda.device_count()
+    if gpus < 2:
+        return 0, (f"{gpus} GPU visible: NCCL runs one process per GPU (it refuses two "
+                   "ranks on one GPU); these runs need 2 or more")
+    return gpus - gpus % 2, None
+
+
+def _skipped(why: str) -> Row:
+    return None, why, {}
+
+
 def torchrun(device: str, size: str) -> Rows:
     """The multi-process examples under torchrun: one process per GPU on NCCL, or two
     Gloo processes on the CPU (the pipeline with NCCL's stream layout forced); both
     launches run side by side."""
     small = size == SMALL
-    gpus = torch.cuda.device_count() if device == "cuda" else 0
-    if device == "cuda" and gpus < 2:
-        why = (f"{gpus} GPU visible: NCCL runs one process per GPU (it refuses two ranks on "
-               "one GPU); these runs need 2 or more")
-        yield "torchrun.gpt", lambda: (None, why, {})
-        yield "torchrun.gpt_pp", lambda: (None, why, {})
+    n, why = _processes(device)
+    if why is not None:
+        yield "torchrun.gpt", functools.partial(_skipped, why)
+        yield "torchrun.gpt_pp", functools.partial(_skipped, why)
         return
-    n = gpus - gpus % 2 if device == "cuda" else 2   # gpt.py's mesh is 2 x n/2
     steps = "2" if small else "5"
     cuda = device == "cuda"
     gpt = _Torchrun(n, ["examples/gpt.py", "--device", device, "--steps", steps,
@@ -234,21 +248,17 @@ def compiled(device: str, size: str) -> Rows:
     cuda = device == "cuda"
     rtol = ["--rtol", "1e-3"] if cuda else []
     sizes = ["--steps", "2", "--layers", "1"] if small else ["--steps", "4"]
-    gpus = torch.cuda.device_count() if cuda else 0
-    launched = None
-    if not cuda or gpus >= 2:  # (started first: it runs while the simulated row does)
-        n = gpus - gpus % 2 if cuda else 2
-        launched = _Torchrun(n, ["examples/gpt.py", "--device", device, *sizes,
-                                 "--compile", how, *rtol], compiled=True)
+    n, why = _processes(device)
+    row: Callable[[], Row]
+    if why is None:  # (started first: it runs while the simulated row does)
+        row = _Torchrun(n, ["examples/gpt.py", "--device", device, *sizes, "--compile",
+                            how, *rtol], compiled=True).result
+    else:
+        row = functools.partial(_skipped, why)
     yield "compile.gpt", lambda: _example(example_gpt().main, [
         "--device", device, "--devices-per-gpu", "4", *rtol, "--mesh", "2x2", *sizes,
         "--compile", how])
-    if launched is None:
-        why = (f"{gpus} GPU visible: NCCL runs one process per GPU (it refuses two ranks "
-               "on one GPU); this run needs 2 or more")
-        yield "compile.torchrun", lambda: (None, why, {})
-    else:
-        yield "compile.torchrun", launched.result
+    yield "compile.torchrun", row
 
 
 class _Torchrun:
